@@ -1,0 +1,30 @@
+"""fp4cache: an NVFP4 KV cache for LLM attention on any CuPy GPU, bit-exact on NumPy.
+
+NVFP4 stores each value as a 4-bit E2M1 code, with one E4M3 scale per 16 values and a
+float32 global scale: 72 bytes per (token, head) for ``head_dim=128`` instead of 256 in
+bfloat16.  The byte layouts match vLLM's ``reshape_and_cache_nvfp4`` (paged cache) and
+LongLive's ``dequantize_kv_cache_fp4`` (blocked cache).
+
+Main entry points: :class:`PagedKVCache`, :func:`quantize`, :func:`dequantize` and the
+:mod:`fp4cache.longlive` module.
+"""
+
+from . import formats, layout, longlive
+from ._arrays import gpu_available
+from .cache import PagedKVCache
+from .codec import dequantize, quantize
+from .layout import PageGeometry
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "PagedKVCache",
+    "PageGeometry",
+    "quantize",
+    "dequantize",
+    "gpu_available",
+    "formats",
+    "layout",
+    "longlive",
+    "__version__",
+]

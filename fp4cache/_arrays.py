@@ -1,0 +1,150 @@
+"""Array plumbing: which backend an array lives on, DLPack intake, argument checks.
+
+The checks here raise the exceptions described in ``docs/errors.md``: ``TypeError`` for a
+wrong kind of array or dtype, ``ValueError`` for a wrong shape or value, ``IndexError``
+for slots or block ids outside the pool.  Each message names the parameter, what was
+expected and what was given.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from typing import Any
+
+import numpy as np
+
+from .formats import resolve_dtype
+
+__all__ = [
+    "gpu_available",
+    "is_cupy",
+    "backend_of",
+    "to_backend",
+    "check_index_array",
+    "check_values",
+    "check_scale",
+    "check_out",
+]
+
+
+@functools.lru_cache(maxsize=1)
+def gpu_available() -> bool:
+    """True when CuPy imports and sees at least one CUDA device."""
+    try:
+        import cupy
+
+        return cupy.cuda.runtime.getDeviceCount() > 0
+    except Exception:  # ImportError, no driver, no device: all mean "no GPU"
+        return False
+
+
+def is_cupy(a: Any) -> bool:
+    """True for a ``cupy.ndarray`` (checked without importing CuPy)."""
+    return type(a).__module__.split(".")[0] == "cupy"
+
+
+def backend_of(a: Any) -> str:
+    """``"cuda"`` for CuPy arrays and GPU DLPack producers, else ``"cpu"``."""
+    if is_cupy(a):
+        return "cuda"
+    if isinstance(a, np.ndarray):
+        return "cpu"
+    dev = getattr(a, "__dlpack_device__", None)
+    if dev is not None:
+        try:
+            return "cpu" if int(dev()[0]) == 1 else "cuda"
+        except Exception:
+            return "cpu"
+    return "cpu"
+
+
+def to_backend(a: Any, backend: str, name: str, *, allow_convert: bool = False):
+    """Return ``a`` as an array of ``backend`` (``"cpu"`` NumPy or ``"cuda"`` CuPy).
+
+    Arrays from other libraries come in through DLPack (zero copy).  An array on the
+    other backend is refused with ``TypeError`` unless ``allow_convert`` is set (the
+    small index arrays are converted; K/V and outputs never are, so that no hidden
+    host-device copy lands on a hot path).
+    """
+    where = backend_of(a)
+    if where != backend and not (allow_convert or isinstance(a, (list, tuple, range))):
+        raise TypeError(
+            f"{name} must be a {'CuPy (GPU)' if backend == 'cuda' else 'NumPy (CPU)'} array "
+            f"for a cache on device={backend!r}, got {type(a).__module__}.{type(a).__name__} "
+            f"on {where!r}"
+            + (" (convert it with cupy.asarray)" if backend == "cuda" else " (use .get())")
+        )
+    if backend == "cpu":
+        if isinstance(a, np.ndarray):
+            return a
+        if is_cupy(a):
+            return a.get()
+        if hasattr(a, "__dlpack__") and not isinstance(a, (list, tuple)):
+            return np.from_dlpack(a)
+        return np.asarray(a)
+    import cupy
+
+    if is_cupy(a):
+        return a
+    if hasattr(a, "__dlpack__") and backend_of(a) == "cuda":
+        return cupy.from_dlpack(a)
+    return cupy.asarray(np.asarray(a))
+
+
+def check_index_array(a, name: str, *, length: int | None = None):
+    """Check a 1-D int32/int64 index array (slot_mapping, blocks)."""
+    if a.dtype not in (np.int32, np.int64):
+        raise TypeError(f"{name} must have dtype int32 or int64, got {a.dtype}")
+    if a.ndim != 1:
+        raise ValueError(f"{name} must be 1-D, got shape {tuple(a.shape)}")
+    if length is not None and a.shape[0] != length:
+        raise ValueError(
+            f"{name} must have one entry per token ({length}), got {a.shape[0]}"
+        )
+    return a
+
+
+def check_values(a, name: str, shape: tuple[int | None, ...]):
+    """Check a bf16/f16/f32 array against ``shape`` (``None`` = any size)."""
+    try:
+        resolve_dtype(a.dtype, name=f"{name}.dtype")
+    except TypeError:
+        raise TypeError(
+            f"{name} must have dtype bfloat16, float16 or float32, got {a.dtype}"
+        ) from None
+    if a.ndim != len(shape):
+        raise ValueError(
+            f"{name} must be {len(shape)}-D {_shape_str(shape)}, got shape {tuple(a.shape)}"
+        )
+    for got, want in zip(a.shape, shape):
+        if want is not None and got != want:
+            raise ValueError(f"{name} must have shape {_shape_str(shape)}, got {tuple(a.shape)}")
+    return a
+
+
+def check_scale(value, name: str) -> np.float32:
+    """A positive, finite float32 scale (its float32 rounding too)."""
+    try:
+        f = float(value)
+    except (TypeError, ValueError):
+        raise TypeError(f"{name} must be a positive finite number, got {value!r}") from None
+    if not math.isfinite(f) or f <= 0 or not np.float32(f) > 0 or not np.isfinite(np.float32(f)):
+        raise ValueError(f"{name} must be a positive finite float32 number, got {value!r}")
+    return np.float32(f)
+
+
+def check_out(out, name: str, shape: tuple[int, ...], dtype, backend: str):
+    """Check a caller-supplied output array: backend, shape, dtype, C-contiguity."""
+    out = to_backend(out, backend, name)
+    if tuple(out.shape) != tuple(shape):
+        raise ValueError(f"{name} must have shape {tuple(shape)}, got {tuple(out.shape)}")
+    if out.dtype != dtype:
+        raise TypeError(f"{name} must have dtype {np.dtype(dtype).name}, got {out.dtype}")
+    if not out.flags.c_contiguous:
+        raise ValueError(f"{name} must be C-contiguous")
+    return out
+
+
+def _shape_str(shape) -> str:
+    return "[" + ", ".join("*" if s is None else str(s) for s in shape) + "]"

@@ -1,0 +1,242 @@
+"""NumPy backend: the bit-exact CPU implementation of the NVFP4 contract.
+
+Every function here follows ``docs/format.md`` operation by operation in float32, so
+that it is the oracle the CUDA kernels are compared against byte for byte.  The
+functions take validated arguments from the front end (``codec``, ``cache``,
+``longlive``) and write into preallocated outputs; see the backend protocol in
+``fp4cache/_cupy_backend.py``, which has the same names and signatures.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from .formats import (
+    C4,
+    C6,
+    E2M1_VALUES,
+    E4M3_NAN,
+    FLT_MAX,
+    e2m1_encode,
+    e4m3_decode,
+    e4m3_encode,
+    float32_to,
+    pack_nibbles,
+    unpack_nibbles,
+)
+from .layout import GROUP, PageGeometry, blocked_scale_offset
+
+_F32 = np.float32
+_ZERO = _F32(0.0)
+_ONE = _F32(1.0)
+
+#: Index of each counter in a cache's ``stats`` array.
+STAT_K_NONFINITE, STAT_V_NONFINITE, STAT_BAD_SLOTS, STAT_BAD_BLOCKS = range(4)
+
+
+# -- one group scope ---------------------------------------------------------------------
+def encode_groups(x: np.ndarray, s, g, rule: str):
+    """Encode groups of 16 float32 values with decode multiplier ``s``, encode ``g``.
+
+    Parameters
+    ----------
+    x : ndarray, float32, shape (n, 16)
+    s, g : float32 scalars or float32 arrays broadcastable to (n,)
+    rule : {"static6", "4over6"}
+
+    Returns
+    -------
+    codes : uint8 (n, 16)
+        E2M1 codes (not yet packed).
+    sf : uint8 (n,)
+        E4M3 block-scale bytes.
+    nonfinite : bool (n,)
+        Groups that held a NaN or an infinity (scale 0x7F, codes 0).
+    """
+    x = np.asarray(x, dtype=_F32)
+    s = np.asarray(s, dtype=_F32)
+    g = np.asarray(g, dtype=_F32)
+    nonfinite = ~np.isfinite(x).all(axis=-1)
+    if nonfinite.any():
+        x = np.where(nonfinite[:, None], _ZERO, x)
+    m = np.abs(x).max(axis=-1) if x.shape[0] else np.zeros(0, _F32)
+    candidates = (C6,) if rule == "static6" else (C6, C4)
+    best = None
+    with np.errstate(over="ignore", divide="ignore", invalid="ignore"):
+        for c in candidates:
+            sf = e4m3_encode(g * (m * c))
+            f = e4m3_decode(sf)
+            # os = 0 if f == 0 else min(fl(1/fl(f*s)), FLT_MAX); 1/0 -> inf -> FLT_MAX.
+            os_ = np.where(f == _ZERO, _ZERO, np.minimum(_ONE / (f * s), FLT_MAX))
+            codes = e2m1_encode(x * os_[:, None])
+            if len(candidates) == 1:
+                best = (codes, sf)
+                break
+            xh = (E2M1_VALUES[codes] * f[:, None]) * s[..., None]
+            d = xh - x
+            dd = d * d
+            err = np.zeros(x.shape[0], _F32)
+            for i in range(GROUP):  # sequential float32 sum, i = 0..15
+                err = err + dd[:, i]
+            if best is None:
+                best = (codes, sf, err)
+            else:
+                use4 = err < best[2]
+                best = (
+                    np.where(use4[:, None], codes, best[0]),
+                    np.where(use4, sf, best[1]),
+                )
+    codes, sf = best[0], best[1]
+    if nonfinite.any():
+        codes = np.where(nonfinite[:, None], np.uint8(0), codes)
+        sf = np.where(nonfinite, np.uint8(E4M3_NAN), sf)
+    return codes.astype(np.uint8), sf.astype(np.uint8), nonfinite
+
+
+def decode_groups(codes_or_data: np.ndarray, sf: np.ndarray, s, *, packed: bool = True):
+    """float32 values ``fl(fl(e2m1 * float(sf)) * s)`` of groups.
+
+    ``codes_or_data`` is ``[..., 8]`` packed bytes (``packed=True``) or ``[..., 16]``
+    codes; ``sf`` is ``[...]`` E4M3 bytes; ``s`` broadcasts against ``sf``.
+    """
+    codes = unpack_nibbles(codes_or_data) if packed else np.asarray(codes_or_data)
+    f = e4m3_decode(sf)
+    s = np.asarray(s, dtype=_F32)
+    with np.errstate(over="ignore", invalid="ignore"):
+        return (E2M1_VALUES[codes & 0xF] * f[..., None]) * s[..., None]
+
+
+def _rows_to_groups(x: np.ndarray) -> np.ndarray:
+    d = x.shape[-1]
+    return np.ascontiguousarray(x, dtype=_F32).reshape(-1, d // GROUP, GROUP).reshape(-1, GROUP)
+
+
+# -- protocol: flat codec ----------------------------------------------------------------
+def quantize(x, s, g, rule, data_out, scales_out, stats=None) -> None:
+    """Quantize rows ``x [N, D]`` into ``data_out [N, D/2]`` and ``scales_out [N, D/16]``."""
+    n, d = x.shape
+    codes, sf, bad = encode_groups(_rows_to_groups(x), s, g, rule)
+    data_out[...] = pack_nibbles(codes.reshape(n, d))
+    scales_out[...] = sf.reshape(n, d // GROUP)
+    if stats is not None:
+        stats[STAT_K_NONFINITE] += np.uint64(bad.sum())
+
+
+def dequantize(data, scales, s, out) -> None:
+    """Decode ``data [N, D/2]`` and ``scales [N, D/16]`` into ``out [N, D]``."""
+    n, half = data.shape
+    vals = decode_groups(data.reshape(n, -1, GROUP // 2), scales, s)
+    out[...] = float32_to(vals.reshape(n, 2 * half), out.dtype)
+
+
+# -- protocol: paged cache ----------------------------------------------------------------
+def _last_occurrence(slots: np.ndarray) -> np.ndarray:
+    """Indices of tokens whose slot is not repeated later in ``slots`` (last one wins)."""
+    rev = slots[::-1]
+    _, first_in_rev = np.unique(rev, return_index=True)
+    return np.sort(len(slots) - 1 - first_in_rev)
+
+
+def store(buffer, slot_mapping, k, v, *, geom: PageGeometry, rule, k_s, k_g, v_s, v_g,
+          stats) -> None:
+    """Quantize K/V ``[N, H, D]`` and scatter them into the page pool ``buffer``."""
+    slots = np.asarray(slot_mapping).astype(np.int64)
+    num_slots = buffer.shape[0] * geom.block_size
+    bad = slots >= num_slots
+    if bad.any():
+        stats[STAT_BAD_SLOTS] += np.uint64(bad.sum())
+    idx = np.flatnonzero((slots >= 0) & ~bad)
+    if idx.size == 0:
+        return
+    idx = idx[_last_occurrence(slots[idx])]
+    slots = slots[idx]
+    T, H, D = geom.block_size, geom.num_heads, geom.head_dim
+    S = geom.scales_per_row
+    blocks = (slots // T)[:, None, None]
+    t = (slots % T)[:, None, None]
+    h = np.arange(H)[None, :, None]
+    j = np.arange(D // 2)[None, None, :]
+    sc = np.arange(S)[None, None, :]
+    for side, x, s, g in ((0, k, k_s, k_g), (1, v, v_s, v_g)):
+        rows = np.asarray(x)[idx]  # [n, H, D]
+        codes, sf, nonfinite = encode_groups(_rows_to_groups(rows.reshape(-1, D)), s, g, rule)
+        stats[STAT_K_NONFINITE + side] += np.uint64(nonfinite.sum())
+        data = pack_nibbles(codes.reshape(len(idx), H, D))
+        buffer[blocks, side, geom.data_offset(t, h, j)] = data
+        buffer[blocks, side, geom.scale_offset(t, h, sc, side=side)] = sf.reshape(len(idx), H, S)
+
+
+def gather_dequant(buffer, blocks, out_k, out_v, *, geom: PageGeometry, k_s, v_s,
+                   stats) -> None:
+    """Gather pages ``blocks`` and decode them into ``out_k``/``out_v`` ``[n*T, H, D]``."""
+    blocks = np.asarray(blocks).astype(np.int64)
+    n = blocks.size
+    T, H, D = geom.block_size, geom.num_heads, geom.head_dim
+    S = geom.scales_per_row
+    bad = (blocks < 0) | (blocks >= buffer.shape[0])
+    if bad.any():
+        stats[STAT_BAD_BLOCKS] += np.uint64(bad.sum())
+    safe = np.where(bad, 0, blocks)[:, None, None, None]
+    t = np.arange(T)[None, :, None, None]
+    h = np.arange(H)[None, None, :, None]
+    j = np.arange(D // 2)[None, None, None, :]
+    sc = np.arange(S)[None, None, None, :]
+    for side, s, out in ((0, k_s, out_k), (1, v_s, out_v)):
+        data = buffer[safe, side, geom.data_offset(t, h, j)]  # [n, T, H, D/2]
+        sf = buffer[safe, side, geom.scale_offset(t, h, sc, side=side)]  # [n, T, H, S]
+        vals = decode_groups(data.reshape(n, T, H, S, GROUP // 2), sf, s)
+        vals = vals.reshape(n, T, H, D)
+        if bad.any():
+            vals[bad] = np.nan
+        out[...] = float32_to(vals.reshape(n * T, H, D), out.dtype)
+
+
+# -- protocol: LongLive blocked layout ----------------------------------------------------
+def longlive_scalars(amax, rule: str):
+    """``(s, g)`` of a LongLive block from its float32 ``amax`` (spec section 3)."""
+    M = _F32(256.0) if rule == "4over6" else _F32(448.0)
+    six_m = _F32(6.0) * M
+    with np.errstate(divide="ignore", over="ignore", invalid="ignore"):
+        g = np.minimum(six_m / _F32(amax), FLT_MAX)
+        s = _F32(amax) * (_ONE / six_m)
+    return _F32(s), _F32(g)
+
+
+def longlive_quantize(x, rule, values_out, sf_out, amax_out) -> None:
+    """Quantize one block ``x [Tb, H, D]`` into the blocked layout (spec section 5)."""
+    Tb, H, D = x.shape
+    S = D // GROUP
+    R = Tb * H
+    x32 = np.asarray(x, dtype=_F32)
+    finite = bool(np.isfinite(x32).all())
+    amax = _F32(np.abs(x32).max()) if finite else _F32(np.nan)
+    amax_out[...] = amax
+    values_out[...] = 0
+    sf_out[...] = 0
+    if amax == 0:
+        return
+    r = np.arange(R)[:, None]
+    offs = blocked_scale_offset(r, np.arange(S)[None, :], S)
+    if not finite:
+        sf_out[offs] = E4M3_NAN
+        return
+    s, g = longlive_scalars(amax, rule)
+    codes, sf, _ = encode_groups(_rows_to_groups(x32.reshape(R, D)), s, g, rule)
+    values_out[:R] = pack_nibbles(codes.reshape(R, D))
+    sf_out[offs] = sf.reshape(R, S)
+
+
+def longlive_dequantize(values, scale_factors, amax, out, *, num_heads, block_token_size,
+                        inv_denom) -> None:
+    """Decode LongLive blocks (lists of per-block arrays) into ``out [1, n*Tb, H, D]``."""
+    H, Tb = num_heads, block_token_size
+    R = Tb * H
+    D = out.shape[-1]
+    S = D // GROUP
+    offs = blocked_scale_offset(np.arange(R)[:, None], np.arange(S)[None, :], S)
+    for i, (vals, sfs, am) in enumerate(zip(values, scale_factors, amax)):
+        gs = _F32(np.asarray(am, dtype=_F32).reshape(-1)[0]) * _F32(inv_denom)
+        sf = np.asarray(sfs).reshape(-1).view(np.uint8)[offs]  # [R, S]
+        data = np.asarray(vals)[:R].reshape(R, S, GROUP // 2)
+        dec = decode_groups(data, sf, gs)
+        out[0, i * Tb:(i + 1) * Tb] = float32_to(dec.reshape(Tb, H, D), out.dtype)

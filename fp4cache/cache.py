@@ -1,0 +1,296 @@
+"""``PagedKVCache``: a paged NVFP4 KV cache in vLLM's byte layout."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from . import _arrays
+from .codec import backend_module, check_rule
+from .formats import reciprocal_clamped, resolve_dtype
+from .layout import PageGeometry
+
+__all__ = ["PagedKVCache"]
+
+_STAT_NAMES = ("k_nonfinite_groups", "v_nonfinite_groups", "bad_slots", "bad_block_ids")
+
+
+class PagedKVCache:
+    """A paged KV cache that stores K and V in NVFP4, byte-compatible with vLLM.
+
+    Parameters
+    ----------
+    num_blocks : int
+        Pages in the pool.
+    block_size : int
+        Tokens per page (``T``).
+    num_heads : int
+        KV heads (``H``).
+    head_dim : int
+        ``D``; a multiple of 16 (of 64 when ``swizzle_v_scales``).
+    layout : {"HND", "NHD"}
+        Row order inside a page side: head-major (vLLM's default for NVFP4) or
+        token-major.
+    scale_rule : {"static6", "4over6"}
+        Block-scale rule used by :meth:`store`.
+    k_scale, v_scale : float
+        Global dequantization multipliers (vLLM's ``k_scale``/``v_scale``), finite and
+        positive.  Calibrated checkpoints use ``amax / (6 * 448)``.
+    swizzle_v_scales : bool
+        Store V scales in trtllm-gen's swizzled order (what vLLM writes).  Needs
+        ``block_size % 4 == 0`` and ``head_dim % 64 == 0``.
+    device : {None, "cpu", "cuda"}
+        ``"cpu"``: NumPy backend; ``"cuda"``: CuPy kernels on the current device and
+        stream; ``None``: the GPU when one is usable, else the CPU.
+    validate : bool, optional
+        Check slot ids and block ids on the host before each call, raising
+        ``IndexError`` before anything is written.  Always on for the CPU backend.
+        On the GPU the default is ``False``: no host synchronization on the hot path;
+        out-of-range ids are skipped by the kernels (nothing outside the pool is read
+        or written), counted on the device, and :meth:`check` raises for them.
+
+    Attributes
+    ----------
+    buffer : ndarray, uint8, shape (num_blocks, 2, H*T*(D/2 + D/16))
+        The page pool, zero-initialized.  ``buffer[b, 0]`` is page ``b``'s K side and
+        ``buffer[b, 1]`` its V side, each ``[data | scales]`` as in vLLM.
+    geometry : PageGeometry
+        Sizes and offset formulas of one page.
+
+    Notes
+    -----
+    Kernels run on CuPy's current stream; calls on one stream are ordered.  Use events
+    to order a ``store`` on one stream before a ``gather_dequant`` on another.
+    """
+
+    def __init__(self, num_blocks: int, block_size: int, num_heads: int, head_dim: int, *,
+                 layout: str = "HND", scale_rule: str = "static6", k_scale: float = 1.0,
+                 v_scale: float = 1.0, swizzle_v_scales: bool = True, device: str | None = None,
+                 validate: bool | None = None) -> None:
+        geom = PageGeometry(num_heads, block_size, head_dim, layout, bool(swizzle_v_scales))
+        geom.check()
+        if (not isinstance(num_blocks, (int, np.integer)) or isinstance(num_blocks, bool)
+                or num_blocks <= 0):
+            raise ValueError(f"num_blocks must be a positive integer, got {num_blocks!r}")
+        self.scale_rule = check_rule(scale_rule)
+        self._k_s = _arrays.check_scale(k_scale, "k_scale")
+        self._v_s = _arrays.check_scale(v_scale, "v_scale")
+        self._k_g = reciprocal_clamped(self._k_s)
+        self._v_g = reciprocal_clamped(self._v_s)
+        if device is None:
+            device = "cuda" if _arrays.gpu_available() else "cpu"
+        self._impl = backend_module(device)
+        self.device = device
+        self.geometry = geom
+        self.num_blocks = int(num_blocks)
+        self.validate = True if device == "cpu" else bool(validate)
+        xp = self._xp()
+        self.buffer = xp.zeros((self.num_blocks, 2, geom.side_bytes), dtype=np.uint8)
+        self._stats = xp.zeros(4, dtype=np.uint64)
+
+    # -- properties ---------------------------------------------------------------------
+    def _xp(self):
+        if self.device == "cpu":
+            return np
+        import cupy
+
+        return cupy
+
+    @property
+    def block_size(self) -> int:
+        return self.geometry.block_size
+
+    @property
+    def num_heads(self) -> int:
+        return self.geometry.num_heads
+
+    @property
+    def head_dim(self) -> int:
+        return self.geometry.head_dim
+
+    @property
+    def layout(self) -> str:
+        return self.geometry.layout
+
+    @property
+    def k_scale(self) -> float:
+        return float(self._k_s)
+
+    @property
+    def v_scale(self) -> float:
+        return float(self._v_s)
+
+    @property
+    def num_slots(self) -> int:
+        """Token slots in the pool: ``num_blocks * block_size``."""
+        return self.num_blocks * self.block_size
+
+    @property
+    def bytes_per_token(self) -> int:
+        """Cache bytes per token for K and V over all heads."""
+        return self.geometry.bytes_per_token
+
+    @property
+    def compression_ratio(self) -> float:
+        """bf16 bytes per token over NVFP4 bytes per token (3.56 for D=128)."""
+        return 2 * self.num_heads * self.head_dim * 2 / self.bytes_per_token
+
+    @property
+    def nbytes(self) -> int:
+        """Size of the page pool in bytes."""
+        return self.num_blocks * self.geometry.page_bytes
+
+    @property
+    def stats(self) -> dict[str, int]:
+        """Device-side counters (reads them back: synchronizes on the GPU)."""
+        vals = self._stats.get() if self.device == "cuda" else self._stats
+        return {k: int(v) for k, v in zip(_STAT_NAMES, vals)}
+
+    @property
+    def nonfinite_groups(self) -> tuple[int, int]:
+        """Groups of 16 stored with a NaN/Inf so far, ``(k_groups, v_groups)``.
+
+        Such groups decode to NaN (see ``docs/errors.md``).
+        """
+        st = self.stats
+        return st["k_nonfinite_groups"], st["v_nonfinite_groups"]
+
+    def check(self) -> None:
+        """Raise ``IndexError`` if earlier calls met out-of-range slots or block ids.
+
+        With ``validate=False`` on the GPU, kernels skip such ids and count them; this
+        reads the counters (a host synchronization), clears them and raises.
+        """
+        st = self.stats
+        if st["bad_slots"] or st["bad_block_ids"]:
+            self._stats[2:] = 0
+            raise IndexError(
+                f"{st['bad_slots']} token(s) had a slot_mapping entry >= num_slots "
+                f"({self.num_slots}) and were not stored; {st['bad_block_ids']} block id(s) "
+                f"were outside [0, {self.num_blocks}) and gathered as NaN"
+            )
+
+    def __repr__(self) -> str:
+        g = self.geometry
+        return (
+            f"PagedKVCache(num_blocks={self.num_blocks}, block_size={g.block_size}, "
+            f"num_heads={g.num_heads}, head_dim={g.head_dim}, layout={g.layout!r}, "
+            f"scale_rule={self.scale_rule!r}, k_scale={self.k_scale:g}, "
+            f"v_scale={self.v_scale:g}, swizzle_v_scales={g.swizzle_v_scales}, "
+            f"device={self.device!r})  # {self.bytes_per_token} B/token, "
+            f"{self.compression_ratio:.2f}x vs bf16, pool {self.nbytes / 2**20:.1f} MiB"
+        )
+
+    # -- store ---------------------------------------------------------------------------
+    def store(self, slot_mapping: Any, k: Any, v: Any, *, validate: bool | None = None) -> None:
+        """Quantize K and V and write them into their pages.
+
+        Parameters
+        ----------
+        slot_mapping : array of int32 or int64, shape (N,)
+            Slot of each token, ``block * block_size + offset``.  Negative entries are
+            skipped (padding).  When a slot repeats, the last token wins.
+        k, v : array, shape (N, H, D), bfloat16, float16 or float32
+            Keys and values, any token and head strides (same dtype for both).
+        validate : bool, optional
+            Override the cache's ``validate`` for this call.
+
+        Raises
+        ------
+        TypeError, ValueError
+            Wrong dtype, shape or backend; the buffer is untouched.
+        IndexError
+            (when validating) a slot is ``>= num_slots``; nothing is written.
+        """
+        be = self.device
+        g = self.geometry
+        k = _arrays.to_backend(k, be, "k")
+        v = _arrays.to_backend(v, be, "v")
+        shape = (None, g.num_heads, g.head_dim)
+        _arrays.check_values(k, "k", shape)
+        _arrays.check_values(v, "v", shape)
+        if k.shape != v.shape:
+            raise ValueError(f"k and v must have the same shape, got {k.shape} and {v.shape}")
+        if k.dtype != v.dtype:
+            raise TypeError(f"k and v must have the same dtype, got {k.dtype} and {v.dtype}")
+        slots = _arrays.to_backend(slot_mapping, be, "slot_mapping", allow_convert=True)
+        _arrays.check_index_array(slots, "slot_mapping", length=k.shape[0])
+        if k.shape[0] == 0:
+            return
+        if self.validate if validate is None else validate:
+            hi = int(slots.max())
+            if hi >= self.num_slots:
+                i = int((slots >= self.num_slots).argmax())
+                raise IndexError(
+                    f"slot_mapping[{i}] = {int(slots[i])} is out of range: slots must be "
+                    f"< num_slots = {self.num_slots} (negative slots are skipped); "
+                    "nothing was stored"
+                )
+        xp = self._xp()
+        if k.strides[-1] != k.itemsize:
+            k = xp.ascontiguousarray(k)
+        if v.strides[-1] != v.itemsize:
+            v = xp.ascontiguousarray(v)
+        self._impl.store(
+            self.buffer, slots, k, v, geom=g, rule=self.scale_rule, k_s=self._k_s,
+            k_g=self._k_g, v_s=self._v_s, v_g=self._v_g, stats=self._stats,
+        )
+
+    # -- gather --------------------------------------------------------------------------
+    def gather_dequant(self, blocks: Any, dtype: Any = None, *, out: Any = None,
+                       validate: bool | None = None):
+        """Gather pages and decode them.
+
+        Parameters
+        ----------
+        blocks : array of int32 or int64, shape (n,)
+            Page ids, in output order; repeats allowed.
+        dtype : {"bfloat16", "float16", "float32"}, optional
+            Output dtype; default bfloat16, or the dtype of ``out``.
+        out : tuple of two arrays, optional
+            ``(k_out, v_out)``, each C-contiguous ``(n*block_size, H, D)``.
+        validate : bool, optional
+            Override the cache's ``validate`` for this call.
+
+        Returns
+        -------
+        k, v : arrays, shape (n*block_size, H, D)
+            Token ``i*block_size + t`` is row ``t`` of page ``blocks[i]``.
+
+        On the GPU this neither allocates (given ``out``) nor synchronizes (unless
+        validating), so it can be captured in a CUDA graph.
+        """
+        be = self.device
+        g = self.geometry
+        blocks = _arrays.to_backend(blocks, be, "blocks", allow_convert=True)
+        _arrays.check_index_array(blocks, "blocks")
+        n = blocks.shape[0]
+        shape = (n * g.block_size, g.num_heads, g.head_dim)
+        if out is not None:
+            if not isinstance(out, (tuple, list)) or len(out) != 2:
+                raise TypeError("out must be a tuple (k_out, v_out)")
+            dt = resolve_dtype(out[0].dtype if dtype is None else dtype, name="dtype")
+            out_k = _arrays.check_out(out[0], "out[0]", shape, dt, be)
+            out_v = _arrays.check_out(out[1], "out[1]", shape, dt, be)
+        else:
+            dt = resolve_dtype("bfloat16" if dtype is None else dtype, name="dtype")
+            xp = self._xp()
+            out_k = xp.empty(shape, dtype=dt)
+            out_v = xp.empty(shape, dtype=dt)
+        if n == 0:
+            return out_k, out_v
+        if self.validate if validate is None else validate:
+            lo, hi = int(blocks.min()), int(blocks.max())
+            if lo < 0 or hi >= self.num_blocks:
+                bad = (blocks < 0) | (blocks >= self.num_blocks)
+                i = int(bad.argmax())
+                raise IndexError(
+                    f"blocks[{i}] = {int(blocks[i])} is out of range: block ids must be in "
+                    f"[0, {self.num_blocks})"
+                )
+        self._impl.gather_dequant(
+            self.buffer, blocks, out_k, out_v, geom=g, k_s=self._k_s, v_s=self._v_s,
+            stats=self._stats,
+        )
+        return out_k, out_v

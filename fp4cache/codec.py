@@ -1,0 +1,144 @@
+"""Functional NVFP4 codec: ``quantize`` and ``dequantize`` on NumPy or CuPy arrays."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from . import _arrays
+from .formats import SCALE_RULES, reciprocal_clamped, resolve_dtype
+from .layout import GROUP
+
+__all__ = ["quantize", "dequantize", "backend_module", "check_rule"]
+
+
+def backend_module(backend: str):
+    """The backend implementation module for ``"cpu"`` or ``"cuda"``."""
+    if backend == "cpu":
+        from . import _numpy_backend
+
+        return _numpy_backend
+    if backend == "cuda":
+        if not _arrays.gpu_available():
+            raise RuntimeError(
+                "device='cuda' needs CuPy and a CUDA GPU (pip install 'fp4cache[cuda12]' "
+                "or 'fp4cache[cuda13]'); none is usable here"
+            )
+        from . import _cupy_backend
+
+        return _cupy_backend
+    raise ValueError(f"device must be 'cpu', 'cuda' or None, got {backend!r}")
+
+
+def check_rule(scale_rule: str) -> str:
+    """Validate ``scale_rule`` (``"static6"`` or ``"4over6"``)."""
+    if scale_rule not in SCALE_RULES:
+        raise ValueError(f"scale_rule must be 'static6' or '4over6', got {scale_rule!r}")
+    return scale_rule
+
+
+def quantize(x: Any, scale: float = 1.0, scale_rule: str = "static6"):
+    """Quantize ``x`` to NVFP4: packed E2M1 values and one E4M3 scale per 16 values.
+
+    Parameters
+    ----------
+    x : ndarray, shape (..., D), bfloat16, float16 or float32
+        NumPy or CuPy array (or any DLPack producer); ``D`` must be a multiple of 16.
+        The groups are 16 consecutive elements of the last axis.
+    scale : float, default 1.0
+        The global *dequantization* multiplier ``s`` (vLLM's ``k_scale``); values are
+        encoded with ``g = 1/s``.  Must be finite and positive.
+    scale_rule : {"static6", "4over6"}
+        ``"static6"`` maps each group's max to 6; ``"4over6"`` also tries 4 and keeps
+        the candidate with the smaller squared error (ties keep 6).
+
+    Returns
+    -------
+    data : ndarray, uint8, shape (..., D/2)
+        Two E2M1 codes per byte, element ``2i`` in the low nibble.
+    scales : ndarray, uint8, shape (..., D/16)
+        E4M3 block-scale bytes (``scales.view(ml_dtypes.float8_e4m3fn)`` on NumPy).
+        A group with a NaN or infinity gets scale 0x7F (NaN) and zero data.
+
+    Runs on the GPU (CuPy's current stream) when ``x`` is a CuPy array.
+    """
+    backend = _arrays.backend_of(x)
+    x = _arrays.to_backend(x, backend, "x")
+    _arrays.check_values(x, "x", (None,) * max(x.ndim, 1))
+    if x.ndim == 0:
+        raise ValueError("x must have at least one axis (..., D), got a scalar")
+    d = x.shape[-1]
+    if d % GROUP or d == 0:
+        raise ValueError(f"x.shape[-1] (D) must be a positive multiple of 16, got {d}")
+    s = _arrays.check_scale(scale, "scale")
+    check_rule(scale_rule)
+    xp = np if backend == "cpu" else __import__("cupy")
+    lead = x.shape[:-1]
+    data = xp.empty(lead + (d // 2,), dtype=np.uint8)
+    scales = xp.empty(lead + (d // GROUP,), dtype=np.uint8)
+    rows = xp.ascontiguousarray(x).reshape(-1, d)
+    if rows.shape[0]:
+        backend_module(backend).quantize(
+            rows, s, reciprocal_clamped(s), scale_rule,
+            data.reshape(-1, d // 2), scales.reshape(-1, d // GROUP),
+        )
+    return data, scales
+
+
+def dequantize(data: Any, scales: Any, scale: float = 1.0, dtype: Any = "bfloat16", *,
+               out: Any = None):
+    """Decode NVFP4 ``data``/``scales`` to ``dtype``: ``fl(fl(e2m1 * sf) * scale)``.
+
+    Parameters
+    ----------
+    data : ndarray, uint8, shape (..., D/2)
+    scales : ndarray, uint8 or float8_e4m3fn, shape (..., D/16)
+    scale : float, default 1.0
+        The global dequantization multiplier used at quantization.
+    dtype : {"bfloat16", "float16", "float32"} or a matching dtype object
+        Output dtype (float32 results are rounded to nearest even).  Ignored when
+        ``out`` is given, whose dtype is used.
+    out : ndarray, optional
+        C-contiguous output of shape (..., D) on the same backend.
+
+    Returns
+    -------
+    ndarray, shape (..., D)
+    """
+    backend = _arrays.backend_of(data)
+    data = _arrays.to_backend(data, backend, "data")
+    scales = _arrays.to_backend(scales, backend, "scales")
+    if data.dtype != np.uint8:
+        raise TypeError(f"data must have dtype uint8 (packed E2M1), got {data.dtype}")
+    if scales.dtype != np.uint8:
+        if scales.dtype.itemsize == 1 and "float8_e4m3fn" in str(scales.dtype):
+            scales = scales.view(np.uint8)
+        else:
+            raise TypeError(f"scales must have dtype uint8 or float8_e4m3fn, got {scales.dtype}")
+    if data.ndim == 0 or scales.ndim != data.ndim:
+        raise ValueError(
+            f"data and scales must have the same rank >= 1, got {data.shape} and {scales.shape}"
+        )
+    half = data.shape[-1]
+    if half % (GROUP // 2) or tuple(scales.shape) != tuple(data.shape[:-1]) + (half // 8,):
+        raise ValueError(
+            "scales must have shape data.shape[:-1] + (data.shape[-1]/8,) and "
+            f"data.shape[-1] must be a multiple of 8, got {data.shape} and {scales.shape}"
+        )
+    s = _arrays.check_scale(scale, "scale")
+    shape = tuple(data.shape[:-1]) + (2 * half,)
+    xp = np if backend == "cpu" else __import__("cupy")
+    if out is None:
+        dt = resolve_dtype(dtype)
+        out = xp.empty(shape, dtype=dt)
+    else:
+        out = _arrays.check_out(out, "out", shape, resolve_dtype(out.dtype, name="out.dtype"),
+                                backend)
+    n = int(np.prod(shape[:-1], dtype=np.int64))
+    if n:
+        backend_module(backend).dequantize(
+            xp.ascontiguousarray(data).reshape(n, half),
+            xp.ascontiguousarray(scales).reshape(n, half // 8), s, out.reshape(n, 2 * half),
+        )
+    return out

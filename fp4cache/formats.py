@@ -1,0 +1,146 @@
+"""Element formats: E2M1 (FP4) codes, E4M3 (FP8) block scales, and the float32 rules.
+
+These are the scalar building blocks of the contract in ``docs/format.md``, written
+with NumPy so that every function works element-wise on arrays.  They are the
+reference the CUDA kernels are tested against.
+"""
+
+from __future__ import annotations
+
+import ml_dtypes
+import numpy as np
+
+__all__ = [
+    "E2M1_VALUES",
+    "E4M3_NAN",
+    "E4M3_MAX",
+    "FLT_MAX",
+    "C6",
+    "C4",
+    "SCALE_RULES",
+    "e2m1_encode",
+    "e2m1_decode",
+    "e4m3_encode",
+    "e4m3_decode",
+    "pack_nibbles",
+    "unpack_nibbles",
+    "float32_to",
+    "resolve_dtype",
+    "reciprocal_clamped",
+]
+
+#: Values of the 16 E2M1 codes; bit 3 is the sign.
+E2M1_VALUES = np.array(
+    [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0],
+    dtype=np.float32,
+)
+#: The E4M3 byte that encodes NaN (the scale of a non-finite group).
+E4M3_NAN = 0x7F
+#: Largest finite E4M3 value.
+E4M3_MAX = np.float32(448.0)
+FLT_MAX = np.float32(np.finfo(np.float32).max)
+#: ``fl(1/6)`` and ``1/4``: the multipliers that turn a group's max into a block scale.
+C6 = np.float32(1.0) / np.float32(6.0)
+C4 = np.float32(0.25)
+#: ``static6`` always scales the group max to 6; ``4over6`` also tries 4 and keeps the better.
+SCALE_RULES: tuple[str, ...] = ("static6", "4over6")
+
+_F32 = np.float32
+
+
+def e2m1_encode(x: np.ndarray) -> np.ndarray:
+    """Round float32 ``x`` to E2M1 codes (nearest, ties to even, saturating to +-6).
+
+    The sign bit is kept, so negative values that round to zero give code 8.
+    NaN is not representable; callers never pass it (non-finite groups are handled
+    before encoding).
+    """
+    x = np.asarray(x, dtype=_F32)
+    a = np.abs(x)
+    mag = (
+        (a > 0.25).astype(np.uint8)
+        + (a >= 0.75)
+        + (a > 1.25)
+        + (a >= 1.75)
+        + (a > 2.5)
+        + (a >= 3.5)
+        + (a > 5.0)
+    )
+    return (mag | (np.signbit(x).astype(np.uint8) << 3)).astype(np.uint8)
+
+
+def e2m1_decode(codes: np.ndarray) -> np.ndarray:
+    """float32 value of each E2M1 code (only the low 4 bits are read)."""
+    return E2M1_VALUES[np.asarray(codes) & 0xF]
+
+
+def e4m3_encode(x: np.ndarray) -> np.ndarray:
+    """E4M3 byte of float32 ``x``: clip to +-448, then round to nearest even (satfinite)."""
+    x = np.clip(np.asarray(x, dtype=_F32), -E4M3_MAX, E4M3_MAX)
+    return x.astype(ml_dtypes.float8_e4m3fn).view(np.uint8)
+
+
+def e4m3_decode(b: np.ndarray) -> np.ndarray:
+    """float32 value of E4M3 bytes (0x7F and 0xFF are NaN)."""
+    return np.asarray(b, dtype=np.uint8).view(ml_dtypes.float8_e4m3fn).astype(_F32)
+
+
+def pack_nibbles(codes: np.ndarray) -> np.ndarray:
+    """Pack codes ``[..., 2n]`` into bytes ``[..., n]``: element 2i low nibble, 2i+1 high."""
+    codes = np.asarray(codes, dtype=np.uint8)
+    return (codes[..., 0::2] & 0xF) | ((codes[..., 1::2] & 0xF) << 4)
+
+
+def unpack_nibbles(data: np.ndarray) -> np.ndarray:
+    """Inverse of :func:`pack_nibbles`: bytes ``[..., n]`` to codes ``[..., 2n]``."""
+    data = np.asarray(data, dtype=np.uint8)
+    out = np.empty(data.shape[:-1] + (2 * data.shape[-1],), dtype=np.uint8)
+    out[..., 0::2] = data & 0xF
+    out[..., 1::2] = data >> 4
+    return out
+
+
+def reciprocal_clamped(x) -> np.float32:
+    """``min(fl(1/x), FLT_MAX)`` in float32 (the spec's clamp against 0*inf)."""
+    with np.errstate(divide="ignore", over="ignore"):
+        r = _F32(1.0) / _F32(x)
+    return np.minimum(r, FLT_MAX)
+
+
+_DTYPES = {
+    "bfloat16": np.dtype(ml_dtypes.bfloat16),
+    "float16": np.dtype(np.float16),
+    "float32": np.dtype(np.float32),
+}
+#: Names of the accepted input and output value dtypes.
+VALUE_DTYPES: tuple[str, ...] = tuple(_DTYPES)
+
+
+def resolve_dtype(dtype, *, name: str = "dtype") -> np.dtype:
+    """Normalize a value dtype (``"bfloat16"``, ``ml_dtypes.bfloat16``, ``np.float16``...).
+
+    Raises ``TypeError`` naming ``name`` when the dtype is not bfloat16, float16 or
+    float32.
+    """
+    try:
+        dt = np.dtype(dtype)
+    except TypeError:
+        dt = None
+    if dt is not None:
+        for ok in _DTYPES.values():
+            if dt == ok:
+                return ok
+    # CuPy/torch dtypes and strings such as "bf16" are matched by name.
+    label = getattr(dtype, "name", None) or str(dtype)
+    label = {"bf16": "bfloat16", "fp16": "float16", "half": "float16", "fp32": "float32",
+             "float": "float32"}.get(label.replace("torch.", ""), label.replace("torch.", ""))
+    if label in _DTYPES:
+        return _DTYPES[label]
+    raise TypeError(
+        f"{name} must be bfloat16, float16 or float32, got {dtype!r}"
+    )
+
+
+def float32_to(x: np.ndarray, dtype: np.dtype) -> np.ndarray:
+    """Round float32 ``x`` to ``dtype`` (bfloat16/float16/float32), nearest even."""
+    return np.asarray(x, dtype=_F32).astype(dtype)

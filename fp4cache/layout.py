@@ -1,0 +1,180 @@
+"""Byte layouts of the NVFP4 KV cache: the one place where every offset formula lives.
+
+Two layouts are described here (see ``docs/format.md`` for the prose version):
+
+* the **vLLM paged layout** written by ``reshape_and_cache_nvfp4``: one page of
+  ``block_size`` tokens is ``[K side | V side]``, each side ``[data | scales]``;
+  data is ``H*T*D/2`` packed E2M1 bytes, scales ``H*T*D/16`` E4M3 bytes.  Inside a
+  side the rows are ordered head-major (``"HND"``) or token-major (``"NHD"``).  The
+  V-side scales may be swizzled per head for trtllm-gen attention kernels.
+* the **LongLive blocked layout** read by ``dequantize_kv_cache_fp4``: one block of
+  ``Tb`` tokens is a ``[Rp, D/2]`` value matrix (row ``r = t*H + h``, rows padded to a
+  multiple of 128) and ``Rp*D/16`` scale bytes in cuBLAS' 128x4 tile order.
+
+All functions accept NumPy integer arrays (or Python ints) and broadcast.  The CUDA
+kernels implement the same formulas; the tests check both against independent forms.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+import numpy as np
+
+__all__ = [
+    "GROUP",
+    "Layout",
+    "PageGeometry",
+    "swizzle_scale_index",
+    "blocked_scale_offset",
+    "longlive_padded_rows",
+]
+
+#: Number of values that share one E4M3 block scale.
+GROUP = 16
+
+Layout = Literal["HND", "NHD"]
+LAYOUTS: tuple[str, ...] = ("HND", "NHD")
+
+
+def swizzle_scale_index(t, s, scales_per_row: int):
+    """Return the swizzled ``(t', s')`` position of scale ``(t, s)`` inside one head's tile.
+
+    The head's ``[T, S]`` scale tile is viewed as ``[T/4, 4, 4, S/4]`` and permuted
+    ``(0, 2, 3, 1)`` (trtllm-gen's order); element ``(t, s)`` of the logical tile is
+    stored at the linear position of ``(t', s')``:
+    ``t' = (t//4)*4 + s//(S/4)`` and ``s' = (s % (S/4))*4 + t%4``.
+    """
+    q = scales_per_row // 4
+    t = np.asarray(t)
+    s = np.asarray(s)
+    return (t // 4) * 4 + s // q, (s % q) * 4 + t % 4
+
+
+@dataclass(frozen=True)
+class PageGeometry:
+    """Sizes and byte offsets of one vLLM-layout NVFP4 page.
+
+    Parameters
+    ----------
+    num_heads, block_size, head_dim : int
+        ``H``, ``T`` (tokens per page) and ``D``.
+    layout : {"HND", "NHD"}
+        Row order inside a side: head-major or token-major.
+    swizzle_v_scales : bool
+        Whether the V side's scales use trtllm-gen's swizzled order.
+    """
+
+    num_heads: int
+    block_size: int
+    head_dim: int
+    layout: str = "HND"
+    swizzle_v_scales: bool = True
+
+    # -- sizes ---------------------------------------------------------------------
+    @property
+    def row_data_bytes(self) -> int:
+        """Packed E2M1 bytes of one (token, head) row: ``D/2``."""
+        return self.head_dim // 2
+
+    @property
+    def scales_per_row(self) -> int:
+        """E4M3 scales of one (token, head) row: ``S = D/16``."""
+        return self.head_dim // GROUP
+
+    @property
+    def bytes_per_row(self) -> int:
+        """Bytes of one (token, head) row of K (or of V): ``D/2 + D/16``."""
+        return self.row_data_bytes + self.scales_per_row
+
+    @property
+    def data_bytes(self) -> int:
+        """Bytes of the data region of one side: ``H*T*D/2``."""
+        return self.num_heads * self.block_size * self.row_data_bytes
+
+    @property
+    def scale_bytes(self) -> int:
+        """Bytes of the scale region of one side: ``H*T*D/16``."""
+        return self.num_heads * self.block_size * self.scales_per_row
+
+    @property
+    def side_bytes(self) -> int:
+        """Bytes of one side (K or V) of a page."""
+        return self.data_bytes + self.scale_bytes
+
+    @property
+    def page_bytes(self) -> int:
+        """Bytes of one page, K side and V side."""
+        return 2 * self.side_bytes
+
+    @property
+    def bytes_per_token(self) -> int:
+        """Cache bytes per token, K and V, all heads: ``2*H*(D/2 + D/16)``."""
+        return 2 * self.num_heads * self.bytes_per_row
+
+    # -- offsets (bytes, relative to the start of one side) ---------------------------
+    def _row_index(self, t, h):
+        t = np.asarray(t)
+        h = np.asarray(h)
+        if self.layout == "HND":
+            return h * self.block_size + t
+        return t * self.num_heads + h
+
+    def data_offset(self, t, h, j=0):
+        """Byte offset of packed data byte ``j`` (``0 <= j < D/2``) of row (t, h)."""
+        return self._row_index(t, h) * self.row_data_bytes + np.asarray(j)
+
+    def scale_offset(self, t, h, s, *, side: int = 0):
+        """Byte offset of block scale ``s`` of row (t, h) on ``side`` (0 = K, 1 = V).
+
+        The V side is swizzled per head when ``swizzle_v_scales`` is set; the K side
+        never is.  The offset includes the data region that precedes the scales.
+        """
+        S = self.scales_per_row
+        t = np.asarray(t)
+        h = np.asarray(h)
+        s = np.asarray(s)
+        if side == 1 and self.swizzle_v_scales:
+            t, s = swizzle_scale_index(t, s, S)
+        return self.data_bytes + self._row_index(t, h) * S + s
+
+    def check(self) -> None:
+        """Raise ``ValueError`` if the geometry cannot be laid out."""
+        for name in ("num_heads", "block_size", "head_dim"):
+            value = getattr(self, name)
+            if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value <= 0:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        if self.layout not in LAYOUTS:
+            raise ValueError(f"layout must be 'HND' or 'NHD', got {self.layout!r}")
+        if self.head_dim % GROUP:
+            raise ValueError(f"head_dim must be a multiple of 16, got {self.head_dim}")
+        if self.swizzle_v_scales:
+            if self.head_dim % 64:
+                raise ValueError(
+                    "head_dim must be a multiple of 64 with swizzle_v_scales=True "
+                    f"(D/16 scales per row must divide into 4), got {self.head_dim}"
+                )
+            if self.block_size % 4:
+                raise ValueError(
+                    "block_size must be a multiple of 4 with swizzle_v_scales=True, "
+                    f"got {self.block_size}"
+                )
+
+
+# -- LongLive blocked layout ------------------------------------------------------------
+def longlive_padded_rows(block_token_size: int, num_heads: int) -> int:
+    """``Rp``: the ``Tb*H`` rows of one LongLive block rounded up to a multiple of 128."""
+    rows = block_token_size * num_heads
+    return -(-rows // 128) * 128
+
+
+def blocked_scale_offset(r, s, scales_per_row: int):
+    """Offset of scale ``(r, s)`` in cuBLAS' 128x4 blocked order (``to_blocked``).
+
+    ``((r//128)*(S/4) + s//4)*512 + (r%32)*16 + ((r%128)//32)*4 + s%4``
+    """
+    r = np.asarray(r)
+    s = np.asarray(s)
+    tile = (r // 128) * (scales_per_row // 4) + s // 4
+    return tile * 512 + (r % 32) * 16 + ((r % 128) // 32) * 4 + s % 4
