@@ -51,22 +51,15 @@ _F32 = np.float32
 def e2m1_encode(x: np.ndarray) -> np.ndarray:
     """Round float32 ``x`` to E2M1 codes (nearest, ties to even, saturating to +-6).
 
-    The sign bit is kept, so negative values that round to zero give code 8.
-    NaN is not representable; callers never pass it (non-finite groups are handled
-    before encoding).
+    The rounding thresholds are: ``|x| <= .25 -> 0``, ``< .75 -> .5``, ``<= 1.25 -> 1``,
+    ``< 1.75 -> 1.5``, ``<= 2.5 -> 2``, ``< 3.5 -> 3``, ``<= 5 -> 4``, else 6.  The sign
+    bit is kept, so negative values that round to zero give code 8.  NaN is not
+    representable; callers never pass it (non-finite groups are handled before
+    encoding).  Implemented as a saturating cast to ``ml_dtypes.float4_e2m1fn``, which
+    follows exactly these rules on every finite float32.
     """
-    x = np.asarray(x, dtype=_F32)
-    a = np.abs(x)
-    mag = (
-        (a > 0.25).astype(np.uint8)
-        + (a >= 0.75)
-        + (a > 1.25)
-        + (a >= 1.75)
-        + (a > 2.5)
-        + (a >= 3.5)
-        + (a > 5.0)
-    )
-    return (mag | (np.signbit(x).astype(np.uint8) << 3)).astype(np.uint8)
+    x = np.clip(np.asarray(x, dtype=_F32), _F32(-6.0), _F32(6.0))
+    return x.astype(ml_dtypes.float4_e2m1fn).view(np.uint8) & np.uint8(0xF)
 
 
 def e2m1_decode(codes: np.ndarray) -> np.ndarray:
