@@ -205,7 +205,8 @@ def decode_values(data: np.ndarray, scales: np.ndarray, s) -> np.ndarray:
 
 
 def dequantize(data, scales, scale=1.0, dtype="bfloat16") -> np.ndarray:
-    return decode_values(data, scales, scale).astype(DTYPES[dtype])
+    with np.errstate(over="ignore"):
+        return decode_values(data, scales, scale).astype(DTYPES[dtype])
 
 
 # -- spec section 4: vLLM page offsets -------------------------------------------------
