@@ -1,0 +1,209 @@
+"""LongLive blocked layout (spec sections 3 and 5): quantize_block and dequantize."""
+
+from __future__ import annotations
+
+import ml_dtypes
+import numpy as np
+import nvfp4_ref as ref
+import pytest
+
+import fp4cache
+from fp4cache import longlive
+
+F32 = np.float32
+BF16 = np.dtype(ml_dtypes.bfloat16)
+
+
+def ref_quantize_block(x, rule):
+    """Spec sections 3 + 5 from scratch: (values [Rp, D/2], sf [Rp*S], amax [1])."""
+    x32 = np.asarray(x).astype(F32)
+    Tb, H, D = x32.shape
+    R, S = Tb * H, D // 16
+    Rp = -(-R // 128) * 128
+    values = np.zeros((Rp, D // 2), np.uint8)
+    sfm = np.zeros((Rp, S), np.uint8)
+    if not np.isfinite(x32).all():
+        sfm[:R] = 0x7F
+        return values, ref.to_blocked(sfm), np.array([np.nan], F32)
+    amax = F32(np.abs(x32).max())
+    if amax == 0:
+        return values, ref.to_blocked(sfm), np.array([amax], F32)
+    six_m = F32(6) * F32(256 if rule == "4over6" else 448)
+    with np.errstate(over="ignore", divide="ignore"):
+        g = min(F32(six_m / amax), ref.FLT_MAX)
+    s = F32(amax * F32(F32(1) / six_m))
+    codes, sf = ref.encode_groups(x32.reshape(-1, 16), s, g, rule)
+    values[:R] = ref.pack(codes.reshape(R, D))
+    sfm[:R] = sf.reshape(R, S)
+    return values, ref.to_blocked(sfm), np.array([amax], F32)
+
+
+def unblock(flat, Rp, S):
+    """Inverse of to_blocked: flat E4M3 bytes -> [Rp, S] matrix."""
+    perm = ref.to_blocked(np.arange(Rp * S).reshape(Rp, S))
+    mat = np.empty(Rp * S, np.uint8)
+    mat[perm] = np.asarray(flat).reshape(-1).view(np.uint8)
+    return mat.reshape(Rp, S)
+
+
+def ref_dequantize(values, sfs, amaxes, H, Tb, dtype, e2m1_max=6.0, e4m3_max=256.0):
+    """Per-element decode fl(fl(v*sf) * fl(amax * fl(1/fl(e2m1_max*e4m3_max))))."""
+    inv = F32(F32(1) / F32(F32(e2m1_max) * F32(e4m3_max)))
+    D = 2 * values[0].shape[1]
+    S, R = D // 16, Tb * H
+    out = np.empty((1, len(values) * Tb, H, D), ref.DTYPES[dtype])
+    for b, (val, sf, am) in enumerate(zip(values, sfs, amaxes)):
+        gs = F32(F32(np.asarray(am).reshape(-1)[0]) * inv)
+        sfm = unblock(sf, val.shape[0], S)[:R]
+        v = ref.E2M1_TABLE[ref.unpack(val[:R])]  # [R, D]
+        f = np.repeat(ref.e4m3_value(sfm), 16, axis=1)
+        with np.errstate(invalid="ignore", over="ignore"):
+            x = ((v * f) * gs).astype(ref.DTYPES[dtype])
+        out[0, b * Tb:(b + 1) * Tb] = x.reshape(Tb, H, D)
+    return out
+
+
+def bits(a):
+    a = np.asarray(a)
+    return a.view({2: np.uint16, 4: np.uint32}[a.dtype.itemsize])
+
+
+def assert_same_values(got, want):
+    assert got.dtype == want.dtype and got.shape == want.shape
+    gn = np.isnan(got.astype(F32))
+    np.testing.assert_array_equal(gn, np.isnan(want.astype(F32)))
+    np.testing.assert_array_equal(bits(got)[~gn], bits(want)[~gn])
+
+
+SHAPES = [(16, 8), (5, 3), (64, 4), (1, 1), (33, 4)]  # (Tb, H): R = 128, 15, 256, 1, 132
+
+
+@pytest.mark.parametrize("D", [64, 128, 256])
+@pytest.mark.parametrize("rule", ["4over6", "static6"])
+@pytest.mark.parametrize("Tb, H", SHAPES)
+def test_quantize_block_matches_reference(D, rule, Tb, H):
+    rng = np.random.default_rng(D + Tb * 7 + H)
+    x = (rng.standard_normal((Tb, H, D)) * rng.uniform(0.01, 50)).astype(BF16)
+    values, sf, amax = longlive.quantize_block(x, scale_rule=rule)
+    rv, rsf, ramax = ref_quantize_block(x, rule)
+    Rp = -(-Tb * H // 128) * 128
+    assert values.shape == (Rp, D // 2) and values.dtype == np.uint8
+    assert sf.shape == (Rp * D // 16,) and sf.dtype == np.uint8
+    assert amax.shape == (1,) and amax.dtype == np.float32
+    assert amax[0] == np.abs(x.astype(F32)).max()
+    np.testing.assert_array_equal(amax, ramax)
+    np.testing.assert_array_equal(values, rv)
+    np.testing.assert_array_equal(sf, rsf)
+    assert not values[Tb * H:].any()
+    if rule == "4over6":  # M = 256 keeps the 4-candidate (1.5x larger) below 448
+        assert np.all(ref.e4m3_value(sf) <= 384)
+
+
+@pytest.mark.parametrize("D", [64, 128, 256])
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16", "float32"])
+def test_dequantize_multiple_blocks_per_element_formula(D, dtype):
+    rng = np.random.default_rng(D)
+    Tb, H = 16, 3
+    blocks = [longlive.quantize_block(
+        (rng.standard_normal((Tb, H, D)) * m).astype(F32)) for m in (1.0, 1e-3, 300.0, 7.5)]
+    vals, sfs, ams = (list(t) for t in zip(*blocks))
+    got = longlive.dequantize(vals, sfs, ams, num_heads=H, block_token_size=Tb, dtype=dtype)
+    assert got.shape == (1, 4 * Tb, H, D)
+    assert_same_values(got, ref_dequantize(vals, sfs, ams, H, Tb, dtype))
+
+
+@pytest.mark.parametrize("D", [64, 128, 256])
+def test_static6_block_read_with_e4m3_max_448(D):
+    rng = np.random.default_rng(D + 1)
+    Tb, H = 8, 4
+    x = rng.standard_normal((2, Tb, H, D)).astype(F32) * 20
+    blocks = [longlive.quantize_block(x[i], scale_rule="static6") for i in range(2)]
+    vals, sfs, ams = (list(t) for t in zip(*blocks))
+    got = longlive.dequantize(vals, sfs, ams, H, Tb, dtype="float32", e4m3_max=448.0)
+    assert_same_values(got, ref_dequantize(vals, sfs, ams, H, Tb, "float32", e4m3_max=448.0))
+    err = np.abs(got[0].reshape(2, Tb, H, D) - x)
+    assert err.max() <= np.abs(x).max() / 4  # decodes the right thing, not just bytes
+    # reading a 448 block with the 256 default is wrong by 448/256, exactly per element
+    wrong = longlive.dequantize(vals, sfs, ams, H, Tb, dtype="float32")
+    assert_same_values(wrong, ref_dequantize(vals, sfs, ams, H, Tb, "float32"))
+    assert not np.array_equal(wrong, got)
+
+
+def test_4over6_round_trip_accuracy_and_scale_equivalence():
+    """Reader's fl(amax*fl(1/1536)) is the writer's s: decode == fl(fl(v*sf)*s)."""
+    rng = np.random.default_rng(3)
+    x = rng.standard_normal((16, 8, 128)).astype(F32)
+    vals, sf, am = longlive.quantize_block(x)
+    got = longlive.dequantize([vals], [sf], [am], 8, 16, dtype="float32")[0]
+    s = F32(am[0] * F32(F32(1) / F32(1536)))
+    sfm = unblock(sf, 128, 8)
+    want = ref.decode_values(vals, sfm, s).reshape(16, 8, 128)
+    assert_same_values(got, want)
+    rel = np.mean((got - x) ** 2) / np.mean(x**2)
+    assert rel < 0.02
+
+
+def test_scale_factor_inputs_any_shape_and_fp8_view():
+    rng = np.random.default_rng(4)
+    vals, sf, am = longlive.quantize_block(rng.standard_normal((16, 8, 64)).astype(F32))
+    want = longlive.dequantize([vals], [sf], [am], 8, 16)
+    for sf2 in (sf.reshape(128, 4), sf.reshape(-1, 16), sf.view(ml_dtypes.float8_e4m3fn)):
+        assert_same_values(longlive.dequantize([vals], [sf2], [am], 8, 16), want)
+
+
+def test_zero_and_nonfinite_blocks():
+    x = np.zeros((4, 2, 64), F32)
+    vals, sf, am = longlive.quantize_block(x)
+    assert am[0] == 0 and not vals.any() and not sf.any()
+    y = np.ones((4, 2, 64), F32)
+    y[3, 1, 5] = np.nan
+    nv, nsf, nam = longlive.quantize_block(y)
+    assert np.isnan(nam[0]) and not nv.any()
+    rv, rsf, _ = ref_quantize_block(y, "4over6")
+    np.testing.assert_array_equal(nsf, rsf)
+    g = np.full((4, 2, 64), 3.0, F32)
+    gv, gsf, gam = longlive.quantize_block(g)
+    out = longlive.dequantize([vals, nv, gv], [sf, nsf, gsf], [am, nam, gam], 2, 4,
+                              dtype="float32")
+    assert not out[0, :4].any()
+    assert np.isnan(out[0, 4:8]).all()
+    np.testing.assert_array_equal(out[0, 8:], 3.0)
+    inf = np.zeros((4, 2, 64), ml_dtypes.bfloat16)
+    inf[0, 0, 0] = np.inf
+    assert np.isnan(longlive.quantize_block(inf)[2][0])
+
+
+def test_dequantize_pool_matches_list_form():
+    rng = np.random.default_rng(5)
+    Tb, H, D = 8, 4, 128
+    blocks = [longlive.quantize_block(rng.standard_normal((Tb, H, D)).astype(F32) * (i + 1))
+              for i in range(5)]
+    vals = np.stack([b[0] for b in blocks])
+    sfs = np.stack([b[1] for b in blocks])
+    ams = np.stack([b[2] for b in blocks])  # (N, 1)
+    ids = np.array([4, 0, 0, 2], np.int32)
+    got = longlive.dequantize_pool(vals, sfs, ams, ids, H, Tb, dtype="float16")
+    want = longlive.dequantize([vals[i] for i in ids], [sfs[i] for i in ids],
+                               [ams[i] for i in ids], H, Tb, dtype="float16")
+    assert_same_values(got, want)
+    out = np.empty((1, 4 * Tb, H, D), F32)
+    r = longlive.dequantize_pool(vals, sfs, ams.ravel(), ids, H, Tb, out=out)
+    assert np.shares_memory(r, out)
+    assert_same_values(out, ref_dequantize([vals[i] for i in ids], [sfs[i] for i in ids],
+                                           [ams[i] for i in ids], H, Tb, "float32"))
+    with pytest.raises(IndexError, match="block_ids"):
+        longlive.dequantize_pool(vals, sfs, ams, np.array([5]), H, Tb)
+
+
+def test_longlive_equals_paged_cache_values():
+    """The same token stored in both layouts decodes identically when the scales agree."""
+    rng = np.random.default_rng(6)
+    Tb, H, D = 4, 2, 128
+    x = rng.standard_normal((Tb, H, D)).astype(F32)
+    vals, sf, am = longlive.quantize_block(x, scale_rule="static6")
+    six_m = F32(6) * F32(448)
+    s = F32(am[0] * F32(F32(1) / six_m))
+    g = min(F32(six_m / am[0]), ref.FLT_MAX)
+    assert g == ref.encode_multiplier(s)  # true for this seed's amax (not for every amax)
+    d, sc = fp4cache.quantize(x, scale=float(s))
+    np.testing.assert_array_equal(vals[:Tb * H], d.reshape(Tb * H, D // 2))
