@@ -240,6 +240,56 @@ def build_page_side(data: np.ndarray, scales: np.ndarray, layout: str, swizzle: 
     return np.concatenate([np.ascontiguousarray(d).ravel(), np.ascontiguousarray(sc).ravel()])
 
 
+class PagedModel:
+    """Logical contents of a paged cache (page, side, token, head) and its expected bytes.
+
+    ``quantize(x, scale, rule) -> (data, scales)`` encodes tokens (this module's reference
+    by default; the cache tests pass ``fp4cache.quantize``).  Duplicate slots: the last
+    wins; slots outside ``[0, num_blocks*block_size)`` are skipped.
+    """
+
+    def __init__(self, num_blocks, block_size, num_heads, head_dim, *, layout="HND",
+                 scale_rule="static6", k_scale=1.0, v_scale=1.0, swizzle_v_scales=True,
+                 quantize=quantize):
+        self.nb, self.T, self.H, self.D = num_blocks, block_size, num_heads, head_dim
+        self.layout, self.rule, self.swizzle = layout, scale_rule, swizzle_v_scales
+        self.scales = (k_scale, v_scale)
+        self.quantize = quantize
+        self.data = np.zeros((num_blocks, 2, block_size, num_heads, head_dim // 2), np.uint8)
+        self.sf = np.zeros((num_blocks, 2, block_size, num_heads, head_dim // 16), np.uint8)
+
+    def store(self, slots, k, v):
+        slots = np.asarray(slots)
+        for side, x in enumerate((k, v)):
+            d, s = self.quantize(np.ascontiguousarray(x), self.scales[side], self.rule)
+            for i, slot in enumerate(slots):  # in order: the last duplicate wins
+                if 0 <= slot < self.nb * self.T:
+                    self.data[slot // self.T, side, slot % self.T] = d[i]
+                    self.sf[slot // self.T, side, slot % self.T] = s[i]
+
+    def buffer(self):
+        pages = []
+        for b in range(self.nb):
+            sides = [build_page_side(self.data[b, side], self.sf[b, side], self.layout,
+                                     self.swizzle and side == 1) for side in (0, 1)]
+            pages.append(np.stack(sides))
+        return np.stack(pages)
+
+    def gather(self, blocks, dtype):
+        """Decoded pages ``blocks``; an id outside ``[0, num_blocks)`` gives NaN rows."""
+        blocks = np.asarray(blocks, dtype=np.int64)
+        bad = (blocks < 0) | (blocks >= self.nb)
+        safe = np.where(bad, 0, blocks)
+        out = []
+        for side in (0, 1):
+            d = self.data[safe, side].copy()
+            s = self.sf[safe, side].copy()
+            d[bad], s[bad] = 0, 0x7F
+            out.append(dequantize(d.reshape(-1, self.H, self.D // 2),
+                                  s.reshape(-1, self.H, self.D // 16), self.scales[side], dtype))
+        return tuple(out)
+
+
 # -- spec section 5: LongLive blocked scales -------------------------------------------
 def to_blocked(scales: np.ndarray) -> np.ndarray:
     """fouroversix/cuBLAS ``to_blocked`` of a ``[R, S]`` scale matrix (reshape form)."""

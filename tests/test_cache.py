@@ -22,42 +22,9 @@ BF16 = np.dtype(ml_dtypes.bfloat16)
 DTYPES = ("bfloat16", "float16", "float32")
 
 
-class Model:
-    """Logical contents of a cache (per page, side, token, head), and its expected bytes."""
-
-    def __init__(self, num_blocks, block_size, num_heads, head_dim, *, layout="HND",
-                 scale_rule="static6", k_scale=1.0, v_scale=1.0, swizzle_v_scales=True):
-        self.nb, self.T, self.H, self.D = num_blocks, block_size, num_heads, head_dim
-        self.layout, self.rule, self.swizzle = layout, scale_rule, swizzle_v_scales
-        self.scales = (k_scale, v_scale)
-        self.data = np.zeros((num_blocks, 2, block_size, num_heads, head_dim // 2), np.uint8)
-        self.sf = np.zeros((num_blocks, 2, block_size, num_heads, head_dim // 16), np.uint8)
-
-    def store(self, slots, k, v):
-        slots = np.asarray(slots)
-        for side, x in enumerate((k, v)):
-            d, s = fp4cache.quantize(np.ascontiguousarray(x), self.scales[side], self.rule)
-            for i, slot in enumerate(slots):  # in order: the last duplicate wins
-                if 0 <= slot < self.nb * self.T:
-                    self.data[slot // self.T, side, slot % self.T] = d[i]
-                    self.sf[slot // self.T, side, slot % self.T] = s[i]
-
-    def buffer(self):
-        pages = []
-        for b in range(self.nb):
-            sides = [ref.build_page_side(self.data[b, side], self.sf[b, side], self.layout,
-                                         self.swizzle and side == 1) for side in (0, 1)]
-            pages.append(np.stack(sides))
-        return np.stack(pages)
-
-    def gather(self, blocks, dtype):
-        blocks = np.asarray(blocks)
-        out = []
-        for side in (0, 1):
-            d = self.data[blocks, side].reshape(-1, self.H, self.D // 2)
-            s = self.sf[blocks, side].reshape(-1, self.H, self.D // 16)
-            out.append(ref.dequantize(d, s, self.scales[side], dtype))
-        return tuple(out)
+def Model(*args, **kwargs):
+    """The test's cache model, encoding with the library's functional quantize."""
+    return ref.PagedModel(*args, quantize=fp4cache.quantize, **kwargs)
 
 
 def bits(a):
