@@ -103,7 +103,8 @@ def pack(codes: np.ndarray) -> np.ndarray:
 
 def unpack(data: np.ndarray) -> np.ndarray:
     data = np.asarray(data, dtype=np.uint8)
-    return np.stack([data & 0xF, data >> 4], axis=-1).reshape(data.shape[:-1] + (-1,))
+    return np.stack([data & 0xF, data >> 4], axis=-1).reshape(data.shape[:-1]
+                                                            + (2 * data.shape[-1],))
 
 
 def encode_multiplier(scale) -> np.float32:
@@ -299,3 +300,20 @@ def to_blocked(scales: np.ndarray) -> np.ndarray:
     padded[:R, :S] = scales
     blocks = padded.reshape(nr, 128, nc, 4).transpose(0, 2, 1, 3)
     return blocks.reshape(-1, 4, 32, 4).transpose(0, 2, 1, 3).reshape(-1, 32, 16).ravel()
+
+
+# -- comparison helpers ----------------------------------------------------------------
+def bits(a) -> np.ndarray:
+    """Raw bits of an array (uint of the same itemsize)."""
+    a = np.asarray(a)
+    return a.view({1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}[a.dtype.itemsize])
+
+
+def assert_same_values(got, want) -> None:
+    """Bit-exact equality of float arrays, NaN matching NaN (any payload)."""
+    got, want = np.asarray(got), np.asarray(want)
+    assert got.dtype == want.dtype, (got.dtype, want.dtype)
+    assert got.shape == want.shape, (got.shape, want.shape)
+    gn = np.isnan(got.astype(F32))
+    np.testing.assert_array_equal(gn, np.isnan(want.astype(F32)))
+    np.testing.assert_array_equal(bits(got)[~gn], bits(want)[~gn])
