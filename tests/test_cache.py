@@ -62,7 +62,8 @@ def rand_kv(rng, n, H, D, dtype=BF16, scale=1.0):
     return k, v
 
 
-GEOMS = [(16, 2, 128), (4, 3, 64), (8, 1, 256), (12, 2, 64)]  # (T, H, D), all swizzle-able
+# (T, H, D); GEOMS are all swizzle-able, LINEAR_ONLY needs swizzle_v_scales=False
+GEOMS = [(16, 2, 128), (4, 3, 64), (8, 1, 256), (12, 2, 64), (4, 1, 192)]
 LINEAR_ONLY = [(6, 2, 48), (5, 3, 16), (1, 1, 32)]
 
 

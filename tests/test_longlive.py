@@ -78,7 +78,7 @@ def assert_same_values(got, want):
 SHAPES = [(16, 8), (5, 3), (64, 4), (1, 1), (33, 4)]  # (Tb, H): R = 128, 15, 256, 1, 132
 
 
-@pytest.mark.parametrize("D", [64, 128, 256])
+@pytest.mark.parametrize("D", [64, 128, 192, 256])
 @pytest.mark.parametrize("rule", ["4over6", "static6"])
 @pytest.mark.parametrize("Tb, H", SHAPES)
 def test_quantize_block_matches_reference(D, rule, Tb, H):
