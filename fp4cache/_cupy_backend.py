@@ -1,0 +1,312 @@
+"""CuPy backend: the NVFP4 kernels of ``kernels/`` launched on CuPy's current stream.
+
+Backend protocol (same names and signatures as :mod:`fp4cache._numpy_backend`; the
+front end validates shapes, dtypes and ranges, computes the float32 scalars and
+allocates outputs):
+
+* ``quantize(x, s, g, rule, data_out, scales_out, stats=None)``
+* ``dequantize(data, scales, s, out)``
+* ``store(buffer, slot_mapping, k, v, *, geom, rule, k_s, k_g, v_s, v_g, stats)``
+* ``gather_dequant(buffer, blocks, out_k, out_v, *, geom, k_s, v_s, stats)``
+* ``longlive_quantize(x, rule, values_out, sf_out, amax_out)``
+* ``longlive_dequantize(value_ptrs, sf_ptrs, amax_ptrs, out, *, num_heads,
+  block_token_size, inv_denom)`` (three device ``uint64`` pointer tables)
+
+Every function enqueues work on the current stream and returns without a host
+synchronization.  ``gather_dequant`` and ``longlive_dequantize`` allocate nothing,
+so they can be captured in a CUDA graph; ``store`` allocates only its duplicate-slot
+claim table, once per device and stream (see ``kernels/paged_kv.cu``).
+Non-contiguous K/V (any token and head strides) are read in place; pointers or
+strides that are not 16-byte aligned select the ``_scalar`` kernel variants.
+"""
+
+from __future__ import annotations
+
+from functools import cache, lru_cache
+
+import cupy
+import numpy as np
+
+from . import _kernels as K
+from .layout import GROUP, PageGeometry
+
+__all__ = [
+    "quantize",
+    "dequantize",
+    "store",
+    "gather_dequant",
+    "longlive_quantize",
+    "longlive_dequantize",
+]
+
+_THREADS = 256
+#: Up to this many tokens the store resolves duplicate slots by scanning later
+#: entries of slot_mapping in the kernel (one launch); above it, claim pre-pass.
+SCAN_MAX_TOKENS = 128
+#: Launches are split so that a thread index always fits in 31 bits.
+_MAX_THREADS = 2**31 - 1
+
+_DT = {
+    np.dtype(np.float32): "f32",
+    np.dtype(np.float16): "f16",
+}
+try:  # CuPy arrays of ml_dtypes.bfloat16
+    import ml_dtypes
+
+    _DT[np.dtype(ml_dtypes.bfloat16)] = "bf16"
+except ImportError:  # pragma: no cover - ml_dtypes is a dependency
+    pass
+
+_IX = {np.dtype(np.int32): "i32", np.dtype(np.int64): "i64"}
+_U64 = np.uint64
+_U32 = np.uint32
+_I64 = np.int64
+_F32 = np.float32
+_NULL = np.uint64(0)
+
+
+def _dtype_name(dtype, what: str) -> str:
+    try:
+        return _DT[dtype]
+    except KeyError:
+        raise TypeError(f"{what} must be bfloat16, float16 or float32, got {dtype}") from None
+
+
+def _index_name(dtype, what: str) -> str:
+    try:
+        return _IX[dtype]
+    except KeyError:
+        raise TypeError(f"{what} must be int32 or int64, got {dtype}") from None
+
+
+@cache
+def fastdiv(d: int) -> tuple[np.uint32, np.uint32, np.uint32]:
+    """``(d, m, s)`` of the device ``FastDiv`` for the divisor ``1 <= d < 2**31``."""
+    if not 1 <= d < 2**31:
+        raise ValueError(f"divisor must be in [1, 2**31), got {d}")
+    s = (d - 1).bit_length()
+    m = ((1 << 32) * ((1 << s) - d)) // d + 1
+    return _U32(d), _U32(m & 0xFFFFFFFF), _U32(s)
+
+
+_kernel_cache: dict = {}
+
+
+def _kernel(spec: K.Spec):
+    dev = cupy.cuda.runtime.getDevice()
+    fn = _kernel_cache.get((dev, spec))
+    if fn is None:
+        fn = K.get_kernel(spec)
+        _kernel_cache[(dev, spec)] = fn
+    return fn
+
+
+def _blocks(total: int) -> tuple[int]:
+    return ((total + _THREADS - 1) // _THREADS,)
+
+
+def _aligned(ptr: int, *strides: int, to: int = 16) -> bool:
+    if ptr % to:
+        return False
+    return all(st % to == 0 for st in strides)
+
+
+def _contig(a):
+    return a if a.flags.c_contiguous else cupy.ascontiguousarray(a)
+
+
+# -- flat codec ----------------------------------------------------------------------------
+def quantize(x, s, g, rule, data_out, scales_out, stats=None) -> None:
+    """Quantize ``x [N, D]`` into ``data_out [N, D/2]``, ``scales_out [N, D/16]``."""
+    n, d = x.shape
+    total = n * (d // GROUP)
+    if total == 0:
+        return
+    x = _contig(x)
+    vec = _aligned(x.data.ptr) and _aligned(data_out.data.ptr, to=8)
+    fn = _kernel(K.quantize_spec(_dtype_name(x.dtype, "x"), rule, vec))
+    st = _NULL if stats is None else stats
+    fn(_blocks(total), (_THREADS,),
+       (x, data_out, scales_out, st, _U64(total), _F32(s), _F32(g)))
+
+
+def dequantize(data, scales, s, out) -> None:
+    """Decode ``data [N, D/2]``, ``scales [N, D/16]`` into ``out [N, D]``."""
+    n, half = data.shape
+    total = n * (2 * half // GROUP)
+    if total == 0:
+        return
+    vec = _aligned(data.data.ptr, to=8) and _aligned(out.data.ptr)
+    fn = _kernel(K.dequantize_spec(_dtype_name(out.dtype, "out"), vec))
+    fn(_blocks(total), (_THREADS,), (_contig(data), _contig(scales), out, _U64(total), _F32(s)))
+
+
+# -- paged cache ---------------------------------------------------------------------------
+@lru_cache(maxsize=256)
+def _page_args(geom: PageGeometry, num_blocks: int):
+    """Kernel arguments that depend only on the geometry and pool size."""
+    H, T, D = geom.num_heads, geom.block_size, geom.head_dim
+    G = D // GROUP
+    return {
+        "G": G,
+        "HG": fastdiv(H * G),
+        "fG": fastdiv(G),
+        "fH": fastdiv(H),
+        "fT": fastdiv(T),
+        "H": _U32(H),
+        "nhd": _U32(1 if geom.layout == "NHD" else 0),
+        "swz": _U32(1 if geom.swizzle_v_scales else 0),
+        "num_slots": _I64(num_blocks * T),
+        "num_blocks": _I64(num_blocks),
+        "side": _I64(geom.side_bytes),
+        "data": _I64(geom.data_bytes),
+        "side_ok": geom.side_bytes % 8 == 0,
+    }
+
+
+_claim_tables: dict[tuple[int, int], cupy.ndarray] = {}
+
+
+def _claim_table(num_slots: int) -> cupy.ndarray:
+    """Zeroed uint32 claim table of >= num_slots entries for this device and stream."""
+    key = (cupy.cuda.runtime.getDevice(), cupy.cuda.get_current_stream().ptr)
+    tab = _claim_tables.get(key)
+    if tab is None or tab.size < num_slots:
+        tab = cupy.zeros(max(num_slots, 1024), dtype=np.uint32)
+        _claim_tables[key] = tab
+    return tab
+
+
+def store(buffer, slot_mapping, k, v, *, geom: PageGeometry, rule, k_s, k_g, v_s, v_g,
+          stats) -> None:
+    """Quantize K/V ``[N, H, D]`` and scatter them into the page pool ``buffer``."""
+    n = k.shape[0]
+    if n == 0:
+        return
+    pa = _page_args(geom, buffer.shape[0])
+    per_token = int(pa["HG"][0])
+    max_tokens = _MAX_THREADS // per_token
+    if n > max_tokens:  # later chunks overwrite earlier ones: the last occurrence still wins
+        for a in range(0, n, max_tokens):
+            b = min(n, a + max_tokens)
+            store(buffer, slot_mapping[a:b], k[a:b], v[a:b], geom=geom, rule=rule, k_s=k_s,
+                  k_g=k_g, v_s=v_s, v_g=v_g, stats=stats)
+        return
+    slots = _contig(slot_mapping)
+    dt = _dtype_name(k.dtype, "k")
+    es = k.itemsize
+    kst, vst = k.strides, v.strides
+    vec = (pa["side_ok"] and buffer.data.ptr % 8 == 0
+           and _aligned(k.data.ptr, kst[0], kst[1]) and _aligned(v.data.ptr, vst[0], vst[1]))
+    sl = _index_name(slots.dtype, "slot_mapping")
+    fn = _kernel(K.store_spec(dt, rule, sl, vec))
+    total = n * per_token
+    dedup = 1 if n <= SCAN_MAX_TOKENS else 2
+    claim = _NULL
+    if dedup == 2:
+        claim = _claim_table(int(pa["num_slots"]))
+        cl = _kernel(K.claim_spec(sl))
+        cl(_blocks(n), (_THREADS,), (slots, claim, _U32(n), pa["num_slots"], _U32(0)))
+    hg, fg, ft = pa["HG"], pa["fG"], pa["fT"]
+    fn(_blocks(total), (_THREADS,), (
+        buffer, slots, k, v, stats, claim,
+        _I64(kst[0] // es), _I64(kst[1] // es), _I64(vst[0] // es), _I64(vst[1] // es),
+        _U32(n), _U32(total), hg[0], hg[1], hg[2], fg[0], fg[1], fg[2], ft[0], ft[1], ft[2],
+        pa["H"], pa["nhd"], pa["swz"], pa["num_slots"], pa["side"], pa["data"], _U32(dedup),
+        _F32(k_s), _F32(k_g), _F32(v_s), _F32(v_g)))
+    if dedup == 2:
+        cl(_blocks(n), (_THREADS,), (slots, claim, _U32(n), pa["num_slots"], _U32(1)))
+
+
+def gather_dequant(buffer, blocks, out_k, out_v, *, geom: PageGeometry, k_s, v_s,
+                   stats) -> None:
+    """Gather pages ``blocks`` and decode them into ``out_k``/``out_v`` ``[n*T, H, D]``."""
+    n = blocks.shape[0]
+    if n == 0:
+        return
+    pa = _page_args(geom, buffer.shape[0])
+    T = geom.block_size
+    per_page = T * int(pa["HG"][0])
+    max_pages = _MAX_THREADS // per_page
+    if n > max_pages:
+        for a in range(0, n, max_pages):
+            b = min(n, a + max_pages)
+            gather_dequant(buffer, blocks[a:b], out_k[a * T:b * T], out_v[a * T:b * T],
+                           geom=geom, k_s=k_s, v_s=v_s, stats=stats)
+        return
+    blocks = _contig(blocks)
+    vec = (pa["side_ok"] and buffer.data.ptr % 8 == 0 and out_k.data.ptr % 16 == 0
+           and out_v.data.ptr % 16 == 0)
+    fn = _kernel(K.gather_spec(_dtype_name(out_k.dtype, "out_k"),
+                               _index_name(blocks.dtype, "blocks"), vec))
+    total = n * per_page
+    fg, fh, ft = pa["fG"], pa["fH"], pa["fT"]
+    fn(_blocks(total), (_THREADS,), (
+        buffer, blocks, out_k, out_v, stats, _U32(total), fg[0], fg[1], fg[2],
+        fh[0], fh[1], fh[2], ft[0], ft[1], ft[2], pa["nhd"], pa["swz"], pa["num_blocks"],
+        pa["side"], pa["data"], _F32(k_s), _F32(v_s)))
+
+
+# -- LongLive ------------------------------------------------------------------------------
+def _num_sms() -> int:
+    dev = cupy.cuda.runtime.getDevice()
+    n = _SMS.get(dev)
+    if n is None:
+        n = cupy.cuda.runtime.deviceGetAttribute(
+            cupy.cuda.runtime.cudaDevAttrMultiProcessorCount, dev)
+        _SMS[dev] = n
+    return n
+
+
+_SMS: dict[int, int] = {}
+
+
+def longlive_quantize(x, rule, values_out, sf_out, amax_out) -> None:
+    """Quantize one block ``x [Tb, H, D]`` into the blocked layout (amax on the device)."""
+    Tb, H, D = x.shape
+    x = _contig(x)
+    G = D // GROUP
+    R = Tb * H
+    Rp = values_out.shape[0]
+    dt = _dtype_name(x.dtype, "x")
+    stream = cupy.cuda.get_current_stream()
+    cupy.cuda.runtime.memsetAsync(amax_out.data.ptr, 0, 4, stream.ptr)
+    n = x.size
+    vec = _aligned(x.data.ptr)
+    if n:
+        chunks = max(1, n // 8)
+        grid = min((chunks + _THREADS - 1) // _THREADS, 8 * _num_sms())
+        _kernel(K.ll_amax_spec(dt, vec))((grid,), (_THREADS,), (x, amax_out, _U64(n)))
+    total = Rp * G
+    if total >= _MAX_THREADS:
+        raise ValueError(f"LongLive block too large: {Rp} rows x {G} groups")
+    vec_q = vec and _aligned(values_out.data.ptr, to=8)
+    fg = fastdiv(G)
+    _kernel(K.ll_quantize_spec(dt, rule, vec_q))(_blocks(total), (_THREADS,), (
+        x, amax_out, values_out, sf_out, _U32(total), _U32(R), fg[0], fg[1], fg[2]))
+
+
+def longlive_dequantize(value_ptrs, sf_ptrs, amax_ptrs, out, *, num_heads, block_token_size,
+                        inv_denom) -> None:
+    """Decode LongLive blocks given by device pointer tables into ``out [1, n*Tb, H, D]``."""
+    nb = value_ptrs.shape[0]
+    D = out.shape[-1]
+    G = D // GROUP
+    R = int(num_heads) * int(block_token_size)
+    total = nb * R * G
+    if total == 0:
+        return
+    if total >= _MAX_THREADS:
+        per = _MAX_THREADS // (R * G)
+        Tb = int(block_token_size)
+        for a in range(0, nb, per):
+            b = min(nb, a + per)
+            longlive_dequantize(value_ptrs[a:b], sf_ptrs[a:b], amax_ptrs[a:b],
+                                out[:, a * Tb:b * Tb], num_heads=num_heads,
+                                block_token_size=block_token_size, inv_denom=inv_denom)
+        return
+    vec = out.data.ptr % 16 == 0
+    frg, fg = fastdiv(R * G), fastdiv(G)
+    _kernel(K.ll_decode_spec(_dtype_name(out.dtype, "out"), vec))(_blocks(total), (_THREADS,), (
+        _contig(value_ptrs), _contig(sf_ptrs), _contig(amax_ptrs), out, _U32(total),
+        frg[0], frg[1], frg[2], fg[0], fg[1], fg[2], _F32(inv_denom)))

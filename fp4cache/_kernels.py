@@ -1,0 +1,268 @@
+"""Run-time compilation of the CUDA kernels in ``kernels/`` (NVRTC through CuPy).
+
+The ``.cu`` files define each kernel family as a template plus an
+``FP4C_*_KERNEL(NAME, ...)`` macro that stamps out one ``extern "C"`` kernel.  A
+:class:`Spec` names one specialization (value type, rule, index type, vectorized
+or scalar memory access); the loader builds a translation unit from
+
+* a ``#define FP4C_INSTANTIATIONS`` preamble listing the wanted specializations,
+* the ``.cu`` text with every ``#include "x.cuh"`` of the kernel folder inlined
+  (CuPy's on-disk cache keys on the source text only, so headers must be part of
+  it), framed by ``#line`` directives so that NVRTC messages name the real files,
+
+and compiles it with ``cupy.RawModule``, memoized per device and specialization.
+:func:`compile_all` compiles every specialization with the low-level NVRTC API for
+a given architecture; it needs no GPU (used by the CPU test suite).
+
+Kernel names read like FlashInfer's: ``fp4cache_store_bf16_4over6_i64``,
+``fp4cache_gather_f16_i32``, with a ``_scalar`` suffix for the variant that makes
+no alignment assumption.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from functools import cache
+from pathlib import Path
+
+__all__ = [
+    "NVRTC_OPTIONS",
+    "Spec",
+    "kernel_dir",
+    "build_source",
+    "all_specs",
+    "get_kernel",
+    "compile_all",
+    "store_spec",
+    "claim_spec",
+    "gather_spec",
+    "quantize_spec",
+    "dequantize_spec",
+    "ll_amax_spec",
+    "ll_quantize_spec",
+    "ll_decode_spec",
+]
+
+#: Options of every compile: C++17, no FMA contraction (bit-exact float32 arithmetic).
+NVRTC_OPTIONS: tuple[str, ...] = ("--std=c++17", "--fmad=false")
+
+#: Kernel value types: short name -> C++ tag type.
+VALUE_TYPES = {"bf16": "bf16_t", "f16": "f16_t", "f32": "f32_t"}
+#: Index types of slot_mapping / block ids: short name -> C++ type.
+INDEX_TYPES = {"i32": "int", "i64": "i64"}
+#: Scale rules: name -> value of the RULE template parameter.
+RULES = {"static6": "FP4C_RULE_STATIC6", "4over6": "FP4C_RULE_4OVER6"}
+
+_INCLUDE = re.compile(r'^\s*#\s*include\s+"([^"]+)"\s*$')
+
+
+def kernel_dir() -> Path:
+    """Folder holding the ``.cu`` / ``.cuh`` files.
+
+    An installed wheel carries them in ``fp4cache/kernels``; a source checkout has
+    them in the top-level ``kernels/`` folder.
+    """
+    here = Path(__file__).resolve().parent
+    for cand in (here / "kernels", here.parent / "kernels"):
+        if (cand / "fp4_common.cuh").is_file():
+            return cand
+    raise FileNotFoundError(
+        f"fp4cache kernel sources not found in {here / 'kernels'} or {here.parent / 'kernels'}"
+    )
+
+
+@dataclass(frozen=True)
+class Spec:
+    """One kernel specialization: file, stamping macro, kernel name, macro arguments."""
+
+    file: str
+    macro: str
+    name: str
+    args: tuple[str, ...]
+
+    @property
+    def instantiation(self) -> str:
+        """The macro call that defines this kernel."""
+        return f"{self.macro}({', '.join((self.name,) + self.args)})"
+
+
+def _vec(vec: bool) -> tuple[str, str]:
+    return ("1" if vec else "0"), ("" if vec else "_scalar")
+
+
+def store_spec(dtype: str, rule: str, slot: str, vec: bool = True) -> Spec:
+    """Paged store of K and V (``dtype`` in bf16/f16/f32, ``slot`` in i32/i64)."""
+    v, sfx = _vec(vec)
+    return Spec("paged_kv.cu", "FP4C_STORE_KERNEL", f"fp4cache_store_{dtype}_{rule}_{slot}{sfx}",
+                (VALUE_TYPES[dtype], RULES[rule], INDEX_TYPES[slot], v))
+
+
+def claim_spec(slot: str) -> Spec:
+    """Duplicate-slot claim / release pre-pass of the store."""
+    return Spec("paged_kv.cu", "FP4C_CLAIM_KERNEL", f"fp4cache_claim_{slot}",
+                (INDEX_TYPES[slot],))
+
+
+def gather_spec(dtype: str, block: str, vec: bool = True) -> Spec:
+    """Paged gather + dequantize of K and V into ``dtype`` rows."""
+    v, sfx = _vec(vec)
+    return Spec("paged_kv.cu", "FP4C_GATHER_KERNEL", f"fp4cache_gather_{dtype}_{block}{sfx}",
+                (VALUE_TYPES[dtype], INDEX_TYPES[block], v))
+
+
+def quantize_spec(dtype: str, rule: str, vec: bool = True) -> Spec:
+    """Flat ``[N, D]`` quantize."""
+    v, sfx = _vec(vec)
+    return Spec("flat_codec.cu", "FP4C_QUANTIZE_KERNEL", f"fp4cache_quantize_{dtype}_{rule}{sfx}",
+                (VALUE_TYPES[dtype], RULES[rule], v))
+
+
+def dequantize_spec(dtype: str, vec: bool = True) -> Spec:
+    """Flat ``[N, D]`` dequantize into ``dtype``."""
+    v, sfx = _vec(vec)
+    return Spec("flat_codec.cu", "FP4C_DEQUANTIZE_KERNEL", f"fp4cache_dequantize_{dtype}{sfx}",
+                (VALUE_TYPES[dtype], v))
+
+
+def ll_amax_spec(dtype: str, vec: bool = True) -> Spec:
+    """LongLive block amax reduction."""
+    v, sfx = _vec(vec)
+    return Spec("longlive.cu", "FP4C_AMAX_KERNEL", f"fp4cache_longlive_amax_{dtype}{sfx}",
+                (VALUE_TYPES[dtype], v))
+
+
+def ll_quantize_spec(dtype: str, rule: str, vec: bool = True) -> Spec:
+    """LongLive per-block quantize into the blocked layout."""
+    v, sfx = _vec(vec)
+    return Spec("longlive.cu", "FP4C_LL_QUANTIZE_KERNEL",
+                f"fp4cache_longlive_quantize_{dtype}_{rule}{sfx}",
+                (VALUE_TYPES[dtype], RULES[rule], v))
+
+
+def ll_decode_spec(dtype: str, vec: bool = True) -> Spec:
+    """LongLive pool decode through device pointer tables."""
+    v, sfx = _vec(vec)
+    return Spec("longlive.cu", "FP4C_LL_DECODE_KERNEL", f"fp4cache_longlive_decode_{dtype}{sfx}",
+                (VALUE_TYPES[dtype], v))
+
+
+def all_specs() -> list[Spec]:
+    """Every specialization the backend can ask for."""
+    specs: list[Spec] = []
+    bools = (True, False)
+    for dt in VALUE_TYPES:
+        for vec in bools:
+            for rule in RULES:
+                specs += [store_spec(dt, rule, ix, vec) for ix in INDEX_TYPES]
+                specs.append(quantize_spec(dt, rule, vec))
+                specs.append(ll_quantize_spec(dt, rule, vec))
+            specs += [gather_spec(dt, ix, vec) for ix in INDEX_TYPES]
+            specs.append(dequantize_spec(dt, vec))
+            specs.append(ll_amax_spec(dt, vec))
+            specs.append(ll_decode_spec(dt, vec))
+    specs += [claim_spec(ix) for ix in INDEX_TYPES]
+    return specs
+
+
+@cache
+def _read_inlined(file: str) -> str:
+    """``file`` with its local includes inlined once each, with ``#line`` framing."""
+    root = kernel_dir()
+    seen: set[str] = set()
+
+    def expand(name: str) -> list[str]:
+        out = [f'#line 1 "{name}"']
+        lines = (root / name).read_text().splitlines()
+        for lineno, line in enumerate(lines, start=1):
+            m = _INCLUDE.match(line)
+            if m:
+                inc = m.group(1)
+                if not (root / inc).is_file():
+                    raise FileNotFoundError(f"{name}:{lineno}: include {inc!r} not in {root}")
+                if inc not in seen:
+                    seen.add(inc)
+                    out += expand(inc)
+                out.append(f'#line {lineno + 1} "{name}"')
+            elif line.strip() == "#pragma once":
+                out.append("")
+            else:
+                out.append(line)
+        return out
+
+    return "\n".join(expand(file)) + "\n"
+
+
+def build_source(file: str, specs: list[Spec] | tuple[Spec, ...]) -> str:
+    """Translation unit of ``file`` defining the kernels in ``specs``."""
+    for s in specs:
+        if s.file != file:
+            raise ValueError(f"spec {s.name} belongs to {s.file}, not {file}")
+    body = " \\\n    ".join(s.instantiation for s in specs)
+    preamble = f"// fp4cache specializations\n#define FP4C_INSTANTIATIONS \\\n    {body}\n"
+    return preamble + _read_inlined(file)
+
+
+_MODULES: dict[tuple[int, Spec], object] = {}
+_FUNCS: dict[tuple[int, Spec], object] = {}
+
+
+def get_kernel(spec: Spec):
+    """Compiled ``cupy.RawKernel`` of ``spec`` on the current device (memoized)."""
+    import cupy
+
+    dev = cupy.cuda.runtime.getDevice()
+    key = (dev, spec)
+    fn = _FUNCS.get(key)
+    if fn is None:
+        mod = cupy.RawModule(code=build_source(spec.file, [spec]), options=NVRTC_OPTIONS)
+        _MODULES[key] = mod
+        fn = mod.get_function(spec.name)
+        _FUNCS[key] = fn
+    return fn
+
+
+def _nvrtc():
+    import cupy
+
+    return cupy.cuda.nvrtc
+
+
+def compile_source(source: str, name: str, arch: str, extra: tuple[str, ...] = ()) -> str:
+    """Compile ``source`` with NVRTC for ``arch`` (e.g. ``"sm_90"``); return the PTX.
+
+    Raises ``RuntimeError`` with the compiler log when the compile fails.
+    """
+    nvrtc = _nvrtc()
+    prog = nvrtc.createProgram(source, name, (), ())
+    try:
+        opts = NVRTC_OPTIONS + (f"--gpu-architecture={arch.replace('sm_', 'compute_')}",) + extra
+        try:
+            nvrtc.compileProgram(prog, opts)
+        except nvrtc.NVRTCError as exc:
+            raise RuntimeError(f"NVRTC failed on {name} for {arch}:\n"
+                               f"{nvrtc.getProgramLog(prog)}") from exc
+        return nvrtc.getPTX(prog).decode() if isinstance(nvrtc.getPTX(prog), bytes) \
+            else nvrtc.getPTX(prog)
+    finally:
+        nvrtc.destroyProgram(prog)
+
+
+def compile_all(arch: str = "sm_90", specs: list[Spec] | None = None) -> dict[str, str]:
+    """Compile every specialization for ``arch`` without a GPU (one NVRTC call per file).
+
+    Returns ``{file: ptx}``.  Raises ``RuntimeError`` with the compiler log on failure
+    and ``RuntimeError`` if a kernel is missing from the PTX.
+    """
+    specs = all_specs() if specs is None else specs
+    by_file: dict[str, list[Spec]] = {}
+    for s in specs:
+        by_file.setdefault(s.file, []).append(s)
+    out: dict[str, str] = {}
+    for file, group in sorted(by_file.items()):
+        ptx = compile_source(build_source(file, group), file, arch)
+        for s in group:
+            if f".entry {s.name}(" not in ptx:
+                raise RuntimeError(f"kernel {s.name} missing from the PTX of {file}")
+        out[file] = ptx
+    return out

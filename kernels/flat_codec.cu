@@ -1,0 +1,73 @@
+// fp4cache: flat NVFP4 quantize / dequantize of a [N, D] matrix.
+//
+// Row-major in and out: data [N, D/2] (element 2i in the low nibble), scales
+// [N, D/16] (one E4M3 byte per 16-value group).  One thread per group; gid runs
+// over the N*D/16 groups in memory order, so group gid reads values
+// [16*gid, 16*gid + 16), writes data bytes [8*gid, 8*gid + 8) and scale byte gid.
+#include "fp4_common.cuh"
+
+template <typename T, int RULE, bool VEC>
+FP4C_DEVICE void quantize_impl(const void* __restrict__ x, u8* __restrict__ data,
+                               u8* __restrict__ scales, u64* __restrict__ stats, u64 total,
+                               float s, float g) {
+  const u64 gid = (u64)blockIdx.x * blockDim.x + threadIdx.x;
+  if (gid >= total) return;
+  Group16 xs;
+  load_group<T, VEC>((const char*)x + gid * 16 * T::kBytes, xs);
+  const Encoded16 e = encode_group<RULE>(xs, s, g);
+  if (e.nonfinite && stats != nullptr) atomicAdd(stats, 1ull);
+  if (VEC) {
+    U32x2 a;
+    a.x = e.lo;
+    a.y = e.hi;
+    *(U32x2*)(data + gid * 8) = a;
+  } else {
+#pragma unroll
+    for (int b = 0; b < 4; ++b) {
+      data[gid * 8 + b] = (u8)(e.lo >> (8 * b));
+      data[gid * 8 + 4 + b] = (u8)(e.hi >> (8 * b));
+    }
+  }
+  scales[gid] = (u8)e.scale;
+}
+
+#define FP4C_QUANTIZE_KERNEL(NAME, T, RULE, VEC)                                       \
+  extern "C" __global__ void __launch_bounds__(256)                                    \
+      NAME(const void* __restrict__ x, u8* __restrict__ data, u8* __restrict__ scales, \
+           u64* __restrict__ stats, u64 total, float s, float g) {                     \
+    quantize_impl<T, RULE, VEC>(x, data, scales, stats, total, s, g);                  \
+  }
+
+template <typename T, bool VEC>
+FP4C_DEVICE void dequantize_impl(const u8* __restrict__ data, const u8* __restrict__ scales,
+                                 void* __restrict__ out, u64 total, float s) {
+  const u64 gid = (u64)blockIdx.x * blockDim.x + threadIdx.x;
+  if (gid >= total) return;
+  u32 lo, hi;
+  if (VEC) {
+    const U32x2 a = ldg8(data + gid * 8);
+    lo = a.x;
+    hi = a.y;
+  } else {
+    lo = hi = 0u;
+#pragma unroll
+    for (int b = 0; b < 4; ++b) {
+      lo |= (u32)data[gid * 8 + b] << (8 * b);
+      hi |= (u32)data[gid * 8 + 4 + b] << (8 * b);
+    }
+  }
+  float v[16];
+  decode_group(lo, hi, scales[gid], s, v);
+  store_group<T, VEC>((char*)out + gid * 16 * T::kBytes, v);
+}
+
+#define FP4C_DEQUANTIZE_KERNEL(NAME, T, VEC)                                                  \
+  extern "C" __global__ void __launch_bounds__(256)                                           \
+      NAME(const u8* __restrict__ data, const u8* __restrict__ scales, void* __restrict__ out, \
+           u64 total, float s) {                                                              \
+    dequantize_impl<T, VEC>(data, scales, out, total, s);                                     \
+  }
+
+#ifdef FP4C_INSTANTIATIONS
+FP4C_INSTANTIATIONS
+#endif

@@ -1,0 +1,419 @@
+// fp4cache: device code shared by every kernel.
+//
+// Self-contained on purpose: no CUDA headers, so that NVRTC from a pip-only
+// install (cupy + nvidia-cuda-nvrtc) compiles it.  Every function here mirrors a
+// formula of the numeric contract (NVFP4_SPEC.md, docs/format.md):
+//   - element formats: E2M1 (FP4) and E4M3 (FP8) in software, because sm_80 and
+//     sm_90 have no FP4 conversion instruction;
+//   - the group encoder (static6 / 4over6, spec section 2) with the sequential
+//     float32 error sum, "tie keeps 6", non-finite groups -> scale 0x7F, data 0;
+//   - bf16 / fp16 / fp32 loads (exact widening) and round-to-nearest-even stores.
+// Arithmetic that decides a stored byte or a returned value uses __fmul_rn,
+// __fadd_rn, __fdiv_rn, or __fmaf_rn where the product is exact (so the fused
+// operation rounds exactly like the separate add); the module is also compiled
+// with --fmad=false.
+#pragma once
+
+typedef unsigned char u8;
+typedef unsigned short u16;
+typedef unsigned int u32;
+typedef unsigned long long u64;
+typedef long long i64;
+
+#define FP4C_DEVICE __device__ __forceinline__
+
+struct alignas(16) U32x4 { u32 x, y, z, w; };
+struct alignas(8) U32x2 { u32 x, y; };
+
+// ---------------------------------------------------------------------------
+// Value types.  Each has a raw storage type and converters; T::kPerWord is the
+// number of values in one 32-bit word (loads are done as 16-byte vectors).
+// ---------------------------------------------------------------------------
+struct bf16_t {
+  typedef u16 raw;
+  static constexpr int kBytes = 2;
+};
+struct f16_t {
+  typedef u16 raw;
+  static constexpr int kBytes = 2;
+};
+struct f32_t {
+  typedef u32 raw;
+  static constexpr int kBytes = 4;
+};
+
+FP4C_DEVICE float f16_bits_to_float(u32 h) {
+  float f;
+  asm("{ .reg .b16 t; cvt.u16.u32 t, %1; cvt.f32.f16 %0, t; }" : "=f"(f) : "r"(h));
+  return f;
+}
+
+// Two float32 -> one 32-bit word holding two values (lo = a, hi = b), RNE.
+FP4C_DEVICE u32 pack2(bf16_t, float a, float b) {
+  u32 r;
+  asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(b), "f"(a));
+  return r;
+}
+FP4C_DEVICE u32 pack2(f16_t, float a, float b) {
+  u32 r;
+  asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(b), "f"(a));
+  return r;
+}
+
+// Widen one 32-bit word of raw values to float32 (exact).
+FP4C_DEVICE float lo_of(bf16_t, u32 w) { return __uint_as_float(w << 16); }
+FP4C_DEVICE float hi_of(bf16_t, u32 w) { return __uint_as_float(w & 0xFFFF0000u); }
+FP4C_DEVICE float lo_of(f16_t, u32 w) { return f16_bits_to_float(w & 0xFFFFu); }
+FP4C_DEVICE float hi_of(f16_t, u32 w) { return f16_bits_to_float(w >> 16); }
+
+// Load one raw element (scalar path, any alignment of the element type).
+FP4C_DEVICE float load_one(bf16_t, const void* p) {
+  return __uint_as_float(((u32)*(const u16*)p) << 16);
+}
+FP4C_DEVICE float load_one(f16_t, const void* p) { return f16_bits_to_float(*(const u16*)p); }
+FP4C_DEVICE float load_one(f32_t, const void* p) { return *(const float*)p; }
+
+FP4C_DEVICE void store_one(bf16_t, void* p, float v) { *(u16*)p = (u16)(pack2(bf16_t(), v, 0.0f)); }
+FP4C_DEVICE void store_one(f16_t, void* p, float v) { *(u16*)p = (u16)(pack2(f16_t(), v, 0.0f)); }
+FP4C_DEVICE void store_one(f32_t, void* p, float v) { *(float*)p = v; }
+
+FP4C_DEVICE U32x4 ldg16(const void* p) {
+  U32x4 r;
+  asm volatile("ld.global.nc.v4.u32 {%0, %1, %2, %3}, [%4];"
+               : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w)
+               : "l"(p));
+  return r;
+}
+FP4C_DEVICE U32x2 ldg8(const void* p) {
+  U32x2 r;
+  asm volatile("ld.global.nc.v2.u32 {%0, %1}, [%2];" : "=r"(r.x), "=r"(r.y) : "l"(p));
+  return r;
+}
+
+// ---------------------------------------------------------------------------
+// Group of 16 values: load as float32 plus raw bits for the max / finiteness.
+// ---------------------------------------------------------------------------
+struct Group16 {
+  float x[16];
+  u32 sgn[2];  // sign bits already at their nibble position: bit 4i+3 of sgn[i/8]
+};
+
+// Sign words of 8 values held as 16-bit halves in w[0..3] (element 2j low half of
+// w[j]): gather the high bytes of the even elements and of the odd elements, then
+// move each sign bit to bit 3 / bit 7 of its byte (one byte = two nibbles).
+FP4C_DEVICE u32 signs_from_halves(u32 w0, u32 w1, u32 w2, u32 w3) {
+  const u32 p = __byte_perm(w0, w1, 0x7351);  // [w0.b1, w1.b1, w0.b3, w1.b3]
+  const u32 q = __byte_perm(w2, w3, 0x7351);
+  const u32 even = __byte_perm(p, q, 0x5410);  // high bytes of elements 0,2,4,6
+  const u32 odd = __byte_perm(p, q, 0x7632);   // high bytes of elements 1,3,5,7
+  return ((even >> 4) & 0x08080808u) | (odd & 0x80808080u);
+}
+
+FP4C_DEVICE void signs_from_floats(Group16& g) {
+  u32 s[2] = {0u, 0u};
+#pragma unroll
+  for (int i = 0; i < 16; ++i) s[i >> 3] |= (__float_as_uint(g.x[i]) >> 31) << (4 * (i & 7) + 3);
+  g.sgn[0] = s[0];
+  g.sgn[1] = s[1];
+}
+
+// Vector load of 16 contiguous values (pointer 16-byte aligned).
+FP4C_DEVICE void load_group_vec(bf16_t, const void* p, Group16& g) {
+  const U32x4 a = ldg16(p);
+  const U32x4 b = ldg16((const char*)p + 16);
+  const u32 w[8] = {a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w};
+#pragma unroll
+  for (int i = 0; i < 8; ++i) {
+    g.x[2 * i] = lo_of(bf16_t(), w[i]);
+    g.x[2 * i + 1] = hi_of(bf16_t(), w[i]);
+  }
+  g.sgn[0] = signs_from_halves(w[0], w[1], w[2], w[3]);
+  g.sgn[1] = signs_from_halves(w[4], w[5], w[6], w[7]);
+}
+FP4C_DEVICE void load_group_vec(f16_t, const void* p, Group16& g) {
+  const U32x4 a = ldg16(p);
+  const U32x4 b = ldg16((const char*)p + 16);
+  const u32 w[8] = {a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w};
+#pragma unroll
+  for (int i = 0; i < 8; ++i) {
+    g.x[2 * i] = lo_of(f16_t(), w[i]);
+    g.x[2 * i + 1] = hi_of(f16_t(), w[i]);
+  }
+  g.sgn[0] = signs_from_halves(w[0], w[1], w[2], w[3]);
+  g.sgn[1] = signs_from_halves(w[4], w[5], w[6], w[7]);
+}
+FP4C_DEVICE void load_group_vec(f32_t, const void* p, Group16& g) {
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const U32x4 a = ldg16((const char*)p + 16 * i);
+    g.x[4 * i] = __uint_as_float(a.x);
+    g.x[4 * i + 1] = __uint_as_float(a.y);
+    g.x[4 * i + 2] = __uint_as_float(a.z);
+    g.x[4 * i + 3] = __uint_as_float(a.w);
+  }
+  signs_from_floats(g);
+}
+template <typename T>
+FP4C_DEVICE void load_group_scalar(const void* p, Group16& g) {
+#pragma unroll
+  for (int i = 0; i < 16; ++i) g.x[i] = load_one(T(), (const char*)p + i * T::kBytes);
+  signs_from_floats(g);
+}
+template <typename T, bool VEC>
+FP4C_DEVICE void load_group(const void* p, Group16& g) {
+  if (VEC) {
+    load_group_vec(T(), p, g);
+  } else {
+    load_group_scalar<T>(p, g);
+  }
+}
+
+// Store 16 float32 values rounded to T (RNE), contiguous.
+FP4C_DEVICE void store_group_vec(bf16_t, void* p, const float* v) {
+  U32x4 a, b;
+  a.x = pack2(bf16_t(), v[0], v[1]);
+  a.y = pack2(bf16_t(), v[2], v[3]);
+  a.z = pack2(bf16_t(), v[4], v[5]);
+  a.w = pack2(bf16_t(), v[6], v[7]);
+  b.x = pack2(bf16_t(), v[8], v[9]);
+  b.y = pack2(bf16_t(), v[10], v[11]);
+  b.z = pack2(bf16_t(), v[12], v[13]);
+  b.w = pack2(bf16_t(), v[14], v[15]);
+  ((U32x4*)p)[0] = a;
+  ((U32x4*)p)[1] = b;
+}
+FP4C_DEVICE void store_group_vec(f16_t, void* p, const float* v) {
+  U32x4 a, b;
+  a.x = pack2(f16_t(), v[0], v[1]);
+  a.y = pack2(f16_t(), v[2], v[3]);
+  a.z = pack2(f16_t(), v[4], v[5]);
+  a.w = pack2(f16_t(), v[6], v[7]);
+  b.x = pack2(f16_t(), v[8], v[9]);
+  b.y = pack2(f16_t(), v[10], v[11]);
+  b.z = pack2(f16_t(), v[12], v[13]);
+  b.w = pack2(f16_t(), v[14], v[15]);
+  ((U32x4*)p)[0] = a;
+  ((U32x4*)p)[1] = b;
+}
+FP4C_DEVICE void store_group_vec(f32_t, void* p, const float* v) {
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    U32x4 a;
+    a.x = __float_as_uint(v[4 * i]);
+    a.y = __float_as_uint(v[4 * i + 1]);
+    a.z = __float_as_uint(v[4 * i + 2]);
+    a.w = __float_as_uint(v[4 * i + 3]);
+    ((U32x4*)p)[i] = a;
+  }
+}
+template <typename T, bool VEC>
+FP4C_DEVICE void store_group(void* p, const float* v) {
+  if (VEC) {
+    store_group_vec(T(), p, v);
+  } else {
+#pragma unroll
+    for (int i = 0; i < 16; ++i) store_one(T(), (char*)p + i * T::kBytes, v[i]);
+  }
+}
+
+// ---------------------------------------------------------------------------
+// Element formats
+// ---------------------------------------------------------------------------
+#define FP4C_FLT_MAX 3.40282346638528859812e+38f
+#define FP4C_TWO_M126 1.17549435082228750797e-38f  // 2^-126 (0x00800000)
+#define FP4C_TWO_P126 8.50705917302346158658e+37f  // 2^126
+#define FP4C_TWO_P120 1.32922799578491587290e+36f  // 2^120
+#define FP4C_TWO_P22 4194304.0f
+#define FP4C_C6 0.16666667163372039795f  // fl(1/6) = 0x3E2AAAAB
+#define FP4C_NAN __uint_as_float(0x7FC00000u)
+
+// E4M3 (satfinite, RNE) byte of a float32 v >= 0 (+inf allowed, NaN never passed).
+// Clipping to 448 first then rounding is what ml_dtypes' float8_e4m3fn gives
+// for the clipped value; subnormals (multiples of 2^-9 below 2^-6) are kept.
+FP4C_DEVICE u32 e4m3_encode_nonneg(float v) {
+  v = fminf(v, 448.0f);
+  const u32 u = __float_as_uint(v);
+  if (v < 0.015625f) {  // below 2^-6: subnormal E4M3, step 2^-9
+    // 2^14 has an ulp of 2^-9, so the add rounds v to that grid (RNE); the
+    // integer difference of the bit patterns is the code (0..8; 8 = 2^-6).
+    return __float_as_uint(__fadd_rn(v, 16384.0f)) - 0x46800000u;
+  }
+  // Normal: keep 3 mantissa bits, RNE on the dropped 20 bits.
+  const u32 r = u + 0x7FFFFu + ((u >> 20) & 1u);
+  return (r >> 20) - (120u << 3);
+}
+
+// Float value of an E4M3 byte (0x7F / 0xFF are NaN).
+FP4C_DEVICE float e4m3_decode(u32 b) {
+  const u32 mag = b & 0x7Fu;
+  if (mag == 0x7Fu) return FP4C_NAN;
+  // E4M3 exponent field e maps on float32 exponent field e when scaled by
+  // 2^-120, subnormals included; the multiply by 2^120 is exact.
+  const float f = __fmul_rn(__uint_as_float(mag << 20), FP4C_TWO_P120);
+  return (b & 0x80u) ? -f : f;
+}
+
+// Round a >= 0 (a < 8) to the E2M1 magnitude grid {0,.5,1,1.5,2,3,4,6}, RNE.
+// The add of M*2^22 (M = 2^floor(log2 a), at least 1) leaves exactly one
+// mantissa bit below the leading one (half-steps under 2), rounding to nearest
+// even; the products M*2^22 are exact, so the two FMAs are two exact-product adds.
+// Under 7 it never reaches 8, so no clamp is needed (the caller checks).
+FP4C_DEVICE float e2m1_round_mag(float a) {
+  const float M = fmaxf(__uint_as_float(__float_as_uint(a) & 0x7F800000u), 1.0f);
+  const float q = __fmaf_rn(M, FP4C_TWO_P22, a);
+  return __fmaf_rn(-M, FP4C_TWO_P22, q);
+}
+
+// Code bits of a rounded magnitude r in {0,.5,...,6}: r * 2^-126 is exact and its
+// float32 bit pattern is exactly code << 22 (E2M1's exponent field lands on
+// float32's, 0.5 becoming the subnormal 2^-127).
+FP4C_DEVICE u32 e2m1_mag_code(float r) {
+  return __float_as_uint(__fmul_rn(r, FP4C_TWO_M126)) >> 22;
+}
+
+// Signed E2M1 value of a code's low 4 bits.
+FP4C_DEVICE float e2m1_value(u32 code) {
+  const u32 bits = ((code & 7u) << 22) | ((code & 8u) << 28);
+  return __fmul_rn(__uint_as_float(bits), FP4C_TWO_P126);
+}
+
+// ---------------------------------------------------------------------------
+// Group encoder (spec section 2).
+// ---------------------------------------------------------------------------
+#define FP4C_RULE_STATIC6 0
+#define FP4C_RULE_4OVER6 1
+
+struct Encoded16 {
+  u32 lo, hi;   // 16 nibbles: element 2i low nibble of byte i
+  u32 scale;    // E4M3 byte
+  bool nonfinite;
+};
+
+FP4C_DEVICE float group_abs_max(const Group16& g, bool& nonfinite) {
+  u32 mb = 0;
+#pragma unroll
+  for (int i = 0; i < 16; ++i) mb = max(mb, __float_as_uint(g.x[i]) & 0x7FFFFFFFu);
+  nonfinite = mb >= 0x7F800000u;
+  return __uint_as_float(mb);
+}
+
+// One candidate: scale byte and os for multiplier c.
+FP4C_DEVICE void candidate_scale(float m, float c, float s, float g, u32& sf, float& f, float& os) {
+  sf = e4m3_encode_nonneg(__fmul_rn(g, __fmul_rn(m, c)));
+  f = e4m3_decode(sf);
+  if (f == 0.0f) {
+    os = 0.0f;
+  } else {
+    os = fminf(__fdiv_rn(1.0f, __fmul_rn(f, s)), FP4C_FLT_MAX);
+  }
+}
+
+// Rounded magnitudes r[i] = |e2m1(fl(x_i * os))| for the whole group.
+template <bool CLAMP>
+FP4C_DEVICE void round_group(const Group16& g, float os, float* r) {
+#pragma unroll
+  for (int i = 0; i < 16; ++i) {
+    float a = __fmul_rn(fabsf(g.x[i]), os);
+    if (CLAMP) a = fminf(a, 6.0f);
+    r[i] = e2m1_round_mag(a);
+  }
+}
+
+FP4C_DEVICE void round_group_any(const Group16& g, float m, float os, float* r) {
+  // fl is monotone, so fl(m*os) bounds every fl(|x_i|*os).
+  if (__fmul_rn(m, os) < 7.0f) {
+    round_group<false>(g, os, r);
+  } else {
+    round_group<true>(g, os, r);
+  }
+}
+
+// Sequential float32 sum of squared reconstruction errors.
+FP4C_DEVICE float group_error(const Group16& g, const float* r, float f, float s) {
+  float err = 0.0f;
+#pragma unroll
+  for (int i = 0; i < 16; ++i) {
+    const float xh = __fmul_rn(__fmul_rn(r[i], f), s);
+    const float d = __fsub_rn(xh, fabsf(g.x[i]));
+    err = __fadd_rn(err, __fmul_rn(d, d));
+  }
+  return err;
+}
+
+FP4C_DEVICE void pack_codes(const Group16& g, const float* r, Encoded16& e) {
+  u32 w[2] = {g.sgn[0], g.sgn[1]};
+#pragma unroll
+  for (int i = 0; i < 16; ++i) {
+    // code << 22 moved to bit 4*(i%8)
+    const u32 c = __float_as_uint(__fmul_rn(r[i], FP4C_TWO_M126));
+    const int sh = 4 * (i & 7);
+    w[i >> 3] |= sh <= 22 ? (c >> (22 - sh)) : (c << (sh - 22));
+  }
+  e.lo = w[0];
+  e.hi = w[1];
+}
+
+template <int RULE>
+FP4C_DEVICE Encoded16 encode_group(const Group16& g, float s, float gm) {
+  Encoded16 e;
+  bool nonfinite;
+  const float m = group_abs_max(g, nonfinite);
+  e.nonfinite = nonfinite;
+  if (nonfinite) {
+    e.lo = 0u;
+    e.hi = 0u;
+    e.scale = 0x7Fu;
+    return e;
+  }
+  u32 sf6;
+  float f6, os6;
+  candidate_scale(m, FP4C_C6, s, gm, sf6, f6, os6);
+  float r6[16];
+  round_group_any(g, m, os6, r6);
+  if (RULE == FP4C_RULE_4OVER6) {
+    u32 sf4;
+    float f4, os4;
+    candidate_scale(m, 0.25f, s, gm, sf4, f4, os4);
+    float r4[16];
+    round_group_any(g, m, os4, r4);
+    const float err6 = group_error(g, r6, f6, s);
+    const float err4 = group_error(g, r4, f4, s);
+    const bool use4 = err4 < err6;  // a tie keeps 6
+#pragma unroll
+    for (int i = 0; i < 16; ++i) r6[i] = use4 ? r4[i] : r6[i];
+    e.scale = use4 ? sf4 : sf6;
+  } else {
+    e.scale = sf6;
+  }
+  pack_codes(g, r6, e);
+  return e;
+}
+
+// Decode 16 codes (two words) with scale byte sf and multiplier s into v[16].
+FP4C_DEVICE void decode_group(u32 lo, u32 hi, u32 sf, float s, float* v) {
+  const float f = e4m3_decode(sf);
+#pragma unroll
+  for (int i = 0; i < 16; ++i) {
+    const u32 w = (i < 8) ? lo : hi;
+    const u32 code = (w >> (4 * (i & 7))) & 0xFu;
+    v[i] = __fmul_rn(__fmul_rn(e2m1_value(code), f), s);
+  }
+}
+
+// ---------------------------------------------------------------------------
+// Integer helpers
+// ---------------------------------------------------------------------------
+// Unsigned division by a run-time constant d < 2^31 (Granlund-Montgomery):
+// q = (umulhi(n, m) + n) >> s with s = ceil(log2 d), m = floor(2^32 (2^s - d) / d) + 1.
+struct FastDiv {
+  u32 d, m, s;
+};
+FP4C_DEVICE u32 fdiv(u32 n, const FastDiv& f) {
+  return (u32)(((u64)__umulhi(n, f.m) + n) >> f.s);
+}
+
+// Byte offset of scale (r, s) in cuBLAS' 128x4 blocked order (spec section 5).
+FP4C_DEVICE i64 blocked_scale_offset(i64 r, u32 s, u32 scales_per_row) {
+  const i64 tile = (r >> 7) * (i64)(scales_per_row >> 2) + (s >> 2);
+  return tile * 512 + (r & 31) * 16 + ((r & 127) >> 5) * 4 + (s & 3);
+}

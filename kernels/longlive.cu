@@ -1,0 +1,164 @@
+// fp4cache: LongLive blocked layout (spec section 5).
+//
+//   amax:      max |x| of one block into amax[0] (float32 bits, atomicMax; the
+//              host zeroes it first).  Any NaN/Inf makes it NaN (0x7FC00000, which
+//              is above every finite bit pattern and +inf).
+//   quantize:  one thread per group of the Rp x D/16 padded grid; the block's
+//              scalars come from amax on the device: g = min(fl(6M/amax), FLT_MAX),
+//              s = fl(amax * fl(1/(6M))).  amax == 0 writes zeros; a non-finite
+//              amax writes scale 0x7F and zero data for every real row.  Padding
+//              rows (r >= Tb*H) are zero.  Scales go to the 128x4 blocked order.
+//   decode:    blocks given by three device pointer tables (values, scales, amax);
+//              out[(b*R + r), g*16 ...] = fl(fl(v*sf) * fl(amax * inv_denom)).
+#include "fp4_common.cuh"
+
+template <typename T, bool VEC>
+FP4C_DEVICE void amax_impl(const void* __restrict__ x, u32* __restrict__ amax, u64 n) {
+  // Each thread covers 8 values (16 bytes for bf16/f16, 32 for f32) per step.
+  u32 mb = 0u;
+  const u64 stride = (u64)gridDim.x * blockDim.x;
+  const u64 nchunks = n / 8;
+  for (u64 c = (u64)blockIdx.x * blockDim.x + threadIdx.x; c < nchunks; c += stride) {
+    const char* p = (const char*)x + c * 8 * T::kBytes;
+    if constexpr (VEC && T::kBytes == 2) {
+      const U32x4 a = ldg16(p);
+      const u32 w[4] = {a.x, a.y, a.z, a.w};
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        mb = max(mb, __float_as_uint(lo_of(T(), w[e])) & 0x7FFFFFFFu);
+        mb = max(mb, __float_as_uint(hi_of(T(), w[e])) & 0x7FFFFFFFu);
+      }
+    } else if constexpr (VEC) {
+      const U32x4 a = ldg16(p);
+      const U32x4 b = ldg16(p + 16);
+      const u32 w[8] = {a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w};
+#pragma unroll
+      for (int e = 0; e < 8; ++e) mb = max(mb, w[e] & 0x7FFFFFFFu);
+    } else {
+#pragma unroll
+      for (int e = 0; e < 8; ++e)
+        mb = max(mb, __float_as_uint(load_one(T(), p + e * T::kBytes)) & 0x7FFFFFFFu);
+    }
+  }
+  // tail
+  const u64 tid = (u64)blockIdx.x * blockDim.x + threadIdx.x;
+  if (tid < n - nchunks * 8) {
+    const char* p = (const char*)x + (nchunks * 8 + tid) * T::kBytes;
+    mb = max(mb, __float_as_uint(load_one(T(), p)) & 0x7FFFFFFFu);
+  }
+  if (mb >= 0x7F800000u) mb = 0x7FC00000u;
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) mb = max(mb, __shfl_xor_sync(0xFFFFFFFFu, mb, o));
+  __shared__ u32 warp_max[32];
+  const u32 lane = threadIdx.x & 31u, warp = threadIdx.x >> 5;
+  if (lane == 0) warp_max[warp] = mb;
+  __syncthreads();
+  if (warp == 0) {
+    mb = lane < (blockDim.x >> 5) ? warp_max[lane] : 0u;
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) mb = max(mb, __shfl_xor_sync(0xFFFFFFFFu, mb, o));
+    if (lane == 0 && mb != 0u) atomicMax(amax, mb);
+  }
+}
+
+#define FP4C_AMAX_KERNEL(NAME, T, VEC)                                                    \
+  extern "C" __global__ void __launch_bounds__(256)                                       \
+      NAME(const void* __restrict__ x, u32* __restrict__ amax, u64 n) {                   \
+    amax_impl<T, VEC>(x, amax, n);                                                        \
+  }
+
+template <typename T, int RULE, bool VEC>
+FP4C_DEVICE void ll_quantize_impl(const void* __restrict__ x, const float* __restrict__ amax,
+                                  u8* __restrict__ values, u8* __restrict__ sf, u32 total,
+                                  u32 rows, FastDiv fG) {
+  const u32 gid = blockIdx.x * blockDim.x + threadIdx.x;
+  if (gid >= total) return;
+  const u32 r = fdiv(gid, fG);
+  const u32 g = gid - r * fG.d;
+  const u32 G = fG.d;
+  const float am = amax[0];
+  Encoded16 e;
+  e.lo = e.hi = e.scale = 0u;
+  if (r < rows) {
+    if (!(am <= FP4C_FLT_MAX)) {  // NaN or inf: the whole block decodes to NaN
+      e.scale = 0x7Fu;
+    } else if (am != 0.0f) {
+      const float M6 = RULE == FP4C_RULE_4OVER6 ? 1536.0f : 2688.0f;        // fl(6*M)
+      // fl(1/1536) and fl(1/2688)
+      const float inv6M = __uint_as_float(RULE == FP4C_RULE_4OVER6 ? 0x3A2AAAABu : 0x39C30C31u);
+      const float gm = fminf(__fdiv_rn(M6, am), FP4C_FLT_MAX);
+      const float s = __fmul_rn(am, inv6M);
+      Group16 xs;
+      load_group<T, VEC>((const char*)x + (u64)gid * 16 * T::kBytes, xs);
+      e = encode_group<RULE>(xs, s, gm);
+    }
+  }
+  if (VEC) {
+    U32x2 a;
+    a.x = e.lo;
+    a.y = e.hi;
+    *(U32x2*)(values + (u64)gid * 8) = a;
+  } else {
+#pragma unroll
+    for (int b = 0; b < 4; ++b) {
+      values[(u64)gid * 8 + b] = (u8)(e.lo >> (8 * b));
+      values[(u64)gid * 8 + 4 + b] = (u8)(e.hi >> (8 * b));
+    }
+  }
+  sf[blocked_scale_offset(r, g, G)] = (u8)e.scale;
+}
+
+#define FP4C_LL_QUANTIZE_KERNEL(NAME, T, RULE, VEC)                                            \
+  extern "C" __global__ void __launch_bounds__(256)                                            \
+      NAME(const void* __restrict__ x, const float* __restrict__ amax, u8* __restrict__ values, \
+           u8* __restrict__ sf, u32 total, u32 rows, u32 gd, u32 g_m, u32 g_s) {                \
+    ll_quantize_impl<T, RULE, VEC>(x, amax, values, sf, total, rows, FastDiv{gd, g_m, g_s});   \
+  }
+
+template <typename T, bool VEC>
+FP4C_DEVICE void ll_decode_impl(const u64* __restrict__ value_ptrs,
+                                const u64* __restrict__ sf_ptrs,
+                                const u64* __restrict__ amax_ptrs, void* __restrict__ out,
+                                u32 total, FastDiv fRG, FastDiv fG, float inv_denom) {
+  const u32 gid = blockIdx.x * blockDim.x + threadIdx.x;
+  if (gid >= total) return;
+  const u32 b = fdiv(gid, fRG);
+  const u32 rem = gid - b * fRG.d;
+  const u32 r = fdiv(rem, fG);
+  const u32 g = rem - r * fG.d;
+  const u32 G = fG.d;
+  const u8* vals = (const u8*)value_ptrs[b];
+  const u8* sfs = (const u8*)sf_ptrs[b];
+  const float am = *(const float*)amax_ptrs[b];
+  const u8* p = vals + (u64)rem * 8;
+  u32 lo, hi;
+  if ((((u64)p) & 7u) == 0u) {
+    const U32x2 a = ldg8(p);
+    lo = a.x;
+    hi = a.y;
+  } else {
+    lo = hi = 0u;
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      lo |= (u32)p[e] << (8 * e);
+      hi |= (u32)p[4 + e] << (8 * e);
+    }
+  }
+  const u32 sfb = sfs[blocked_scale_offset(r, g, G)];
+  float v[16];
+  decode_group(lo, hi, sfb, __fmul_rn(am, inv_denom), v);
+  store_group<T, VEC>((char*)out + (u64)gid * 16 * T::kBytes, v);
+}
+
+#define FP4C_LL_DECODE_KERNEL(NAME, T, VEC)                                                   \
+  extern "C" __global__ void __launch_bounds__(256)                                           \
+      NAME(const u64* __restrict__ value_ptrs, const u64* __restrict__ sf_ptrs,               \
+           const u64* __restrict__ amax_ptrs, void* __restrict__ out, u32 total, u32 rgd,     \
+           u32 rg_m, u32 rg_s, u32 gd, u32 g_m, u32 g_s, float inv_denom) {                   \
+    ll_decode_impl<T, VEC>(value_ptrs, sf_ptrs, amax_ptrs, out, total,                        \
+                           FastDiv{rgd, rg_m, rg_s}, FastDiv{gd, g_m, g_s}, inv_denom);       \
+  }
+
+#ifdef FP4C_INSTANTIATIONS
+FP4C_INSTANTIATIONS
+#endif

@@ -1,0 +1,266 @@
+// fp4cache: paged NVFP4 KV cache kernels (vLLM layout, spec section 4).
+//
+//   store:          K and V of N tokens -> their pages, one launch.  One thread
+//                   encodes one 16-value group of K and the same group of V.
+//   claim/release:  the duplicate-slot pre-pass used for large N (see below).
+//   gather:         pages listed in a device block-id array -> bf16/f16/f32 rows,
+//                   no host sync, no allocation (CUDA-graph capturable).
+//
+// Duplicate slots ("the last occurrence in slot_mapping wins"), chosen per call
+// by the host (dedup argument):
+//   1 = scan:  token i is written only if no j > i has the same slot; each thread
+//              scans slot_mapping[i+1:N] (used for small N, e.g. decode steps);
+//   2 = claim: a pre-pass does atomicMax(claim[slot], i + 1) for every valid
+//              token; the store writes token i only if claim[slot] == i + 1; a
+//              post-pass puts claim[slot] back to 0.  claim is a zeroed uint32
+//              table of >= num_slots entries owned by the backend (per device and
+//              stream).  Three launches, no host sync, deterministic.
+#include "fp4_common.cuh"
+
+#define FP4C_LAYOUT_HND 0
+#define FP4C_LAYOUT_NHD 1
+
+struct PageGeom {
+  u32 H, T, G;   // heads, tokens per page, groups (= scales) per row
+  u32 nhd;       // 0 = HND, 1 = NHD
+  u32 swizzle;   // V scales swizzled (trtllm-gen)
+};
+
+// Row index of (t, h) inside one side.
+FP4C_DEVICE u32 row_index(u32 t, u32 h, u32 H, u32 T, u32 nhd) {
+  return nhd ? t * H + h : h * T + t;
+}
+
+template <typename SlotT>
+FP4C_DEVICE i64 load_slot(const void* p, i64 i) {
+  return (i64)((const SlotT*)p)[i];
+}
+
+// slot -> (page, t).  Slots below 2^31 use the fast divider.
+FP4C_DEVICE void split_slot(i64 slot, const FastDiv& fT, u64& page, u32& t) {
+  if (slot < 0x7FFFFFFFll) {
+    const u32 p = fdiv((u32)slot, fT);
+    page = p;
+    t = (u32)slot - p * fT.d;
+  } else {
+    page = (u64)slot / fT.d;
+    t = (u32)((u64)slot - page * fT.d);
+  }
+}
+
+// ---------------------------------------------------------------------------
+// store
+// ---------------------------------------------------------------------------
+template <typename T, int RULE, typename SlotT, bool VEC>
+FP4C_DEVICE void store_impl(
+    u8* __restrict__ buffer, const void* __restrict__ slots, const void* __restrict__ k,
+    const void* __restrict__ v, u64* __restrict__ stats, const u32* __restrict__ claim,
+    i64 k_tok_stride, i64 k_head_stride, i64 v_tok_stride, i64 v_head_stride,
+    u32 n_tokens, u32 total, FastDiv fHG, FastDiv fG, FastDiv fT, u32 H, u32 nhd, u32 swizzle,
+    i64 num_slots, i64 side_bytes, i64 data_bytes, u32 dedup, float k_s, float k_g, float v_s,
+    float v_g) {
+  const u32 gid = blockIdx.x * blockDim.x + threadIdx.x;
+  if (gid >= total) return;
+  const u32 i = fdiv(gid, fHG);
+  const u32 rem = gid - i * fHG.d;
+  const u32 h = fdiv(rem, fG);
+  const u32 g = rem - h * fG.d;
+  const u32 G = fG.d;
+
+  const i64 slot = load_slot<SlotT>(slots, i);
+  if (slot < 0) return;
+  if (slot >= num_slots) {
+    if (rem == 0) atomicAdd(stats + 2, 1ull);
+    return;
+  }
+  if (dedup == 1) {
+    for (u32 j = i + 1; j < n_tokens; ++j) {
+      if (load_slot<SlotT>(slots, j) == slot) return;
+    }
+  } else if (dedup == 2) {
+    if (claim[slot] != i + 1) return;
+  }
+
+  // Issue all loads before any arithmetic.
+  Group16 xk, xv;
+  const char* pk = (const char*)k + (i * k_tok_stride + h * k_head_stride + g * 16) * T::kBytes;
+  const char* pv = (const char*)v + (i * v_tok_stride + h * v_head_stride + g * 16) * T::kBytes;
+  load_group<T, VEC>(pk, xk);
+  load_group<T, VEC>(pv, xv);
+
+  u64 page;
+  u32 t;
+  split_slot(slot, fT, page, t);
+  const u32 Tn = fT.d;
+  const u32 row = row_index(t, h, H, Tn, nhd);
+  u8* kside = buffer + page * (u64)(2 * side_bytes);
+  u8* vside = kside + side_bytes;
+  const u64 doff = (u64)row * (G * 8) + g * 8;
+  const u64 ksoff = (u64)data_bytes + (u64)row * G + g;
+  u64 vsoff = ksoff;
+  if (swizzle) {
+    const u32 q = G >> 2;
+    const u32 ts = (t & ~3u) + g / q;
+    const u32 ss = (g % q) * 4 + (t & 3u);
+    vsoff = (u64)data_bytes + (u64)row_index(ts, h, H, Tn, nhd) * G + ss;
+  }
+
+  const Encoded16 ek = encode_group<RULE>(xk, k_s, k_g);
+  const Encoded16 ev = encode_group<RULE>(xv, v_s, v_g);
+  if (ek.nonfinite) atomicAdd(stats + 0, 1ull);
+  if (ev.nonfinite) atomicAdd(stats + 1, 1ull);
+
+  if (VEC) {
+    U32x2 a;
+    a.x = ek.lo;
+    a.y = ek.hi;
+    *(U32x2*)(kside + doff) = a;
+    a.x = ev.lo;
+    a.y = ev.hi;
+    *(U32x2*)(vside + doff) = a;
+  } else {
+#pragma unroll
+    for (int b = 0; b < 4; ++b) {
+      kside[doff + b] = (u8)(ek.lo >> (8 * b));
+      kside[doff + 4 + b] = (u8)(ek.hi >> (8 * b));
+      vside[doff + b] = (u8)(ev.lo >> (8 * b));
+      vside[doff + 4 + b] = (u8)(ev.hi >> (8 * b));
+    }
+  }
+  kside[ksoff] = (u8)ek.scale;
+  vside[vsoff] = (u8)ev.scale;
+}
+
+#define FP4C_STORE_PARAMS                                                                        \
+  u8 *__restrict__ buffer, const void *__restrict__ slots, const void *__restrict__ k,            \
+      const void *__restrict__ v, u64 *__restrict__ stats, const u32 *__restrict__ claim,         \
+      i64 k_tok_stride, i64 k_head_stride, i64 v_tok_stride, i64 v_head_stride, u32 n_tokens,     \
+      u32 total, u32 hg, u32 hg_m, u32 hg_s, u32 gd, u32 g_m, u32 g_s, u32 td, u32 t_m, u32 t_s, \
+      u32 H, u32 nhd, u32 swizzle, i64 num_slots, i64 side_bytes, i64 data_bytes, u32 dedup,      \
+      float k_s, float k_g, float v_s, float v_g
+
+#define FP4C_STORE_ARGS                                                                        \
+  buffer, slots, k, v, stats, claim, k_tok_stride, k_head_stride, v_tok_stride, v_head_stride, \
+      n_tokens, total, FastDiv{hg, hg_m, hg_s}, FastDiv{gd, g_m, g_s}, FastDiv{td, t_m, t_s},  \
+      H, nhd, swizzle, num_slots, side_bytes, data_bytes, dedup, k_s, k_g, v_s, v_g
+
+// NAME, value type, rule, slot type, vectorized loads/stores
+#define FP4C_STORE_KERNEL(NAME, T, RULE, SLOT, VEC)                               \
+  extern "C" __global__ void __launch_bounds__(256) NAME(FP4C_STORE_PARAMS) {     \
+    store_impl<T, RULE, SLOT, VEC>(FP4C_STORE_ARGS);                              \
+  }
+
+// ---------------------------------------------------------------------------
+// claim / release (dedup mode 2)
+// ---------------------------------------------------------------------------
+template <typename SlotT>
+FP4C_DEVICE void claim_impl(const void* __restrict__ slots, u32* __restrict__ claim,
+                            u32 n_tokens, i64 num_slots, u32 release) {
+  const u32 i = blockIdx.x * blockDim.x + threadIdx.x;
+  if (i >= n_tokens) return;
+  const i64 slot = load_slot<SlotT>(slots, i);
+  if (slot < 0 || slot >= num_slots) return;
+  if (release) {
+    claim[slot] = 0u;
+  } else {
+    atomicMax(claim + slot, i + 1);
+  }
+}
+
+#define FP4C_CLAIM_KERNEL(NAME, SLOT)                                                        \
+  extern "C" __global__ void __launch_bounds__(256)                                          \
+      NAME(const void* __restrict__ slots, u32* __restrict__ claim, u32 n_tokens,            \
+           i64 num_slots, u32 release) {                                                     \
+    claim_impl<SLOT>(slots, claim, n_tokens, num_slots, release);                            \
+  }
+
+// ---------------------------------------------------------------------------
+// gather + dequantize
+// ---------------------------------------------------------------------------
+// One thread decodes group g of row (t, h) of page blocks[i], K and V, into
+// out[(i*T + t), h, g*16 : g*16+16].  gid runs over (i, t, h, g) in output order.
+template <typename T, typename BlockT, bool VEC>
+FP4C_DEVICE void gather_impl(
+    const u8* __restrict__ buffer, const void* __restrict__ blocks, void* __restrict__ out_k,
+    void* __restrict__ out_v, u64* __restrict__ stats, u32 total, FastDiv fG, FastDiv fH,
+    FastDiv fT, u32 nhd, u32 swizzle, i64 num_blocks, i64 side_bytes, i64 data_bytes, float k_s,
+    float v_s) {
+  const u32 gid = blockIdx.x * blockDim.x + threadIdx.x;
+  if (gid >= total) return;
+  const u32 orow = fdiv(gid, fG);  // (i*T + t)*H + h
+  const u32 g = gid - orow * fG.d;
+  const u32 it = fdiv(orow, fH);   // i*T + t
+  const u32 h = orow - it * fH.d;
+  const u32 i = fdiv(it, fT);
+  const u32 t = it - i * fT.d;
+  const u32 G = fG.d, H = fH.d, Tn = fT.d;
+
+  const i64 b = (i64)((const BlockT*)blocks)[i];
+  float vk[16], vv[16];
+  if (b < 0 || b >= num_blocks) {
+    if (t == 0 && h == 0 && g == 0) atomicAdd(stats + 3, 1ull);
+#pragma unroll
+    for (int e = 0; e < 16; ++e) {
+      vk[e] = FP4C_NAN;
+      vv[e] = FP4C_NAN;
+    }
+  } else {
+    const u8* kside = buffer + (u64)b * (u64)(2 * side_bytes);
+    const u8* vside = kside + side_bytes;
+    const u32 row = row_index(t, h, H, Tn, nhd);
+    const u64 doff = (u64)row * (G * 8) + g * 8;
+    const u64 ksoff = (u64)data_bytes + (u64)row * G + g;
+    u64 vsoff = ksoff;
+    if (swizzle) {
+      const u32 q = G >> 2;
+      const u32 ts = (t & ~3u) + g / q;
+      const u32 ss = (g % q) * 4 + (t & 3u);
+      vsoff = (u64)data_bytes + (u64)row_index(ts, h, H, Tn, nhd) * G + ss;
+    }
+    u32 klo, khi, vlo, vhi;
+    if (VEC) {
+      const U32x2 a = ldg8(kside + doff);
+      const U32x2 c = ldg8(vside + doff);
+      klo = a.x;
+      khi = a.y;
+      vlo = c.x;
+      vhi = c.y;
+    } else {
+      klo = khi = vlo = vhi = 0u;
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        klo |= (u32)kside[doff + e] << (8 * e);
+        khi |= (u32)kside[doff + 4 + e] << (8 * e);
+        vlo |= (u32)vside[doff + e] << (8 * e);
+        vhi |= (u32)vside[doff + 4 + e] << (8 * e);
+      }
+    }
+    const u32 ksf = kside[ksoff];
+    const u32 vsf = vside[vsoff];
+    decode_group(klo, khi, ksf, k_s, vk);
+    decode_group(vlo, vhi, vsf, v_s, vv);
+  }
+  const u64 o = (u64)gid * 16 * T::kBytes;
+  store_group<T, VEC>((char*)out_k + o, vk);
+  store_group<T, VEC>((char*)out_v + o, vv);
+}
+
+#define FP4C_GATHER_PARAMS                                                                   \
+  const u8 *__restrict__ buffer, const void *__restrict__ blocks, void *__restrict__ out_k,   \
+      void *__restrict__ out_v, u64 *__restrict__ stats, u32 total, u32 gd, u32 g_m, u32 g_s, \
+      u32 hd, u32 h_m, u32 h_s, u32 td, u32 t_m, u32 t_s, u32 nhd, u32 swizzle,              \
+      i64 num_blocks, i64 side_bytes, i64 data_bytes, float k_s, float v_s
+
+#define FP4C_GATHER_ARGS                                                                    \
+  buffer, blocks, out_k, out_v, stats, total, FastDiv{gd, g_m, g_s}, FastDiv{hd, h_m, h_s}, \
+      FastDiv{td, t_m, t_s}, nhd, swizzle, num_blocks, side_bytes, data_bytes, k_s, v_s
+
+// NAME, output value type, block-id type, vectorized
+#define FP4C_GATHER_KERNEL(NAME, T, BLOCK, VEC)                                   \
+  extern "C" __global__ void __launch_bounds__(256) NAME(FP4C_GATHER_PARAMS) {    \
+    gather_impl<T, BLOCK, VEC>(FP4C_GATHER_ARGS);                                 \
+  }
+
+#ifdef FP4C_INSTANTIATIONS
+FP4C_INSTANTIATIONS
+#endif
