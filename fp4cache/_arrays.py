@@ -129,7 +129,9 @@ def check_scale(value, name: str) -> np.float32:
         f = float(value)
     except (TypeError, ValueError):
         raise TypeError(f"{name} must be a positive finite number, got {value!r}") from None
-    if not math.isfinite(f) or f <= 0 or not np.float32(f) > 0 or not np.isfinite(np.float32(f)):
+    with np.errstate(over="ignore"):
+        f32 = np.float32(f)
+    if not math.isfinite(f) or f <= 0 or not f32 > 0 or not np.isfinite(f32):
         raise ValueError(f"{name} must be a positive finite float32 number, got {value!r}")
     return np.float32(f)
 

@@ -270,7 +270,8 @@ class PagedKVCache:
         if out is not None:
             if not isinstance(out, (tuple, list)) or len(out) != 2:
                 raise TypeError("out must be a tuple (k_out, v_out)")
-            dt = resolve_dtype(out[0].dtype if dtype is None else dtype, name="dtype")
+            dt = (resolve_dtype(out[0].dtype, name="out[0].dtype") if dtype is None
+                  else resolve_dtype(dtype, name="dtype"))
             out_k = _arrays.check_out(out[0], "out[0]", shape, dt, be)
             out_v = _arrays.check_out(out[1], "out[1]", shape, dt, be)
         else:
