@@ -252,8 +252,7 @@ def _num_sms() -> int:
     dev = cupy.cuda.runtime.getDevice()
     n = _SMS.get(dev)
     if n is None:
-        n = cupy.cuda.runtime.deviceGetAttribute(
-            cupy.cuda.runtime.cudaDevAttrMultiProcessorCount, dev)
+        n = int(cupy.cuda.Device(dev).attributes["MultiProcessorCount"])
         _SMS[dev] = n
     return n
 

@@ -53,6 +53,13 @@ def same_values(gpu, ref, what=""):
                            f"gpu {g.reshape(-1)[bad[:5]]} ref {ref.reshape(-1)[bad[:5]]}")
 
 
+def poisoned(shape, dtype):
+    """Device array filled with a recognizable non-zero pattern (no float kernel)."""
+    a = cp.empty(shape, dtype)
+    a.view(_UINT[np.dtype(dtype).itemsize]).fill(0x7E7E)
+    return a
+
+
 def same_bytes(gpu, ref, what=""):
     g = cp.asnumpy(gpu)
     bad = np.flatnonzero(g.reshape(-1) != ref.reshape(-1))
@@ -127,19 +134,19 @@ def _layout_case(rng, dtype, H, D, n, noncontig):
     if noncontig == "none":
         kd = cp.asarray(k)
     elif noncontig == "head_pad":  # head stride D + 16
-        big = cp.zeros((n, H, D + 16), dtype=dtype)
-        big[:, :, :D] = cp.asarray(k)
-        kd = big[:, :, :D]
+        big = np.zeros((n, H, D + 16), dtype=dtype)
+        big[:, :, :D] = k
+        kd = cp.asarray(big)[:, :, :D]
     elif noncontig == "transposed":  # [H, N, D] storage
-        kd = cp.ascontiguousarray(cp.asarray(k).transpose(1, 0, 2)).transpose(1, 0, 2)
+        kd = cp.asarray(np.ascontiguousarray(k.transpose(1, 0, 2))).transpose(1, 0, 2)
     elif noncontig == "token_step":  # every other token of a bigger array
-        big = cp.zeros((2 * n, H, D), dtype=dtype)
-        big[::2] = cp.asarray(k)
-        kd = big[::2]
+        big = np.zeros((2 * n, H, D), dtype=dtype)
+        big[::2] = k
+        kd = cp.asarray(big)[::2]
     elif noncontig == "unaligned":  # data pointer off 16-byte alignment
-        flat = cp.zeros(n * H * D + 1, dtype=dtype)
-        kd = flat[1:].reshape(n, H, D)
-        kd[...] = cp.asarray(k)
+        flat = np.zeros(n * H * D + 1, dtype=dtype)
+        flat[1:] = k.reshape(-1)
+        kd = cp.asarray(flat)[1:].reshape(n, H, D)
     else:
         raise AssertionError(noncontig)
     return k, kd
@@ -220,7 +227,7 @@ def test_store_and_gather_match_numpy(case):
     st_ref = np.zeros(4, np.uint64)
     ks, vs = np.float32(0.75), np.float32(1.5)
     nb.gather_dequant(buf_ref, blocks, rk, rv, geom=geom, k_s=ks, v_s=vs, stats=st_ref)
-    gk, gv = cp.full(shape, 7, out_dt), cp.full(shape, 7, out_dt)
+    gk, gv = poisoned(shape, out_dt), poisoned(shape, out_dt)
     st = cp.zeros(4, cp.uint64)
     cb.gather_dequant(buf, cp.asarray(blocks), gk, gv, geom=geom, k_s=ks, v_s=vs, stats=st)
     same_values(gk, rk, "out_k")
@@ -242,7 +249,7 @@ def test_gather_random_bytes_every_scale_byte(dtype, layout, swizzle):
     s = np.float32(0.37)
     nb.gather_dequant(buf0, blocks, rk, rv, geom=geom, k_s=s, v_s=np.float32(1.0),
                       stats=st_ref)
-    gk, gv = cp.empty(shape, dtype), cp.empty(shape, dtype)
+    gk, gv = poisoned(shape, dtype), poisoned(shape, dtype)
     st = cp.zeros(4, cp.uint64)
     cb.gather_dequant(cp.asarray(buf0), cp.asarray(blocks), gk, gv, geom=geom, k_s=s,
                       v_s=np.float32(1.0), stats=st)
@@ -297,7 +304,7 @@ def test_flat_quantize_dequantize(dtype, rule, scale, D):
     for out_dt in DTYPES:
         ref = np.empty((n, D), out_dt)
         nb.dequantize(data_r, sc_r, s, ref)
-        out = cp.empty((n, D), out_dt)
+        out = poisoned((n, D), out_dt)
         cb.dequantize(data, sc, s, out)
         same_values(out, ref, f"dequantize {out_dt}")
 
@@ -383,7 +390,7 @@ def test_longlive_decode_pointer_tables(dtype, D):
     da = [cp.asarray(a) for a in amax]
     tabs = [cp.asarray(np.array(p, np.uint64)) for p in
             (ptr_v, [a.data.ptr for a in ds], [a.data.ptr for a in da])]
-    out = cp.empty(ref.shape, dtype)
+    out = poisoned(ref.shape, dtype)
     cb.longlive_dequantize(*tabs, out, num_heads=H, block_token_size=Tb, inv_denom=inv)
     same_values(out, ref, "longlive decode")
 
@@ -428,8 +435,8 @@ def test_gather_dequant_cuda_graph_capture_and_replay():
         ids = rng.integers(-1, num_blocks + 1, 6).astype(np.int32)
         buf[...] = cp.asarray(host)
         blocks[...] = cp.asarray(ids)
-        ok.fill(0)
-        ov.fill(0)
+        ok.view(cp.uint16).fill(0)
+        ov.view(cp.uint16).fill(0)
         cp.cuda.get_current_stream().synchronize()
         graph.launch(stream)
         stream.synchronize()
@@ -486,7 +493,7 @@ def test_hypothesis_store_gather(dt, rule, layout, swizzle, H, T, G, n, seed, i6
     shape = (len(blocks) * T, H, D)
     rk, rv = np.empty(shape, dtype), np.empty(shape, dtype)
     nb.gather_dequant(ref, blocks, rk, rv, geom=geom, k_s=s, v_s=s, stats=st_ref)
-    gk, gv = cp.empty(shape, dtype), cp.empty(shape, dtype)
+    gk, gv = poisoned(shape, dtype), poisoned(shape, dtype)
     cb.gather_dequant(buf, cp.asarray(blocks), gk, gv, geom=geom, k_s=s, v_s=s, stats=st)
     same_values(gk, rk, "k")
     same_values(gv, rv, "v")
