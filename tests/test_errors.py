@@ -15,7 +15,7 @@ import ml_dtypes
 import numpy as np
 import nvfp4_ref as ref
 import pytest
-from conftest import DEVICES
+from conftest import DEVICES, gpu_available, requires_gpu
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -178,6 +178,41 @@ def test_out_arrays_untouched_when_refused(device):
     assert np.all(host(ok).astype(F32) == 1) and np.all(host(ov).astype(F32) == 1)
 
 
+@pytest.mark.gpu
+@requires_gpu
+def test_cross_backend_arrays():
+    """K/V/out are never moved between host and device (TypeError); index arrays are."""
+    import cupy
+
+    c = make_ctx("cuda")
+    before = host(c.cache.buffer).copy()
+    kh, vh = host(c.k), host(c.v)
+    with pytest.raises(TypeError, match="k"):
+        c.cache.store(c.slots, kh, c.v)
+    with pytest.raises(TypeError, match="v"):
+        c.cache.store(c.slots, c.k, vh)
+    with pytest.raises(TypeError, match="out"):
+        c.cache.gather_dequant(c.arr([0], np.int64), out=(np.empty((T, H, D), BF16),
+                                                          np.empty((T, H, D), BF16)))
+    np.testing.assert_array_equal(host(c.cache.buffer), before)
+    c.cache.store(host(c.slots), c.k, c.v)  # host index arrays are converted
+    c.cache.store([3, 9, 17, 30, 31], c.k, c.v)
+    k1, _ = c.cache.gather_dequant([0, 1])
+    k2, _ = c.cache.gather_dequant(np.array([0, 1]))
+    assert isinstance(k1, cupy.ndarray)
+    np.testing.assert_array_equal(host(k1).view(np.uint16), host(k2).view(np.uint16))
+    cpu = PagedKVCache(NB, T, H, D, device="cpu")
+    with pytest.raises(TypeError, match="k"):
+        cpu.store(np.arange(5), c.k, vh)
+
+
+@pytest.mark.skipif(gpu_available(), reason="checks the no-GPU error")
+def test_cuda_device_without_gpu_is_a_clear_runtime_error():
+    with pytest.raises(RuntimeError, match="cuda"):
+        PagedKVCache(NB, T, H, D, device="cuda")
+    assert PagedKVCache(NB, T, H, D).device == "cpu"
+
+
 # -- construction ------------------------------------------------------------------------
 CTOR_CASES = [
     ("head-dim-40", dict(head_dim=40, swizzle_v_scales=False), ValueError, "head_dim"),
@@ -336,6 +371,9 @@ def test_nonfinite_groups_decode_to_nan_and_are_counted(device, layout):
     assert np.isnan(gv[12]).all() and np.isnan(gv).sum() == H * D
     assert np.isfinite(gk[13]).all() and np.isfinite(gv[13]).all()
     c.cache.check()
+    assert c.cache.nonfinite_groups == (base[0] + 2, base[1] + H * D // 16)  # cumulative
+    c.cache.store(slots, c.arr(k), c.arr(v))
+    assert c.cache.nonfinite_groups == (base[0] + 4, base[1] + 2 * H * D // 16)
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -350,6 +388,31 @@ def test_duplicates_and_negative_slots(device):
     v = rng.standard_normal((len(slots), H, D)).astype(BF16)
     c.cache.store(c.arr(slots), c.arr(k), c.arr(v))
     model.store(slots, k, v)
+    np.testing.assert_array_equal(host(c.cache.buffer), model.buffer())
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("n", [7, 129, 1000])
+def test_many_duplicates_last_wins(device, n):
+    """Many tokens on few slots (the GPU switches duplicate strategies above 128 tokens)."""
+    c = make_ctx(device, layout="HND", scale_rule="static6")
+    model = ref.PagedModel(NB, T, H, D, layout="HND", scale_rule="static6", k_scale=0.5,
+                           v_scale=2.0)
+    model.store(host(c.slots), host(c.k), host(c.v))
+    rng = np.random.default_rng(n)
+    slots = rng.integers(-2, NB * T, n).astype(np.int32)
+    k = rng.standard_normal((n, H, D)).astype(np.float16)
+    v = rng.standard_normal((n, H, D)).astype(np.float16)
+    k[rng.integers(0, n, 5), 0, 3] = np.nan
+    c.cache.store(c.arr(slots), c.arr(k), c.arr(v))
+    model.store(slots, k, v)
+    np.testing.assert_array_equal(host(c.cache.buffer), model.buffer())
+    # counted: the non-finite groups of the rows actually written (last occurrences)
+    last = {int(sl): i for i, sl in enumerate(slots) if sl >= 0}
+    rows = k[sorted(last.values())]
+    assert c.cache.nonfinite_groups[0] == int(np.isnan(rows[:, 0, :16]).any(axis=1).sum())
+    # a second identical call gives identical bytes (deterministic)
+    c.cache.store(c.arr(slots), c.arr(k), c.arr(v))
     np.testing.assert_array_equal(host(c.cache.buffer), model.buffer())
 
 
@@ -479,6 +542,11 @@ def test_fuzz_store_and_gather(device, call):
     assert not expected, f"expected one of {expected}, the call succeeded"
     model.store(sarr, k, v)
     np.testing.assert_array_equal(host(cache.buffer), model.buffer())
+    last = {int(sl): i for i, sl in enumerate(sarr) if sl >= 0}
+    idx = np.array(sorted(last.values()), dtype=np.int64)
+    counts = tuple(int((~np.isfinite(x[idx].astype(F32).reshape(-1, 16)).all(axis=1)).sum())
+                   for x in (k, v))
+    assert cache.nonfinite_groups == counts
     # gather: out-of-range ids refused (validated), else equal to the model
     barr = np.array(blocks, dtype=np.int64)
     if ((barr < 0) | (barr >= geom["num_blocks"])).any():
