@@ -224,6 +224,14 @@ def test_slot_mapping_int32_int64_list_agree():
         bufs.append(c.buffer)
     np.testing.assert_array_equal(bufs[0], bufs[1])
     np.testing.assert_array_equal(bufs[0], bufs[2])
+    strided = np.array([0, -5, 5, -5, 9, -5, 2, -5, 11, -5, 3, -5], np.int64)[::2]
+    c = PagedKVCache(3, 4, 2, 64, device="cpu")
+    c.store(strided, k, v)
+    np.testing.assert_array_equal(c.buffer, bufs[0])
+    blocks = np.array([2, 9, 0, 9, 1], np.int32)[::2]
+    np.testing.assert_array_equal(
+        c.gather_dequant(blocks)[0].view(np.uint16),
+        c.gather_dequant(np.ascontiguousarray(blocks))[0].view(np.uint16))
 
 
 def test_page_bytes_are_contiguous_k_then_v():

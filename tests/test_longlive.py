@@ -207,3 +207,15 @@ def test_longlive_equals_paged_cache_values():
     assert g == ref.encode_multiplier(s)  # true for this seed's amax (not for every amax)
     d, sc = fp4cache.quantize(x, scale=float(s))
     np.testing.assert_array_equal(vals[:Tb * H], d.reshape(Tb * H, D // 2))
+
+
+def test_quantize_block_non_contiguous_input():
+    rng = np.random.default_rng(7)
+    big = rng.standard_normal((4, 16, 256)).astype(BF16)  # [H, Tb, 2D]
+    x = big.transpose(1, 0, 2)[:, :, ::2]  # [Tb, H, D=128], no unit stride anywhere
+    got = longlive.quantize_block(x)
+    want = longlive.quantize_block(np.ascontiguousarray(x))
+    for a, b in zip(got, want):
+        np.testing.assert_array_equal(a, b)
+    for a, b in zip(got, ref_quantize_block(np.ascontiguousarray(x), "4over6")):
+        np.testing.assert_array_equal(a, b)

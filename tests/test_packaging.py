@@ -77,7 +77,7 @@ def test_wheel_installs_and_ships_kernels(tmp_path):
     installed = Path(info["file"]).resolve()
     assert installed.is_relative_to(venv.resolve()), installed
     assert not installed.is_relative_to(REPO), installed
-    assert info["version"] == "0.1.0"
+    assert info["version"] == __import__("fp4cache").__version__
     assert info["round_trip"] == [[6.0] * 16]
     want = repo_kernel_sources()
     if not want:
@@ -86,3 +86,20 @@ def test_wheel_installs_and_ships_kernels(tmp_path):
     assert Path(info["kernel_dir"]).resolve().is_relative_to(venv.resolve())
     if (REPO / "fp4cache" / "_kernels.py").exists():
         assert Path(info["loader_dir"]).resolve() == Path(info["kernel_dir"]).resolve()
+
+
+def test_public_api_and_version():
+    import fp4cache
+
+    for name in ("quantize", "dequantize", "PagedKVCache", "PageGeometry", "longlive",
+                 "formats", "layout", "gpu_available", "__version__"):
+        assert hasattr(fp4cache, name), name
+        assert name in fp4cache.__all__, name
+    assert callable(fp4cache.longlive.quantize_block)
+    assert callable(fp4cache.longlive.dequantize)
+    try:
+        import tomllib
+    except ImportError:  # Python 3.10
+        pytest.skip("tomllib needs Python 3.11")
+    meta = tomllib.loads((REPO / "pyproject.toml").read_text())
+    assert fp4cache.__version__ == meta["project"]["version"]
