@@ -46,6 +46,10 @@ __all__ = [
 
 #: Options of every compile: C++17, no FMA contraction (bit-exact float32 arithmetic).
 NVRTC_OPTIONS: tuple[str, ...] = ("--std=c++17", "--fmad=false")
+#: What CuPy appends to every NVRTC compile.  The kernels do their float32 arithmetic
+#: in PTX without ``.ftz`` so that this flag cannot flush subnormals; :func:`compile_all`
+#: compiles with it too, to check that no ``.ftz`` instruction is left.
+CUPY_IMPLICIT_OPTIONS: tuple[str, ...] = ("-ftz=true",)
 
 #: Kernel value types: short name -> C++ tag type.
 VALUE_TYPES = {"bf16": "bf16_t", "f16": "f16_t", "f32": "f32_t"}
@@ -260,7 +264,7 @@ def compile_all(arch: str = "sm_90", specs: list[Spec] | None = None) -> dict[st
         by_file.setdefault(s.file, []).append(s)
     out: dict[str, str] = {}
     for file, group in sorted(by_file.items()):
-        ptx = compile_source(build_source(file, group), file, arch)
+        ptx = compile_source(build_source(file, group), file, arch, CUPY_IMPLICIT_OPTIONS)
         for s in group:
             if f".entry {s.name}(" not in ptx:
                 raise RuntimeError(f"kernel {s.name} missing from the PTX of {file}")

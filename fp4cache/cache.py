@@ -45,10 +45,11 @@ class PagedKVCache:
         stream; ``None``: the GPU when one is usable, else the CPU.
     validate : bool, optional
         Check slot ids and block ids on the host before each call, raising
-        ``IndexError`` before anything is written.  Always on for the CPU backend.
-        On the GPU the default is ``False``: no host synchronization on the hot path;
-        out-of-range ids are skipped by the kernels (nothing outside the pool is read
-        or written), counted on the device, and :meth:`check` raises for them.
+        ``IndexError`` before anything is written.  The CPU backend always validates
+        (a per-call ``validate=False`` there reproduces the GPU's deferred behaviour,
+        for tests).  On the GPU the default is ``False``: no host synchronization on the
+        hot path; out-of-range ids are skipped by the kernels (nothing outside the pool
+        is read or written), counted on the device, and :meth:`check` raises for them.
 
     Attributes
     ----------
@@ -160,7 +161,9 @@ class PagedKVCache:
         """Raise ``IndexError`` if earlier calls met out-of-range slots or block ids.
 
         With ``validate=False`` on the GPU, kernels skip such ids and count them; this
-        reads the counters (a host synchronization), clears them and raises.
+        reads the counters (a host synchronization) and, if any is set, clears those two
+        counters and raises.  The non-finite counters are kept (see
+        :meth:`reset_counters`).
         """
         st = self.stats
         if st["bad_slots"] or st["bad_block_ids"]:
@@ -170,6 +173,10 @@ class PagedKVCache:
                 f"({self.num_slots}) and were not stored; {st['bad_block_ids']} block id(s) "
                 f"were outside [0, {self.num_blocks}) and gathered as NaN"
             )
+
+    def reset_counters(self) -> None:
+        """Zero every device-side counter (non-finite groups, bad slots, bad block ids)."""
+        self._stats[...] = 0
 
     def __repr__(self) -> str:
         g = self.geometry

@@ -65,9 +65,9 @@ def quantize(x: Any, scale: float = 1.0, scale_rule: str = "static6"):
     """
     backend = _arrays.backend_of(x)
     x = _arrays.to_backend(x, backend, "x")
-    _arrays.check_values(x, "x", (None,) * max(x.ndim, 1))
     if x.ndim == 0:
         raise ValueError("x must have at least one axis (..., D), got a scalar")
+    _arrays.check_values(x, "x", (None,) * x.ndim)
     d = x.shape[-1]
     if d % GROUP or d == 0:
         raise ValueError(f"x.shape[-1] (D) must be a positive multiple of 16, got {d}")
