@@ -150,14 +150,15 @@ def dequantize_pool(values: Any, scale_factors: Any, amax: Any, block_ids: Any,
     scale_factors : uint8 or float8_e4m3fn, shape (N, Rp*D/16)
     amax : float32, shape (N,) or (N, 1)
     block_ids : int32/int64, shape (n,)
-        Blocks to decode, in output order (must be in ``[0, N)``; on the CPU this is
-        checked, on the GPU an out-of-range id is the caller's error).
+        Blocks to decode, in output order, in ``[0, N)``.  The CPU raises
+        ``IndexError`` for an id outside it; the GPU reads nothing for such an id and
+        writes NaN for its tokens (no host synchronization).
     out : ndarray, optional
         ``(1, n*Tb, H, D)`` output.
 
-    On the GPU this does no host synchronization and no allocation besides the small
-    pointer tables (none with ``out``... except those tables), so it can be captured in
-    a CUDA graph.
+    On the GPU this does no host synchronization, and with ``out`` no allocation other
+    than three small pointer tables computed on the device, so it can be captured in a
+    CUDA graph.
     """
     H, Tb = _check_counts(num_heads, block_token_size)
     backend = _arrays.backend_of(values)
@@ -199,8 +200,13 @@ def dequantize_pool(values: Any, scale_factors: Any, amax: Any, block_ids: Any,
     for name, a in (("values", values), ("scale_factors", scale_factors), ("amax", amax)):
         if not a.flags.c_contiguous:
             raise ValueError(f"{name} must be C-contiguous")
-    idu = ids.astype(np.uint64)
-    ptrs = [np.uint64(a.data.ptr) + idu * np.uint64(a.strides[0] if a.ndim > 1 else 4)
+    import cupy
+
+    valid = (ids >= 0) & (ids < N)
+    idu = cupy.where(valid, ids, 0).astype(np.uint64)
+    # A null pointer marks an out-of-range id: the kernel writes NaN and reads nothing.
+    ptrs = [cupy.where(valid, np.uint64(a.data.ptr) + idu * np.uint64(a.strides[0]),
+                       np.uint64(0))
             for a in (values, scale_factors, amax.reshape(N, 1))]
     impl.longlive_dequantize(*ptrs, out, num_heads=H, block_token_size=Tb, inv_denom=inv)
     return out
