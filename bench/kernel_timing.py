@@ -61,14 +61,18 @@ def rand_bf16(shape, seed):
     return bits.view(BF16)
 
 
-def bench_store(rule, reps, N=65536, H=8, D=128, T=16):
+def bench_store(rule, reps, N=65536, H=8, D=128, T=16, slot_order="contiguous"):
     geom = PageGeometry(H, T, D, "HND", True)
     nblk = N // T
     buf = cp.zeros((nblk, 2, geom.side_bytes), cp.uint8)
     ks = [rand_bf16((N, H, D), s) for s in (1, 2)]
     vs = [rand_bf16((N, H, D), s) for s in (3, 4)]
-    slots = [cp.asarray(np.random.default_rng(s).permutation(nblk * T)[:N].astype(np.int64))
-             for s in (5, 6)]
+    if slot_order == "random":  # every token to a random slot
+        slots = [cp.asarray(np.random.default_rng(s).permutation(nblk * T)[:N].astype(np.int64))
+                 for s in (5, 6)]
+    else:  # whole pages in a random page order (what a prefill writes)
+        slots = [cp.asarray((np.random.default_rng(s).permutation(nblk)[:, None] * T
+                             + np.arange(T)).reshape(-1)[:N].astype(np.int64)) for s in (5, 6)]
     st = cp.zeros(4, cp.uint64)
     one = np.float32(1.0)
 
@@ -222,6 +226,8 @@ def main():
 
     for rule in ("static6", "4over6"):
         add(f"store 64Kx8x128 bf16 {rule}", *bench_store(rule, args.reps))
+    add("store 64Kx8x128 bf16 static6 random slots",
+        *bench_store("static6", args.reps, slot_order="random"))
     add("gather_dequant 4096p x16 bf16", *bench_gather(args.reps))
     add("gather_dequant 4096p x16 f32", *bench_gather(args.reps, dtype=np.dtype(np.float32)))
     add("longlive decode H24 D128 Tb7040 x4", *bench_longlive_decode(args.reps))

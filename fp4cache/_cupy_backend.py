@@ -40,6 +40,7 @@ __all__ = [
 ]
 
 _THREADS = 256
+_BLOCK = (_THREADS,)
 #: Up to this many tokens the store resolves duplicate slots by scanning later
 #: entries of slot_mapping in the kernel (one launch); above it, claim pre-pass.
 SCAN_MAX_TOKENS = 128
@@ -177,45 +178,78 @@ def _claim_table(num_slots: int) -> cupy.ndarray:
     return tab
 
 
+#: numpy twin of ``struct StoreParams`` in ``kernels/paged_kv.cu`` (same field order).
+STORE_PARAMS_DTYPE = np.dtype(
+    [(f, np.int64) for f in ("k_tok_stride", "k_head_stride", "v_tok_stride",
+                             "v_head_stride", "num_slots", "side_bytes", "data_bytes")]
+    + [(f, np.uint32) for f in ("n_tokens", "total", "hg", "hg_m", "hg_s", "gd", "g_m", "g_s",
+                                "td", "t_m", "t_s", "H", "nhd", "swizzle", "dedup")]
+    + [(f, np.float32) for f in ("k_s", "k_g", "v_s", "v_g")],
+    align=True,
+)
+
+# Store launch plans: (kernel, claim kernel or None, grid, params struct), keyed by
+# everything they depend on, so that a decode step costs one dict lookup + one launch.
+_store_plans: dict = {}
+
+
+def _store_plan(key, buffer, slots, k, v, geom, rule, k_s, k_g, v_s, v_g):
+    n = k.shape[0]
+    pa = _page_args(geom, buffer.shape[0])
+    es = k.itemsize
+    kst, vst = k.strides, v.strides
+    vec = (pa["side_ok"] and buffer.data.ptr % 8 == 0
+           and _aligned(k.data.ptr, kst[0], kst[1]) and _aligned(v.data.ptr, vst[0], vst[1]))
+    sl = _index_name(slots.dtype, "slot_mapping")
+    fn = _kernel(K.store_spec(_dtype_name(k.dtype, "k"), rule, sl, vec))
+    total = n * int(pa["HG"][0])
+    dedup = 1 if n <= SCAN_MAX_TOKENS else 2
+    hg, fg, ft = pa["HG"], pa["fG"], pa["fT"]
+    params = np.array((kst[0] // es, kst[1] // es, vst[0] // es, vst[1] // es,
+                       pa["num_slots"], pa["side"], pa["data"], n, total,
+                       hg[0], hg[1], hg[2], fg[0], fg[1], fg[2], ft[0], ft[1], ft[2],
+                       pa["H"], pa["nhd"], pa["swz"], dedup, k_s, k_g, v_s, v_g),
+                      dtype=STORE_PARAMS_DTYPE)[()]
+    claim = _kernel(K.claim_spec(sl)) if dedup == 2 else None
+    plan = (fn, claim, _blocks(total), params, pa["num_slots"])
+    if len(_store_plans) > 4096:
+        _store_plans.clear()
+    _store_plans[key] = plan
+    return plan
+
+
 def store(buffer, slot_mapping, k, v, *, geom: PageGeometry, rule, k_s, k_g, v_s, v_g,
           stats) -> None:
     """Quantize K/V ``[N, H, D]`` and scatter them into the page pool ``buffer``."""
     n = k.shape[0]
     if n == 0:
         return
-    pa = _page_args(geom, buffer.shape[0])
-    per_token = int(pa["HG"][0])
-    max_tokens = _MAX_THREADS // per_token
-    if n > max_tokens:  # later chunks overwrite earlier ones: the last occurrence still wins
-        for a in range(0, n, max_tokens):
-            b = min(n, a + max_tokens)
-            store(buffer, slot_mapping[a:b], k[a:b], v[a:b], geom=geom, rule=rule, k_s=k_s,
-                  k_g=k_g, v_s=v_s, v_g=v_g, stats=stats)
+    slots = slot_mapping if slot_mapping.flags.c_contiguous else \
+        cupy.ascontiguousarray(slot_mapping)
+    kp, vp, bp = k.data.ptr, v.data.ptr, buffer.data.ptr
+    key = (geom, buffer.shape[0], bp & 15, kp & 15, vp & 15, k.strides, v.strides, n,
+           k.dtype, slots.dtype, rule, float(k_s), float(k_g), float(v_s), float(v_g),
+           cupy.cuda.runtime.getDevice())
+    plan = _store_plans.get(key)
+    if plan is None:
+        pa = _page_args(geom, buffer.shape[0])
+        max_tokens = _MAX_THREADS // int(pa["HG"][0])
+        if n > max_tokens:  # later chunks overwrite earlier ones: the last occurrence wins
+            for a in range(0, n, max_tokens):
+                b = min(n, a + max_tokens)
+                store(buffer, slots[a:b], k[a:b], v[a:b], geom=geom, rule=rule, k_s=k_s,
+                      k_g=k_g, v_s=v_s, v_g=v_g, stats=stats)
+            return
+        plan = _store_plan(key, buffer, slots, k, v, geom, rule, k_s, k_g, v_s, v_g)
+    fn, claim_fn, grid, params, num_slots = plan
+    if claim_fn is None:
+        fn(grid, _BLOCK, (buffer, slots, k, v, stats, _NULL, params))
         return
-    slots = _contig(slot_mapping)
-    dt = _dtype_name(k.dtype, "k")
-    es = k.itemsize
-    kst, vst = k.strides, v.strides
-    vec = (pa["side_ok"] and buffer.data.ptr % 8 == 0
-           and _aligned(k.data.ptr, kst[0], kst[1]) and _aligned(v.data.ptr, vst[0], vst[1]))
-    sl = _index_name(slots.dtype, "slot_mapping")
-    fn = _kernel(K.store_spec(dt, rule, sl, vec))
-    total = n * per_token
-    dedup = 1 if n <= SCAN_MAX_TOKENS else 2
-    claim = _NULL
-    if dedup == 2:
-        claim = _claim_table(int(pa["num_slots"]))
-        cl = _kernel(K.claim_spec(sl))
-        cl(_blocks(n), (_THREADS,), (slots, claim, _U32(n), pa["num_slots"], _U32(0)))
-    hg, fg, ft = pa["HG"], pa["fG"], pa["fT"]
-    fn(_blocks(total), (_THREADS,), (
-        buffer, slots, k, v, stats, claim,
-        _I64(kst[0] // es), _I64(kst[1] // es), _I64(vst[0] // es), _I64(vst[1] // es),
-        _U32(n), _U32(total), hg[0], hg[1], hg[2], fg[0], fg[1], fg[2], ft[0], ft[1], ft[2],
-        pa["H"], pa["nhd"], pa["swz"], pa["num_slots"], pa["side"], pa["data"], _U32(dedup),
-        _F32(k_s), _F32(k_g), _F32(v_s), _F32(v_g)))
-    if dedup == 2:
-        cl(_blocks(n), (_THREADS,), (slots, claim, _U32(n), pa["num_slots"], _U32(1)))
+    claim = _claim_table(int(num_slots))
+    cgrid = _blocks(n)
+    claim_fn(cgrid, _BLOCK, (slots, claim, _U32(n), num_slots, _U32(0)))
+    fn(grid, _BLOCK, (buffer, slots, k, v, stats, claim, params))
+    claim_fn(cgrid, _BLOCK, (slots, claim, _U32(n), num_slots, _U32(1)))
 
 
 def gather_dequant(buffer, blocks, out_k, out_v, *, geom: PageGeometry, k_s, v_s,

@@ -8,10 +8,12 @@
 //   - the group encoder (static6 / 4over6, spec section 2) with the sequential
 //     float32 error sum, "tie keeps 6", non-finite groups -> scale 0x7F, data 0;
 //   - bf16 / fp16 / fp32 loads (exact widening) and round-to-nearest-even stores.
-// Arithmetic that decides a stored byte or a returned value uses __fmul_rn,
-// __fadd_rn, __fdiv_rn, or __fmaf_rn where the product is exact (so the fused
-// operation rounds exactly like the separate add); the module is also compiled
-// with --fmad=false.
+// Arithmetic that decides a stored byte or a returned value goes through the
+// f_mul / f_add / f_sub / f_div / f_fma wrappers below (PTX .rn instructions
+// without .ftz, so subnormals survive CuPy's -ftz=true); f_fma only where the
+// product is exact, so it rounds exactly like the separate add.  Float
+// comparisons that could see subnormals compare bit patterns instead.  The
+// module is also compiled with --fmad=false.
 #pragma once
 
 typedef unsigned char u8;
@@ -21,6 +23,55 @@ typedef unsigned long long u64;
 typedef long long i64;
 
 #define FP4C_DEVICE __device__ __forceinline__
+
+// ---------------------------------------------------------------------------
+// float32 arithmetic with IEEE subnormals, whatever the compile flags say.
+// CuPy appends -ftz=true to every NVRTC compile, which would make the CUDA
+// intrinsics (__fmul_rn, fminf, fabsf, ...) flush subnormal inputs and results
+// to zero; the contract keeps subnormals.  These wrappers emit the PTX
+// instructions without .ftz, with round-to-nearest-even and no contraction.
+// ---------------------------------------------------------------------------
+FP4C_DEVICE float f_mul(float a, float b) {
+  float r;
+  asm("mul.rn.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b));
+  return r;
+}
+FP4C_DEVICE float f_add(float a, float b) {
+  float r;
+  asm("add.rn.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b));
+  return r;
+}
+FP4C_DEVICE float f_sub(float a, float b) {
+  float r;
+  asm("sub.rn.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b));
+  return r;
+}
+// Only for a*b exact (then it rounds like the separate add).
+FP4C_DEVICE float f_fma(float a, float b, float c) {
+  float r;
+  asm("fma.rn.f32 %0, %1, %2, %3;" : "=f"(r) : "f"(a), "f"(b), "f"(c));
+  return r;
+}
+FP4C_DEVICE float f_div(float a, float b) {
+  float r;
+  asm("div.rn.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b));
+  return r;
+}
+FP4C_DEVICE float f_min(float a, float b) {
+  float r;
+  asm("min.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b));
+  return r;
+}
+FP4C_DEVICE float f_max(float a, float b) {
+  float r;
+  asm("max.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b));
+  return r;
+}
+FP4C_DEVICE float f_abs(float a) {
+  float r;
+  asm("abs.f32 %0, %1;" : "=f"(r) : "f"(a));
+  return r;
+}
 
 struct alignas(16) U32x4 { u32 x, y, z, w; };
 struct alignas(8) U32x2 { u32 x, y; };
@@ -231,12 +282,12 @@ FP4C_DEVICE void store_group(void* p, const float* v) {
 // Clipping to 448 first then rounding is what ml_dtypes' float8_e4m3fn gives
 // for the clipped value; subnormals (multiples of 2^-9 below 2^-6) are kept.
 FP4C_DEVICE u32 e4m3_encode_nonneg(float v) {
-  v = fminf(v, 448.0f);
+  v = f_min(v, 448.0f);
   const u32 u = __float_as_uint(v);
-  if (v < 0.015625f) {  // below 2^-6: subnormal E4M3, step 2^-9
+  if (__float_as_uint(v) < 0x3C800000u) {  // below 2^-6: subnormal E4M3, step 2^-9
     // 2^14 has an ulp of 2^-9, so the add rounds v to that grid (RNE); the
     // integer difference of the bit patterns is the code (0..8; 8 = 2^-6).
-    return __float_as_uint(__fadd_rn(v, 16384.0f)) - 0x46800000u;
+    return __float_as_uint(f_add(v, 16384.0f)) - 0x46800000u;
   }
   // Normal: keep 3 mantissa bits, RNE on the dropped 20 bits.
   const u32 r = u + 0x7FFFFu + ((u >> 20) & 1u);
@@ -249,8 +300,8 @@ FP4C_DEVICE float e4m3_decode(u32 b) {
   if (mag == 0x7Fu) return FP4C_NAN;
   // E4M3 exponent field e maps on float32 exponent field e when scaled by
   // 2^-120, subnormals included; the multiply by 2^120 is exact.
-  const float f = __fmul_rn(__uint_as_float(mag << 20), FP4C_TWO_P120);
-  return (b & 0x80u) ? -f : f;
+  const float f = f_mul(__uint_as_float(mag << 20), FP4C_TWO_P120);
+  return __uint_as_float(__float_as_uint(f) | ((b & 0x80u) << 24));
 }
 
 // Round a >= 0 (a < 8) to the E2M1 magnitude grid {0,.5,1,1.5,2,3,4,6}, RNE.
@@ -259,22 +310,22 @@ FP4C_DEVICE float e4m3_decode(u32 b) {
 // even; the products M*2^22 are exact, so the two FMAs are two exact-product adds.
 // Under 7 it never reaches 8, so no clamp is needed (the caller checks).
 FP4C_DEVICE float e2m1_round_mag(float a) {
-  const float M = fmaxf(__uint_as_float(__float_as_uint(a) & 0x7F800000u), 1.0f);
-  const float q = __fmaf_rn(M, FP4C_TWO_P22, a);
-  return __fmaf_rn(-M, FP4C_TWO_P22, q);
+  const float M = f_max(__uint_as_float(__float_as_uint(a) & 0x7F800000u), 1.0f);
+  const float q = f_fma(M, FP4C_TWO_P22, a);
+  return f_fma(__uint_as_float(__float_as_uint(M) | 0x80000000u), FP4C_TWO_P22, q);
 }
 
 // Code bits of a rounded magnitude r in {0,.5,...,6}: r * 2^-126 is exact and its
 // float32 bit pattern is exactly code << 22 (E2M1's exponent field lands on
 // float32's, 0.5 becoming the subnormal 2^-127).
 FP4C_DEVICE u32 e2m1_mag_code(float r) {
-  return __float_as_uint(__fmul_rn(r, FP4C_TWO_M126)) >> 22;
+  return __float_as_uint(f_mul(r, FP4C_TWO_M126)) >> 22;
 }
 
 // Signed E2M1 value of a code's low 4 bits.
 FP4C_DEVICE float e2m1_value(u32 code) {
   const u32 bits = ((code & 7u) << 22) | ((code & 8u) << 28);
-  return __fmul_rn(__uint_as_float(bits), FP4C_TWO_P126);
+  return f_mul(__uint_as_float(bits), FP4C_TWO_P126);
 }
 
 // ---------------------------------------------------------------------------
@@ -299,12 +350,12 @@ FP4C_DEVICE float group_abs_max(const Group16& g, bool& nonfinite) {
 
 // One candidate: scale byte and os for multiplier c.
 FP4C_DEVICE void candidate_scale(float m, float c, float s, float g, u32& sf, float& f, float& os) {
-  sf = e4m3_encode_nonneg(__fmul_rn(g, __fmul_rn(m, c)));
+  sf = e4m3_encode_nonneg(f_mul(g, f_mul(m, c)));
   f = e4m3_decode(sf);
-  if (f == 0.0f) {
+  if ((__float_as_uint(f) & 0x7FFFFFFFu) == 0u) {
     os = 0.0f;
   } else {
-    os = fminf(__fdiv_rn(1.0f, __fmul_rn(f, s)), FP4C_FLT_MAX);
+    os = f_min(f_div(1.0f, f_mul(f, s)), FP4C_FLT_MAX);
   }
 }
 
@@ -313,15 +364,15 @@ template <bool CLAMP>
 FP4C_DEVICE void round_group(const Group16& g, float os, float* r) {
 #pragma unroll
   for (int i = 0; i < 16; ++i) {
-    float a = __fmul_rn(fabsf(g.x[i]), os);
-    if (CLAMP) a = fminf(a, 6.0f);
+    float a = f_mul(f_abs(g.x[i]), os);
+    if (CLAMP) a = f_min(a, 6.0f);
     r[i] = e2m1_round_mag(a);
   }
 }
 
 FP4C_DEVICE void round_group_any(const Group16& g, float m, float os, float* r) {
   // fl is monotone, so fl(m*os) bounds every fl(|x_i|*os).
-  if (__fmul_rn(m, os) < 7.0f) {
+  if (__float_as_uint(f_mul(m, os)) < 0x40E00000u) {  // < 7.0f (both >= 0)
     round_group<false>(g, os, r);
   } else {
     round_group<true>(g, os, r);
@@ -333,9 +384,9 @@ FP4C_DEVICE float group_error(const Group16& g, const float* r, float f, float s
   float err = 0.0f;
 #pragma unroll
   for (int i = 0; i < 16; ++i) {
-    const float xh = __fmul_rn(__fmul_rn(r[i], f), s);
-    const float d = __fsub_rn(xh, fabsf(g.x[i]));
-    err = __fadd_rn(err, __fmul_rn(d, d));
+    const float xh = f_mul(f_mul(r[i], f), s);
+    const float d = f_sub(xh, f_abs(g.x[i]));
+    err = f_add(err, f_mul(d, d));
   }
   return err;
 }
@@ -345,7 +396,7 @@ FP4C_DEVICE void pack_codes(const Group16& g, const float* r, Encoded16& e) {
 #pragma unroll
   for (int i = 0; i < 16; ++i) {
     // code << 22 moved to bit 4*(i%8)
-    const u32 c = __float_as_uint(__fmul_rn(r[i], FP4C_TWO_M126));
+    const u32 c = __float_as_uint(f_mul(r[i], FP4C_TWO_M126));
     const int sh = 4 * (i & 7);
     w[i >> 3] |= sh <= 22 ? (c >> (22 - sh)) : (c << (sh - 22));
   }
@@ -378,7 +429,9 @@ FP4C_DEVICE Encoded16 encode_group(const Group16& g, float s, float gm) {
     round_group_any(g, m, os4, r4);
     const float err6 = group_error(g, r6, f6, s);
     const float err4 = group_error(g, r4, f4, s);
-    const bool use4 = err4 < err6;  // a tie keeps 6
+    // err4 < err6 (a tie keeps 6); both are sums of squares (>= 0, never NaN), so
+    // their bit patterns order like the values, subnormals included.
+    const bool use4 = __float_as_uint(err4) < __float_as_uint(err6);
 #pragma unroll
     for (int i = 0; i < 16; ++i) r6[i] = use4 ? r4[i] : r6[i];
     e.scale = use4 ? sf4 : sf6;
@@ -396,7 +449,7 @@ FP4C_DEVICE void decode_group(u32 lo, u32 hi, u32 sf, float s, float* v) {
   for (int i = 0; i < 16; ++i) {
     const u32 w = (i < 8) ? lo : hi;
     const u32 code = (w >> (4 * (i & 7))) & 0xFu;
-    v[i] = __fmul_rn(__fmul_rn(e2m1_value(code), f), s);
+    v[i] = f_mul(f_mul(e2m1_value(code), f), s);
   }
 }
 

@@ -80,14 +80,14 @@ FP4C_DEVICE void ll_quantize_impl(const void* __restrict__ x, const float* __res
   Encoded16 e;
   e.lo = e.hi = e.scale = 0u;
   if (r < rows) {
-    if (!(am <= FP4C_FLT_MAX)) {  // NaN or inf: the whole block decodes to NaN
+    if ((__float_as_uint(am) & 0x7FFFFFFFu) >= 0x7F800000u) {  // NaN or inf: the whole block decodes to NaN
       e.scale = 0x7Fu;
-    } else if (am != 0.0f) {
+    } else if ((__float_as_uint(am) & 0x7FFFFFFFu) != 0u) {
       const float M6 = RULE == FP4C_RULE_4OVER6 ? 1536.0f : 2688.0f;        // fl(6*M)
       // fl(1/1536) and fl(1/2688)
       const float inv6M = __uint_as_float(RULE == FP4C_RULE_4OVER6 ? 0x3A2AAAABu : 0x39C30C31u);
-      const float gm = fminf(__fdiv_rn(M6, am), FP4C_FLT_MAX);
-      const float s = __fmul_rn(am, inv6M);
+      const float gm = f_min(f_div(M6, am), FP4C_FLT_MAX);
+      const float s = f_mul(am, inv6M);
       Group16 xs;
       load_group<T, VEC>((const char*)x + (u64)gid * 16 * T::kBytes, xs);
       e = encode_group<RULE>(xs, s, gm);
@@ -146,7 +146,7 @@ FP4C_DEVICE void ll_decode_impl(const u64* __restrict__ value_ptrs,
   }
   const u32 sfb = sfs[blocked_scale_offset(r, g, G)];
   float v[16];
-  decode_group(lo, hi, sfb, __fmul_rn(am, inv_denom), v);
+  decode_group(lo, hi, sfb, f_mul(am, inv_denom), v);
   store_group<T, VEC>((char*)out + (u64)gid * 16 * T::kBytes, v);
 }
 

@@ -51,14 +51,28 @@ FP4C_DEVICE void split_slot(i64 slot, const FastDiv& fT, u64& page, u32& t) {
 // ---------------------------------------------------------------------------
 // store
 // ---------------------------------------------------------------------------
+// Every non-pointer argument of the store, passed by value as one struct (one
+// kernel argument keeps the host-side launch cost of a decode step low).  The
+// host builds the same layout with a numpy structured dtype (align=True).
+struct StoreParams {
+  i64 k_tok_stride, k_head_stride, v_tok_stride, v_head_stride;  // elements
+  i64 num_slots, side_bytes, data_bytes;
+  u32 n_tokens, total, hg, hg_m, hg_s, gd, g_m, g_s, td, t_m, t_s, H, nhd, swizzle, dedup;
+  float k_s, k_g, v_s, v_g;
+};
+
 template <typename T, int RULE, typename SlotT, bool VEC>
-FP4C_DEVICE void store_impl(
-    u8* __restrict__ buffer, const void* __restrict__ slots, const void* __restrict__ k,
-    const void* __restrict__ v, u64* __restrict__ stats, const u32* __restrict__ claim,
-    i64 k_tok_stride, i64 k_head_stride, i64 v_tok_stride, i64 v_head_stride,
-    u32 n_tokens, u32 total, FastDiv fHG, FastDiv fG, FastDiv fT, u32 H, u32 nhd, u32 swizzle,
-    i64 num_slots, i64 side_bytes, i64 data_bytes, u32 dedup, float k_s, float k_g, float v_s,
-    float v_g) {
+FP4C_DEVICE void store_impl(u8* __restrict__ buffer, const void* __restrict__ slots,
+                            const void* __restrict__ k, const void* __restrict__ v,
+                            u64* __restrict__ stats, const u32* __restrict__ claim,
+                            const StoreParams& P) {
+  const i64 k_tok_stride = P.k_tok_stride, k_head_stride = P.k_head_stride;
+  const i64 v_tok_stride = P.v_tok_stride, v_head_stride = P.v_head_stride;
+  const i64 num_slots = P.num_slots, side_bytes = P.side_bytes, data_bytes = P.data_bytes;
+  const u32 n_tokens = P.n_tokens, total = P.total, H = P.H, nhd = P.nhd;
+  const u32 swizzle = P.swizzle, dedup = P.dedup;
+  const float k_s = P.k_s, k_g = P.k_g, v_s = P.v_s, v_g = P.v_g;
+  const FastDiv fHG{P.hg, P.hg_m, P.hg_s}, fG{P.gd, P.g_m, P.g_s}, fT{P.td, P.t_m, P.t_s};
   const u32 gid = blockIdx.x * blockDim.x + threadIdx.x;
   if (gid >= total) return;
   const u32 i = fdiv(gid, fHG);
@@ -131,23 +145,15 @@ FP4C_DEVICE void store_impl(
   vside[vsoff] = (u8)ev.scale;
 }
 
-#define FP4C_STORE_PARAMS                                                                        \
-  u8 *__restrict__ buffer, const void *__restrict__ slots, const void *__restrict__ k,            \
-      const void *__restrict__ v, u64 *__restrict__ stats, const u32 *__restrict__ claim,         \
-      i64 k_tok_stride, i64 k_head_stride, i64 v_tok_stride, i64 v_head_stride, u32 n_tokens,     \
-      u32 total, u32 hg, u32 hg_m, u32 hg_s, u32 gd, u32 g_m, u32 g_s, u32 td, u32 t_m, u32 t_s, \
-      u32 H, u32 nhd, u32 swizzle, i64 num_slots, i64 side_bytes, i64 data_bytes, u32 dedup,      \
-      float k_s, float k_g, float v_s, float v_g
-
-#define FP4C_STORE_ARGS                                                                        \
-  buffer, slots, k, v, stats, claim, k_tok_stride, k_head_stride, v_tok_stride, v_head_stride, \
-      n_tokens, total, FastDiv{hg, hg_m, hg_s}, FastDiv{gd, g_m, g_s}, FastDiv{td, t_m, t_s},  \
-      H, nhd, swizzle, num_slots, side_bytes, data_bytes, dedup, k_s, k_g, v_s, v_g
+#define FP4C_STORE_PARAMS                                                                  \
+  u8 *__restrict__ buffer, const void *__restrict__ slots, const void *__restrict__ k,      \
+      const void *__restrict__ v, u64 *__restrict__ stats, const u32 *__restrict__ claim,   \
+      const StoreParams params
 
 // NAME, value type, rule, slot type, vectorized loads/stores
 #define FP4C_STORE_KERNEL(NAME, T, RULE, SLOT, VEC)                               \
   extern "C" __global__ void __launch_bounds__(256) NAME(FP4C_STORE_PARAMS) {     \
-    store_impl<T, RULE, SLOT, VEC>(FP4C_STORE_ARGS);                              \
+    store_impl<T, RULE, SLOT, VEC>(buffer, slots, k, v, stats, claim, params);                              \
   }
 
 // ---------------------------------------------------------------------------

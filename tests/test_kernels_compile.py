@@ -36,6 +36,8 @@ def test_all_specializations_compile(arch):
     for text in ptx.values():
         # no local memory (stack) in any kernel: register arrays stay in registers
         assert ".local" not in text
+        # compiled with CuPy's -ftz=true, still no flush-to-zero instruction anywhere
+        assert ".ftz" not in text
 
 
 @needs_nvrtc
