@@ -125,6 +125,8 @@ def check_values(a, name: str, shape: tuple[int | None, ...]):
 
 def check_scale(value, name: str) -> np.float32:
     """A positive, finite float32 scale (its float32 rounding too)."""
+    if isinstance(value, (bool, np.bool_)):
+        raise TypeError(f"{name} must be a positive finite number, got {value!r}")
     try:
         f = float(value)
     except (TypeError, ValueError):
