@@ -212,6 +212,8 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--reps", type=int, default=50)
     ap.add_argument("--json", default=None)
+    ap.add_argument("--variants", action="store_true",
+                    help="also time store/gather under alternative kernel macro settings")
     args = ap.parse_args()
     dev = cp.cuda.Device()
     props = cp.cuda.runtime.getDeviceProperties(dev.id)
@@ -237,6 +239,18 @@ def main():
         (q, d) = bench_flat(rule, args.reps)
         add(f"flat quantize 512Kx128 bf16 {rule}", *q)
     add("flat dequantize 512Kx128 bf16", *d)
+    if args.variants:
+        from fp4cache import _kernels
+
+        for defs in ({"FP4C_PACK_EARLY": 0}, {"FP4C_PACK_EARLY": 1, "FP4C_STORE_MIN_BLOCKS": 3},
+                     {"FP4C_PACK_EARLY": 0, "FP4C_STORE_MIN_BLOCKS": 3}):
+            _kernels.set_defines(**defs)
+            cb.clear_caches()
+            tag = ",".join(f"{k}={v}" for k, v in defs.items())
+            for rule in ("static6", "4over6"):
+                add(f"store {rule} [{tag}]", *bench_store(rule, args.reps))
+        _kernels.set_defines()
+        cb.clear_caches()
     host = host_time_decode_store()
     print(f"\nD2D copy: {copy_gbs:.0f} GB/s (read + written)")
     print(f"{'kernel':42s} {'us':>9s} {'GB/s':>8s} {'% copy':>7s}")

@@ -102,6 +102,12 @@ def _kernel(spec: K.Spec):
     return fn
 
 
+def clear_caches() -> None:
+    """Forget compiled kernels and launch plans (after ``_kernels.set_defines``)."""
+    _kernel_cache.clear()
+    _store_plans.clear()
+
+
 def _blocks(total: int) -> tuple[int]:
     return ((total + _THREADS - 1) // _THREADS,)
 
@@ -138,8 +144,11 @@ def dequantize(data, scales, s, out) -> None:
     if total == 0:
         return
     vec = _aligned(data.data.ptr, to=8) and _aligned(out.data.ptr)
-    fn = _kernel(K.dequantize_spec(_dtype_name(out.dtype, "out"), vec))
-    fn(_blocks(total), (_THREADS,), (_contig(data), _contig(scales), out, _U64(total), _F32(s)))
+    pairs = vec and total % 2 == 0 and _aligned(data.data.ptr)
+    fn = _kernel(K.dequantize_spec(_dtype_name(out.dtype, "out"), vec, pairs))
+    threads = total // 2 if pairs else total
+    fn(_blocks(threads), (_THREADS,),
+       (_contig(data), _contig(scales), out, _U64(threads), _F32(s)))
 
 
 # -- paged cache ---------------------------------------------------------------------------
@@ -162,6 +171,7 @@ def _page_args(geom: PageGeometry, num_blocks: int):
         "side": _I64(geom.side_bytes),
         "data": _I64(geom.data_bytes),
         "side_ok": geom.side_bytes % 8 == 0,
+        "side16": geom.side_bytes % 16 == 0,
     }
 
 
@@ -269,14 +279,18 @@ def gather_dequant(buffer, blocks, out_k, out_v, *, geom: PageGeometry, k_s, v_s
                            geom=geom, k_s=k_s, v_s=v_s, stats=stats)
         return
     blocks = _contig(blocks)
-    vec = (pa["side_ok"] and buffer.data.ptr % 8 == 0 and out_k.data.ptr % 16 == 0
+    bp = buffer.data.ptr
+    vec = (pa["side_ok"] and bp % 8 == 0 and out_k.data.ptr % 16 == 0
            and out_v.data.ptr % 16 == 0)
+    G = pa["G"]
+    pairs = vec and G % 2 == 0 and pa["side16"] and bp % 16 == 0
     fn = _kernel(K.gather_spec(_dtype_name(out_k.dtype, "out_k"),
-                               _index_name(blocks.dtype, "blocks"), vec))
-    total = n * per_page
-    fg, fh, ft = pa["fG"], pa["fH"], pa["fT"]
-    fn(_blocks(total), (_THREADS,), (
-        buffer, blocks, out_k, out_v, stats, _U32(total), fg[0], fg[1], fg[2],
+                               _index_name(blocks.dtype, "blocks"), vec, pairs))
+    total = n * per_page // (2 if pairs else 1)
+    fc = fastdiv(G // 2) if pairs else pa["fG"]
+    fh, ft = pa["fH"], pa["fT"]
+    fn(_blocks(total), _BLOCK, (
+        buffer, blocks, out_k, out_v, stats, _U32(total), fc[0], fc[1], fc[2],
         fh[0], fh[1], fh[2], ft[0], ft[1], ft[2], pa["nhd"], pa["swz"], pa["num_blocks"],
         pa["side"], pa["data"], _F32(k_s), _F32(v_s)))
 
@@ -339,7 +353,11 @@ def longlive_dequantize(value_ptrs, sf_ptrs, amax_ptrs, out, *, num_heads, block
                                 block_token_size=block_token_size, inv_denom=inv_denom)
         return
     vec = out.data.ptr % 16 == 0
-    frg, fg = fastdiv(R * G), fastdiv(G)
-    _kernel(K.ll_decode_spec(_dtype_name(out.dtype, "out"), vec))(_blocks(total), (_THREADS,), (
-        _contig(value_ptrs), _contig(sf_ptrs), _contig(amax_ptrs), out, _U32(total),
-        frg[0], frg[1], frg[2], fg[0], fg[1], fg[2], _F32(inv_denom)))
+    pairs = G % 2 == 0
+    C = G // 2 if pairs else G
+    frc, fc = fastdiv(R * C), fastdiv(C)
+    threads = nb * R * C
+    _kernel(K.ll_decode_spec(_dtype_name(out.dtype, "out"), vec, pairs))(
+        _blocks(threads), _BLOCK, (
+            _contig(value_ptrs), _contig(sf_ptrs), _contig(amax_ptrs), out, _U32(threads),
+            frc[0], frc[1], frc[2], fc[0], fc[1], fc[2], _F32(inv_denom)))

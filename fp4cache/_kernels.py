@@ -108,11 +108,20 @@ def claim_spec(slot: str) -> Spec:
                 (INDEX_TYPES[slot],))
 
 
-def gather_spec(dtype: str, block: str, vec: bool = True) -> Spec:
-    """Paged gather + dequantize of K and V into ``dtype`` rows."""
+def _pairs(pairs: bool) -> tuple[str, str]:
+    return ("2", "_x2") if pairs else ("1", "")
+
+
+def gather_spec(dtype: str, block: str, vec: bool = True, pairs: bool = False) -> Spec:
+    """Paged gather + dequantize of K and V into ``dtype`` rows.
+
+    ``pairs``: each thread decodes two consecutive groups (16-byte page loads).
+    """
     v, sfx = _vec(vec)
-    return Spec("paged_kv.cu", "FP4C_GATHER_KERNEL", f"fp4cache_gather_{dtype}_{block}{sfx}",
-                (VALUE_TYPES[dtype], INDEX_TYPES[block], v))
+    c, csfx = _pairs(pairs)
+    return Spec("paged_kv.cu", "FP4C_GATHER_KERNEL",
+                f"fp4cache_gather_{dtype}_{block}{csfx}{sfx}",
+                (VALUE_TYPES[dtype], INDEX_TYPES[block], v, c))
 
 
 def quantize_spec(dtype: str, rule: str, vec: bool = True) -> Spec:
@@ -122,11 +131,12 @@ def quantize_spec(dtype: str, rule: str, vec: bool = True) -> Spec:
                 (VALUE_TYPES[dtype], RULES[rule], v))
 
 
-def dequantize_spec(dtype: str, vec: bool = True) -> Spec:
-    """Flat ``[N, D]`` dequantize into ``dtype``."""
+def dequantize_spec(dtype: str, vec: bool = True, pairs: bool = False) -> Spec:
+    """Flat ``[N, D]`` dequantize into ``dtype`` (``pairs``: two groups per thread)."""
     v, sfx = _vec(vec)
-    return Spec("flat_codec.cu", "FP4C_DEQUANTIZE_KERNEL", f"fp4cache_dequantize_{dtype}{sfx}",
-                (VALUE_TYPES[dtype], v))
+    c, csfx = _pairs(pairs)
+    return Spec("flat_codec.cu", "FP4C_DEQUANTIZE_KERNEL",
+                f"fp4cache_dequantize_{dtype}{csfx}{sfx}", (VALUE_TYPES[dtype], v, c))
 
 
 def ll_amax_spec(dtype: str, vec: bool = True) -> Spec:
@@ -144,11 +154,12 @@ def ll_quantize_spec(dtype: str, rule: str, vec: bool = True) -> Spec:
                 (VALUE_TYPES[dtype], RULES[rule], v))
 
 
-def ll_decode_spec(dtype: str, vec: bool = True) -> Spec:
-    """LongLive pool decode through device pointer tables."""
+def ll_decode_spec(dtype: str, vec: bool = True, pairs: bool = True) -> Spec:
+    """LongLive pool decode through device pointer tables (``pairs``: two groups/thread)."""
     v, sfx = _vec(vec)
-    return Spec("longlive.cu", "FP4C_LL_DECODE_KERNEL", f"fp4cache_longlive_decode_{dtype}{sfx}",
-                (VALUE_TYPES[dtype], v))
+    c, csfx = _pairs(pairs)
+    return Spec("longlive.cu", "FP4C_LL_DECODE_KERNEL",
+                f"fp4cache_longlive_decode_{dtype}{csfx}{sfx}", (VALUE_TYPES[dtype], v, c))
 
 
 def all_specs() -> list[Spec]:
@@ -161,10 +172,11 @@ def all_specs() -> list[Spec]:
                 specs += [store_spec(dt, rule, ix, vec) for ix in INDEX_TYPES]
                 specs.append(quantize_spec(dt, rule, vec))
                 specs.append(ll_quantize_spec(dt, rule, vec))
-            specs += [gather_spec(dt, ix, vec) for ix in INDEX_TYPES]
-            specs.append(dequantize_spec(dt, vec))
+            for pairs in bools:
+                specs += [gather_spec(dt, ix, vec, pairs) for ix in INDEX_TYPES]
+                specs.append(dequantize_spec(dt, vec, pairs))
+                specs.append(ll_decode_spec(dt, vec, pairs))
             specs.append(ll_amax_spec(dt, vec))
-            specs.append(ll_decode_spec(dt, vec))
     specs += [claim_spec(ix) for ix in INDEX_TYPES]
     return specs
 
@@ -197,13 +209,27 @@ def _read_inlined(file: str) -> str:
     return "\n".join(expand(file)) + "\n"
 
 
+#: Extra ``NAME=VALUE`` macro definitions put in front of every translation unit
+#: (tuning experiments, see ``bench/kernel_timing.py``); change with :func:`set_defines`.
+_DEFINES: tuple[tuple[str, str], ...] = ()
+
+
+def set_defines(**defines) -> None:
+    """Set extra macro definitions for later compiles and drop every compiled kernel."""
+    global _DEFINES
+    _DEFINES = tuple(sorted((k, str(v)) for k, v in defines.items()))
+    _MODULES.clear()
+    _FUNCS.clear()
+
+
 def build_source(file: str, specs: list[Spec] | tuple[Spec, ...]) -> str:
     """Translation unit of ``file`` defining the kernels in ``specs``."""
     for s in specs:
         if s.file != file:
             raise ValueError(f"spec {s.name} belongs to {s.file}, not {file}")
     body = " \\\n    ".join(s.instantiation for s in specs)
-    preamble = f"// fp4cache specializations\n#define FP4C_INSTANTIATIONS \\\n    {body}\n"
+    defs = "".join(f"#define {k} {v}\n" for k, v in _DEFINES)
+    preamble = f"// fp4cache specializations\n{defs}#define FP4C_INSTANTIATIONS \\\n    {body}\n"
     return preamble + _read_inlined(file)
 
 

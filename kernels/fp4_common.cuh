@@ -391,8 +391,9 @@ FP4C_DEVICE float group_error(const Group16& g, const float* r, float f, float s
   return err;
 }
 
-FP4C_DEVICE void pack_codes(const Group16& g, const float* r, Encoded16& e) {
-  u32 w[2] = {g.sgn[0], g.sgn[1]};
+// Magnitude codes of r[16] packed into two words (element 2i in the low nibble).
+FP4C_DEVICE void pack_mag_codes(const float* r, u32& lo, u32& hi) {
+  u32 w[2] = {0u, 0u};
 #pragma unroll
   for (int i = 0; i < 16; ++i) {
     // code << 22 moved to bit 4*(i%8)
@@ -400,9 +401,22 @@ FP4C_DEVICE void pack_codes(const Group16& g, const float* r, Encoded16& e) {
     const int sh = 4 * (i & 7);
     w[i >> 3] |= sh <= 22 ? (c >> (22 - sh)) : (c << (sh - 22));
   }
-  e.lo = w[0];
-  e.hi = w[1];
+  lo = w[0];
+  hi = w[1];
 }
+
+FP4C_DEVICE void pack_codes(const Group16& g, const float* r, Encoded16& e) {
+  u32 lo, hi;
+  pack_mag_codes(r, lo, hi);
+  e.lo = lo | g.sgn[0];
+  e.hi = hi | g.sgn[1];
+}
+
+// 4over6: pack each candidate's codes as soon as its error is known, so that only
+// one candidate's 16 rounded values are live at a time (fewer registers, more warps).
+#ifndef FP4C_PACK_EARLY
+#define FP4C_PACK_EARLY 1
+#endif
 
 template <int RULE>
 FP4C_DEVICE Encoded16 encode_group(const Group16& g, float s, float gm) {
@@ -421,6 +435,26 @@ FP4C_DEVICE Encoded16 encode_group(const Group16& g, float s, float gm) {
   candidate_scale(m, FP4C_C6, s, gm, sf6, f6, os6);
   float r6[16];
   round_group_any(g, m, os6, r6);
+  if (RULE == FP4C_RULE_4OVER6 && FP4C_PACK_EARLY) {
+    const float err6 = group_error(g, r6, f6, s);
+    u32 lo6, hi6;
+    pack_mag_codes(r6, lo6, hi6);
+    u32 sf4;
+    float f4, os4;
+    candidate_scale(m, 0.25f, s, gm, sf4, f4, os4);
+    float r4[16];
+    round_group_any(g, m, os4, r4);
+    const float err4 = group_error(g, r4, f4, s);
+    u32 lo4, hi4;
+    pack_mag_codes(r4, lo4, hi4);
+    // err4 < err6 (a tie keeps 6); both are sums of squares (>= 0, never NaN), so
+    // their bit patterns order like the values, subnormals included.
+    const bool use4 = __float_as_uint(err4) < __float_as_uint(err6);
+    e.scale = use4 ? sf4 : sf6;
+    e.lo = (use4 ? lo4 : lo6) | g.sgn[0];
+    e.hi = (use4 ? hi4 : hi6) | g.sgn[1];
+    return e;
+  }
   if (RULE == FP4C_RULE_4OVER6) {
     u32 sf4;
     float f4, os4;
@@ -450,6 +484,32 @@ FP4C_DEVICE void decode_group(u32 lo, u32 hi, u32 sf, float s, float* v) {
     const u32 w = (i < 8) ? lo : hi;
     const u32 code = (w >> (4 * (i & 7))) & 0xFu;
     v[i] = f_mul(f_mul(e2m1_value(code), f), s);
+  }
+}
+
+// Decode one group and store it as 16 values of T at p (contiguous), packing each
+// pair of outputs as soon as it is computed (few live registers).
+template <typename T, bool VEC>
+FP4C_DEVICE void decode_store_group(u32 lo, u32 hi, u32 sf, float s, void* p) {
+  const float f = e4m3_decode(sf);
+  float v[16];
+  if constexpr (VEC && T::kBytes == 2) {
+    u32 w[8];
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+      const u32 src = (i < 4) ? lo : hi;
+      const u32 c0 = (src >> (8 * (i & 3))) & 0xFu;
+      const u32 c1 = (src >> (8 * (i & 3) + 4)) & 0xFu;
+      w[i] = pack2(T(), f_mul(f_mul(e2m1_value(c0), f), s), f_mul(f_mul(e2m1_value(c1), f), s));
+    }
+    U32x4 a, b;
+    a.x = w[0]; a.y = w[1]; a.z = w[2]; a.w = w[3];
+    b.x = w[4]; b.y = w[5]; b.z = w[6]; b.w = w[7];
+    ((U32x4*)p)[0] = a;
+    ((U32x4*)p)[1] = b;
+  } else {
+    decode_group(lo, hi, sf, s, v);
+    store_group<T, VEC>(p, v);
   }
 }
 

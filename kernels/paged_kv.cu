@@ -151,8 +151,12 @@ FP4C_DEVICE void store_impl(u8* __restrict__ buffer, const void* __restrict__ sl
       const StoreParams params
 
 // NAME, value type, rule, slot type, vectorized loads/stores
-#define FP4C_STORE_KERNEL(NAME, T, RULE, SLOT, VEC)                               \
-  extern "C" __global__ void __launch_bounds__(256) NAME(FP4C_STORE_PARAMS) {     \
+#ifndef FP4C_STORE_MIN_BLOCKS
+#define FP4C_STORE_MIN_BLOCKS 1
+#endif
+#define FP4C_STORE_KERNEL(NAME, T, RULE, SLOT, VEC)                                         \
+  extern "C" __global__ void __launch_bounds__(256, FP4C_STORE_MIN_BLOCKS)                  \
+      NAME(FP4C_STORE_PARAMS) {                                                             \
     store_impl<T, RULE, SLOT, VEC>(buffer, slots, k, v, stats, claim, params);                              \
   }
 
@@ -183,38 +187,74 @@ FP4C_DEVICE void claim_impl(const void* __restrict__ slots, u32* __restrict__ cl
 // ---------------------------------------------------------------------------
 // gather + dequantize
 // ---------------------------------------------------------------------------
-// One thread decodes group g of row (t, h) of page blocks[i], K and V, into
-// out[(i*T + t), h, g*16 : g*16+16].  gid runs over (i, t, h, g) in output order.
-template <typename T, typename BlockT, bool VEC>
+// One thread decodes CH consecutive groups (CH = 1 or 2) of row (t, h) of page
+// blocks[i], K and V, into out[(i*T + t), h, 16*g0 : 16*(g0 + CH)].  gid runs over
+// (i, t, h, chunk) in output order, so a warp writes contiguous output.
+template <typename T, typename BlockT, bool VEC, int CH>
 FP4C_DEVICE void gather_impl(
     const u8* __restrict__ buffer, const void* __restrict__ blocks, void* __restrict__ out_k,
-    void* __restrict__ out_v, u64* __restrict__ stats, u32 total, FastDiv fG, FastDiv fH,
+    void* __restrict__ out_v, u64* __restrict__ stats, u32 total, FastDiv fC, FastDiv fH,
     FastDiv fT, u32 nhd, u32 swizzle, i64 num_blocks, i64 side_bytes, i64 data_bytes, float k_s,
     float v_s) {
   const u32 gid = blockIdx.x * blockDim.x + threadIdx.x;
   if (gid >= total) return;
-  const u32 orow = fdiv(gid, fG);  // (i*T + t)*H + h
-  const u32 g = gid - orow * fG.d;
+  const u32 orow = fdiv(gid, fC);  // (i*T + t)*H + h
+  const u32 c = gid - orow * fC.d;
   const u32 it = fdiv(orow, fH);   // i*T + t
   const u32 h = orow - it * fH.d;
   const u32 i = fdiv(it, fT);
   const u32 t = it - i * fT.d;
-  const u32 G = fG.d, H = fH.d, Tn = fT.d;
+  const u32 G = fC.d * CH, H = fH.d, Tn = fT.d;
+  const u32 g0 = c * CH;
 
   const i64 b = (i64)((const BlockT*)blocks)[i];
-  float vk[16], vv[16];
+  char* ok = (char*)out_k + (u64)gid * CH * 16 * T::kBytes;
+  char* ov = (char*)out_v + (u64)gid * CH * 16 * T::kBytes;
   if (b < 0 || b >= num_blocks) {
-    if (t == 0 && h == 0 && g == 0) atomicAdd(stats + 3, 1ull);
+    if (t == 0 && h == 0 && c == 0) atomicAdd(stats + 3, 1ull);
+    float nan16[16];
 #pragma unroll
-    for (int e = 0; e < 16; ++e) {
-      vk[e] = FP4C_NAN;
-      vv[e] = FP4C_NAN;
+    for (int e = 0; e < 16; ++e) nan16[e] = FP4C_NAN;
+#pragma unroll
+    for (int j = 0; j < CH; ++j) {
+      store_group<T, VEC>(ok + j * 16 * T::kBytes, nan16);
+      store_group<T, VEC>(ov + j * 16 * T::kBytes, nan16);
+    }
+    return;
+  }
+  const u8* kside = buffer + (u64)b * (u64)(2 * side_bytes);
+  const u8* vside = kside + side_bytes;
+  const u32 row = row_index(t, h, H, Tn, nhd);
+  const u64 doff = (u64)row * (G * 8) + g0 * 8;
+  // all loads first: data words, then the scale bytes
+  u32 kw[2 * CH], vw[2 * CH], ksf[CH], vsf[CH];
+  if constexpr (VEC && CH == 2) {
+    const U32x4 a = ldg16(kside + doff);
+    const U32x4 d = ldg16(vside + doff);
+    kw[0] = a.x; kw[1] = a.y; kw[2 * CH - 2] = a.z; kw[2 * CH - 1] = a.w;
+    vw[0] = d.x; vw[1] = d.y; vw[2 * CH - 2] = d.z; vw[2 * CH - 1] = d.w;
+  } else if constexpr (VEC) {
+#pragma unroll
+    for (int j = 0; j < CH; ++j) {
+      const U32x2 a = ldg8(kside + doff + 8 * j);
+      const U32x2 d = ldg8(vside + doff + 8 * j);
+      kw[2 * j] = a.x; kw[2 * j + 1] = a.y;
+      vw[2 * j] = d.x; vw[2 * j + 1] = d.y;
     }
   } else {
-    const u8* kside = buffer + (u64)b * (u64)(2 * side_bytes);
-    const u8* vside = kside + side_bytes;
-    const u32 row = row_index(t, h, H, Tn, nhd);
-    const u64 doff = (u64)row * (G * 8) + g * 8;
+#pragma unroll
+    for (int w = 0; w < 2 * CH; ++w) {
+      kw[w] = vw[w] = 0u;
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        kw[w] |= (u32)kside[doff + 4 * w + e] << (8 * e);
+        vw[w] |= (u32)vside[doff + 4 * w + e] << (8 * e);
+      }
+    }
+  }
+#pragma unroll
+  for (int j = 0; j < CH; ++j) {
+    const u32 g = g0 + j;
     const u64 ksoff = (u64)data_bytes + (u64)row * G + g;
     u64 vsoff = ksoff;
     if (swizzle) {
@@ -223,48 +263,31 @@ FP4C_DEVICE void gather_impl(
       const u32 ss = (g % q) * 4 + (t & 3u);
       vsoff = (u64)data_bytes + (u64)row_index(ts, h, H, Tn, nhd) * G + ss;
     }
-    u32 klo, khi, vlo, vhi;
-    if (VEC) {
-      const U32x2 a = ldg8(kside + doff);
-      const U32x2 c = ldg8(vside + doff);
-      klo = a.x;
-      khi = a.y;
-      vlo = c.x;
-      vhi = c.y;
-    } else {
-      klo = khi = vlo = vhi = 0u;
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        klo |= (u32)kside[doff + e] << (8 * e);
-        khi |= (u32)kside[doff + 4 + e] << (8 * e);
-        vlo |= (u32)vside[doff + e] << (8 * e);
-        vhi |= (u32)vside[doff + 4 + e] << (8 * e);
-      }
-    }
-    const u32 ksf = kside[ksoff];
-    const u32 vsf = vside[vsoff];
-    decode_group(klo, khi, ksf, k_s, vk);
-    decode_group(vlo, vhi, vsf, v_s, vv);
+    ksf[j] = kside[ksoff];
+    vsf[j] = vside[vsoff];
   }
-  const u64 o = (u64)gid * 16 * T::kBytes;
-  store_group<T, VEC>((char*)out_k + o, vk);
-  store_group<T, VEC>((char*)out_v + o, vv);
+#pragma unroll
+  for (int j = 0; j < CH; ++j)
+    decode_store_group<T, VEC>(kw[2 * j], kw[2 * j + 1], ksf[j], k_s, ok + j * 16 * T::kBytes);
+#pragma unroll
+  for (int j = 0; j < CH; ++j)
+    decode_store_group<T, VEC>(vw[2 * j], vw[2 * j + 1], vsf[j], v_s, ov + j * 16 * T::kBytes);
 }
 
 #define FP4C_GATHER_PARAMS                                                                   \
   const u8 *__restrict__ buffer, const void *__restrict__ blocks, void *__restrict__ out_k,   \
-      void *__restrict__ out_v, u64 *__restrict__ stats, u32 total, u32 gd, u32 g_m, u32 g_s, \
+      void *__restrict__ out_v, u64 *__restrict__ stats, u32 total, u32 cd, u32 c_m, u32 c_s, \
       u32 hd, u32 h_m, u32 h_s, u32 td, u32 t_m, u32 t_s, u32 nhd, u32 swizzle,              \
       i64 num_blocks, i64 side_bytes, i64 data_bytes, float k_s, float v_s
 
 #define FP4C_GATHER_ARGS                                                                    \
-  buffer, blocks, out_k, out_v, stats, total, FastDiv{gd, g_m, g_s}, FastDiv{hd, h_m, h_s}, \
+  buffer, blocks, out_k, out_v, stats, total, FastDiv{cd, c_m, c_s}, FastDiv{hd, h_m, h_s}, \
       FastDiv{td, t_m, t_s}, nhd, swizzle, num_blocks, side_bytes, data_bytes, k_s, v_s
 
-// NAME, output value type, block-id type, vectorized
-#define FP4C_GATHER_KERNEL(NAME, T, BLOCK, VEC)                                   \
+// NAME, output value type, block-id type, vectorized, groups per thread
+#define FP4C_GATHER_KERNEL(NAME, T, BLOCK, VEC, CH)                               \
   extern "C" __global__ void __launch_bounds__(256) NAME(FP4C_GATHER_PARAMS) {    \
-    gather_impl<T, BLOCK, VEC>(FP4C_GATHER_ARGS);                                 \
+    gather_impl<T, BLOCK, VEC, CH>(FP4C_GATHER_ARGS);                             \
   }
 
 #ifdef FP4C_INSTANTIATIONS
