@@ -61,8 +61,8 @@ def rand_bf16(shape, seed):
     return bits.view(BF16)
 
 
-def bench_store(rule, reps, N=65536, H=8, D=128, T=16, slot_order="contiguous"):
-    geom = PageGeometry(H, T, D, "HND", True)
+def bench_store(rule, reps, N=65536, H=8, D=128, T=16, slot_order="contiguous", layout="HND"):
+    geom = PageGeometry(H, T, D, layout, True)
     nblk = N // T
     buf = cp.zeros((nblk, 2, geom.side_bytes), cp.uint8)
     ks = [rand_bf16((N, H, D), s) for s in (1, 2)]
@@ -230,6 +230,7 @@ def main():
         add(f"store 64Kx8x128 bf16 {rule}", *bench_store(rule, args.reps))
     add("store 64Kx8x128 bf16 static6 random slots",
         *bench_store("static6", args.reps, slot_order="random"))
+    add("store 64Kx8x128 bf16 static6 NHD", *bench_store("static6", args.reps, layout="NHD"))
     add("gather_dequant 4096p x16 bf16", *bench_gather(args.reps))
     add("gather_dequant 4096p x16 f32", *bench_gather(args.reps, dtype=np.dtype(np.float32)))
     add("longlive decode H24 D128 Tb7040 x4", *bench_longlive_decode(args.reps))

@@ -143,11 +143,11 @@ def dequantize(data, scales, s, out) -> None:
     total = n * (2 * half // GROUP)
     if total == 0:
         return
-    vec = _aligned(data.data.ptr, to=8) and _aligned(out.data.ptr)
-    pairs = vec and total % 2 == 0 and _aligned(data.data.ptr)
-    fn = _kernel(K.dequantize_spec(_dtype_name(out.dtype, "out"), vec, pairs))
-    threads = total // 2 if pairs else total
-    fn(_blocks(threads), (_THREADS,),
+    chunk = 16 // out.itemsize  # values per thread (one 16-byte output piece)
+    vec = _aligned(data.data.ptr, to=chunk // 2) and _aligned(out.data.ptr)
+    fn = _kernel(K.dequantize_spec(_dtype_name(out.dtype, "out"), vec))
+    threads = total * (16 // chunk)
+    fn(_blocks(threads), _BLOCK,
        (_contig(data), _contig(scales), out, _U64(threads), _F32(s)))
 
 
@@ -157,6 +157,8 @@ def _page_args(geom: PageGeometry, num_blocks: int):
     """Kernel arguments that depend only on the geometry and pool size."""
     H, T, D = geom.num_heads, geom.block_size, geom.head_dim
     G = D // GROUP
+    if geom.swizzle_v_scales and G // 4 >= 512:
+        raise ValueError(f"head_dim must be < 32768 with swizzle_v_scales=True, got {D}")
     return {
         "G": G,
         "HG": fastdiv(H * G),
@@ -166,6 +168,8 @@ def _page_args(geom: PageGeometry, num_blocks: int):
         "H": _U32(H),
         "nhd": _U32(1 if geom.layout == "NHD" else 0),
         "swz": _U32(1 if geom.swizzle_v_scales else 0),
+        # ceil(2^20 / (G/4)): the kernels divide by G/4 with one multiply and shift
+        "swz_m": _U32(-(-(1 << 20) // max(1, G // 4))),
         "num_slots": _I64(num_blocks * T),
         "num_blocks": _I64(num_blocks),
         "side": _I64(geom.side_bytes),
@@ -193,7 +197,7 @@ STORE_PARAMS_DTYPE = np.dtype(
     [(f, np.int64) for f in ("k_tok_stride", "k_head_stride", "v_tok_stride",
                              "v_head_stride", "num_slots", "side_bytes", "data_bytes")]
     + [(f, np.uint32) for f in ("n_tokens", "total", "hg", "hg_m", "hg_s", "gd", "g_m", "g_s",
-                                "td", "t_m", "t_s", "H", "nhd", "swizzle", "dedup")]
+                                "td", "t_m", "t_s", "H", "nhd", "swizzle", "dedup", "swz_m")]
     + [(f, np.float32) for f in ("k_s", "k_g", "v_s", "v_g")],
     align=True,
 )
@@ -218,7 +222,7 @@ def _store_plan(key, buffer, slots, k, v, geom, rule, k_s, k_g, v_s, v_g):
     params = np.array((kst[0] // es, kst[1] // es, vst[0] // es, vst[1] // es,
                        pa["num_slots"], pa["side"], pa["data"], n, total,
                        hg[0], hg[1], hg[2], fg[0], fg[1], fg[2], ft[0], ft[1], ft[2],
-                       pa["H"], pa["nhd"], pa["swz"], dedup, k_s, k_g, v_s, v_g),
+                       pa["H"], pa["nhd"], pa["swz"], dedup, pa["swz_m"], k_s, k_g, v_s, v_g),
                       dtype=STORE_PARAMS_DTYPE)[()]
     claim = _kernel(K.claim_spec(sl)) if dedup == 2 else None
     plan = (fn, claim, _blocks(total), params, pa["num_slots"])
@@ -271,7 +275,7 @@ def gather_dequant(buffer, blocks, out_k, out_v, *, geom: PageGeometry, k_s, v_s
     pa = _page_args(geom, buffer.shape[0])
     T = geom.block_size
     per_page = T * int(pa["HG"][0])
-    max_pages = _MAX_THREADS // per_page
+    max_pages = _MAX_THREADS // (per_page * out_k.itemsize)
     if n > max_pages:
         for a in range(0, n, max_pages):
             b = min(n, a + max_pages)
@@ -279,19 +283,19 @@ def gather_dequant(buffer, blocks, out_k, out_v, *, geom: PageGeometry, k_s, v_s
                            geom=geom, k_s=k_s, v_s=v_s, stats=stats)
         return
     blocks = _contig(blocks)
-    bp = buffer.data.ptr
-    vec = (pa["side_ok"] and bp % 8 == 0 and out_k.data.ptr % 16 == 0
-           and out_v.data.ptr % 16 == 0)
-    G = pa["G"]
-    pairs = vec and G % 2 == 0 and pa["side16"] and bp % 16 == 0
+    chunk = 16 // out_k.itemsize  # values per thread (one 16-byte output piece)
+    vec = (geom.side_bytes % (chunk // 2) == 0 and buffer.data.ptr % (chunk // 2) == 0
+           and out_k.data.ptr % 16 == 0 and out_v.data.ptr % 16 == 0)
     fn = _kernel(K.gather_spec(_dtype_name(out_k.dtype, "out_k"),
-                               _index_name(blocks.dtype, "blocks"), vec, pairs))
-    total = n * per_page // (2 if pairs else 1)
-    fc = fastdiv(G // 2) if pairs else pa["fG"]
+                               _index_name(blocks.dtype, "blocks"), vec))
+    per_group = 16 // chunk
+    total = n * per_page * per_group
+    fc = fastdiv(pa["G"] * per_group)
     fh, ft = pa["fH"], pa["fT"]
     fn(_blocks(total), _BLOCK, (
         buffer, blocks, out_k, out_v, stats, _U32(total), fc[0], fc[1], fc[2],
-        fh[0], fh[1], fh[2], ft[0], ft[1], ft[2], pa["nhd"], pa["swz"], pa["num_blocks"],
+        fh[0], fh[1], fh[2], ft[0], ft[1], ft[2], pa["nhd"], pa["swz"], pa["swz_m"],
+        pa["num_blocks"],
         pa["side"], pa["data"], _F32(k_s), _F32(v_s)))
 
 
@@ -340,11 +344,11 @@ def longlive_dequantize(value_ptrs, sf_ptrs, amax_ptrs, out, *, num_heads, block
     D = out.shape[-1]
     G = D // GROUP
     R = int(num_heads) * int(block_token_size)
-    total = nb * R * G
+    total = nb * R * G * out.itemsize  # threads: 16-byte output chunks
     if total == 0:
         return
     if total >= _MAX_THREADS:
-        per = _MAX_THREADS // (R * G)
+        per = _MAX_THREADS // (R * G * out.itemsize)
         Tb = int(block_token_size)
         for a in range(0, nb, per):
             b = min(nb, a + per)
@@ -353,11 +357,10 @@ def longlive_dequantize(value_ptrs, sf_ptrs, amax_ptrs, out, *, num_heads, block
                                 block_token_size=block_token_size, inv_denom=inv_denom)
         return
     vec = out.data.ptr % 16 == 0
-    pairs = G % 2 == 0
-    C = G // 2 if pairs else G
+    C = D // (16 // out.itemsize)  # 16-byte output chunks per row, one per thread
     frc, fc = fastdiv(R * C), fastdiv(C)
     threads = nb * R * C
-    _kernel(K.ll_decode_spec(_dtype_name(out.dtype, "out"), vec, pairs))(
+    _kernel(K.ll_decode_spec(_dtype_name(out.dtype, "out"), vec))(
         _blocks(threads), _BLOCK, (
             _contig(value_ptrs), _contig(sf_ptrs), _contig(amax_ptrs), out, _U32(threads),
             frc[0], frc[1], frc[2], fc[0], fc[1], fc[2], _F32(inv_denom)))

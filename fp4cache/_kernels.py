@@ -108,20 +108,11 @@ def claim_spec(slot: str) -> Spec:
                 (INDEX_TYPES[slot],))
 
 
-def _pairs(pairs: bool) -> tuple[str, str]:
-    return ("2", "_x2") if pairs else ("1", "")
-
-
-def gather_spec(dtype: str, block: str, vec: bool = True, pairs: bool = False) -> Spec:
-    """Paged gather + dequantize of K and V into ``dtype`` rows.
-
-    ``pairs``: each thread decodes two consecutive groups (16-byte page loads).
-    """
+def gather_spec(dtype: str, block: str, vec: bool = True) -> Spec:
+    """Paged gather + dequantize of K and V into ``dtype`` rows."""
     v, sfx = _vec(vec)
-    c, csfx = _pairs(pairs)
-    return Spec("paged_kv.cu", "FP4C_GATHER_KERNEL",
-                f"fp4cache_gather_{dtype}_{block}{csfx}{sfx}",
-                (VALUE_TYPES[dtype], INDEX_TYPES[block], v, c))
+    return Spec("paged_kv.cu", "FP4C_GATHER_KERNEL", f"fp4cache_gather_{dtype}_{block}{sfx}",
+                (VALUE_TYPES[dtype], INDEX_TYPES[block], v))
 
 
 def quantize_spec(dtype: str, rule: str, vec: bool = True) -> Spec:
@@ -131,12 +122,11 @@ def quantize_spec(dtype: str, rule: str, vec: bool = True) -> Spec:
                 (VALUE_TYPES[dtype], RULES[rule], v))
 
 
-def dequantize_spec(dtype: str, vec: bool = True, pairs: bool = False) -> Spec:
-    """Flat ``[N, D]`` dequantize into ``dtype`` (``pairs``: two groups per thread)."""
+def dequantize_spec(dtype: str, vec: bool = True) -> Spec:
+    """Flat ``[N, D]`` dequantize into ``dtype``."""
     v, sfx = _vec(vec)
-    c, csfx = _pairs(pairs)
-    return Spec("flat_codec.cu", "FP4C_DEQUANTIZE_KERNEL",
-                f"fp4cache_dequantize_{dtype}{csfx}{sfx}", (VALUE_TYPES[dtype], v, c))
+    return Spec("flat_codec.cu", "FP4C_DEQUANTIZE_KERNEL", f"fp4cache_dequantize_{dtype}{sfx}",
+                (VALUE_TYPES[dtype], v))
 
 
 def ll_amax_spec(dtype: str, vec: bool = True) -> Spec:
@@ -154,12 +144,11 @@ def ll_quantize_spec(dtype: str, rule: str, vec: bool = True) -> Spec:
                 (VALUE_TYPES[dtype], RULES[rule], v))
 
 
-def ll_decode_spec(dtype: str, vec: bool = True, pairs: bool = True) -> Spec:
-    """LongLive pool decode through device pointer tables (``pairs``: two groups/thread)."""
+def ll_decode_spec(dtype: str, vec: bool = True) -> Spec:
+    """LongLive pool decode through device pointer tables."""
     v, sfx = _vec(vec)
-    c, csfx = _pairs(pairs)
-    return Spec("longlive.cu", "FP4C_LL_DECODE_KERNEL",
-                f"fp4cache_longlive_decode_{dtype}{csfx}{sfx}", (VALUE_TYPES[dtype], v, c))
+    return Spec("longlive.cu", "FP4C_LL_DECODE_KERNEL", f"fp4cache_longlive_decode_{dtype}{sfx}",
+                (VALUE_TYPES[dtype], v))
 
 
 def all_specs() -> list[Spec]:
@@ -172,10 +161,9 @@ def all_specs() -> list[Spec]:
                 specs += [store_spec(dt, rule, ix, vec) for ix in INDEX_TYPES]
                 specs.append(quantize_spec(dt, rule, vec))
                 specs.append(ll_quantize_spec(dt, rule, vec))
-            for pairs in bools:
-                specs += [gather_spec(dt, ix, vec, pairs) for ix in INDEX_TYPES]
-                specs.append(dequantize_spec(dt, vec, pairs))
-                specs.append(ll_decode_spec(dt, vec, pairs))
+            specs += [gather_spec(dt, ix, vec) for ix in INDEX_TYPES]
+            specs.append(dequantize_spec(dt, vec))
+            specs.append(ll_decode_spec(dt, vec))
             specs.append(ll_amax_spec(dt, vec))
     specs += [claim_spec(ix) for ix in INDEX_TYPES]
     return specs

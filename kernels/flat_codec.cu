@@ -38,46 +38,24 @@ FP4C_DEVICE void quantize_impl(const void* __restrict__ x, u8* __restrict__ data
     quantize_impl<T, RULE, VEC>(x, data, scales, stats, total, s, g);                  \
   }
 
-// One thread decodes CH consecutive groups (CH = 1 or 2); total counts threads.
-template <typename T, bool VEC, int CH>
+// One thread decodes one 16-byte output chunk (Chunk<T>::kValues values); total
+// counts chunks (N*D / kValues), chunk gid is values [gid*kValues, (gid+1)*kValues).
+template <typename T, bool VEC>
 FP4C_DEVICE void dequantize_impl(const u8* __restrict__ data, const u8* __restrict__ scales,
                                  void* __restrict__ out, u64 total, float s) {
+  constexpr int n = Chunk<T>::kValues;
   const u64 gid = (u64)blockIdx.x * blockDim.x + threadIdx.x;
   if (gid >= total) return;
-  u32 w[2 * CH];
-  const u8* p = data + gid * (8 * CH);
-  if constexpr (VEC && CH == 2) {
-    const U32x4 a = ldg16(p);
-    w[0] = a.x;
-    w[1] = a.y;
-    w[2 * CH - 2] = a.z;
-    w[2 * CH - 1] = a.w;
-  } else if constexpr (VEC) {
-    const U32x2 a = ldg8(p);
-    w[0] = a.x;
-    w[1] = a.y;
-  } else {
-#pragma unroll
-    for (int k = 0; k < 2 * CH; ++k) {
-      w[k] = 0u;
-#pragma unroll
-      for (int e = 0; e < 4; ++e) w[k] |= (u32)p[4 * k + e] << (8 * e);
-    }
-  }
-  u32 sfb[CH];
-#pragma unroll
-  for (int j = 0; j < CH; ++j) sfb[j] = scales[gid * CH + j];
-#pragma unroll
-  for (int j = 0; j < CH; ++j)
-    decode_store_group<T, VEC>(w[2 * j], w[2 * j + 1], sfb[j], s,
-                               (char*)out + (gid * CH + j) * 16 * T::kBytes);
+  const u32 codes = load_chunk_codes<T, VEC>(data + gid * (n / 2));
+  decode_store_chunk<T, VEC>(codes, scales[gid / Chunk<T>::kPerGroup], s,
+                             (char*)out + gid * n * T::kBytes);
 }
 
-#define FP4C_DEQUANTIZE_KERNEL(NAME, T, VEC, CH)                                              \
+#define FP4C_DEQUANTIZE_KERNEL(NAME, T, VEC)                                                  \
   extern "C" __global__ void __launch_bounds__(256)                                           \
       NAME(const u8* __restrict__ data, const u8* __restrict__ scales, void* __restrict__ out, \
            u64 total, float s) {                                                              \
-    dequantize_impl<T, VEC, CH>(data, scales, out, total, s);                                 \
+    dequantize_impl<T, VEC>(data, scales, out, total, s);                                     \
   }
 
 #ifdef FP4C_INSTANTIATIONS

@@ -487,29 +487,61 @@ FP4C_DEVICE void decode_group(u32 lo, u32 hi, u32 sf, float s, float* v) {
   }
 }
 
-// Decode one group and store it as 16 values of T at p (contiguous), packing each
-// pair of outputs as soon as it is computed (few live registers).
+// Decode kernels give each thread one 16-byte piece of output, so that every store
+// instruction of a warp writes 512 contiguous bytes (whole 32-byte sectors):
+// kChunk<T> values (8 for bf16/f16, 4 for f32) = kChunk/2 bytes of packed codes.
+template <typename T>
+struct Chunk {
+  static constexpr int kValues = 16 / T::kBytes;
+  static constexpr int kPerGroup = 16 / kValues;  // threads per 16-value group
+};
+
+// Decode n = Chunk<T>::kValues codes (low nibbles first in `codes`) with scale
+// byte sf and multiplier s; store them at p (16-byte aligned when VEC).
 template <typename T, bool VEC>
-FP4C_DEVICE void decode_store_group(u32 lo, u32 hi, u32 sf, float s, void* p) {
+FP4C_DEVICE void decode_store_chunk(u32 codes, u32 sf, float s, void* p) {
+  constexpr int n = Chunk<T>::kValues;
   const float f = e4m3_decode(sf);
-  float v[16];
-  if constexpr (VEC && T::kBytes == 2) {
-    u32 w[8];
+  float v[n];
 #pragma unroll
-    for (int i = 0; i < 8; ++i) {
-      const u32 src = (i < 4) ? lo : hi;
-      const u32 c0 = (src >> (8 * (i & 3))) & 0xFu;
-      const u32 c1 = (src >> (8 * (i & 3) + 4)) & 0xFu;
-      w[i] = pack2(T(), f_mul(f_mul(e2m1_value(c0), f), s), f_mul(f_mul(e2m1_value(c1), f), s));
-    }
-    U32x4 a, b;
-    a.x = w[0]; a.y = w[1]; a.z = w[2]; a.w = w[3];
-    b.x = w[4]; b.y = w[5]; b.z = w[6]; b.w = w[7];
-    ((U32x4*)p)[0] = a;
-    ((U32x4*)p)[1] = b;
+  for (int i = 0; i < n; ++i) v[i] = f_mul(f_mul(e2m1_value(codes >> (4 * i)), f), s);
+  if constexpr (VEC && T::kBytes == 2) {
+    U32x4 a;
+    a.x = pack2(T(), v[0], v[1]);
+    a.y = pack2(T(), v[2], v[3]);
+    a.z = pack2(T(), v[4], v[5]);
+    a.w = pack2(T(), v[6], v[7]);
+    *(U32x4*)p = a;
+  } else if constexpr (VEC) {
+    U32x4 a;
+    a.x = __float_as_uint(v[0]);
+    a.y = __float_as_uint(v[1]);
+    a.z = __float_as_uint(v[2]);
+    a.w = __float_as_uint(v[3]);
+    *(U32x4*)p = a;
   } else {
-    decode_group(lo, hi, sf, s, v);
-    store_group<T, VEC>(p, v);
+#pragma unroll
+    for (int i = 0; i < n; ++i) store_one(T(), (char*)p + i * T::kBytes, v[i]);
+  }
+}
+
+// Packed codes of one chunk: kValues/2 bytes at p (4 or 2 bytes), aligned or not.
+template <typename T, bool ALIGNED>
+FP4C_DEVICE u32 load_chunk_codes(const u8* p) {
+  constexpr int nb = Chunk<T>::kValues / 2;
+  if constexpr (ALIGNED && nb == 4) {
+    u32 r;
+    asm volatile("ld.global.nc.u32 %0, [%1];" : "=r"(r) : "l"(p));
+    return r;
+  } else if constexpr (ALIGNED && nb == 2) {
+    unsigned short r;
+    asm volatile("ld.global.nc.u16 %0, [%1];" : "=h"(r) : "l"(p));
+    return r;
+  } else {
+    u32 r = 0u;
+#pragma unroll
+    for (int e = 0; e < nb; ++e) r |= (u32)p[e] << (8 * e);
+    return r;
   }
 }
 

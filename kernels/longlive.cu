@@ -115,63 +115,41 @@ FP4C_DEVICE void ll_quantize_impl(const void* __restrict__ x, const float* __res
     ll_quantize_impl<T, RULE, VEC>(x, amax, values, sf, total, rows, FastDiv{gd, g_m, g_s});   \
   }
 
-// One thread decodes CH consecutive groups (CH = 1 or 2) of row r of block b.
-template <typename T, bool VEC, int CH>
+// One thread decodes one 16-byte output chunk (Chunk<T>::kValues values) of row r
+// of block b; gid runs over (b, r, chunk) in output order.
+template <typename T, bool VEC>
 FP4C_DEVICE void ll_decode_impl(const u64* __restrict__ value_ptrs,
                                 const u64* __restrict__ sf_ptrs,
                                 const u64* __restrict__ amax_ptrs, void* __restrict__ out,
                                 u32 total, FastDiv fRC, FastDiv fC, float inv_denom) {
+  constexpr int n = Chunk<T>::kValues;
+  constexpr int per_group = Chunk<T>::kPerGroup;
   const u32 gid = blockIdx.x * blockDim.x + threadIdx.x;
   if (gid >= total) return;
   const u32 b = fdiv(gid, fRC);
-  const u32 rem = gid - b * fRC.d;  // r * (G/CH) + c
+  const u32 rem = gid - b * fRC.d;  // r * C + c
   const u32 r = fdiv(rem, fC);
   const u32 c = rem - r * fC.d;
-  const u32 G = fC.d * CH;
+  const u32 G = fC.d / per_group;
   const u8* vals = (const u8*)value_ptrs[b];
   const u8* sfs = (const u8*)sf_ptrs[b];
-  const float am = *(const float*)amax_ptrs[b];
-  const u8* p = vals + (u64)rem * (8 * CH);
-  u32 w[2 * CH];
-  const u64 pa = (u64)p;
-  if (CH == 2 && (pa & 15u) == 0u) {
-    const U32x4 a = ldg16(p);
-    w[0] = a.x;
-    w[1] = a.y;
-    w[2 * CH - 2] = a.z;
-    w[2 * CH - 1] = a.w;
-  } else if ((pa & 7u) == 0u) {
-#pragma unroll
-    for (int j = 0; j < CH; ++j) {
-      const U32x2 a = ldg8(p + 8 * j);
-      w[2 * j] = a.x;
-      w[2 * j + 1] = a.y;
-    }
-  } else {
-#pragma unroll
-    for (int k = 0; k < 2 * CH; ++k) {
-      w[k] = 0u;
-#pragma unroll
-      for (int e = 0; e < 4; ++e) w[k] |= (u32)p[4 * k + e] << (8 * e);
-    }
-  }
-  const float gs = f_mul(am, inv_denom);
-  u32 sfb[CH];
-#pragma unroll
-  for (int j = 0; j < CH; ++j) sfb[j] = sfs[blocked_scale_offset(r, c * CH + j, G)];
-#pragma unroll
-  for (int j = 0; j < CH; ++j)
-    decode_store_group<T, VEC>(w[2 * j], w[2 * j + 1], sfb[j], gs,
-                               (char*)out + ((u64)gid * CH + j) * 16 * T::kBytes);
+  float am;
+  asm volatile("ld.global.nc.f32 %0, [%1];" : "=f"(am) : "l"(amax_ptrs[b]));
+  const u8* p = vals + (u64)rem * (n / 2);
+  const u32 codes = ((((u64)p) & (n / 2 - 1)) == 0u) ? load_chunk_codes<T, true>(p)
+                                                      : load_chunk_codes<T, false>(p);
+  u32 sfb;
+  asm volatile("ld.global.nc.u8 %0, [%1];" : "=r"(sfb) : "l"(sfs + blocked_scale_offset(r, c / per_group, G)));
+  decode_store_chunk<T, VEC>(codes, sfb, f_mul(am, inv_denom), (char*)out + (u64)gid * 16);
 }
 
-#define FP4C_LL_DECODE_KERNEL(NAME, T, VEC, CH)                                               \
+#define FP4C_LL_DECODE_KERNEL(NAME, T, VEC)                                                   \
   extern "C" __global__ void __launch_bounds__(256)                                           \
       NAME(const u64* __restrict__ value_ptrs, const u64* __restrict__ sf_ptrs,               \
            const u64* __restrict__ amax_ptrs, void* __restrict__ out, u32 total, u32 rcd,     \
            u32 rc_m, u32 rc_s, u32 cd, u32 c_m, u32 c_s, float inv_denom) {                   \
-    ll_decode_impl<T, VEC, CH>(value_ptrs, sf_ptrs, amax_ptrs, out, total,                    \
-                               FastDiv{rcd, rc_m, rc_s}, FastDiv{cd, c_m, c_s}, inv_denom);   \
+    ll_decode_impl<T, VEC>(value_ptrs, sf_ptrs, amax_ptrs, out, total,                        \
+                           FastDiv{rcd, rc_m, rc_s}, FastDiv{cd, c_m, c_s}, inv_denom);       \
   }
 
 #ifdef FP4C_INSTANTIATIONS

@@ -57,7 +57,7 @@ FP4C_DEVICE void split_slot(i64 slot, const FastDiv& fT, u64& page, u32& t) {
 struct StoreParams {
   i64 k_tok_stride, k_head_stride, v_tok_stride, v_head_stride;  // elements
   i64 num_slots, side_bytes, data_bytes;
-  u32 n_tokens, total, hg, hg_m, hg_s, gd, g_m, g_s, td, t_m, t_s, H, nhd, swizzle, dedup;
+  u32 n_tokens, total, hg, hg_m, hg_s, gd, g_m, g_s, td, t_m, t_s, H, nhd, swizzle, dedup, swz_m;
   float k_s, k_g, v_s, v_g;
 };
 
@@ -70,7 +70,7 @@ FP4C_DEVICE void store_impl(u8* __restrict__ buffer, const void* __restrict__ sl
   const i64 v_tok_stride = P.v_tok_stride, v_head_stride = P.v_head_stride;
   const i64 num_slots = P.num_slots, side_bytes = P.side_bytes, data_bytes = P.data_bytes;
   const u32 n_tokens = P.n_tokens, total = P.total, H = P.H, nhd = P.nhd;
-  const u32 swizzle = P.swizzle, dedup = P.dedup;
+  const u32 swizzle = P.swizzle, dedup = P.dedup, swz_m = P.swz_m;
   const float k_s = P.k_s, k_g = P.k_g, v_s = P.v_s, v_g = P.v_g;
   const FastDiv fHG{P.hg, P.hg_m, P.hg_s}, fG{P.gd, P.g_m, P.g_s}, fT{P.td, P.t_m, P.t_s};
   const u32 gid = blockIdx.x * blockDim.x + threadIdx.x;
@@ -113,9 +113,10 @@ FP4C_DEVICE void store_impl(u8* __restrict__ buffer, const void* __restrict__ sl
   const u64 ksoff = (u64)data_bytes + (u64)row * G + g;
   u64 vsoff = ksoff;
   if (swizzle) {
-    const u32 q = G >> 2;
-    const u32 ts = (t & ~3u) + g / q;
-    const u32 ss = (g % q) * 4 + (t & 3u);
+    // q = G/4; g / q as (g * ceil(2^20/q)) >> 20 (exact for g < 4q, q < 512)
+    const u32 gq = (g * swz_m) >> 20;
+    const u32 ts = (t & ~3u) + gq;
+    const u32 ss = (g - gq * (G >> 2)) * 4 + (t & 3u);
     vsoff = (u64)data_bytes + (u64)row_index(ts, h, H, Tn, nhd) * G + ss;
   }
 
@@ -187,15 +188,18 @@ FP4C_DEVICE void claim_impl(const void* __restrict__ slots, u32* __restrict__ cl
 // ---------------------------------------------------------------------------
 // gather + dequantize
 // ---------------------------------------------------------------------------
-// One thread decodes CH consecutive groups (CH = 1 or 2) of row (t, h) of page
-// blocks[i], K and V, into out[(i*T + t), h, 16*g0 : 16*(g0 + CH)].  gid runs over
-// (i, t, h, chunk) in output order, so a warp writes contiguous output.
-template <typename T, typename BlockT, bool VEC, int CH>
+// One thread decodes one 16-byte output chunk (Chunk<T>::kValues values) of row
+// (t, h) of page blocks[i], for K and for V: out[(i*T + t), h, e0 : e0 + kValues].
+// gid runs over (i, t, h, chunk) in output order, so a warp writes 512 contiguous
+// bytes per store instruction.  VEC: 16-byte output stores and 2/4-byte page loads.
+template <typename T, typename BlockT, bool VEC>
 FP4C_DEVICE void gather_impl(
     const u8* __restrict__ buffer, const void* __restrict__ blocks, void* __restrict__ out_k,
     void* __restrict__ out_v, u64* __restrict__ stats, u32 total, FastDiv fC, FastDiv fH,
-    FastDiv fT, u32 nhd, u32 swizzle, i64 num_blocks, i64 side_bytes, i64 data_bytes, float k_s,
-    float v_s) {
+    FastDiv fT, u32 nhd, u32 swizzle, u32 swz_m, i64 num_blocks, i64 side_bytes, i64 data_bytes,
+    float k_s, float v_s) {
+  constexpr int n = Chunk<T>::kValues;
+  constexpr int per_group = Chunk<T>::kPerGroup;
   const u32 gid = blockIdx.x * blockDim.x + threadIdx.x;
   if (gid >= total) return;
   const u32 orow = fdiv(gid, fC);  // (i*T + t)*H + h
@@ -204,90 +208,53 @@ FP4C_DEVICE void gather_impl(
   const u32 h = orow - it * fH.d;
   const u32 i = fdiv(it, fT);
   const u32 t = it - i * fT.d;
-  const u32 G = fC.d * CH, H = fH.d, Tn = fT.d;
-  const u32 g0 = c * CH;
+  const u32 G = fC.d / per_group, H = fH.d, Tn = fT.d;
+  const u32 g = c / per_group;
 
   const i64 b = (i64)((const BlockT*)blocks)[i];
-  char* ok = (char*)out_k + (u64)gid * CH * 16 * T::kBytes;
-  char* ov = (char*)out_v + (u64)gid * CH * 16 * T::kBytes;
+  char* ok = (char*)out_k + (u64)gid * 16;
+  char* ov = (char*)out_v + (u64)gid * 16;
   if (b < 0 || b >= num_blocks) {
     if (t == 0 && h == 0 && c == 0) atomicAdd(stats + 3, 1ull);
-    float nan16[16];
-#pragma unroll
-    for (int e = 0; e < 16; ++e) nan16[e] = FP4C_NAN;
-#pragma unroll
-    for (int j = 0; j < CH; ++j) {
-      store_group<T, VEC>(ok + j * 16 * T::kBytes, nan16);
-      store_group<T, VEC>(ov + j * 16 * T::kBytes, nan16);
-    }
+    decode_store_chunk<T, VEC>(0u, 0x7Fu, 1.0f, ok);  // scale 0x7F: all NaN
+    decode_store_chunk<T, VEC>(0u, 0x7Fu, 1.0f, ov);
     return;
   }
   const u8* kside = buffer + (u64)b * (u64)(2 * side_bytes);
   const u8* vside = kside + side_bytes;
   const u32 row = row_index(t, h, H, Tn, nhd);
-  const u64 doff = (u64)row * (G * 8) + g0 * 8;
-  // all loads first: data words, then the scale bytes
-  u32 kw[2 * CH], vw[2 * CH], ksf[CH], vsf[CH];
-  if constexpr (VEC && CH == 2) {
-    const U32x4 a = ldg16(kside + doff);
-    const U32x4 d = ldg16(vside + doff);
-    kw[0] = a.x; kw[1] = a.y; kw[2 * CH - 2] = a.z; kw[2 * CH - 1] = a.w;
-    vw[0] = d.x; vw[1] = d.y; vw[2 * CH - 2] = d.z; vw[2 * CH - 1] = d.w;
-  } else if constexpr (VEC) {
-#pragma unroll
-    for (int j = 0; j < CH; ++j) {
-      const U32x2 a = ldg8(kside + doff + 8 * j);
-      const U32x2 d = ldg8(vside + doff + 8 * j);
-      kw[2 * j] = a.x; kw[2 * j + 1] = a.y;
-      vw[2 * j] = d.x; vw[2 * j + 1] = d.y;
-    }
-  } else {
-#pragma unroll
-    for (int w = 0; w < 2 * CH; ++w) {
-      kw[w] = vw[w] = 0u;
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        kw[w] |= (u32)kside[doff + 4 * w + e] << (8 * e);
-        vw[w] |= (u32)vside[doff + 4 * w + e] << (8 * e);
-      }
-    }
+  const u64 doff = (u64)row * (G * 8) + c * (n / 2);
+  const u32 kc = load_chunk_codes<T, VEC>(kside + doff);
+  const u32 vc = load_chunk_codes<T, VEC>(vside + doff);
+  const u64 ksoff = (u64)data_bytes + (u64)row * G + g;
+  u64 vsoff = ksoff;
+  if (swizzle) {
+    // q = G/4; g / q as (g * ceil(2^20/q)) >> 20 (exact for g < 4q, q < 512)
+    const u32 gq = (g * swz_m) >> 20;
+    const u32 ts = (t & ~3u) + gq;
+    const u32 ss = (g - gq * (G >> 2)) * 4 + (t & 3u);
+    vsoff = (u64)data_bytes + (u64)row_index(ts, h, H, Tn, nhd) * G + ss;
   }
-#pragma unroll
-  for (int j = 0; j < CH; ++j) {
-    const u32 g = g0 + j;
-    const u64 ksoff = (u64)data_bytes + (u64)row * G + g;
-    u64 vsoff = ksoff;
-    if (swizzle) {
-      const u32 q = G >> 2;
-      const u32 ts = (t & ~3u) + g / q;
-      const u32 ss = (g % q) * 4 + (t & 3u);
-      vsoff = (u64)data_bytes + (u64)row_index(ts, h, H, Tn, nhd) * G + ss;
-    }
-    ksf[j] = kside[ksoff];
-    vsf[j] = vside[vsoff];
-  }
-#pragma unroll
-  for (int j = 0; j < CH; ++j)
-    decode_store_group<T, VEC>(kw[2 * j], kw[2 * j + 1], ksf[j], k_s, ok + j * 16 * T::kBytes);
-#pragma unroll
-  for (int j = 0; j < CH; ++j)
-    decode_store_group<T, VEC>(vw[2 * j], vw[2 * j + 1], vsf[j], v_s, ov + j * 16 * T::kBytes);
+  const u32 ksf = kside[ksoff];
+  const u32 vsf = vside[vsoff];
+  decode_store_chunk<T, VEC>(kc, ksf, k_s, ok);
+  decode_store_chunk<T, VEC>(vc, vsf, v_s, ov);
 }
 
 #define FP4C_GATHER_PARAMS                                                                   \
   const u8 *__restrict__ buffer, const void *__restrict__ blocks, void *__restrict__ out_k,   \
       void *__restrict__ out_v, u64 *__restrict__ stats, u32 total, u32 cd, u32 c_m, u32 c_s, \
-      u32 hd, u32 h_m, u32 h_s, u32 td, u32 t_m, u32 t_s, u32 nhd, u32 swizzle,              \
+      u32 hd, u32 h_m, u32 h_s, u32 td, u32 t_m, u32 t_s, u32 nhd, u32 swizzle, u32 swz_m,   \
       i64 num_blocks, i64 side_bytes, i64 data_bytes, float k_s, float v_s
 
 #define FP4C_GATHER_ARGS                                                                    \
   buffer, blocks, out_k, out_v, stats, total, FastDiv{cd, c_m, c_s}, FastDiv{hd, h_m, h_s}, \
-      FastDiv{td, t_m, t_s}, nhd, swizzle, num_blocks, side_bytes, data_bytes, k_s, v_s
+      FastDiv{td, t_m, t_s}, nhd, swizzle, swz_m, num_blocks, side_bytes, data_bytes, k_s, v_s
 
-// NAME, output value type, block-id type, vectorized, groups per thread
-#define FP4C_GATHER_KERNEL(NAME, T, BLOCK, VEC, CH)                               \
+// NAME, output value type, block-id type, vectorized
+#define FP4C_GATHER_KERNEL(NAME, T, BLOCK, VEC)                                   \
   extern "C" __global__ void __launch_bounds__(256) NAME(FP4C_GATHER_PARAMS) {    \
-    gather_impl<T, BLOCK, VEC, CH>(FP4C_GATHER_ARGS);                             \
+    gather_impl<T, BLOCK, VEC>(FP4C_GATHER_ARGS);                                 \
   }
 
 #ifdef FP4C_INSTANTIATIONS
