@@ -52,6 +52,45 @@ def copy_bandwidth(reps: int) -> float:
     return 2 * n / us / 1e3  # GB/s, read + written
 
 
+_BASELINES = r"""
+struct alignas(16) V4 { unsigned x, y, z, w; };
+struct alignas(8) V2 { unsigned x, y; };
+extern "C" __global__ void fp4c_expand(const unsigned* in, V4* out, unsigned long long n) {
+  unsigned long long i = blockIdx.x * (unsigned long long)blockDim.x + threadIdx.x;
+  if (i < n) { unsigned v = in[i]; out[i] = V4{v, v ^ 1u, v ^ 2u, v ^ 3u}; }
+}
+extern "C" __global__ void fp4c_compress(const V4* in, V2* out, unsigned long long n) {
+  unsigned long long i = blockIdx.x * (unsigned long long)blockDim.x + threadIdx.x;
+  if (i < n) { V4 a = in[2 * i], b = in[2 * i + 1]; out[i] = V2{a.x ^ b.y, a.z ^ b.w}; }
+}
+"""
+
+
+def pattern_baselines(reps):
+    """Ceilings of the two access patterns, with no arithmetic: decode-like expand
+    (4 bytes in, 16 out per thread) and store-like compress (32 in, 8 out), plus memset."""
+    mod = cp.RawModule(code=_BASELINES)
+    res = {}
+    n = 1 << 24  # 16M threads
+    ins = [cp.ones(n, cp.uint32) for _ in range(2)]
+    outs = [cp.empty(4 * n, cp.uint32) for _ in range(2)]
+    k = mod.get_function("fp4c_expand")
+    us = gpu_time_us(lambda i: k(((n + 255) // 256,), (256,), (ins[i % 2], outs[i % 2],
+                                                                np.uint64(n))), reps)
+    res["expand 4B->16B"] = (us, n * 20)
+    ins = [cp.ones(8 * n, cp.uint32) for _ in range(2)]
+    outs = [cp.empty(2 * n, cp.uint32) for _ in range(2)]
+    k = mod.get_function("fp4c_compress")
+    us = gpu_time_us(lambda i: k(((n + 255) // 256,), (256,), (ins[i % 2], outs[i % 2],
+                                                                np.uint64(n))), reps)
+    res["compress 32B->8B"] = (us, n * 40)
+    buf = cp.empty(1 << 29, cp.uint8)
+    us = gpu_time_us(lambda i: cp.cuda.runtime.memsetAsync(
+        buf.data.ptr, i & 0xFF, buf.nbytes, cp.cuda.get_current_stream().ptr), reps)
+    res["memset (write only)"] = (us, buf.nbytes)
+    return res
+
+
 def rand_bf16(shape, seed):
     """Finite random bf16 (magnitudes 2^-7..2^8), made from integer bits on the device."""
     r = cp.random.default_rng(seed)
@@ -221,11 +260,14 @@ def main():
           f"{props['multiProcessorCount']} SMs; date {time.strftime('%Y-%m-%d %H:%M')}")
     copy_gbs = copy_bandwidth(args.reps)
     rows = []
+    base = pattern_baselines(args.reps)
 
     def add(name, us, nbytes):
         gbs = nbytes / us / 1e3
         rows.append({"kernel": name, "us": us, "GB/s": gbs, "pct_copy": 100 * gbs / copy_gbs})
 
+    for name, (us, nb) in base.items():
+        add(f"baseline {name}", us, nb)
     for rule in ("static6", "4over6"):
         add(f"store 64Kx8x128 bf16 {rule}", *bench_store(rule, args.reps))
     add("store 64Kx8x128 bf16 static6 random slots",

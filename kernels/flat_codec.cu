@@ -44,11 +44,12 @@ template <typename T, bool VEC>
 FP4C_DEVICE void dequantize_impl(const u8* __restrict__ data, const u8* __restrict__ scales,
                                  void* __restrict__ out, u64 total, float s) {
   constexpr int n = Chunk<T>::kValues;
+  const F2* lut = e2m1_pair_table();
   const u64 gid = (u64)blockIdx.x * blockDim.x + threadIdx.x;
   if (gid >= total) return;
   const u32 codes = load_chunk_codes<T, VEC>(data + gid * (n / 2));
   decode_store_chunk<T, VEC>(codes, scales[gid / Chunk<T>::kPerGroup], s,
-                             (char*)out + gid * n * T::kBytes);
+                             (char*)out + gid * n * T::kBytes, lut);
 }
 
 #define FP4C_DEQUANTIZE_KERNEL(NAME, T, VEC)                                                  \

@@ -124,6 +124,7 @@ FP4C_DEVICE void ll_decode_impl(const u64* __restrict__ value_ptrs,
                                 u32 total, FastDiv fRC, FastDiv fC, float inv_denom) {
   constexpr int n = Chunk<T>::kValues;
   constexpr int per_group = Chunk<T>::kPerGroup;
+  const F2* lut = e2m1_pair_table();
   const u32 gid = blockIdx.x * blockDim.x + threadIdx.x;
   if (gid >= total) return;
   const u32 b = fdiv(gid, fRC);
@@ -140,7 +141,7 @@ FP4C_DEVICE void ll_decode_impl(const u64* __restrict__ value_ptrs,
                                                       : load_chunk_codes<T, false>(p);
   u32 sfb;
   asm volatile("ld.global.nc.u8 %0, [%1];" : "=r"(sfb) : "l"(sfs + blocked_scale_offset(r, c / per_group, G)));
-  decode_store_chunk<T, VEC>(codes, sfb, f_mul(am, inv_denom), (char*)out + (u64)gid * 16);
+  decode_store_chunk<T, VEC>(codes, sfb, f_mul(am, inv_denom), (char*)out + (u64)gid * 16, lut);
 }
 
 #define FP4C_LL_DECODE_KERNEL(NAME, T, VEC)                                                   \

@@ -200,6 +200,7 @@ FP4C_DEVICE void gather_impl(
     float k_s, float v_s) {
   constexpr int n = Chunk<T>::kValues;
   constexpr int per_group = Chunk<T>::kPerGroup;
+  const F2* lut = e2m1_pair_table();
   const u32 gid = blockIdx.x * blockDim.x + threadIdx.x;
   if (gid >= total) return;
   const u32 orow = fdiv(gid, fC);  // (i*T + t)*H + h
@@ -216,8 +217,8 @@ FP4C_DEVICE void gather_impl(
   char* ov = (char*)out_v + (u64)gid * 16;
   if (b < 0 || b >= num_blocks) {
     if (t == 0 && h == 0 && c == 0) atomicAdd(stats + 3, 1ull);
-    decode_store_chunk<T, VEC>(0u, 0x7Fu, 1.0f, ok);  // scale 0x7F: all NaN
-    decode_store_chunk<T, VEC>(0u, 0x7Fu, 1.0f, ov);
+    decode_store_chunk<T, VEC>(0u, 0x7Fu, 1.0f, ok, lut);  // scale 0x7F: all NaN
+    decode_store_chunk<T, VEC>(0u, 0x7Fu, 1.0f, ov, lut);
     return;
   }
   const u8* kside = buffer + (u64)b * (u64)(2 * side_bytes);
@@ -237,8 +238,8 @@ FP4C_DEVICE void gather_impl(
   }
   const u32 ksf = kside[ksoff];
   const u32 vsf = vside[vsoff];
-  decode_store_chunk<T, VEC>(kc, ksf, k_s, ok);
-  decode_store_chunk<T, VEC>(vc, vsf, v_s, ov);
+  decode_store_chunk<T, VEC>(kc, ksf, k_s, ok, lut);
+  decode_store_chunk<T, VEC>(vc, vsf, v_s, ov, lut);
 }
 
 #define FP4C_GATHER_PARAMS                                                                   \
