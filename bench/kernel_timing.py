@@ -285,13 +285,18 @@ def main():
     if args.variants:
         from fp4cache import _kernels
 
-        for defs in ({"FP4C_PACK_EARLY": 0}, {"FP4C_PACK_EARLY": 1, "FP4C_STORE_MIN_BLOCKS": 3},
-                     {"FP4C_PACK_EARLY": 0, "FP4C_STORE_MIN_BLOCKS": 3}):
+        for m in (1, 4):
+            _kernels.set_defines(FP4C_DECODE_CHUNKS=m)
+            cb.clear_caches()
+            cb.DECODE_CHUNKS = m
+            add(f"gather bf16 [chunks/thread={m}]", *bench_gather(args.reps))
+            add(f"longlive decode [chunks/thread={m}]", *bench_longlive_decode(args.reps))
+        cb.DECODE_CHUNKS = 2
+        for defs in ({"FP4C_PACK_EARLY": 0}, {"FP4C_STORE_MIN_BLOCKS": 3}):
             _kernels.set_defines(**defs)
             cb.clear_caches()
             tag = ",".join(f"{k}={v}" for k, v in defs.items())
-            for rule in ("static6", "4over6"):
-                add(f"store {rule} [{tag}]", *bench_store(rule, args.reps))
+            add(f"store 4over6 [{tag}]", *bench_store("4over6", args.reps))
         _kernels.set_defines()
         cb.clear_caches()
     host = host_time_decode_store()

@@ -112,6 +112,15 @@ def _blocks(total: int) -> tuple[int]:
     return ((total + _THREADS - 1) // _THREADS,)
 
 
+#: Output chunks per thread of the decode kernels (FP4C_DECODE_CHUNKS in the kernels).
+DECODE_CHUNKS = 2
+
+
+def _decode_blocks(chunks: int) -> tuple[int]:
+    per = _THREADS * DECODE_CHUNKS
+    return ((chunks + per - 1) // per,)
+
+
 def _aligned(ptr: int, *strides: int, to: int = 16) -> bool:
     if ptr % to:
         return False
@@ -147,7 +156,7 @@ def dequantize(data, scales, s, out) -> None:
     vec = _aligned(data.data.ptr, to=chunk // 2) and _aligned(out.data.ptr)
     fn = _kernel(K.dequantize_spec(_dtype_name(out.dtype, "out"), vec))
     threads = total * (16 // chunk)
-    fn(_blocks(threads), _BLOCK,
+    fn(_decode_blocks(threads), _BLOCK,
        (_contig(data), _contig(scales), out, _U64(threads), _F32(s)))
 
 
@@ -292,7 +301,7 @@ def gather_dequant(buffer, blocks, out_k, out_v, *, geom: PageGeometry, k_s, v_s
     total = n * per_page * per_group
     fc = fastdiv(pa["G"] * per_group)
     fh, ft = pa["fH"], pa["fT"]
-    fn(_blocks(total), _BLOCK, (
+    fn(_decode_blocks(total), _BLOCK, (
         buffer, blocks, out_k, out_v, stats, _U32(total), fc[0], fc[1], fc[2],
         fh[0], fh[1], fh[2], ft[0], ft[1], ft[2], pa["nhd"], pa["swz"], pa["swz_m"],
         pa["num_blocks"],
@@ -361,6 +370,6 @@ def longlive_dequantize(value_ptrs, sf_ptrs, amax_ptrs, out, *, num_heads, block
     frc, fc = fastdiv(R * C), fastdiv(C)
     threads = nb * R * C
     _kernel(K.ll_decode_spec(_dtype_name(out.dtype, "out"), vec))(
-        _blocks(threads), _BLOCK, (
+        _decode_blocks(threads), _BLOCK, (
             _contig(value_ptrs), _contig(sf_ptrs), _contig(amax_ptrs), out, _U32(threads),
             frc[0], frc[1], frc[2], fc[0], fc[1], fc[2], _F32(inv_denom)))

@@ -38,18 +38,34 @@ FP4C_DEVICE void quantize_impl(const void* __restrict__ x, u8* __restrict__ data
     quantize_impl<T, RULE, VEC>(x, data, scales, stats, total, s, g);                  \
   }
 
-// One thread decodes one 16-byte output chunk (Chunk<T>::kValues values); total
-// counts chunks (N*D / kValues), chunk gid is values [gid*kValues, (gid+1)*kValues).
+// Output chunks of 16 bytes (Chunk<T>::kValues values); total counts chunks
+// (N*D / kValues); a CTA covers FP4C_DECODE_CHUNKS * 256 consecutive chunks, thread
+// tid every 256th one (coalesced stores, several loads in flight per thread).
+#ifndef FP4C_DECODE_CHUNKS
+#define FP4C_DECODE_CHUNKS 2
+#endif
+
 template <typename T, bool VEC>
 FP4C_DEVICE void dequantize_impl(const u8* __restrict__ data, const u8* __restrict__ scales,
                                  void* __restrict__ out, u64 total, float s) {
   constexpr int n = Chunk<T>::kValues;
-  const F2* lut = e2m1_pair_table();
-  const u64 gid = (u64)blockIdx.x * blockDim.x + threadIdx.x;
-  if (gid >= total) return;
-  const u32 codes = load_chunk_codes<T, VEC>(data + gid * (n / 2));
-  decode_store_chunk<T, VEC>(codes, scales[gid / Chunk<T>::kPerGroup], s,
-                             (char*)out + gid * n * T::kBytes, lut);
+  constexpr int M = FP4C_DECODE_CHUNKS;
+  const u64 base = (u64)blockIdx.x * (blockDim.x * M) + threadIdx.x;
+  u32 codes[M], sfb[M];
+#pragma unroll
+  for (int j = 0; j < M; ++j) {
+    const u64 gid = base + (u64)j * blockDim.x;
+    codes[j] = sfb[j] = 0u;
+    if (gid >= total) continue;
+    codes[j] = load_chunk_codes<T, VEC>(data + gid * (n / 2));
+    sfb[j] = ldg_u8(scales + gid / Chunk<T>::kPerGroup);
+  }
+#pragma unroll
+  for (int j = 0; j < M; ++j) {
+    const u64 gid = base + (u64)j * blockDim.x;
+    if (gid >= total) continue;
+    decode_store_chunk<T, VEC>(codes[j], sfb[j], s, (char*)out + gid * n * T::kBytes);
+  }
 }
 
 #define FP4C_DEQUANTIZE_KERNEL(NAME, T, VEC)                                                  \

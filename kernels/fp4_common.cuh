@@ -130,14 +130,14 @@ FP4C_DEVICE void store_one(f32_t, void* p, float v) { *(float*)p = v; }
 
 FP4C_DEVICE U32x4 ldg16(const void* p) {
   U32x4 r;
-  asm volatile("ld.global.nc.v4.u32 {%0, %1, %2, %3}, [%4];"
+  asm("ld.global.nc.v4.u32 {%0, %1, %2, %3}, [%4];"
                : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w)
                : "l"(p));
   return r;
 }
 FP4C_DEVICE U32x2 ldg8(const void* p) {
   U32x2 r;
-  asm volatile("ld.global.nc.v2.u32 {%0, %1}, [%2];" : "=r"(r.x), "=r"(r.y) : "l"(p));
+  asm("ld.global.nc.v2.u32 {%0, %1}, [%2];" : "=r"(r.x), "=r"(r.y) : "l"(p));
   return r;
 }
 
@@ -496,38 +496,15 @@ struct Chunk {
   static constexpr int kPerGroup = 16 / kValues;  // threads per 16-value group
 };
 
-// Exact E2M1 values of both nibbles of every byte, in shared memory: a decode
-// then costs one 8-byte shared load per two values instead of bit surgery.
-struct alignas(8) F2 {
-  float lo, hi;
-};
-
-// Every thread of the block must call this (it ends with __syncthreads).
-FP4C_DEVICE const F2* e2m1_pair_table() {
-  __shared__ F2 lut[256];
-  for (u32 i = threadIdx.x; i < 256u; i += blockDim.x) {
-    F2 e;
-    e.lo = e2m1_value(i & 15u);
-    e.hi = e2m1_value(i >> 4);
-    lut[i] = e;
-  }
-  __syncthreads();
-  return lut;
-}
-
 // Decode n = Chunk<T>::kValues codes (low nibbles first in `codes`) with scale
 // byte sf and multiplier s; store them at p (16-byte aligned when VEC).
 template <typename T, bool VEC>
-FP4C_DEVICE void decode_store_chunk(u32 codes, u32 sf, float s, void* p, const F2* lut) {
+FP4C_DEVICE void decode_store_chunk(u32 codes, u32 sf, float s, void* p) {
   constexpr int n = Chunk<T>::kValues;
   const float f = e4m3_decode(sf);
   float v[n];
 #pragma unroll
-  for (int i = 0; i < n / 2; ++i) {
-    const F2 e = lut[(codes >> (8 * i)) & 0xFFu];
-    v[2 * i] = f_mul(f_mul(e.lo, f), s);
-    v[2 * i + 1] = f_mul(f_mul(e.hi, f), s);
-  }
+  for (int i = 0; i < n; ++i) v[i] = f_mul(f_mul(e2m1_value(codes >> (4 * i)), f), s);
   if constexpr (VEC && T::kBytes == 2) {
     U32x4 a;
     a.x = pack2(T(), v[0], v[1]);
@@ -548,17 +525,24 @@ FP4C_DEVICE void decode_store_chunk(u32 codes, u32 sf, float s, void* p, const F
   }
 }
 
+// Read-only global byte (the non-coherent path: the data is not written by the kernel).
+FP4C_DEVICE u32 ldg_u8(const u8* p) {
+  unsigned short r;
+  asm("ld.global.nc.u8 %0, [%1];" : "=h"(r) : "l"(p));
+  return r;
+}
+
 // Packed codes of one chunk: kValues/2 bytes at p (4 or 2 bytes), aligned or not.
 template <typename T, bool ALIGNED>
 FP4C_DEVICE u32 load_chunk_codes(const u8* p) {
   constexpr int nb = Chunk<T>::kValues / 2;
   if constexpr (ALIGNED && nb == 4) {
     u32 r;
-    asm volatile("ld.global.nc.u32 %0, [%1];" : "=r"(r) : "l"(p));
+    asm("ld.global.nc.u32 %0, [%1];" : "=r"(r) : "l"(p));
     return r;
   } else if constexpr (ALIGNED && nb == 2) {
     unsigned short r;
-    asm volatile("ld.global.nc.u16 %0, [%1];" : "=h"(r) : "l"(p));
+    asm("ld.global.nc.u16 %0, [%1];" : "=h"(r) : "l"(p));
     return r;
   } else {
     u32 r = 0u;

@@ -115,8 +115,13 @@ FP4C_DEVICE void ll_quantize_impl(const void* __restrict__ x, const float* __res
     ll_quantize_impl<T, RULE, VEC>(x, amax, values, sf, total, rows, FastDiv{gd, g_m, g_s});   \
   }
 
-// One thread decodes one 16-byte output chunk (Chunk<T>::kValues values) of row r
-// of block b; gid runs over (b, r, chunk) in output order.
+// Output chunks of 16 bytes (Chunk<T>::kValues values of row r of block b); a CTA
+// covers FP4C_DECODE_CHUNKS * 256 consecutive chunks, thread tid every 256th one
+// (coalesced stores, several loads in flight per thread).
+#ifndef FP4C_DECODE_CHUNKS
+#define FP4C_DECODE_CHUNKS 2
+#endif
+
 template <typename T, bool VEC>
 FP4C_DEVICE void ll_decode_impl(const u64* __restrict__ value_ptrs,
                                 const u64* __restrict__ sf_ptrs,
@@ -124,24 +129,38 @@ FP4C_DEVICE void ll_decode_impl(const u64* __restrict__ value_ptrs,
                                 u32 total, FastDiv fRC, FastDiv fC, float inv_denom) {
   constexpr int n = Chunk<T>::kValues;
   constexpr int per_group = Chunk<T>::kPerGroup;
-  const F2* lut = e2m1_pair_table();
-  const u32 gid = blockIdx.x * blockDim.x + threadIdx.x;
-  if (gid >= total) return;
-  const u32 b = fdiv(gid, fRC);
-  const u32 rem = gid - b * fRC.d;  // r * C + c
-  const u32 r = fdiv(rem, fC);
-  const u32 c = rem - r * fC.d;
+  constexpr int M = FP4C_DECODE_CHUNKS;
   const u32 G = fC.d / per_group;
-  const u8* vals = (const u8*)value_ptrs[b];
-  const u8* sfs = (const u8*)sf_ptrs[b];
-  float am;
-  asm volatile("ld.global.nc.f32 %0, [%1];" : "=f"(am) : "l"(amax_ptrs[b]));
-  const u8* p = vals + (u64)rem * (n / 2);
-  const u32 codes = ((((u64)p) & (n / 2 - 1)) == 0u) ? load_chunk_codes<T, true>(p)
-                                                      : load_chunk_codes<T, false>(p);
-  u32 sfb;
-  asm volatile("ld.global.nc.u8 %0, [%1];" : "=r"(sfb) : "l"(sfs + blocked_scale_offset(r, c / per_group, G)));
-  decode_store_chunk<T, VEC>(codes, sfb, f_mul(am, inv_denom), (char*)out + (u64)gid * 16, lut);
+  const u32 base = blockIdx.x * (blockDim.x * M) + threadIdx.x;
+  u32 codes[M], sfb[M];
+  float gs[M];
+#pragma unroll
+  for (int j = 0; j < M; ++j) {
+    const u32 gid = base + j * blockDim.x;
+    codes[j] = 0u;
+    sfb[j] = 0u;
+    gs[j] = 0.0f;
+    if (gid >= total) continue;
+    const u32 b = fdiv(gid, fRC);
+    const u32 rem = gid - b * fRC.d;  // r * C + c
+    const u32 r = fdiv(rem, fC);
+    const u32 c = rem - r * fC.d;
+    const u8* vals = (const u8*)value_ptrs[b];
+    const u8* sfs = (const u8*)sf_ptrs[b];
+    float am;
+    asm("ld.global.nc.f32 %0, [%1];" : "=f"(am) : "l"(amax_ptrs[b]));
+    const u8* p = vals + (u64)rem * (n / 2);
+    codes[j] = ((((u64)p) & (n / 2 - 1)) == 0u) ? load_chunk_codes<T, true>(p)
+                                                 : load_chunk_codes<T, false>(p);
+    sfb[j] = ldg_u8(sfs + blocked_scale_offset(r, c / per_group, G));
+    gs[j] = f_mul(am, inv_denom);
+  }
+#pragma unroll
+  for (int j = 0; j < M; ++j) {
+    const u32 gid = base + j * blockDim.x;
+    if (gid >= total) continue;
+    decode_store_chunk<T, VEC>(codes[j], sfb[j], gs[j], (char*)out + (u64)gid * 16);
+  }
 }
 
 #define FP4C_LL_DECODE_KERNEL(NAME, T, VEC)                                                   \

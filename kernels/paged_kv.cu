@@ -188,10 +188,16 @@ FP4C_DEVICE void claim_impl(const void* __restrict__ slots, u32* __restrict__ cl
 // ---------------------------------------------------------------------------
 // gather + dequantize
 // ---------------------------------------------------------------------------
-// One thread decodes one 16-byte output chunk (Chunk<T>::kValues values) of row
-// (t, h) of page blocks[i], for K and for V: out[(i*T + t), h, e0 : e0 + kValues].
-// gid runs over (i, t, h, chunk) in output order, so a warp writes 512 contiguous
-// bytes per store instruction.  VEC: 16-byte output stores and 2/4-byte page loads.
+// Output chunks: 16 bytes = Chunk<T>::kValues values of one (token, head) row.
+// A CTA covers kGatherChunks * 256 consecutive chunks of the output, thread tid
+// chunks base + j*256 + tid (j < kGatherChunks): every store instruction of a warp
+// writes 512 contiguous bytes, and each thread has several independent loads in
+// flight before its first decode.  Each chunk is decoded for K and for V:
+// out[(i*T + t), h, e0 : e0 + kValues] from row (t, h) of page blocks[i].
+#ifndef FP4C_DECODE_CHUNKS
+#define FP4C_DECODE_CHUNKS 2
+#endif
+
 template <typename T, typename BlockT, bool VEC>
 FP4C_DEVICE void gather_impl(
     const u8* __restrict__ buffer, const void* __restrict__ blocks, void* __restrict__ out_k,
@@ -200,46 +206,56 @@ FP4C_DEVICE void gather_impl(
     float k_s, float v_s) {
   constexpr int n = Chunk<T>::kValues;
   constexpr int per_group = Chunk<T>::kPerGroup;
-  const F2* lut = e2m1_pair_table();
-  const u32 gid = blockIdx.x * blockDim.x + threadIdx.x;
-  if (gid >= total) return;
-  const u32 orow = fdiv(gid, fC);  // (i*T + t)*H + h
-  const u32 c = gid - orow * fC.d;
-  const u32 it = fdiv(orow, fH);   // i*T + t
-  const u32 h = orow - it * fH.d;
-  const u32 i = fdiv(it, fT);
-  const u32 t = it - i * fT.d;
+  constexpr int M = FP4C_DECODE_CHUNKS;
   const u32 G = fC.d / per_group, H = fH.d, Tn = fT.d;
-  const u32 g = c / per_group;
-
-  const i64 b = (i64)((const BlockT*)blocks)[i];
-  char* ok = (char*)out_k + (u64)gid * 16;
-  char* ov = (char*)out_v + (u64)gid * 16;
-  if (b < 0 || b >= num_blocks) {
-    if (t == 0 && h == 0 && c == 0) atomicAdd(stats + 3, 1ull);
-    decode_store_chunk<T, VEC>(0u, 0x7Fu, 1.0f, ok, lut);  // scale 0x7F: all NaN
-    decode_store_chunk<T, VEC>(0u, 0x7Fu, 1.0f, ov, lut);
-    return;
+  const u32 base = blockIdx.x * (blockDim.x * M) + threadIdx.x;
+  u32 kc[M], vc[M], ksf[M], vsf[M];
+  bool bad[M];
+#pragma unroll
+  for (int j = 0; j < M; ++j) {
+    const u32 gid = base + j * blockDim.x;
+    kc[j] = vc[j] = 0u;
+    ksf[j] = vsf[j] = 0x7Fu;
+    bad[j] = false;
+    if (gid >= total) continue;
+    const u32 orow = fdiv(gid, fC);  // (i*T + t)*H + h
+    const u32 c = gid - orow * fC.d;
+    const u32 it = fdiv(orow, fH);   // i*T + t
+    const u32 h = orow - it * fH.d;
+    const u32 i = fdiv(it, fT);
+    const u32 t = it - i * fT.d;
+    const u32 g = c / per_group;
+    const i64 b = (i64)((const BlockT*)blocks)[i];
+    if (b < 0 || b >= num_blocks) {  // NaN rows: codes 0 with scale 0x7F
+      bad[j] = t == 0 && h == 0 && c == 0;
+      continue;
+    }
+    const u8* kside = buffer + (u64)b * (u64)(2 * side_bytes);
+    const u8* vside = kside + side_bytes;
+    const u32 row = row_index(t, h, H, Tn, nhd);
+    const u64 doff = (u64)row * (G * 8) + c * (n / 2);
+    kc[j] = load_chunk_codes<T, VEC>(kside + doff);
+    vc[j] = load_chunk_codes<T, VEC>(vside + doff);
+    const u64 ksoff = (u64)data_bytes + (u64)row * G + g;
+    u64 vsoff = ksoff;
+    if (swizzle) {
+      // q = G/4; g / q as (g * ceil(2^20/q)) >> 20 (exact for g < 4q, q < 512)
+      const u32 gq = (g * swz_m) >> 20;
+      const u32 ts = (t & ~3u) + gq;
+      const u32 ss = (g - gq * (G >> 2)) * 4 + (t & 3u);
+      vsoff = (u64)data_bytes + (u64)row_index(ts, h, H, Tn, nhd) * G + ss;
+    }
+    ksf[j] = ldg_u8(kside + ksoff);
+    vsf[j] = ldg_u8(vside + vsoff);
   }
-  const u8* kside = buffer + (u64)b * (u64)(2 * side_bytes);
-  const u8* vside = kside + side_bytes;
-  const u32 row = row_index(t, h, H, Tn, nhd);
-  const u64 doff = (u64)row * (G * 8) + c * (n / 2);
-  const u32 kc = load_chunk_codes<T, VEC>(kside + doff);
-  const u32 vc = load_chunk_codes<T, VEC>(vside + doff);
-  const u64 ksoff = (u64)data_bytes + (u64)row * G + g;
-  u64 vsoff = ksoff;
-  if (swizzle) {
-    // q = G/4; g / q as (g * ceil(2^20/q)) >> 20 (exact for g < 4q, q < 512)
-    const u32 gq = (g * swz_m) >> 20;
-    const u32 ts = (t & ~3u) + gq;
-    const u32 ss = (g - gq * (G >> 2)) * 4 + (t & 3u);
-    vsoff = (u64)data_bytes + (u64)row_index(ts, h, H, Tn, nhd) * G + ss;
+#pragma unroll
+  for (int j = 0; j < M; ++j) {
+    const u32 gid = base + j * blockDim.x;
+    if (gid >= total) continue;
+    if (bad[j]) atomicAdd(stats + 3, 1ull);
+    decode_store_chunk<T, VEC>(kc[j], ksf[j], k_s, (char*)out_k + (u64)gid * 16);
+    decode_store_chunk<T, VEC>(vc[j], vsf[j], v_s, (char*)out_v + (u64)gid * 16);
   }
-  const u32 ksf = kside[ksoff];
-  const u32 vsf = vside[vsoff];
-  decode_store_chunk<T, VEC>(kc, ksf, k_s, ok, lut);
-  decode_store_chunk<T, VEC>(vc, vsf, v_s, ov, lut);
 }
 
 #define FP4C_GATHER_PARAMS                                                                   \
