@@ -292,11 +292,16 @@ def main():
             add(f"gather bf16 [chunks/thread={m}]", *bench_gather(args.reps))
             add(f"longlive decode [chunks/thread={m}]", *bench_longlive_decode(args.reps))
         cb.DECODE_CHUNKS = 2
-        for defs in ({"FP4C_PACK_EARLY": 0}, {"FP4C_STORE_MIN_BLOCKS": 3}):
+        for items, extra in ((1, {}), (2, {"FP4C_STORE_MIN_BLOCKS": 2}),
+                             (1, {"FP4C_PACK_EARLY": 0})):
+            defs = {"FP4C_STORE_ITEMS": items, **extra}
             _kernels.set_defines(**defs)
             cb.clear_caches()
+            cb.STORE_ITEMS = items
             tag = ",".join(f"{k}={v}" for k, v in defs.items())
-            add(f"store 4over6 [{tag}]", *bench_store("4over6", args.reps))
+            for rule in ("static6", "4over6"):
+                add(f"store {rule} [{tag}]", *bench_store(rule, args.reps))
+        cb.STORE_ITEMS = 2
         _kernels.set_defines()
         cb.clear_caches()
     host = host_time_decode_store()

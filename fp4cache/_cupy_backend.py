@@ -114,6 +114,8 @@ def _blocks(total: int) -> tuple[int]:
 
 #: Output chunks per thread of the decode kernels (FP4C_DECODE_CHUNKS in the kernels).
 DECODE_CHUNKS = 2
+#: Groups per thread of the store kernel (FP4C_STORE_ITEMS in the kernels).
+STORE_ITEMS = 2
 
 
 def _decode_blocks(chunks: int) -> tuple[int]:
@@ -234,7 +236,8 @@ def _store_plan(key, buffer, slots, k, v, geom, rule, k_s, k_g, v_s, v_g):
                        pa["H"], pa["nhd"], pa["swz"], dedup, pa["swz_m"], k_s, k_g, v_s, v_g),
                       dtype=STORE_PARAMS_DTYPE)[()]
     claim = _kernel(K.claim_spec(sl)) if dedup == 2 else None
-    plan = (fn, claim, _blocks(total), params, pa["num_slots"])
+    per = _THREADS * STORE_ITEMS
+    plan = (fn, claim, ((total + per - 1) // per,), params, pa["num_slots"])
     if len(_store_plans) > 4096:
         _store_plans.clear()
     _store_plans[key] = plan

@@ -219,6 +219,51 @@ FP4C_DEVICE void load_group(const void* p, Group16& g) {
   }
 }
 
+// A group's raw bits, loaded but not yet widened (8 words for bf16/f16, 16 for
+// f32): lets a thread issue the loads of several groups before computing any.
+template <typename T>
+struct RawGroup {
+  u32 w[4 * T::kBytes];
+};
+
+template <typename T, bool VEC>
+FP4C_DEVICE void load_raw(const void* p, RawGroup<T>& r) {
+  if constexpr (VEC) {
+#pragma unroll
+    for (int i = 0; i < T::kBytes; ++i) {
+      const U32x4 a = ldg16((const char*)p + 16 * i);
+      r.w[4 * i] = a.x;
+      r.w[4 * i + 1] = a.y;
+      r.w[4 * i + 2] = a.z;
+      r.w[4 * i + 3] = a.w;
+    }
+  } else if constexpr (T::kBytes == 2) {
+#pragma unroll
+    for (int i = 0; i < 8; ++i)
+      r.w[i] = (u32)((const u16*)p)[2 * i] | ((u32)((const u16*)p)[2 * i + 1] << 16);
+  } else {
+#pragma unroll
+    for (int i = 0; i < 16; ++i) r.w[i] = ((const u32*)p)[i];
+  }
+}
+
+template <typename T>
+FP4C_DEVICE void unpack_raw(const RawGroup<T>& r, Group16& g) {
+  if constexpr (T::kBytes == 2) {
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+      g.x[2 * i] = lo_of(T(), r.w[i]);
+      g.x[2 * i + 1] = hi_of(T(), r.w[i]);
+    }
+    g.sgn[0] = signs_from_halves(r.w[0], r.w[1], r.w[2], r.w[3]);
+    g.sgn[1] = signs_from_halves(r.w[4], r.w[5], r.w[6], r.w[7]);
+  } else {
+#pragma unroll
+    for (int i = 0; i < 16; ++i) g.x[i] = __uint_as_float(r.w[i]);
+    signs_from_floats(g);
+  }
+}
+
 // Store 16 float32 values rounded to T (RNE), contiguous.
 FP4C_DEVICE void store_group_vec(bf16_t, void* p, const float* v) {
   U32x4 a, b;

@@ -61,6 +61,11 @@ struct StoreParams {
   float k_s, k_g, v_s, v_g;
 };
 
+// Groups per thread of the store (loads of all of them are issued first).
+#ifndef FP4C_STORE_ITEMS
+#define FP4C_STORE_ITEMS 2
+#endif
+
 template <typename T, int RULE, typename SlotT, bool VEC>
 FP4C_DEVICE void store_impl(u8* __restrict__ buffer, const void* __restrict__ slots,
                             const void* __restrict__ k, const void* __restrict__ v,
@@ -73,77 +78,96 @@ FP4C_DEVICE void store_impl(u8* __restrict__ buffer, const void* __restrict__ sl
   const u32 swizzle = P.swizzle, dedup = P.dedup, swz_m = P.swz_m;
   const float k_s = P.k_s, k_g = P.k_g, v_s = P.v_s, v_g = P.v_g;
   const FastDiv fHG{P.hg, P.hg_m, P.hg_s}, fG{P.gd, P.g_m, P.g_s}, fT{P.td, P.t_m, P.t_s};
-  const u32 gid = blockIdx.x * blockDim.x + threadIdx.x;
-  if (gid >= total) return;
-  const u32 i = fdiv(gid, fHG);
-  const u32 rem = gid - i * fHG.d;
-  const u32 h = fdiv(rem, fG);
-  const u32 g = rem - h * fG.d;
-  const u32 G = fG.d;
-
-  const i64 slot = load_slot<SlotT>(slots, i);
-  if (slot < 0) return;
-  if (slot >= num_slots) {
-    if (rem == 0) atomicAdd(stats + 2, 1ull);
-    return;
-  }
-  if (dedup == 1) {
-    for (u32 j = i + 1; j < n_tokens; ++j) {
-      if (load_slot<SlotT>(slots, j) == slot) return;
-    }
-  } else if (dedup == 2) {
-    if (claim[slot] != i + 1) return;
-  }
-
-  // Issue all loads before any arithmetic.
-  Group16 xk, xv;
-  const char* pk = (const char*)k + (i * k_tok_stride + h * k_head_stride + g * 16) * T::kBytes;
-  const char* pv = (const char*)v + (i * v_tok_stride + h * v_head_stride + g * 16) * T::kBytes;
-  load_group<T, VEC>(pk, xk);
-  load_group<T, VEC>(pv, xv);
-
-  u64 page;
-  u32 t;
-  split_slot(slot, fT, page, t);
-  const u32 Tn = fT.d;
-  const u32 row = row_index(t, h, H, Tn, nhd);
-  u8* kside = buffer + page * (u64)(2 * side_bytes);
-  u8* vside = kside + side_bytes;
-  const u64 doff = (u64)row * (G * 8) + g * 8;
-  const u64 ksoff = (u64)data_bytes + (u64)row * G + g;
-  u64 vsoff = ksoff;
-  if (swizzle) {
-    // q = G/4; g / q as (g * ceil(2^20/q)) >> 20 (exact for g < 4q, q < 512)
-    const u32 gq = (g * swz_m) >> 20;
-    const u32 ts = (t & ~3u) + gq;
-    const u32 ss = (g - gq * (G >> 2)) * 4 + (t & 3u);
-    vsoff = (u64)data_bytes + (u64)row_index(ts, h, H, Tn, nhd) * G + ss;
-  }
-
-  const Encoded16 ek = encode_group<RULE>(xk, k_s, k_g);
-  const Encoded16 ev = encode_group<RULE>(xv, v_s, v_g);
-  if (ek.nonfinite) atomicAdd(stats + 0, 1ull);
-  if (ev.nonfinite) atomicAdd(stats + 1, 1ull);
-
-  if (VEC) {
-    U32x2 a;
-    a.x = ek.lo;
-    a.y = ek.hi;
-    *(U32x2*)(kside + doff) = a;
-    a.x = ev.lo;
-    a.y = ev.hi;
-    *(U32x2*)(vside + doff) = a;
-  } else {
+  const u32 G = fG.d, Tn = fT.d;
+  constexpr int M = FP4C_STORE_ITEMS;
+  // Phase 1: for each of the thread's M groups, resolve the slot and issue the loads.
+  RawGroup<T> rk[M], rv[M];
+  u8* kside[M];
+  u64 doff[M], ksoff[M], vsoff[M];
+  bool live[M];
+  const u32 base = blockIdx.x * (blockDim.x * M) + threadIdx.x;
 #pragma unroll
-    for (int b = 0; b < 4; ++b) {
-      kside[doff + b] = (u8)(ek.lo >> (8 * b));
-      kside[doff + 4 + b] = (u8)(ek.hi >> (8 * b));
-      vside[doff + b] = (u8)(ev.lo >> (8 * b));
-      vside[doff + 4 + b] = (u8)(ev.hi >> (8 * b));
+  for (int j = 0; j < M; ++j) {
+    live[j] = false;
+    const u32 gid = base + j * blockDim.x;
+    if (gid >= total) continue;
+    const u32 i = fdiv(gid, fHG);
+    const u32 rem = gid - i * fHG.d;
+    const u32 h = fdiv(rem, fG);
+    const u32 g = rem - h * fG.d;
+    const i64 slot = load_slot<SlotT>(slots, i);
+    if (slot < 0) continue;
+    if (slot >= num_slots) {
+      if (rem == 0) atomicAdd(stats + 2, 1ull);
+      continue;
+    }
+    bool loser = false;
+    if (dedup == 1) {
+      for (u32 q = i + 1; q < n_tokens; ++q) {
+        if (load_slot<SlotT>(slots, q) == slot) {
+          loser = true;
+          break;
+        }
+      }
+    } else if (dedup == 2) {
+      loser = claim[slot] != i + 1;
+    }
+    if (loser) continue;
+    live[j] = true;
+    load_raw<T, VEC>((const char*)k + (i * k_tok_stride + h * k_head_stride + g * 16) * T::kBytes,
+                     rk[j]);
+    load_raw<T, VEC>((const char*)v + (i * v_tok_stride + h * v_head_stride + g * 16) * T::kBytes,
+                     rv[j]);
+    u64 page;
+    u32 t;
+    split_slot(slot, fT, page, t);
+    const u32 row = row_index(t, h, H, Tn, nhd);
+    kside[j] = buffer + page * (u64)(2 * side_bytes);
+    doff[j] = (u64)row * (G * 8) + g * 8;
+    ksoff[j] = (u64)data_bytes + (u64)row * G + g;
+    vsoff[j] = ksoff[j];
+    if (swizzle) {
+      // q = G/4; g / q as (g * ceil(2^20/q)) >> 20 (exact for g < 4q, q < 512)
+      const u32 gq = (g * swz_m) >> 20;
+      const u32 ts = (t & ~3u) + gq;
+      const u32 ss = (g - gq * (G >> 2)) * 4 + (t & 3u);
+      vsoff[j] = (u64)data_bytes + (u64)row_index(ts, h, H, Tn, nhd) * G + ss;
     }
   }
-  kside[ksoff] = (u8)ek.scale;
-  vside[vsoff] = (u8)ev.scale;
+  // Phase 2: encode and write.
+#pragma unroll
+  for (int j = 0; j < M; ++j) {
+    if (!live[j]) continue;
+    Group16 xk, xv;
+    unpack_raw(rk[j], xk);
+    const Encoded16 ek = encode_group<RULE>(xk, k_s, k_g);
+    unpack_raw(rv[j], xv);
+    const Encoded16 ev = encode_group<RULE>(xv, v_s, v_g);
+    if (ek.nonfinite) atomicAdd(stats + 0, 1ull);
+    if (ev.nonfinite) atomicAdd(stats + 1, 1ull);
+    u8* ks = kside[j];
+    u8* vs = ks + side_bytes;
+    const u64 d = doff[j];
+    if (VEC) {
+      U32x2 a;
+      a.x = ek.lo;
+      a.y = ek.hi;
+      *(U32x2*)(ks + d) = a;
+      a.x = ev.lo;
+      a.y = ev.hi;
+      *(U32x2*)(vs + d) = a;
+    } else {
+#pragma unroll
+      for (int b = 0; b < 4; ++b) {
+        ks[d + b] = (u8)(ek.lo >> (8 * b));
+        ks[d + 4 + b] = (u8)(ek.hi >> (8 * b));
+        vs[d + b] = (u8)(ev.lo >> (8 * b));
+        vs[d + 4 + b] = (u8)(ev.hi >> (8 * b));
+      }
+    }
+    ks[ksoff[j]] = (u8)ek.scale;
+    vs[vsoff[j]] = (u8)ev.scale;
+  }
 }
 
 #define FP4C_STORE_PARAMS                                                                  \
