@@ -115,7 +115,7 @@ def _blocks(total: int) -> tuple[int]:
 #: Output chunks per thread of the decode kernels (FP4C_DECODE_CHUNKS in the kernels).
 DECODE_CHUNKS = 2
 #: Groups per thread of the store kernel (FP4C_STORE_ITEMS in the kernels).
-STORE_ITEMS = 2
+STORE_ITEMS = 1
 
 
 def _decode_blocks(chunks: int) -> tuple[int]:

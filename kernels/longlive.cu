@@ -134,6 +134,12 @@ FP4C_DEVICE void ll_decode_impl(const u64* __restrict__ value_ptrs,
   const u32 base = blockIdx.x * (blockDim.x * M) + threadIdx.x;
   u32 codes[M], sfb[M];
   float gs[M];
+  // The chunks of one thread nearly always lie in the same block: look its three
+  // pointers (and amax) up once, again only when the block changes.
+  u32 bprev = 0xFFFFFFFFu;
+  const u8* vals = nullptr;
+  const u8* sfs = nullptr;
+  float scale = 0.0f;
 #pragma unroll
   for (int j = 0; j < M; ++j) {
     const u32 gid = base + j * blockDim.x;
@@ -145,15 +151,19 @@ FP4C_DEVICE void ll_decode_impl(const u64* __restrict__ value_ptrs,
     const u32 rem = gid - b * fRC.d;  // r * C + c
     const u32 r = fdiv(rem, fC);
     const u32 c = rem - r * fC.d;
-    const u8* vals = (const u8*)value_ptrs[b];
-    const u8* sfs = (const u8*)sf_ptrs[b];
-    float am;
-    asm("ld.global.nc.f32 %0, [%1];" : "=f"(am) : "l"(amax_ptrs[b]));
+    if (b != bprev) {
+      bprev = b;
+      vals = (const u8*)value_ptrs[b];
+      sfs = (const u8*)sf_ptrs[b];
+      float am;
+      asm("ld.global.nc.f32 %0, [%1];" : "=f"(am) : "l"(amax_ptrs[b]));
+      scale = f_mul(am, inv_denom);
+    }
     const u8* p = vals + (u64)rem * (n / 2);
     codes[j] = ((((u64)p) & (n / 2 - 1)) == 0u) ? load_chunk_codes<T, true>(p)
                                                  : load_chunk_codes<T, false>(p);
     sfb[j] = ldg_u8(sfs + blocked_scale_offset(r, c / per_group, G));
-    gs[j] = f_mul(am, inv_denom);
+    gs[j] = scale;
   }
 #pragma unroll
   for (int j = 0; j < M; ++j) {

@@ -63,7 +63,7 @@ struct StoreParams {
 
 // Groups per thread of the store (loads of all of them are issued first).
 #ifndef FP4C_STORE_ITEMS
-#define FP4C_STORE_ITEMS 2
+#define FP4C_STORE_ITEMS 1
 #endif
 
 template <typename T, int RULE, typename SlotT, bool VEC>
@@ -235,6 +235,8 @@ FP4C_DEVICE void gather_impl(
   const u32 base = blockIdx.x * (blockDim.x * M) + threadIdx.x;
   u32 kc[M], vc[M], ksf[M], vsf[M];
   bool bad[M];
+  u32 iprev = 0xFFFFFFFFu;  // page entry of the previous chunk: its id is reused
+  i64 b = 0;
 #pragma unroll
   for (int j = 0; j < M; ++j) {
     const u32 gid = base + j * blockDim.x;
@@ -249,7 +251,10 @@ FP4C_DEVICE void gather_impl(
     const u32 i = fdiv(it, fT);
     const u32 t = it - i * fT.d;
     const u32 g = c / per_group;
-    const i64 b = (i64)((const BlockT*)blocks)[i];
+    if (i != iprev) {
+      iprev = i;
+      b = (i64)((const BlockT*)blocks)[i];
+    }
     if (b < 0 || b >= num_blocks) {  // NaN rows: codes 0 with scale 0x7F
       bad[j] = t == 0 && h == 0 && c == 0;
       continue;
