@@ -190,17 +190,27 @@ def _page_args(geom: PageGeometry, num_blocks: int):
     }
 
 
-_claim_tables: dict[tuple[int, int], cupy.ndarray] = {}
+# Duplicate-slot claim state per (device, stream): a zeroed uint64 table of at least
+# num_slots entries, a uint32[2] epoch (epoch, CTAs done) and a host count of the
+# calls that used it (the 32-bit epoch is re-zeroed long before it could wrap).
+_claim_tables: dict[tuple[int, int], list] = {}
+_EPOCH_LIMIT = 2**32 - 16
 
 
-def _claim_table(num_slots: int) -> cupy.ndarray:
-    """Zeroed uint32 claim table of >= num_slots entries for this device and stream."""
+def _claim_state(num_slots: int):
+    """(table, epoch) for this device and stream, zeroed on first use and on growth."""
     key = (cupy.cuda.runtime.getDevice(), cupy.cuda.get_current_stream().ptr)
-    tab = _claim_tables.get(key)
-    if tab is None or tab.size < num_slots:
-        tab = cupy.zeros(max(num_slots, 1024), dtype=np.uint32)
-        _claim_tables[key] = tab
-    return tab
+    st = _claim_tables.get(key)
+    if st is None or st[0].size < num_slots:
+        st = [cupy.zeros(max(num_slots, 1024), dtype=np.uint64),
+              cupy.zeros(2, dtype=np.uint32), 0]
+        _claim_tables[key] = st
+    st[2] += 1
+    if st[2] >= _EPOCH_LIMIT:
+        st[0].fill(0)
+        st[1].fill(0)
+        st[2] = 1
+    return st[0], st[1]
 
 
 #: numpy twin of ``struct StoreParams`` in ``kernels/paged_kv.cu`` (same field order).
@@ -269,13 +279,11 @@ def store(buffer, slot_mapping, k, v, *, geom: PageGeometry, rule, k_s, k_g, v_s
         plan = _store_plan(key, buffer, slots, k, v, geom, rule, k_s, k_g, v_s, v_g)
     fn, claim_fn, grid, params, num_slots = plan
     if claim_fn is None:
-        fn(grid, _BLOCK, (buffer, slots, k, v, stats, _NULL, params))
+        fn(grid, _BLOCK, (buffer, slots, k, v, stats, _NULL, _NULL, params))
         return
-    claim = _claim_table(int(num_slots))
-    cgrid = _blocks(n)
-    claim_fn(cgrid, _BLOCK, (slots, claim, _U32(n), num_slots, _U32(0)))
-    fn(grid, _BLOCK, (buffer, slots, k, v, stats, claim, params))
-    claim_fn(cgrid, _BLOCK, (slots, claim, _U32(n), num_slots, _U32(1)))
+    table, epoch = _claim_state(int(num_slots))
+    claim_fn(_blocks(n), _BLOCK, (slots, table, epoch, _U32(n), num_slots))
+    fn(grid, _BLOCK, (buffer, slots, k, v, stats, table, epoch, params))
 
 
 def gather_dequant(buffer, blocks, out_k, out_v, *, geom: PageGeometry, k_s, v_s,

@@ -2,7 +2,7 @@
 //
 //   store:          K and V of N tokens -> their pages, one launch.  One thread
 //                   encodes one 16-value group of K and the same group of V.
-//   claim/release:  the duplicate-slot pre-pass used for large N (see below).
+//   claim:          the duplicate-slot pre-pass used for large N (see below).
 //   gather:         pages listed in a device block-id array -> bf16/f16/f32 rows,
 //                   no host sync, no allocation (CUDA-graph capturable).
 //
@@ -10,11 +10,14 @@
 // by the host (dedup argument):
 //   1 = scan:  token i is written only if no j > i has the same slot; each thread
 //              scans slot_mapping[i+1:N] (used for small N, e.g. decode steps);
-//   2 = claim: a pre-pass does atomicMax(claim[slot], i + 1) for every valid
-//              token; the store writes token i only if claim[slot] == i + 1; a
-//              post-pass puts claim[slot] back to 0.  claim is a zeroed uint32
-//              table of >= num_slots entries owned by the backend (per device and
-//              stream).  Three launches, no host sync, deterministic.
+//   2 = claim: a pre-pass does atomicMax(claim[slot], (E+1) << 32 | (i+1)) for every
+//              valid token, E = epoch[0]; the store writes token i only if
+//              claim[slot] holds exactly its key.  The last CTA of the store to
+//              finish sets epoch[0] = E+1, so the next call's keys beat every old
+//              entry and the table never needs clearing.  claim (uint64, >= num_slots
+//              entries) and epoch (uint32[2]: epoch, CTAs done) are zeroed once and
+//              owned by the backend per device and stream.  Two launches, no host
+//              sync, deterministic, graph-safe (the epoch lives on the device).
 #include "fp4_common.cuh"
 
 #define FP4C_LAYOUT_HND 0
@@ -69,8 +72,8 @@ struct StoreParams {
 template <typename T, int RULE, typename SlotT, bool VEC>
 FP4C_DEVICE void store_impl(u8* __restrict__ buffer, const void* __restrict__ slots,
                             const void* __restrict__ k, const void* __restrict__ v,
-                            u64* __restrict__ stats, const u32* __restrict__ claim,
-                            const StoreParams& P) {
+                            u64* __restrict__ stats, const u64* __restrict__ claim,
+                            const u32* __restrict__ epoch, const StoreParams& P) {
   const i64 k_tok_stride = P.k_tok_stride, k_head_stride = P.k_head_stride;
   const i64 v_tok_stride = P.v_tok_stride, v_head_stride = P.v_head_stride;
   const i64 num_slots = P.num_slots, side_bytes = P.side_bytes, data_bytes = P.data_bytes;
@@ -110,7 +113,7 @@ FP4C_DEVICE void store_impl(u8* __restrict__ buffer, const void* __restrict__ sl
         }
       }
     } else if (dedup == 2) {
-      loser = claim[slot] != i + 1;
+      loser = claim[slot] != (((u64)(epoch[0] + 1u) << 32) | (u64)(i + 1));
     }
     if (loser) continue;
     live[j] = true;
@@ -172,7 +175,8 @@ FP4C_DEVICE void store_impl(u8* __restrict__ buffer, const void* __restrict__ sl
 
 #define FP4C_STORE_PARAMS                                                                  \
   u8 *__restrict__ buffer, const void *__restrict__ slots, const void *__restrict__ k,      \
-      const void *__restrict__ v, u64 *__restrict__ stats, const u32 *__restrict__ claim,   \
+      const void *__restrict__ v, u64 *__restrict__ stats, u64 *__restrict__ claim,         \
+      u32 *__restrict__ epoch,                                                              \
       const StoreParams params
 
 // NAME, value type, rule, slot type, vectorized loads/stores
@@ -182,32 +186,45 @@ FP4C_DEVICE void store_impl(u8* __restrict__ buffer, const void* __restrict__ sl
 #define FP4C_STORE_KERNEL(NAME, T, RULE, SLOT, VEC)                                         \
   extern "C" __global__ void __launch_bounds__(256, FP4C_STORE_MIN_BLOCKS)                  \
       NAME(FP4C_STORE_PARAMS) {                                                             \
-    store_impl<T, RULE, SLOT, VEC>(buffer, slots, k, v, stats, claim, params);                              \
+    store_impl<T, RULE, SLOT, VEC>(buffer, slots, k, v, stats, claim, epoch, params);       \
+    if (params.dedup == 2) store_epoch_epilogue(epoch);                                    \
   }
 
 // ---------------------------------------------------------------------------
-// claim / release (dedup mode 2)
+// claim (dedup mode 2)
 // ---------------------------------------------------------------------------
 template <typename SlotT>
-FP4C_DEVICE void claim_impl(const void* __restrict__ slots, u32* __restrict__ claim,
-                            u32 n_tokens, i64 num_slots, u32 release) {
+FP4C_DEVICE void claim_impl(const void* __restrict__ slots, u64* __restrict__ claim,
+                            const u32* __restrict__ epoch, u32 n_tokens, i64 num_slots) {
   const u32 i = blockIdx.x * blockDim.x + threadIdx.x;
   if (i >= n_tokens) return;
   const i64 slot = load_slot<SlotT>(slots, i);
   if (slot < 0 || slot >= num_slots) return;
-  if (release) {
-    claim[slot] = 0u;
-  } else {
-    atomicMax(claim + slot, i + 1);
-  }
+  atomicMax((unsigned long long*)(claim + slot),
+            (unsigned long long)((((u64)(epoch[0] + 1u)) << 32) | (u64)(i + 1)));
 }
 
 #define FP4C_CLAIM_KERNEL(NAME, SLOT)                                                        \
   extern "C" __global__ void __launch_bounds__(256)                                          \
-      NAME(const void* __restrict__ slots, u32* __restrict__ claim, u32 n_tokens,            \
-           i64 num_slots, u32 release) {                                                     \
-    claim_impl<SLOT>(slots, claim, n_tokens, num_slots, release);                            \
+      NAME(const void* __restrict__ slots, u64* __restrict__ claim,                          \
+           const u32* __restrict__ epoch, u32 n_tokens, i64 num_slots) {                     \
+    claim_impl<SLOT>(slots, claim, epoch, n_tokens, num_slots);                              \
   }
+
+// After every thread of the CTA is done with epoch[0]: the last CTA of the grid
+// advances the epoch (every other CTA has already read it and finished).
+FP4C_DEVICE void store_epoch_epilogue(u32* epoch) {
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    __threadfence();
+    const u32 done = atomicAdd(epoch + 1, 1u);
+    if (done == gridDim.x - 1) {
+      epoch[1] = 0u;
+      epoch[0] = epoch[0] + 1u;
+      __threadfence();
+    }
+  }
+}
 
 // ---------------------------------------------------------------------------
 // gather + dequantize

@@ -506,3 +506,45 @@ def test_every_specialization_compiles_and_loads():
     for spec in _kernels.all_specs():
         assert _kernels.get_kernel(spec) is not None
 
+
+
+def test_claim_epochs_across_calls_and_graph_replays():
+    """Large stores (claim path): stale claims of earlier calls never win a slot."""
+    rng = np.random.default_rng(99)
+    geom = PageGeometry(2, 16, 64, "NHD", False)
+    num_blocks, n = 40, 300
+    ref = np.zeros((num_blocks, 2, geom.side_bytes), np.uint8)
+    buf = cp.asarray(ref)
+    one = np.float32(1)
+    kw = dict(geom=geom, rule="static6", k_s=one, k_g=one, v_s=one, v_g=one)
+    slots_d = cp.empty(n, cp.int64)
+    k_d = cp.empty((n, 2, 64), BF16)
+    v_d = cp.empty((n, 2, 64), BF16)
+    st = cp.zeros(4, cp.uint64)
+    stream = cp.cuda.Stream(non_blocking=True)
+    graph = None
+    prev_last = -1
+    for call in range(6):
+        slots = rng.permutation(num_blocks * 16)[:n].astype(np.int64)
+        if call % 2:  # the slot the previous call gave to its last token goes to token 0
+            first = slots[0]
+            slots[1:] = np.where(slots[1:] == prev_last, first, slots[1:])
+            slots[0] = prev_last
+        prev_last = int(slots[-1])
+        k = make_values(rng, (n, 2, 64), BF16)
+        v = make_values(rng, (n, 2, 64), BF16)
+        nb.store(ref, slots, k, v, stats=np.zeros(4, np.uint64), **kw)
+        with stream:
+            slots_d.set(slots)
+            k_d.set(k)
+            v_d.set(v)
+            if call < 3:
+                cb.store(buf, slots_d, k_d, v_d, stats=st, **kw)
+            else:  # capture once, then replay with new contents
+                if graph is None:
+                    stream.begin_capture()
+                    cb.store(buf, slots_d, k_d, v_d, stats=st, **kw)
+                    graph = stream.end_capture()
+                graph.launch(stream)
+            stream.synchronize()
+        same_bytes(buf, ref, f"call {call}")
