@@ -191,8 +191,8 @@ def _page_args(geom: PageGeometry, num_blocks: int):
 
 
 # Duplicate-slot claim state per (device, stream): a zeroed uint64 table of at least
-# num_slots entries, a uint32[2] epoch (epoch, CTAs done) and a host count of the
-# calls that used it (the 32-bit epoch is re-zeroed long before it could wrap).
+# num_slots entries, a uint32 epoch and a host count of the calls that used it (the
+# 32-bit epoch is re-zeroed long before it could wrap).
 _claim_tables: dict[tuple[int, int], list] = {}
 _EPOCH_LIMIT = 2**32 - 16
 
@@ -203,7 +203,7 @@ def _claim_state(num_slots: int):
     st = _claim_tables.get(key)
     if st is None or st[0].size < num_slots:
         st = [cupy.zeros(max(num_slots, 1024), dtype=np.uint64),
-              cupy.zeros(2, dtype=np.uint32), 0]
+              cupy.zeros(1, dtype=np.uint32), 0]
         _claim_tables[key] = st
     st[2] += 1
     if st[2] >= _EPOCH_LIMIT:
@@ -245,7 +245,10 @@ def _store_plan(key, buffer, slots, k, v, geom, rule, k_s, k_g, v_s, v_g):
                        hg[0], hg[1], hg[2], fg[0], fg[1], fg[2], ft[0], ft[1], ft[2],
                        pa["H"], pa["nhd"], pa["swz"], dedup, pa["swz_m"], k_s, k_g, v_s, v_g),
                       dtype=STORE_PARAMS_DTYPE)[()]
-    claim = _kernel(K.claim_spec(sl)) if dedup == 2 else None
+    claim = None
+    if dedup == 2:
+        claim = (_kernel(K.claim_spec(sl)), K.get_kernel(K.claim_spec(sl),
+                                                         "fp4cache_claim_epoch_bump"))
     per = _THREADS * STORE_ITEMS
     plan = (fn, claim, ((total + per - 1) // per,), params, pa["num_slots"])
     if len(_store_plans) > 4096:
@@ -282,8 +285,9 @@ def store(buffer, slot_mapping, k, v, *, geom: PageGeometry, rule, k_s, k_g, v_s
         fn(grid, _BLOCK, (buffer, slots, k, v, stats, _NULL, _NULL, params))
         return
     table, epoch = _claim_state(int(num_slots))
-    claim_fn(_blocks(n), _BLOCK, (slots, table, epoch, _U32(n), num_slots))
+    claim_fn[0](_blocks(n), _BLOCK, (slots, table, epoch, _U32(n), num_slots))
     fn(grid, _BLOCK, (buffer, slots, k, v, stats, table, epoch, params))
+    claim_fn[1]((1,), (1,), (epoch,))
 
 
 def gather_dequant(buffer, blocks, out_k, out_v, *, geom: PageGeometry, k_s, v_s,

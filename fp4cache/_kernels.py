@@ -103,7 +103,8 @@ def store_spec(dtype: str, rule: str, slot: str, vec: bool = True) -> Spec:
 
 
 def claim_spec(slot: str) -> Spec:
-    """Duplicate-slot claim / release pre-pass of the store."""
+    """Duplicate-slot claim pre-pass of the store (its module also holds
+    ``fp4cache_claim_epoch_bump``, see :func:`get_kernel`'s ``name``)."""
     return Spec("paged_kv.cu", "FP4C_CLAIM_KERNEL", f"fp4cache_claim_{slot}",
                 (INDEX_TYPES[slot],))
 
@@ -222,21 +223,28 @@ def build_source(file: str, specs: list[Spec] | tuple[Spec, ...]) -> str:
 
 
 _MODULES: dict[tuple[int, Spec], object] = {}
-_FUNCS: dict[tuple[int, Spec], object] = {}
+_FUNCS: dict[tuple[int, Spec, str | None], object] = {}
 
 
-def get_kernel(spec: Spec):
-    """Compiled ``cupy.RawKernel`` of ``spec`` on the current device (memoized)."""
+def get_kernel(spec: Spec, name: str | None = None):
+    """Compiled ``cupy.RawKernel`` of ``spec`` on the current device (memoized).
+
+    ``name`` picks another kernel of the same module (a non-template helper kernel
+    defined in the ``.cu`` file itself).
+    """
     import cupy
 
     dev = cupy.cuda.runtime.getDevice()
     key = (dev, spec)
-    fn = _FUNCS.get(key)
-    if fn is None:
+    mod = _MODULES.get(key)
+    if mod is None:
         mod = cupy.RawModule(code=build_source(spec.file, [spec]), options=NVRTC_OPTIONS)
         _MODULES[key] = mod
-        fn = mod.get_function(spec.name)
-        _FUNCS[key] = fn
+    fkey = (dev, spec, name)
+    fn = _FUNCS.get(fkey)
+    if fn is None:
+        fn = mod.get_function(spec.name if name is None else name)
+        _FUNCS[fkey] = fn
     return fn
 
 

@@ -12,12 +12,13 @@
 //              scans slot_mapping[i+1:N] (used for small N, e.g. decode steps);
 //   2 = claim: a pre-pass does atomicMax(claim[slot], (E+1) << 32 | (i+1)) for every
 //              valid token, E = epoch[0]; the store writes token i only if
-//              claim[slot] holds exactly its key.  The last CTA of the store to
-//              finish sets epoch[0] = E+1, so the next call's keys beat every old
+//              claim[slot] holds exactly its key.  A one-thread launch after the
+//              store sets epoch[0] = E+1, so the next call's keys beat every old
 //              entry and the table never needs clearing.  claim (uint64, >= num_slots
-//              entries) and epoch (uint32[2]: epoch, CTAs done) are zeroed once and
-//              owned by the backend per device and stream.  Two launches, no host
-//              sync, deterministic, graph-safe (the epoch lives on the device).
+//              entries) and epoch (uint32[1]) are zeroed once and owned by the
+//              backend per device and stream.  Three launches (the first and last
+//              tiny), no host sync, deterministic, graph-safe (the epoch lives on the
+//              device, so a replayed graph still advances it).
 #include "fp4_common.cuh"
 
 #define FP4C_LAYOUT_HND 0
@@ -187,7 +188,6 @@ FP4C_DEVICE void store_impl(u8* __restrict__ buffer, const void* __restrict__ sl
   extern "C" __global__ void __launch_bounds__(256, FP4C_STORE_MIN_BLOCKS)                  \
       NAME(FP4C_STORE_PARAMS) {                                                             \
     store_impl<T, RULE, SLOT, VEC>(buffer, slots, k, v, stats, claim, epoch, params);       \
-    if (params.dedup == 2) store_epoch_epilogue(epoch);                                    \
   }
 
 // ---------------------------------------------------------------------------
@@ -211,19 +211,9 @@ FP4C_DEVICE void claim_impl(const void* __restrict__ slots, u64* __restrict__ cl
     claim_impl<SLOT>(slots, claim, epoch, n_tokens, num_slots);                              \
   }
 
-// After every thread of the CTA is done with epoch[0]: the last CTA of the grid
-// advances the epoch (every other CTA has already read it and finished).
-FP4C_DEVICE void store_epoch_epilogue(u32* epoch) {
-  __syncthreads();
-  if (threadIdx.x == 0) {
-    __threadfence();
-    const u32 done = atomicAdd(epoch + 1, 1u);
-    if (done == gridDim.x - 1) {
-      epoch[1] = 0u;
-      epoch[0] = epoch[0] + 1u;
-      __threadfence();
-    }
-  }
+// Advance the claim epoch (one thread; launched after the store).
+extern "C" __global__ void fp4cache_claim_epoch_bump(u32* epoch) {
+  if (blockIdx.x == 0 && threadIdx.x == 0) epoch[0] = epoch[0] + 1u;
 }
 
 // ---------------------------------------------------------------------------
