@@ -14,10 +14,14 @@ allocates outputs):
 
 Every function enqueues work on the current stream and returns without a host
 synchronization.  ``gather_dequant`` and ``longlive_dequantize`` allocate nothing,
-so they can be captured in a CUDA graph; ``store`` allocates only its duplicate-slot
-claim table, once per device and stream (see ``kernels/paged_kv.cu``).
-Non-contiguous K/V (any token and head strides) are read in place; pointers or
-strides that are not 16-byte aligned select the ``_scalar`` kernel variants.
+so they can be captured in a CUDA graph.  ``store`` is one launch for up to
+``SCAN_MAX_TOKENS`` tokens; above that it adds a claim pre-pass and a one-thread
+epoch bump over a claim table allocated once per device and stream (graph-safe: the
+epoch lives on the device; see ``kernels/paged_kv.cu``).  Non-contiguous K/V (any
+token and head strides) are read in place; pointers or strides that are not
+16-byte aligned select the ``_scalar`` kernel variants.  Launch arguments of
+``store`` are cached per geometry/shape/stride/scale key, so a decode step costs
+one dictionary lookup and one kernel launch of host time.
 """
 
 from __future__ import annotations
