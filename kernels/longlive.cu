@@ -9,7 +9,9 @@
 //              amax writes scale 0x7F and zero data for every real row.  Padding
 //              rows (r >= Tb*H) are zero.  Scales go to the 128x4 blocked order.
 //   decode:    blocks given by three device pointer tables (values, scales, amax);
-//              out[(b*R + r), g*16 ...] = fl(fl(v*sf) * fl(amax * inv_denom)).
+//              out[(b*R + r), g*16 ...] = fl(fl(v*sf) * fl(amax * inv_denom)).  A null
+//              entry in any table (an out-of-range pool id) gives NaN rows for that
+//              block and no read.
 #include "fp4_common.cuh"
 
 template <typename T, bool VEC>
@@ -140,6 +142,7 @@ FP4C_DEVICE void ll_decode_impl(const u64* __restrict__ value_ptrs,
   const u8* vals = nullptr;
   const u8* sfs = nullptr;
   float scale = 0.0f;
+  bool null_block = false;
 #pragma unroll
   for (int j = 0; j < M; ++j) {
     const u32 gid = base + j * blockDim.x;
@@ -155,9 +158,19 @@ FP4C_DEVICE void ll_decode_impl(const u64* __restrict__ value_ptrs,
       bprev = b;
       vals = (const u8*)value_ptrs[b];
       sfs = (const u8*)sf_ptrs[b];
-      float am;
-      asm("ld.global.nc.f32 %0, [%1];" : "=f"(am) : "l"(amax_ptrs[b]));
-      scale = f_mul(am, inv_denom);
+      const u64 ap = amax_ptrs[b];
+      // A null pointer marks a block id outside the pool: NaN rows, nothing read.
+      null_block = vals == nullptr || sfs == nullptr || ap == 0u;
+      if (!null_block) {
+        float am;
+        asm("ld.global.nc.f32 %0, [%1];" : "=f"(am) : "l"(ap));
+        scale = f_mul(am, inv_denom);
+      }
+    }
+    if (null_block) {  // codes 0 with scale 0x7F decode to NaN
+      sfb[j] = 0x7Fu;
+      gs[j] = 1.0f;
+      continue;
     }
     const u8* p = vals + (u64)rem * (n / 2);
     codes[j] = ((((u64)p) & (n / 2 - 1)) == 0u) ? load_chunk_codes<T, true>(p)

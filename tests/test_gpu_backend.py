@@ -393,6 +393,15 @@ def test_longlive_decode_pointer_tables(dtype, D):
     out = poisoned(ref.shape, dtype)
     cb.longlive_dequantize(*tabs, out, num_heads=H, block_token_size=Tb, inv_denom=inv)
     same_values(out, ref, "longlive decode")
+    # a null pointer (out-of-range pool id): that block's rows are NaN, the rest unchanged
+    for which in range(3):
+        ptrs = [tabs[0].copy(), tabs[1].copy(), tabs[2].copy()]
+        ptrs[which][1] = 0
+        out = poisoned(ref.shape, dtype)
+        cb.longlive_dequantize(*ptrs, out, num_heads=H, block_token_size=Tb, inv_denom=inv)
+        exp = ref.copy()
+        exp[0, Tb:2 * Tb] = np.nan
+        same_values(out, exp, f"null pointer in table {which}")
 
 
 def test_longlive_round_trip_blocked_order():

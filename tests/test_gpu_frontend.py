@@ -113,3 +113,12 @@ def test_longlive_cuda_equals_cpu(rule):
     ref = longlive.dequantize_pool(*pool_c, ids, H, Tb, e4m3_max=e4m3_max)
     got = longlive.dequantize_pool(*pool_g, cp.asarray(ids), H, Tb, e4m3_max=e4m3_max)
     _same(got, ref)
+    # an out-of-range id on the GPU: NaN rows for that block, the others as on the CPU
+    bad_ids = cp.asarray(np.array([2, 3, 0, -1], np.int64))
+    got = longlive.dequantize_pool(*pool_g, bad_ids, H, Tb, e4m3_max=e4m3_max)
+    exp = ref.copy()
+    exp[0, Tb:2 * Tb] = np.nan
+    exp[0, 3 * Tb:] = np.nan
+    exp[0, 2 * Tb:3 * Tb] = longlive.dequantize_pool(*pool_c, np.array([0]), H, Tb,
+                                                     e4m3_max=e4m3_max)[0]
+    _same(got, exp)
