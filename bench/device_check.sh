@@ -1,0 +1,52 @@
+#!/usr/bin/env bash
+# Verification on a GPU machine, from the repository root, in one call:
+#   bash bench/device_check.sh tests   # test suite (GPU tests must run), notebooks' code on
+#                                      # the GPU, the demo, compute-sanitizer memcheck/racecheck
+#   bash bench/device_check.sh bench   # bench/bench.py (copy ceiling, kernels, PyTorch)
+# Logs go to $OUT (default /tmp/fp4cache-device).
+set -u
+export PYTHONUNBUFFERED=1 PYTHONPATH=.
+OUT=${OUT:-/tmp/fp4cache-device}
+mkdir -p "$OUT"
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$OUT/gpu.txt"
+python3 -c "import cupy; print('cupy', cupy.__version__, 'runtime', cupy.cuda.runtime.runtimeGetVersion())"
+
+run_notebook_code() {  # the code cells of each notebook, in order, in one namespace
+  MPLBACKEND=Agg python3 - "$@" <<'PY'
+import json, sys, time, pathlib, os
+for nb in sys.argv[1:]:
+    t = time.time()
+    ns = {"__name__": "__main__"}
+    os.chdir(pathlib.Path(nb).resolve().parent)
+    cells = json.load(open(pathlib.Path(nb).name))["cells"]
+    for c in cells:
+        if c["cell_type"] == "code":
+            exec(compile("".join(c["source"]), nb, "exec"), ns)
+    os.chdir(pathlib.Path(__file__).resolve().parent if "__file__" in dir() else "..")
+    print(f"NOTEBOOK OK {nb} {time.time() - t:.1f}s", flush=True)
+PY
+}
+
+case "${1:-tests}" in
+tests)
+  timeout 300 python3 -m pytest -q -n 8 -rs -p no:cacheprovider \
+      --deselect tests/test_notebooks.py 2>&1 | tee "$OUT/tests.log" | tail -25
+  for nb in notebooks/*.ipynb; do
+    (timeout 120 run_notebook_code "$PWD/$nb" 2>&1 | tail -40) >> "$OUT/notebooks.log"
+  done
+  grep -E "NOTEBOOK OK|Error|error" "$OUT/notebooks.log" | head -20
+  timeout 60 python3 -m fp4cache 2>&1 | tee "$OUT/demo.log"
+  for tool in memcheck racecheck; do
+    timeout 150 compute-sanitizer --tool "$tool" --error-exitcode 9 \
+        python3 -m pytest -q -p no:cacheprovider tests/test_errors.py tests/test_gpu_frontend.py \
+        tests/test_streams.py tests/test_gpu_backend.py \
+        -k "(cuda or stream or duplicate or graph or claim) and not fuzz and not hypothesis" \
+        > "$OUT/sanitizer-$tool.log" 2>&1
+    echo "compute-sanitizer $tool exit=$? $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY|passed|failed' \
+        "$OUT/sanitizer-$tool.log" | tr '\n' ' ')"
+  done
+  ;;
+bench)
+  timeout 540 python3 bench/bench.py --out "$OUT/bench.json" 2>&1 | tee "$OUT/bench.log" | tail -70
+  ;;
+esac
