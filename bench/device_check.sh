@@ -22,7 +22,6 @@ for nb in sys.argv[1:]:
     for c in cells:
         if c["cell_type"] == "code":
             exec(compile("".join(c["source"]), nb, "exec"), ns)
-    os.chdir(pathlib.Path(__file__).resolve().parent if "__file__" in dir() else "..")
     print(f"NOTEBOOK OK {nb} {time.time() - t:.1f}s", flush=True)
 PY
 }
