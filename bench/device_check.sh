@@ -12,7 +12,7 @@ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | 
 python3 -c "import cupy; print('cupy', cupy.__version__, 'runtime', cupy.cuda.runtime.runtimeGetVersion())"
 
 run_notebook_code() {  # the code cells of each notebook, in order, in one namespace
-  MPLBACKEND=Agg python3 - "$@" <<'PY'
+  MPLBACKEND=Agg timeout 120 python3 - "$@" <<'PY'
 import json, sys, time, pathlib, os
 for nb in sys.argv[1:]:
     t = time.time()
@@ -31,7 +31,7 @@ tests)
   timeout 300 python3 -m pytest -q -n 8 -rs -p no:cacheprovider \
       --deselect tests/test_notebooks.py 2>&1 | tee "$OUT/tests.log" | tail -25
   for nb in notebooks/*.ipynb; do
-    (timeout 120 run_notebook_code "$PWD/$nb" 2>&1 | tail -40) >> "$OUT/notebooks.log"
+    (run_notebook_code "$PWD/$nb" 2>&1 | tail -40) >> "$OUT/notebooks.log"
   done
   grep -E "NOTEBOOK OK|Error|error" "$OUT/notebooks.log" | head -20
   timeout 60 python3 -m fp4cache 2>&1 | tee "$OUT/demo.log"

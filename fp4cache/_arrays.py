@@ -25,6 +25,7 @@ __all__ = [
     "check_values",
     "check_scale",
     "check_out",
+    "check_device",
 ]
 
 
@@ -148,6 +149,17 @@ def check_out(out, name: str, shape: tuple[int, ...], dtype, backend: str):
     if not out.flags.c_contiguous:
         raise ValueError(f"{name} must be C-contiguous")
     return out
+
+
+def check_device(arrays: dict[str, Any], ref) -> None:
+    """CuPy arrays must live on the same GPU as ``ref`` (the cache's buffer)."""
+    if not is_cupy(ref):
+        return
+    for name, a in arrays.items():
+        if is_cupy(a) and a.device.id != ref.device.id:
+            raise ValueError(
+                f"{name} is on GPU {a.device.id} but the cache lives on GPU {ref.device.id}"
+            )
 
 
 def _shape_str(shape) -> str:

@@ -16,6 +16,36 @@ __all__ = ["PagedKVCache"]
 _STAT_NAMES = ("k_nonfinite_groups", "v_nonfinite_groups", "bad_slots", "bad_block_ids")
 
 
+def _store_signature(slot_mapping, k, v):
+    """What store() validates about its arguments, or None for non-CuPy arguments."""
+    try:
+        if not (_arrays.is_cupy(k) and _arrays.is_cupy(v) and _arrays.is_cupy(slot_mapping)):
+            return None
+        return (k.shape, k.dtype, k.strides, v.shape, v.dtype, v.strides, slot_mapping.shape,
+                slot_mapping.dtype, slot_mapping.strides, k.device.id, v.device.id,
+                slot_mapping.device.id)
+    except AttributeError:
+        return None
+
+
+def _gather_signature(blocks, dtype, out):
+    """What gather_dequant() validates about its arguments, or None."""
+    try:
+        if not _arrays.is_cupy(blocks):
+            return None
+        sig = (blocks.ndim, blocks.dtype, blocks.strides, blocks.device.id, dtype)
+        if out is None:
+            return sig
+        if not (isinstance(out, tuple) and len(out) == 2 and _arrays.is_cupy(out[0])
+                and _arrays.is_cupy(out[1])):
+            return None
+        a, b = out
+        return sig + (blocks.shape, a.shape, a.dtype, a.strides, a.device.id, b.shape,
+                      b.dtype, b.strides, b.device.id)
+    except (AttributeError, TypeError):
+        return None
+
+
 class PagedKVCache:
     """A paged KV cache that stores K and V in NVFP4, byte-compatible with vLLM.
 
@@ -89,6 +119,8 @@ class PagedKVCache:
         xp = self._xp()
         self.buffer = xp.zeros((self.num_blocks, 2, geom.side_bytes), dtype=np.uint8)
         self._stats = xp.zeros(4, dtype=np.uint64)
+        # Signatures of arguments already validated (GPU hot path) -> what they resolved to.
+        self._fast: dict[tuple, Any] = {}
 
     # -- properties ---------------------------------------------------------------------
     def _xp(self):
@@ -178,6 +210,11 @@ class PagedKVCache:
         """Zero every device-side counter (non-finite groups, bad slots, bad block ids)."""
         self._stats[...] = 0
 
+    def _remember(self, sig: tuple, value: Any) -> None:
+        if len(self._fast) >= 64:
+            self._fast.clear()
+        self._fast[sig] = value
+
     def __repr__(self) -> str:
         g = self.geometry
         return (
@@ -210,8 +247,21 @@ class PagedKVCache:
         IndexError
             (when validating) a slot is ``>= num_slots``; nothing is written.
         """
+        check = self.validate if validate is None else validate
+        sig = None
+        if not check and self.device == "cuda":
+            # Hot path of a decode step: arguments whose kind, shape, dtype and strides
+            # were fully checked before go straight to the kernel launch.
+            sig = _store_signature(slot_mapping, k, v)
+            if sig is not None and sig in self._fast:
+                if k.shape[0]:
+                    self._impl.store(self.buffer, slot_mapping, k, v, geom=self.geometry,
+                                     rule=self.scale_rule, k_s=self._k_s, k_g=self._k_g,
+                                     v_s=self._v_s, v_g=self._v_g, stats=self._stats)
+                return
         be = self.device
         g = self.geometry
+        k_in, v_in, slots_in = k, v, slot_mapping
         k = _arrays.to_backend(k, be, "k")
         v = _arrays.to_backend(v, be, "v")
         shape = (None, g.num_heads, g.head_dim)
@@ -223,9 +273,10 @@ class PagedKVCache:
             raise TypeError(f"k and v must have the same dtype, got {k.dtype} and {v.dtype}")
         slots = _arrays.to_backend(slot_mapping, be, "slot_mapping", allow_convert=True)
         _arrays.check_index_array(slots, "slot_mapping", length=k.shape[0])
+        _arrays.check_device({"k": k, "v": v, "slot_mapping": slots}, self.buffer)
         if k.shape[0] == 0:
             return
-        if self.validate if validate is None else validate:
+        if check:
             hi = int(slots.max())
             if hi >= self.num_slots:
                 i = int((slots >= self.num_slots).argmax())
@@ -243,6 +294,8 @@ class PagedKVCache:
             self.buffer, slots, k, v, geom=g, rule=self.scale_rule, k_s=self._k_s,
             k_g=self._k_g, v_s=self._v_s, v_g=self._v_g, stats=self._stats,
         )
+        if sig is not None and k is k_in and v is v_in and slots is slots_in:
+            self._remember(sig, True)
 
     # -- gather --------------------------------------------------------------------------
     def gather_dequant(self, blocks: Any, dtype: Any = None, *, out: Any = None,
@@ -268,8 +321,26 @@ class PagedKVCache:
         On the GPU this neither allocates (given ``out``) nor synchronizes (unless
         validating), so it can be captured in a CUDA graph.
         """
+        check = self.validate if validate is None else validate
+        sig = None
+        if not check and self.device == "cuda":
+            sig = _gather_signature(blocks, dtype, out)
+            hit = self._fast.get(sig) if sig is not None else None
+            if hit is not None:
+                n = blocks.shape[0]
+                if out is None:
+                    import cupy
+
+                    shape = (n * self.block_size, self.num_heads, self.head_dim)
+                    out = (cupy.empty(shape, dtype=hit), cupy.empty(shape, dtype=hit))
+                if n:
+                    self._impl.gather_dequant(self.buffer, blocks, out[0], out[1],
+                                              geom=self.geometry, k_s=self._k_s,
+                                              v_s=self._v_s, stats=self._stats)
+                return out[0], out[1]
         be = self.device
         g = self.geometry
+        blocks_in = blocks
         blocks = _arrays.to_backend(blocks, be, "blocks", allow_convert=True)
         _arrays.check_index_array(blocks, "blocks")
         n = blocks.shape[0]
@@ -286,9 +357,10 @@ class PagedKVCache:
             xp = self._xp()
             out_k = xp.empty(shape, dtype=dt)
             out_v = xp.empty(shape, dtype=dt)
+        _arrays.check_device({"blocks": blocks, "out[0]": out_k, "out[1]": out_v}, self.buffer)
         if n == 0:
             return out_k, out_v
-        if self.validate if validate is None else validate:
+        if check:
             lo, hi = int(blocks.min()), int(blocks.max())
             if lo < 0 or hi >= self.num_blocks:
                 bad = (blocks < 0) | (blocks >= self.num_blocks)
@@ -301,4 +373,7 @@ class PagedKVCache:
             self.buffer, blocks, out_k, out_v, geom=g, k_s=self._k_s, v_s=self._v_s,
             stats=self._stats,
         )
+        if sig is not None and blocks is blocks_in and (
+                out is None or (out_k is out[0] and out_v is out[1])):
+            self._remember(sig, dt)
         return out_k, out_v
