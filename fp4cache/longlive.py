@@ -10,6 +10,7 @@ and result, for any ``D`` that is a multiple of 64.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from typing import Any
 
@@ -133,9 +134,11 @@ def dequantize(values: Sequence[Any], scale_factors: Sequence[Any], amax: Sequen
             for i, a in enumerate(group):
                 if not a.flags.c_contiguous:
                     raise ValueError(f"{name}[{i}] must be C-contiguous")
-        ptrs = [xp.asarray(np.array([a.data.ptr for a in group], dtype=np.uint64))
-                for group in (vals, sfs, ams)]
-        impl.longlive_dequantize(*ptrs, out, num_heads=H, block_token_size=Tb, inv_denom=inv)
+        # One small host-to-device copy for the three pointer tables.
+        ptrs = xp.asarray(np.array([[a.data.ptr for a in group] for group in (vals, sfs, ams)],
+                                   dtype=np.uint64))
+        impl.longlive_dequantize(ptrs[0], ptrs[1], ptrs[2], out, num_heads=H,
+                                 block_token_size=Tb, inv_denom=inv)
     return out
 
 
@@ -200,16 +203,34 @@ def dequantize_pool(values: Any, scale_factors: Any, amax: Any, block_ids: Any,
     for name, a in (("values", values), ("scale_factors", scale_factors), ("amax", amax)):
         if not a.flags.c_contiguous:
             raise ValueError(f"{name} must be C-contiguous")
-    import cupy
-
-    valid = (ids >= 0) & (ids < N)
-    idu = cupy.where(valid, ids, 0).astype(np.uint64)
-    # A null pointer marks an out-of-range id: the kernel writes NaN and reads nothing.
-    ptrs = [cupy.where(valid, np.uint64(a.data.ptr) + idu * np.uint64(a.strides[0]),
-                       np.uint64(0))
-            for a in (values, scale_factors, amax.reshape(N, 1))]
+    ptrs = _pool_pointer_tables()(
+        ids, np.int64(N), *(x for a in (values, scale_factors, amax.reshape(N, 1))
+                            for x in (np.uint64(a.data.ptr), np.uint64(a.strides[0]))))
     impl.longlive_dequantize(*ptrs, out, num_heads=H, block_token_size=Tb, inv_denom=inv)
     return out
+
+
+@functools.cache
+def _pool_pointer_tables():
+    """One elementwise launch: the three per-block pointer tables of a pool.
+
+    A null pointer marks an id outside ``[0, N)``: the decode kernel writes NaN for that
+    block and reads nothing.
+    """
+    import cupy
+
+    return cupy.ElementwiseKernel(
+        "T id, int64 n, uint64 bv, uint64 sv, uint64 bs, uint64 ss, uint64 ba, uint64 sa",
+        "uint64 pv, uint64 ps, uint64 pa",
+        """
+        const bool ok = id >= 0 && (long long)id < n;
+        const unsigned long long u = ok ? (unsigned long long)id : 0ull;
+        pv = ok ? bv + u * sv : 0ull;
+        ps = ok ? bs + u * ss : 0ull;
+        pa = ok ? ba + u * sa : 0ull;
+        """,
+        "fp4cache_longlive_pool_pointer_tables",
+    )
 
 
 def _check_counts(num_heads, block_token_size):
