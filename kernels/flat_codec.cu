@@ -16,18 +16,7 @@ FP4C_DEVICE void quantize_impl(const void* __restrict__ x, u8* __restrict__ data
   load_group<T, VEC>((const char*)x + gid * 16 * T::kBytes, xs);
   const Encoded16 e = encode_group<RULE>(xs, s, g);
   if (e.nonfinite && stats != nullptr) atomicAdd(stats, 1ull);
-  if (VEC) {
-    U32x2 a;
-    a.x = e.lo;
-    a.y = e.hi;
-    *(U32x2*)(data + gid * 8) = a;
-  } else {
-#pragma unroll
-    for (int b = 0; b < 4; ++b) {
-      data[gid * 8 + b] = (u8)(e.lo >> (8 * b));
-      data[gid * 8 + 4 + b] = (u8)(e.hi >> (8 * b));
-    }
-  }
+  store_codes<VEC>(data + gid * 8, e);
   scales[gid] = (u8)e.scale;
 }
 

@@ -264,54 +264,6 @@ FP4C_DEVICE void unpack_raw(const RawGroup<T>& r, Group16& g) {
   }
 }
 
-// Store 16 float32 values rounded to T (RNE), contiguous.
-FP4C_DEVICE void store_group_vec(bf16_t, void* p, const float* v) {
-  U32x4 a, b;
-  a.x = pack2(bf16_t(), v[0], v[1]);
-  a.y = pack2(bf16_t(), v[2], v[3]);
-  a.z = pack2(bf16_t(), v[4], v[5]);
-  a.w = pack2(bf16_t(), v[6], v[7]);
-  b.x = pack2(bf16_t(), v[8], v[9]);
-  b.y = pack2(bf16_t(), v[10], v[11]);
-  b.z = pack2(bf16_t(), v[12], v[13]);
-  b.w = pack2(bf16_t(), v[14], v[15]);
-  ((U32x4*)p)[0] = a;
-  ((U32x4*)p)[1] = b;
-}
-FP4C_DEVICE void store_group_vec(f16_t, void* p, const float* v) {
-  U32x4 a, b;
-  a.x = pack2(f16_t(), v[0], v[1]);
-  a.y = pack2(f16_t(), v[2], v[3]);
-  a.z = pack2(f16_t(), v[4], v[5]);
-  a.w = pack2(f16_t(), v[6], v[7]);
-  b.x = pack2(f16_t(), v[8], v[9]);
-  b.y = pack2(f16_t(), v[10], v[11]);
-  b.z = pack2(f16_t(), v[12], v[13]);
-  b.w = pack2(f16_t(), v[14], v[15]);
-  ((U32x4*)p)[0] = a;
-  ((U32x4*)p)[1] = b;
-}
-FP4C_DEVICE void store_group_vec(f32_t, void* p, const float* v) {
-#pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    U32x4 a;
-    a.x = __float_as_uint(v[4 * i]);
-    a.y = __float_as_uint(v[4 * i + 1]);
-    a.z = __float_as_uint(v[4 * i + 2]);
-    a.w = __float_as_uint(v[4 * i + 3]);
-    ((U32x4*)p)[i] = a;
-  }
-}
-template <typename T, bool VEC>
-FP4C_DEVICE void store_group(void* p, const float* v) {
-  if (VEC) {
-    store_group_vec(T(), p, v);
-  } else {
-#pragma unroll
-    for (int i = 0; i < 16; ++i) store_one(T(), (char*)p + i * T::kBytes, v[i]);
-  }
-}
-
 // ---------------------------------------------------------------------------
 // Element formats
 // ---------------------------------------------------------------------------
@@ -384,6 +336,23 @@ struct Encoded16 {
   u32 scale;    // E4M3 byte
   bool nonfinite;
 };
+
+// Write the 8 packed-code bytes of a group at dst (8-byte aligned when VEC).
+template <bool VEC>
+FP4C_DEVICE void store_codes(u8* dst, const Encoded16& e) {
+  if (VEC) {
+    U32x2 a;
+    a.x = e.lo;
+    a.y = e.hi;
+    *(U32x2*)dst = a;
+  } else {
+#pragma unroll
+    for (int b = 0; b < 4; ++b) {
+      dst[b] = (u8)(e.lo >> (8 * b));
+      dst[4 + b] = (u8)(e.hi >> (8 * b));
+    }
+  }
+}
 
 FP4C_DEVICE float group_abs_max(const Group16& g, bool& nonfinite) {
   u32 mb = 0;

@@ -95,18 +95,7 @@ FP4C_DEVICE void ll_quantize_impl(const void* __restrict__ x, const float* __res
       e = encode_group<RULE>(xs, s, gm);
     }
   }
-  if (VEC) {
-    U32x2 a;
-    a.x = e.lo;
-    a.y = e.hi;
-    *(U32x2*)(values + (u64)gid * 8) = a;
-  } else {
-#pragma unroll
-    for (int b = 0; b < 4; ++b) {
-      values[(u64)gid * 8 + b] = (u8)(e.lo >> (8 * b));
-      values[(u64)gid * 8 + 4 + b] = (u8)(e.hi >> (8 * b));
-    }
-  }
+  store_codes<VEC>(values + (u64)gid * 8, e);
   sf[blocked_scale_offset(r, g, G)] = (u8)e.scale;
 }
 

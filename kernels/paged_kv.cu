@@ -152,23 +152,8 @@ FP4C_DEVICE void store_impl(u8* __restrict__ buffer, const void* __restrict__ sl
     u8* ks = kside[j];
     u8* vs = ks + side_bytes;
     const u64 d = doff[j];
-    if (VEC) {
-      U32x2 a;
-      a.x = ek.lo;
-      a.y = ek.hi;
-      *(U32x2*)(ks + d) = a;
-      a.x = ev.lo;
-      a.y = ev.hi;
-      *(U32x2*)(vs + d) = a;
-    } else {
-#pragma unroll
-      for (int b = 0; b < 4; ++b) {
-        ks[d + b] = (u8)(ek.lo >> (8 * b));
-        ks[d + 4 + b] = (u8)(ek.hi >> (8 * b));
-        vs[d + b] = (u8)(ev.lo >> (8 * b));
-        vs[d + 4 + b] = (u8)(ev.hi >> (8 * b));
-      }
-    }
+    store_codes<VEC>(ks + d, ek);
+    store_codes<VEC>(vs + d, ev);
     ks[ksoff[j]] = (u8)ek.scale;
     vs[vsoff[j]] = (u8)ev.scale;
   }

@@ -13,6 +13,7 @@ import ml_dtypes
 import numpy as np
 import nvfp4_ref as ref
 import pytest
+from nvfp4_ref import assert_same_values
 
 import fp4cache
 from fp4cache import PagedKVCache
@@ -27,16 +28,8 @@ def Model(*args, **kwargs):
     return ref.PagedModel(*args, quantize=fp4cache.quantize, **kwargs)
 
 
-def bits(a):
-    a = np.asarray(a)
-    return a.view({2: np.uint16, 4: np.uint32}[a.dtype.itemsize])
 
 
-def assert_same_values(got, want):
-    assert got.dtype == want.dtype and got.shape == want.shape
-    gn = np.isnan(got.astype(F32))
-    np.testing.assert_array_equal(gn, np.isnan(want.astype(F32)))
-    np.testing.assert_array_equal(bits(got)[~gn], bits(want)[~gn])
 
 
 def make_pair(cache_kwargs, **model_kwargs):

@@ -6,6 +6,7 @@ import ml_dtypes
 import numpy as np
 import nvfp4_ref as ref
 import pytest
+from nvfp4_ref import assert_same_values, bits
 
 import fp4cache
 
@@ -15,18 +16,8 @@ DTYPES = ("bfloat16", "float16", "float32")
 TINY = F32(np.uint32(1).view(F32))  # smallest float32 subnormal
 
 
-def bits(a) -> np.ndarray:
-    a = np.asarray(a)
-    return a.view({1: np.uint8, 2: np.uint16, 4: np.uint32}[a.dtype.itemsize])
 
 
-def assert_same_values(got, want):
-    """Bit-exact equality of float arrays (any NaN matches any NaN)."""
-    got, want = np.asarray(got), np.asarray(want)
-    assert got.dtype == want.dtype and got.shape == want.shape
-    gn = np.isnan(got.astype(F32))
-    np.testing.assert_array_equal(gn, np.isnan(want.astype(F32)))
-    np.testing.assert_array_equal(bits(got)[~gn], bits(want)[~gn])
 
 
 def assert_matches_reference(x, scale, rule):

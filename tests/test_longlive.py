@@ -6,6 +6,7 @@ import ml_dtypes
 import numpy as np
 import nvfp4_ref as ref
 import pytest
+from nvfp4_ref import assert_same_values
 
 import fp4cache
 from fp4cache import longlive
@@ -63,16 +64,8 @@ def ref_dequantize(values, sfs, amaxes, H, Tb, dtype, e2m1_max=6.0, e4m3_max=256
     return out
 
 
-def bits(a):
-    a = np.asarray(a)
-    return a.view({2: np.uint16, 4: np.uint32}[a.dtype.itemsize])
 
 
-def assert_same_values(got, want):
-    assert got.dtype == want.dtype and got.shape == want.shape
-    gn = np.isnan(got.astype(F32))
-    np.testing.assert_array_equal(gn, np.isnan(want.astype(F32)))
-    np.testing.assert_array_equal(bits(got)[~gn], bits(want)[~gn])
 
 
 SHAPES = [(16, 8), (5, 3), (64, 4), (1, 1), (33, 4)]  # (Tb, H): R = 128, 15, 256, 1, 132
