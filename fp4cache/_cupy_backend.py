@@ -294,6 +294,33 @@ def store(buffer, slot_mapping, k, v, *, geom: PageGeometry, rule, k_s, k_g, v_s
     claim_fn[1]((1,), (1,), (epoch,))
 
 
+def store_launcher(buffer, slot_mapping, k, v, *, geom: PageGeometry, rule, k_s, k_g, v_s,
+                   v_g, stats):
+    """A closure ``launch(slot_mapping, k, v)`` doing what :func:`store` does for arguments
+    with the same shapes, strides, dtypes, pointer alignment and device, or ``None``.
+
+    Only single-launch stores (up to ``SCAN_MAX_TOKENS`` tokens: a decode step) get one;
+    the caller keys it on those properties and then skips every per-call lookup.
+    """
+    n = k.shape[0]
+    if n == 0 or n > SCAN_MAX_TOKENS or not slot_mapping.flags.c_contiguous:
+        return None
+    key = (geom, buffer.shape[0], buffer.data.ptr & 15, k.data.ptr & 15, v.data.ptr & 15,
+           k.strides, v.strides, n, k.dtype, slot_mapping.dtype, rule, float(k_s), float(k_g),
+           float(v_s), float(v_g), cupy.cuda.runtime.getDevice())
+    plan = _store_plans.get(key)
+    if plan is None:
+        plan = _store_plan(key, buffer, slot_mapping, k, v, geom, rule, k_s, k_g, v_s, v_g)
+    fn, claim_fn, grid, params, _ = plan
+    if claim_fn is not None:
+        return None
+
+    def launch(slots, kk, vv):
+        fn(grid, _BLOCK, (buffer, slots, kk, vv, stats, _NULL, _NULL, params))
+
+    return launch
+
+
 def gather_dequant(buffer, blocks, out_k, out_v, *, geom: PageGeometry, k_s, v_s,
                    stats) -> None:
     """Gather pages ``blocks`` and decode them into ``out_k``/``out_v`` ``[n*T, H, D]``."""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import numpy as np
@@ -17,15 +18,31 @@ _STAT_NAMES = ("k_nonfinite_groups", "v_nonfinite_groups", "bad_slots", "bad_blo
 
 
 def _store_signature(slot_mapping, k, v):
-    """What store() validates about its arguments, or None for non-CuPy arguments."""
+    """What store() checks about its arguments (and what its kernel launch depends on:
+    pointer alignment, device), or None for arguments that are not CuPy arrays."""
     try:
-        if not (_arrays.is_cupy(k) and _arrays.is_cupy(v) and _arrays.is_cupy(slot_mapping)):
+        nd = _cupy_ndarray()
+        if not (type(k) is nd and type(v) is nd and type(slot_mapping) is nd):
             return None
+        kd, vd, sd = k.data, v.data, slot_mapping.data
         return (k.shape, k.dtype, k.strides, v.shape, v.dtype, v.strides, slot_mapping.shape,
-                slot_mapping.dtype, slot_mapping.strides, k.device.id, v.device.id,
-                slot_mapping.device.id)
+                slot_mapping.dtype, slot_mapping.strides, kd.ptr & 15, vd.ptr & 15,
+                kd.device_id, vd.device_id, sd.device_id, _current_device())
     except AttributeError:
         return None
+
+
+@functools.cache
+def _cupy_ndarray():
+    import cupy
+
+    return cupy.ndarray
+
+
+def _current_device() -> int:
+    import cupy
+
+    return cupy.cuda.runtime.getDevice()
 
 
 def _gather_signature(blocks, dtype, out):
@@ -253,8 +270,11 @@ class PagedKVCache:
             # Hot path of a decode step: arguments whose kind, shape, dtype and strides
             # were fully checked before go straight to the kernel launch.
             sig = _store_signature(slot_mapping, k, v)
-            if sig is not None and sig in self._fast:
-                if k.shape[0]:
+            hit = self._fast.get(sig) if sig is not None else None
+            if hit is not None:
+                if hit is not True:  # a prepared single launch (decode-step sizes)
+                    hit(slot_mapping, k, v)
+                elif k.shape[0]:
                     self._impl.store(self.buffer, slot_mapping, k, v, geom=self.geometry,
                                      rule=self.scale_rule, k_s=self._k_s, k_g=self._k_g,
                                      v_s=self._v_s, v_g=self._v_g, stats=self._stats)
@@ -295,7 +315,10 @@ class PagedKVCache:
             k_g=self._k_g, v_s=self._v_s, v_g=self._v_g, stats=self._stats,
         )
         if sig is not None and k is k_in and v is v_in and slots is slots_in:
-            self._remember(sig, True)
+            launch = self._impl.store_launcher(
+                self.buffer, slots, k, v, geom=g, rule=self.scale_rule, k_s=self._k_s,
+                k_g=self._k_g, v_s=self._v_s, v_g=self._v_g, stats=self._stats)
+            self._remember(sig, True if launch is None else launch)
 
     # -- gather --------------------------------------------------------------------------
     def gather_dequant(self, blocks: Any, dtype: Any = None, *, out: Any = None,

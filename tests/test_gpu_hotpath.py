@@ -1,0 +1,65 @@
+"""The GPU hot path: repeated calls whose argument signature was validated before skip the
+checks and (decode-step sizes) go straight to a prepared launch.  Results must not change,
+and a call with a new signature is validated again."""
+
+from __future__ import annotations
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+from fp4cache import PagedKVCache, gpu_available
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not gpu_available(), reason="needs CuPy and a CUDA GPU"),
+]
+
+
+@pytest.mark.parametrize("n", [1, 64, 128, 129, 1000])
+def test_repeated_stores_and_gathers_match_cpu(n):
+    import cupy
+
+    rng = np.random.default_rng(n)
+    nb, T, H, D = 128, 16, 4, 128
+    gpu = PagedKVCache(nb, T, H, D, scale_rule="4over6", device="cuda")
+    cpu = PagedKVCache(nb, T, H, D, scale_rule="4over6", device="cpu")
+    out = None
+    for step in range(6):
+        # A fresh (n+1)-token array each step; odd steps pass an offset view (other
+        # pointer alignment), so both the prepared launch and the full path are used.
+        big = rng.standard_normal((n + 1, H, D), dtype=np.float32).astype(ml_dtypes.bfloat16)
+        k_np = big[step % 2:step % 2 + n]
+        v_np = (big[step % 2:step % 2 + n] * 0.5).astype(ml_dtypes.bfloat16)
+        slots = rng.choice(nb * T, size=n, replace=n > nb * T).astype(np.int64)
+        slots[rng.random(n) < 0.1] = -1
+        cpu.store(slots, k_np, v_np)
+        kd = cupy.asarray(big)[step % 2:step % 2 + n]
+        gpu.store(cupy.asarray(slots), kd, cupy.asarray(v_np))
+        blocks = rng.integers(0, nb, 8).astype(np.int32)
+        if out is None:
+            out = (cupy.empty((8 * T, H, D), ml_dtypes.bfloat16),
+                   cupy.empty((8 * T, H, D), ml_dtypes.bfloat16))
+        k_out, v_out = gpu.gather_dequant(cupy.asarray(blocks), out=out)
+        k_ref, v_ref = cpu.gather_dequant(blocks)
+        assert np.array_equal(k_out.get().view(np.uint16), k_ref.view(np.uint16)), step
+        assert np.array_equal(v_out.get().view(np.uint16), v_ref.view(np.uint16)), step
+    assert np.array_equal(gpu.buffer.get(), cpu.buffer)
+
+
+def test_new_signature_is_validated_again():
+    import cupy
+
+    gpu = PagedKVCache(16, 16, 2, 64, device="cuda")
+    k = cupy.ones((4, 2, 64), dtype=cupy.float32)
+    slots = cupy.arange(4, dtype=cupy.int32)
+    gpu.store(slots, k, k)
+    gpu.store(slots, k, k)  # prepared launch
+    before = gpu.buffer.copy()
+    with pytest.raises(ValueError, match="k must have shape"):
+        gpu.store(slots[:3], k[:3, :1], k[:3, :1])
+    with pytest.raises(ValueError, match="slot_mapping"):
+        gpu.store(slots[:3], k, k)
+    with pytest.raises(TypeError, match="same dtype"):
+        gpu.store(slots, k, k.astype(cupy.float16))
+    assert cupy.array_equal(before, gpu.buffer)
