@@ -168,27 +168,17 @@ FP4C_DEVICE void signs_from_floats(Group16& g) {
   g.sgn[1] = s[1];
 }
 
-// Vector load of 16 contiguous values (pointer 16-byte aligned).
-FP4C_DEVICE void load_group_vec(bf16_t, const void* p, Group16& g) {
+// Vector load of 16 contiguous values (pointer 16-byte aligned); bf16 and f16 hold two
+// values per 32-bit word (f32 has its own overload below).
+template <typename T>
+FP4C_DEVICE void load_group_vec(T, const void* p, Group16& g) {
   const U32x4 a = ldg16(p);
   const U32x4 b = ldg16((const char*)p + 16);
   const u32 w[8] = {a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w};
 #pragma unroll
   for (int i = 0; i < 8; ++i) {
-    g.x[2 * i] = lo_of(bf16_t(), w[i]);
-    g.x[2 * i + 1] = hi_of(bf16_t(), w[i]);
-  }
-  g.sgn[0] = signs_from_halves(w[0], w[1], w[2], w[3]);
-  g.sgn[1] = signs_from_halves(w[4], w[5], w[6], w[7]);
-}
-FP4C_DEVICE void load_group_vec(f16_t, const void* p, Group16& g) {
-  const U32x4 a = ldg16(p);
-  const U32x4 b = ldg16((const char*)p + 16);
-  const u32 w[8] = {a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w};
-#pragma unroll
-  for (int i = 0; i < 8; ++i) {
-    g.x[2 * i] = lo_of(f16_t(), w[i]);
-    g.x[2 * i + 1] = hi_of(f16_t(), w[i]);
+    g.x[2 * i] = lo_of(T(), w[i]);
+    g.x[2 * i + 1] = hi_of(T(), w[i]);
   }
   g.sgn[0] = signs_from_halves(w[0], w[1], w[2], w[3]);
   g.sgn[1] = signs_from_halves(w[4], w[5], w[6], w[7]);
