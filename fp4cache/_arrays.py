@@ -21,6 +21,8 @@ __all__ = [
     "is_cupy",
     "backend_of",
     "to_backend",
+    "array_module",
+    "as_scale_bytes",
     "check_index_array",
     "check_values",
     "check_scale",
@@ -91,6 +93,24 @@ def to_backend(a: Any, backend: str, name: str, *, allow_convert: bool = False):
     if hasattr(a, "__dlpack__") and backend_of(a) == "cuda":
         return cupy.from_dlpack(a)
     return cupy.asarray(np.asarray(a))
+
+
+def array_module(backend: str):
+    """``numpy`` for ``"cpu"``, ``cupy`` for ``"cuda"``."""
+    if backend == "cpu":
+        return np
+    import cupy
+
+    return cupy
+
+
+def as_scale_bytes(a, name: str):
+    """E4M3 scale bytes as uint8: uint8 as is, ``float8_e4m3fn`` viewed as uint8."""
+    if a.dtype == np.uint8:
+        return a
+    if a.dtype.itemsize == 1 and "float8_e4m3fn" in str(a.dtype):
+        return a.view(np.uint8)
+    raise TypeError(f"{name} must have dtype uint8 or float8_e4m3fn, got {a.dtype}")
 
 
 def check_index_array(a, name: str, *, length: int | None = None):

@@ -134,20 +134,13 @@ class PagedKVCache:
         self.geometry = geom
         self.num_blocks = int(num_blocks)
         self.validate = True if device == "cpu" else bool(validate)
-        xp = self._xp()
+        xp = _arrays.array_module(self.device)
         self.buffer = xp.zeros((self.num_blocks, 2, geom.side_bytes), dtype=np.uint8)
         self._stats = xp.zeros(4, dtype=np.uint64)
         # Signatures of arguments already validated (GPU hot path) -> what they resolved to.
         self._fast: dict[tuple, Any] = {}
 
     # -- properties ---------------------------------------------------------------------
-    def _xp(self):
-        if self.device == "cpu":
-            return np
-        import cupy
-
-        return cupy
-
     @property
     def block_size(self) -> int:
         return self.geometry.block_size
@@ -306,7 +299,7 @@ class PagedKVCache:
                     f"< num_slots = {self.num_slots} (negative slots are skipped); "
                     "nothing was stored"
                 )
-        xp = self._xp()
+        xp = _arrays.array_module(self.device)
         if k.strides[-1] != k.itemsize:
             k = xp.ascontiguousarray(k)
         if v.strides[-1] != v.itemsize:
@@ -378,7 +371,7 @@ class PagedKVCache:
             out_v = _arrays.check_out(out[1], "out[1]", shape, dt, be)
         else:
             dt = resolve_dtype("bfloat16" if dtype is None else dtype, name="dtype")
-            xp = self._xp()
+            xp = _arrays.array_module(self.device)
             out_k = xp.empty(shape, dtype=dt)
             out_v = xp.empty(shape, dtype=dt)
         _arrays.check_device({"blocks": blocks, "out[0]": out_k, "out[1]": out_v}, self.buffer)

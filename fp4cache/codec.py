@@ -73,7 +73,7 @@ def quantize(x: Any, scale: float = 1.0, scale_rule: str = "static6"):
         raise ValueError(f"x.shape[-1] (D) must be a positive multiple of 16, got {d}")
     s = _arrays.check_scale(scale, "scale")
     check_rule(scale_rule)
-    xp = np if backend == "cpu" else __import__("cupy")
+    xp = _arrays.array_module(backend)
     lead = x.shape[:-1]
     data = xp.empty(lead + (d // 2,), dtype=np.uint8)
     scales = xp.empty(lead + (d // GROUP,), dtype=np.uint8)
@@ -111,11 +111,7 @@ def dequantize(data: Any, scales: Any, scale: float = 1.0, dtype: Any = "bfloat1
     scales = _arrays.to_backend(scales, backend, "scales")
     if data.dtype != np.uint8:
         raise TypeError(f"data must have dtype uint8 (packed E2M1), got {data.dtype}")
-    if scales.dtype != np.uint8:
-        if scales.dtype.itemsize == 1 and "float8_e4m3fn" in str(scales.dtype):
-            scales = scales.view(np.uint8)
-        else:
-            raise TypeError(f"scales must have dtype uint8 or float8_e4m3fn, got {scales.dtype}")
+    scales = _arrays.as_scale_bytes(scales, "scales")
     if data.ndim == 0 or scales.ndim != data.ndim:
         raise ValueError(
             f"data and scales must have the same rank >= 1, got {data.shape} and {scales.shape}"
@@ -128,7 +124,7 @@ def dequantize(data: Any, scales: Any, scale: float = 1.0, dtype: Any = "bfloat1
         )
     s = _arrays.check_scale(scale, "scale")
     shape = tuple(data.shape[:-1]) + (2 * half,)
-    xp = np if backend == "cpu" else __import__("cupy")
+    xp = _arrays.array_module(backend)
     if out is None:
         dt = resolve_dtype(dtype)
         out = xp.empty(shape, dtype=dt)

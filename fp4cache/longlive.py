@@ -65,7 +65,7 @@ def quantize_block(x: Any, scale_rule: str = "4over6"):
         raise ValueError(f"x must have at least one token and one head, got shape {x.shape}")
     _check_head_dim(D, "x.shape[2] (head_dim)")
     check_rule(scale_rule)
-    xp = np if backend == "cpu" else __import__("cupy")
+    xp = _arrays.array_module(backend)
     Rp = longlive_padded_rows(Tb, H)
     values = xp.empty((Rp, D // 2), dtype=np.uint8)
     sf = xp.empty((Rp * (D // GROUP),), dtype=np.uint8)
@@ -73,14 +73,6 @@ def quantize_block(x: Any, scale_rule: str = "4over6"):
     backend_module(backend).longlive_quantize(xp.ascontiguousarray(x), scale_rule, values, sf,
                                               amax)
     return values, sf, amax
-
-
-def _as_u8(a, name):
-    if a.dtype != np.uint8:
-        if a.dtype.itemsize == 1 and "float8_e4m3fn" in str(a.dtype):
-            return a.view(np.uint8)
-        raise TypeError(f"{name} must have dtype uint8 or float8_e4m3fn, got {a.dtype}")
-    return a
 
 
 def dequantize(values: Sequence[Any], scale_factors: Sequence[Any], amax: Sequence[Any],
@@ -119,11 +111,11 @@ def dequantize(values: Sequence[Any], scale_factors: Sequence[Any], amax: Sequen
     inv = inverse_global_denominator(e2m1_max, e4m3_max)
     backend = _arrays.backend_of(values[0])
     vals = [_arrays.to_backend(a, backend, f"values[{i}]") for i, a in enumerate(values)]
-    sfs = [_as_u8(_arrays.to_backend(a, backend, f"scale_factors[{i}]"), f"scale_factors[{i}]")
-           for i, a in enumerate(scale_factors)]
+    sfs = [_arrays.as_scale_bytes(_arrays.to_backend(a, backend, name), name)
+           for name, a in ((f"scale_factors[{i}]", a) for i, a in enumerate(scale_factors))]
     ams = [_arrays.to_backend(a, backend, f"amax[{i}]") for i, a in enumerate(amax)]
     Rp, D = _check_block_arrays(vals, sfs, ams, H, Tb)
-    xp = np if backend == "cpu" else __import__("cupy")
+    xp = _arrays.array_module(backend)
     out = xp.empty((1, len(vals) * Tb, H, D), dtype=dt)
     impl = backend_module(backend)
     if backend == "cpu":
@@ -166,8 +158,8 @@ def dequantize_pool(values: Any, scale_factors: Any, amax: Any, block_ids: Any,
     H, Tb = _check_counts(num_heads, block_token_size)
     backend = _arrays.backend_of(values)
     values = _arrays.to_backend(values, backend, "values")
-    scale_factors = _as_u8(_arrays.to_backend(scale_factors, backend, "scale_factors"),
-                           "scale_factors")
+    scale_factors = _arrays.as_scale_bytes(
+        _arrays.to_backend(scale_factors, backend, "scale_factors"), "scale_factors")
     amax = _arrays.to_backend(amax, backend, "amax")
     ids = _arrays.to_backend(block_ids, backend, "block_ids", allow_convert=True)
     _arrays.check_index_array(ids, "block_ids")
@@ -182,7 +174,7 @@ def dequantize_pool(values: Any, scale_factors: Any, amax: Any, block_ids: Any,
     inv = inverse_global_denominator(e2m1_max, e4m3_max)
     n = ids.shape[0]
     shape = (1, n * Tb, H, D)
-    xp = np if backend == "cpu" else __import__("cupy")
+    xp = _arrays.array_module(backend)
     if out is None:
         out = xp.empty(shape, dtype=resolve_dtype(dtype))
     else:
