@@ -191,6 +191,34 @@ def bench_longlive_decode(reps, H=24, D=128, Tb=7040, nblk=4):
     return us, nbytes
 
 
+def bench_longlive_front(reps, api, H=24, D=128, Tb=7040, nblk=4):
+    """``longlive.dequantize`` (list) or ``dequantize_pool`` as a user calls them."""
+    from fp4cache import longlive
+
+    Rp = longlive_padded_rows(Tb, H)
+    S = D // 16
+    rng = np.random.default_rng(0)
+    pools = []
+    for _ in range(2):
+        vals = cp.asarray(rng.integers(0, 256, (nblk, Rp, D // 2), dtype=np.uint8))
+        sfs = cp.full((nblk, Rp * S), 0x38, cp.uint8)
+        am = cp.full((nblk, 1), 3.0, cp.float32)
+        pools.append((vals, sfs, am))
+    ids = cp.arange(nblk, dtype=cp.int32)
+    outs = [cp.empty((1, nblk * Tb, H, D), BF16) for _ in range(2)]
+
+    def run(i):
+        vals, sfs, am = pools[i % 2]
+        if api == "pool":
+            longlive.dequantize_pool(vals, sfs, am, ids, H, Tb, out=outs[i % 2])
+        else:
+            longlive.dequantize(list(vals), list(sfs), list(am), H, Tb)
+
+    us = gpu_time_us(run, reps)
+    nbytes = nblk * (Tb * H * D // 2 + Tb * H * S + 4) + nblk * Tb * H * D * 2
+    return us, nbytes
+
+
 def bench_longlive_quantize(rule, reps, H=24, D=128, Tb=7040):
     Rp = longlive_padded_rows(Tb, H)
     xs = [rand_bf16((Tb, H, D), s) for s in (1, 2)]
@@ -269,6 +297,10 @@ def main():
     ap.add_argument("--json", default=None)
     ap.add_argument("--variants", action="store_true",
                     help="also time store/gather under alternative kernel macro settings")
+    ap.add_argument("--store-variants", action="store_true",
+                    help="time the store under the encoder's alternative macro settings")
+    ap.add_argument("--quick", action="store_true",
+                    help="copy, store, gather, LongLive decode only")
     args = ap.parse_args()
     dev = cp.cuda.Device()
     props = cp.cuda.runtime.getDeviceProperties(dev.id)
@@ -286,18 +318,38 @@ def main():
         add(f"baseline {name}", us, nb)
     for rule in ("static6", "4over6"):
         add(f"store 64Kx8x128 bf16 {rule}", *bench_store(rule, args.reps))
-    add("store 64Kx8x128 bf16 static6 random slots",
-        *bench_store("static6", args.reps, slot_order="random"))
-    add("store 64Kx8x128 bf16 static6 NHD", *bench_store("static6", args.reps, layout="NHD"))
+    if not args.quick:
+        add("store 64Kx8x128 bf16 static6 random slots",
+            *bench_store("static6", args.reps, slot_order="random"))
+        add("store 64Kx8x128 bf16 static6 NHD",
+            *bench_store("static6", args.reps, layout="NHD"))
     add("gather_dequant 4096p x16 bf16", *bench_gather(args.reps))
-    add("gather_dequant 4096p x16 f32", *bench_gather(args.reps, dtype=np.dtype(np.float32)))
+    if not args.quick:
+        add("gather_dequant 4096p x16 f32",
+            *bench_gather(args.reps, dtype=np.dtype(np.float32)))
     add("longlive decode H24 D128 Tb7040 x4", *bench_longlive_decode(args.reps))
-    for rule in ("static6", "4over6"):
-        add(f"longlive quantize Tb7040 H24 {rule}", *bench_longlive_quantize(rule, args.reps))
-    for rule in ("static6", "4over6"):
-        (q, d) = bench_flat(rule, args.reps)
-        add(f"flat quantize 512Kx128 bf16 {rule}", *q)
-    add("flat dequantize 512Kx128 bf16", *d)
+    add("longlive dequantize_pool (front end)", *bench_longlive_front(args.reps, "pool"))
+    add("longlive dequantize list (front end)", *bench_longlive_front(args.reps, "list"))
+    if not args.quick:
+        for rule in ("static6", "4over6"):
+            add(f"longlive quantize Tb7040 H24 {rule}",
+                *bench_longlive_quantize(rule, args.reps))
+        for rule in ("static6", "4over6"):
+            (q, d) = bench_flat(rule, args.reps)
+            add(f"flat quantize 512Kx128 bf16 {rule}", *q)
+        add("flat dequantize 512Kx128 bf16", *d)
+    if args.store_variants:
+        from fp4cache import _kernels
+
+        for defs in ({}, {"FP4C_PACK_IMAD": 1}, {"FP4C_ABSMAX16": 1},
+                     {"FP4C_PACK_IMAD": 1, "FP4C_ABSMAX16": 1}):
+            _kernels.set_defines(**defs)
+            cb.clear_caches()
+            tag = ",".join(f"{k}={v}" for k, v in defs.items()) or "default"
+            for rule in ("static6", "4over6"):
+                add(f"store {rule} [{tag}]", *bench_store(rule, args.reps))
+        _kernels.set_defines()
+        cb.clear_caches()
     if args.variants:
         from fp4cache import _kernels
 

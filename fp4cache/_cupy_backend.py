@@ -15,9 +15,9 @@ allocates outputs):
 Every function enqueues work on the current stream and returns without a host
 synchronization.  ``gather_dequant`` and ``longlive_dequantize`` allocate nothing,
 so they can be captured in a CUDA graph.  ``store`` is one launch for up to
-``SCAN_MAX_TOKENS`` tokens; above that it adds a claim pre-pass and a one-thread
-epoch bump over a claim table allocated once per device and stream (graph-safe: the
-epoch lives on the device; see ``kernels/paged_kv.cu``).  Non-contiguous K/V (any
+``SCAN_MAX_TOKENS`` tokens; above that it adds a claim pre-pass (whose last CTA
+advances an epoch) over a claim table allocated once per device and stream
+(graph-safe: the epoch lives on the device; see ``kernels/paged_kv.cu``).  Non-contiguous K/V (any
 token and head strides) are read in place; pointers or strides that are not
 16-byte aligned select the ``_scalar`` kernel variants.  Launch arguments of
 ``store`` are cached per geometry/shape/stride/scale key, so a decode step costs
@@ -26,6 +26,7 @@ one dictionary lookup and one kernel launch of host time.
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from functools import cache, lru_cache
 
 import cupy
@@ -41,6 +42,8 @@ __all__ = [
     "gather_dequant",
     "longlive_quantize",
     "longlive_dequantize",
+    "longlive_dequantize_pool",
+    "longlive_pointer_tables",
 ]
 
 _THREADS = 256
@@ -195,8 +198,8 @@ def _page_args(geom: PageGeometry, num_blocks: int):
 
 
 # Duplicate-slot claim state per (device, stream): a zeroed uint64 table of at least
-# num_slots entries, a uint32 epoch and a host count of the calls that used it (the
-# 32-bit epoch is re-zeroed long before it could wrap).
+# num_slots entries, uint32 [epoch, finished-CTA count] and a host count of the calls
+# that used it (the 32-bit epoch is re-zeroed long before it could wrap).
 _claim_tables: dict[tuple[int, int], list] = {}
 _EPOCH_LIMIT = 2**32 - 16
 
@@ -207,7 +210,7 @@ def _claim_state(num_slots: int):
     st = _claim_tables.get(key)
     if st is None or st[0].size < num_slots:
         st = [cupy.zeros(max(num_slots, 1024), dtype=np.uint64),
-              cupy.zeros(1, dtype=np.uint32), 0]
+              cupy.zeros(2, dtype=np.uint32), 0]
         _claim_tables[key] = st
     st[2] += 1
     if st[2] >= _EPOCH_LIMIT:
@@ -251,8 +254,7 @@ def _store_plan(key, buffer, slots, k, v, geom, rule, k_s, k_g, v_s, v_g):
                       dtype=STORE_PARAMS_DTYPE)[()]
     claim = None
     if dedup == 2:
-        claim = (_kernel(K.claim_spec(sl)), K.get_kernel(K.claim_spec(sl),
-                                                         "fp4cache_claim_epoch_bump"))
+        claim = _kernel(K.claim_spec(sl))
     per = _THREADS * STORE_ITEMS
     plan = (fn, claim, ((total + per - 1) // per,), params, pa["num_slots"])
     if len(_store_plans) > 4096:
@@ -289,9 +291,8 @@ def store(buffer, slot_mapping, k, v, *, geom: PageGeometry, rule, k_s, k_g, v_s
         fn(grid, _BLOCK, (buffer, slots, k, v, stats, _NULL, _NULL, params))
         return
     table, epoch = _claim_state(int(num_slots))
-    claim_fn[0](_blocks(n), _BLOCK, (slots, table, epoch, _U32(n), num_slots))
+    claim_fn(_blocks(n), _BLOCK, (slots, table, epoch, _U32(n), num_slots))
     fn(grid, _BLOCK, (buffer, slots, k, v, stats, table, epoch, params))
-    claim_fn[1]((1,), (1,), (epoch,))
 
 
 def store_launcher(buffer, slot_mapping, k, v, *, geom: PageGeometry, rule, k_s, k_g, v_s,
@@ -392,30 +393,85 @@ def longlive_quantize(x, rule, values_out, sf_out, amax_out) -> None:
         x, amax_out, values_out, sf_out, _U32(total), _U32(R), fg[0], fg[1], fg[2]))
 
 
+#: numpy twin of ``struct LLSource`` in ``kernels/longlive.cu`` (same field order).
+LL_SOURCE_DTYPE = np.dtype(
+    [(f, np.uint64) for f in ("value_ptrs", "sf_ptrs", "amax_ptrs", "ids", "vbase", "vstride",
+                              "sbase", "sstride", "abase", "astride")]
+    + [("n_pool", np.int64), ("ids64", np.uint32)],
+    align=True,
+)
+
+
 def longlive_dequantize(value_ptrs, sf_ptrs, amax_ptrs, out, *, num_heads, block_token_size,
                         inv_denom) -> None:
     """Decode LongLive blocks given by device pointer tables into ``out [1, n*Tb, H, D]``."""
     nb = value_ptrs.shape[0]
+    tabs = [_contig(a) for a in (value_ptrs, sf_ptrs, amax_ptrs)]
+
+    def source(a, b):
+        return (tabs[0][a:b].data.ptr, tabs[1][a:b].data.ptr, tabs[2][a:b].data.ptr,
+                0, 0, 0, 0, 0, 0, 0, 0, 0)
+
+    _ll_decode(source, nb, out, num_heads, block_token_size, inv_denom)
+
+
+# Device pointer tables of the list API, keyed by (device, the blocks' pointers): a
+# decode loop that passes the same blocks again reuses them (no host-to-device copy).
+# The key is the table's whole content, so a hit is always right.
+_ll_tables: OrderedDict = OrderedDict()
+_LL_TABLES_MAX = 64
+
+
+def longlive_pointer_tables(vals, sfs, ams):
+    """uint64 ``[3, n]`` device array of the blocks' pointers (cached by content)."""
+    ptrs = tuple(tuple(a.data.ptr for a in group) for group in (vals, sfs, ams))
+    key = (cupy.cuda.runtime.getDevice(), ptrs)
+    tab = _ll_tables.get(key)
+    if tab is None:
+        tab = cupy.asarray(np.array(ptrs, dtype=np.uint64))
+        _ll_tables[key] = tab
+        if len(_ll_tables) > _LL_TABLES_MAX:
+            _ll_tables.popitem(last=False)
+    else:
+        _ll_tables.move_to_end(key)
+    return tab
+
+
+def longlive_dequantize_pool(values, scale_factors, amax, block_ids, out, *, num_heads,
+                             block_token_size, inv_denom) -> None:
+    """Decode blocks ``block_ids`` of a pool (``values [N, Rp, D/2]``, ``scale_factors
+    [N, Rp*D/16]``, ``amax`` with N float32) into ``out``, in one launch: the kernel
+    turns each id into the block's addresses; an id outside ``[0, N)`` gives NaN rows."""
+    ids = _contig(block_ids)
+    N = values.shape[0]
+    ids64 = ids.dtype.itemsize == 8
+    am = amax.reshape(N)
+
+    def source(a, b):
+        return (0, 0, 0, ids[a:b].data.ptr if b > a else ids.data.ptr,
+                values.data.ptr, values.strides[0], scale_factors.data.ptr,
+                scale_factors.strides[0], am.data.ptr, am.strides[0], N, int(ids64))
+
+    _ll_decode(source, ids.shape[0], out, num_heads, block_token_size, inv_denom)
+
+
+def _ll_decode(source, nb, out, num_heads, block_token_size, inv_denom) -> None:
     D = out.shape[-1]
     G = D // GROUP
     R = int(num_heads) * int(block_token_size)
-    total = nb * R * G * out.itemsize  # threads: 16-byte output chunks
-    if total == 0:
+    if nb * R * G * out.itemsize == 0:
         return
-    if total >= _MAX_THREADS:
-        per = _MAX_THREADS // (R * G * out.itemsize)
-        Tb = int(block_token_size)
-        for a in range(0, nb, per):
-            b = min(nb, a + per)
-            longlive_dequantize(value_ptrs[a:b], sf_ptrs[a:b], amax_ptrs[a:b],
-                                out[:, a * Tb:b * Tb], num_heads=num_heads,
-                                block_token_size=block_token_size, inv_denom=inv_denom)
-        return
-    vec = out.data.ptr % 16 == 0
     C = D // (16 // out.itemsize)  # 16-byte output chunks per row, one per thread
+    per = max(1, (_MAX_THREADS - 1) // (R * C))  # blocks per launch (32-bit thread ids)
+    Tb = int(block_token_size)
     frc, fc = fastdiv(R * C), fastdiv(C)
-    threads = nb * R * C
-    _kernel(K.ll_decode_spec(_dtype_name(out.dtype, "out"), vec))(
-        _decode_blocks(threads), _BLOCK, (
-            _contig(value_ptrs), _contig(sf_ptrs), _contig(amax_ptrs), out, _U32(threads),
-            frc[0], frc[1], frc[2], fc[0], fc[1], fc[2], _F32(inv_denom)))
+    for a in range(0, nb, per):
+        b = min(nb, a + per)
+        o = out[:, a * Tb:b * Tb]
+        vec = o.data.ptr % 16 == 0
+        threads = (b - a) * R * C
+        src = np.array(source(a, b), dtype=LL_SOURCE_DTYPE)[()]
+        _kernel(K.ll_decode_spec(_dtype_name(out.dtype, "out"), vec))(
+            _decode_blocks(threads), _BLOCK, (
+                src, o, _U32(threads), frc[0], frc[1], frc[2], fc[0], fc[1], fc[2],
+                _F32(inv_denom)))

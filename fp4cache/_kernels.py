@@ -103,8 +103,7 @@ def store_spec(dtype: str, rule: str, slot: str, vec: bool = True) -> Spec:
 
 
 def claim_spec(slot: str) -> Spec:
-    """Duplicate-slot claim pre-pass of the store (its module also holds
-    ``fp4cache_claim_epoch_bump``, see :func:`get_kernel`'s ``name``)."""
+    """Duplicate-slot claim pre-pass of the store (its last CTA advances the epoch)."""
     return Spec("paged_kv.cu", "FP4C_CLAIM_KERNEL", f"fp4cache_claim_{slot}",
                 (INDEX_TYPES[slot],))
 

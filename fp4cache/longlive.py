@@ -10,7 +10,6 @@ and result, for any ``D`` that is a multiple of 64.
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Sequence
 from typing import Any
 
@@ -96,8 +95,9 @@ def dequantize(values: Sequence[Any], scale_factors: Sequence[Any], amax: Sequen
     ndarray, shape (1, len(values)*Tb, H, D)
         ``x = fl(fl(e2m1 * sf) * fl(amax * inv))`` rounded to ``dtype``.
 
-    On the GPU the per-block pointers go through one small host-to-device copy;
-    :func:`dequantize_pool` avoids even that.
+    On the GPU the per-block pointers go through one small host-to-device copy, made
+    once per distinct list of blocks (the device tables are cached by content);
+    :func:`dequantize_pool` needs none.
     """
     if not isinstance(values, (list, tuple)) or not values:
         raise ValueError("values must be a non-empty list of per-block arrays")
@@ -126,9 +126,9 @@ def dequantize(values: Sequence[Any], scale_factors: Sequence[Any], amax: Sequen
             for i, a in enumerate(group):
                 if not a.flags.c_contiguous:
                     raise ValueError(f"{name}[{i}] must be C-contiguous")
-        # One small host-to-device copy for the three pointer tables.
-        ptrs = xp.asarray(np.array([[a.data.ptr for a in group] for group in (vals, sfs, ams)],
-                                   dtype=np.uint64))
+        # The three pointer tables: one small host-to-device copy, skipped when the same
+        # blocks were decoded recently (the device tables are cached by content).
+        ptrs = impl.longlive_pointer_tables(vals, sfs, ams)
         impl.longlive_dequantize(ptrs[0], ptrs[1], ptrs[2], out, num_heads=H,
                                  block_token_size=Tb, inv_denom=inv)
     return out
@@ -151,9 +151,8 @@ def dequantize_pool(values: Any, scale_factors: Any, amax: Any, block_ids: Any,
     out : ndarray, optional
         ``(1, n*Tb, H, D)`` output.
 
-    On the GPU this does no host synchronization, and with ``out`` no allocation other
-    than three small pointer tables computed on the device, so it can be captured in a
-    CUDA graph.
+    On the GPU this is one kernel launch: no host synchronization, and with ``out`` no
+    allocation, so it can be captured in a CUDA graph.
     """
     H, Tb = _check_counts(num_heads, block_token_size)
     backend = _arrays.backend_of(values)
@@ -195,34 +194,9 @@ def dequantize_pool(values: Any, scale_factors: Any, amax: Any, block_ids: Any,
     for name, a in (("values", values), ("scale_factors", scale_factors), ("amax", amax)):
         if not a.flags.c_contiguous:
             raise ValueError(f"{name} must be C-contiguous")
-    ptrs = _pool_pointer_tables()(
-        ids, np.int64(N), *(x for a in (values, scale_factors, amax.reshape(N, 1))
-                            for x in (np.uint64(a.data.ptr), np.uint64(a.strides[0]))))
-    impl.longlive_dequantize(*ptrs, out, num_heads=H, block_token_size=Tb, inv_denom=inv)
+    impl.longlive_dequantize_pool(values, scale_factors, amax, ids, out, num_heads=H,
+                                  block_token_size=Tb, inv_denom=inv)
     return out
-
-
-@functools.cache
-def _pool_pointer_tables():
-    """One elementwise launch: the three per-block pointer tables of a pool.
-
-    A null pointer marks an id outside ``[0, N)``: the decode kernel writes NaN for that
-    block and reads nothing.
-    """
-    import cupy
-
-    return cupy.ElementwiseKernel(
-        "T id, int64 n, uint64 bv, uint64 sv, uint64 bs, uint64 ss, uint64 ba, uint64 sa",
-        "uint64 pv, uint64 ps, uint64 pa",
-        """
-        const bool ok = id >= 0 && (long long)id < n;
-        const unsigned long long u = ok ? (unsigned long long)id : 0ull;
-        pv = ok ? bv + u * sv : 0ull;
-        ps = ok ? bs + u * ss : 0ull;
-        pa = ok ? ba + u * sa : 0ull;
-        """,
-        "fp4cache_longlive_pool_pointer_tables",
-    )
 
 
 def _check_counts(num_heads, block_token_size):

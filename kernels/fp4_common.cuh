@@ -83,14 +83,17 @@ struct alignas(8) U32x2 { u32 x, y; };
 struct bf16_t {
   typedef u16 raw;
   static constexpr int kBytes = 2;
+  static constexpr bool kIsBf16 = true;
 };
 struct f16_t {
   typedef u16 raw;
   static constexpr int kBytes = 2;
+  static constexpr bool kIsBf16 = false;
 };
 struct f32_t {
   typedef u32 raw;
   static constexpr int kBytes = 4;
+  static constexpr bool kIsBf16 = false;
 };
 
 FP4C_DEVICE float f16_bits_to_float(u32 h) {
@@ -299,7 +302,7 @@ FP4C_DEVICE float e4m3_decode(u32 b) {
 FP4C_DEVICE float e2m1_round_mag(float a) {
   const float M = f_max(__uint_as_float(__float_as_uint(a) & 0x7F800000u), 1.0f);
   const float q = f_fma(M, FP4C_TWO_P22, a);
-  return f_fma(__uint_as_float(__float_as_uint(M) | 0x80000000u), FP4C_TWO_P22, q);
+  return f_fma(M, -FP4C_TWO_P22, q);  // the negated constant: no extra sign-flip op
 }
 
 // Code bits of a rounded magnitude r in {0,.5,...,6}: r * 2^-126 is exact and its
@@ -352,6 +355,30 @@ FP4C_DEVICE float group_abs_max(const Group16& g, bool& nonfinite) {
   return __uint_as_float(mb);
 }
 
+// The same maximum from the raw 16-bit words of a bf16 group: two magnitudes per
+// 32-bit word, compared as unsigned 16-bit pairs (one op for two values on sm_90).
+#ifndef FP4C_ABSMAX16
+#define FP4C_ABSMAX16 1
+#endif
+FP4C_DEVICE u32 max_u16x2(u32 a, u32 b) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  u32 r;
+  asm("max.u16x2 %0, %1, %2;" : "=r"(r) : "r"(a), "r"(b));
+  return r;
+#else
+  const u32 hi = max(a >> 16, b >> 16), lo = max(a & 0xFFFFu, b & 0xFFFFu);
+  return (hi << 16) | lo;
+#endif
+}
+FP4C_DEVICE float bf16_group_abs_max(const u32* w, bool& nonfinite) {
+  u32 m = w[0] & 0x7FFF7FFFu;
+#pragma unroll
+  for (int i = 1; i < 8; ++i) m = max_u16x2(m, w[i] & 0x7FFF7FFFu);
+  const u32 mb = max(m << 16, m & 0xFFFF0000u);
+  nonfinite = mb >= 0x7F800000u;
+  return __uint_as_float(mb);
+}
+
 // One candidate: scale byte and os for multiplier c.
 FP4C_DEVICE void candidate_scale(float m, float c, float s, float g, u32& sf, float& f, float& os) {
   sf = e4m3_encode_nonneg(f_mul(g, f_mul(m, c)));
@@ -396,6 +423,19 @@ FP4C_DEVICE float group_error(const Group16& g, const float* r, float f, float s
 }
 
 // Magnitude codes of r[16] packed into two words (element 2i in the low nibble).
+#ifndef FP4C_PACK_IMAD
+#define FP4C_PACK_IMAD 0
+#endif
+FP4C_DEVICE u32 mad_hi(u32 a, u32 b, u32 c) {
+  u32 r;
+  asm("mad.hi.u32 %0, %1, %2, %3;" : "=r"(r) : "r"(a), "r"(b), "r"(c));
+  return r;
+}
+FP4C_DEVICE u32 mad_lo(u32 a, u32 b, u32 c) {
+  u32 r;
+  asm("mad.lo.u32 %0, %1, %2, %3;" : "=r"(r) : "r"(a), "r"(b), "r"(c));
+  return r;
+}
 FP4C_DEVICE void pack_mag_codes(const float* r, u32& lo, u32& hi) {
   u32 w[2] = {0u, 0u};
 #pragma unroll
@@ -403,7 +443,14 @@ FP4C_DEVICE void pack_mag_codes(const float* r, u32& lo, u32& hi) {
     // code << 22 moved to bit 4*(i%8)
     const u32 c = __float_as_uint(f_mul(r[i], FP4C_TWO_M126));
     const int sh = 4 * (i & 7);
-    w[i >> 3] |= sh <= 22 ? (c >> (22 - sh)) : (c << (sh - 22));
+    if (FP4C_PACK_IMAD) {
+      // shift and accumulate in one integer multiply-add (FMA pipe, not the ALU);
+      // the shifted codes occupy disjoint bits, so + is |
+      w[i >> 3] = sh <= 22 ? mad_hi(c, 1u << (sh + 10), w[i >> 3])
+                           : mad_lo(c, 1u << (sh - 22), w[i >> 3]);
+    } else {
+      w[i >> 3] |= sh <= 22 ? (c >> (22 - sh)) : (c << (sh - 22));
+    }
   }
   lo = w[0];
   hi = w[1];
@@ -423,10 +470,21 @@ FP4C_DEVICE void pack_codes(const Group16& g, const float* r, Encoded16& e) {
 #endif
 
 template <int RULE>
+FP4C_DEVICE Encoded16 encode_group_m(const Group16& g, float m, bool nonfinite, float s,
+                                     float gm);
+
+template <int RULE>
 FP4C_DEVICE Encoded16 encode_group(const Group16& g, float s, float gm) {
-  Encoded16 e;
   bool nonfinite;
   const float m = group_abs_max(g, nonfinite);
+  return encode_group_m<RULE>(g, m, nonfinite, s, gm);
+}
+
+// The encoder given the group's max |x| (m) and whether the group is non-finite.
+template <int RULE>
+FP4C_DEVICE Encoded16 encode_group_m(const Group16& g, float m, bool nonfinite, float s,
+                                     float gm) {
+  Encoded16 e;
   e.nonfinite = nonfinite;
   if (nonfinite) {
     e.lo = 0u;
@@ -502,13 +560,58 @@ struct Chunk {
 
 // Decode n = Chunk<T>::kValues codes (low nibbles first in `codes`) with scale
 // byte sf and multiplier s; store them at p (16-byte aligned when VEC).
+//
+// Fast path (s < 2^116, the usual case), 2 multiplies and 1 PRMT per value:
+//   * magnitude: the float whose bits are (4*v) << 16 is v * 2^-131 (a subnormal), and
+//     4*v for the eight E2M1 magnitudes {0,.5,1,1.5,2,3,4,6} is {0,2,4,6,8,12,16,24}:
+//     one byte, looked up for four codes at a time by a PRMT on a two-word table;
+//   * sign: a second PRMT puts the value's byte at bits 16..23 and a byte holding only
+//     its sign bit (0x80 or 0) at bits 24..31; bits 0..15 come from a sign-replicated
+//     table byte (msb 0), i.e. zero;
+//   * value: fl(x * fl(f*2^119)) = v*f*2^-12 exactly (v*f has at most 6 significant
+//     bits and lies in [2^-10, 2688]), then fl(v*f*2^-12 * fl(s*2^12)) = fl(fl(v*f)*s),
+//     the same real product rounded once: bit-identical to the contract's formula.
+// Otherwise (s*2^12 not finite: huge or non-finite s) the plain formula is used.
+#define FP4C_E2M1_X4_LO 0x06040200u  // 4*v for codes 0..3
+#define FP4C_E2M1_X4_HI 0x18100C08u  // 4*v for codes 4..7
+#define FP4C_TWO_P119 6.64613997892457936451e+35f
+FP4C_DEVICE u32 prmt(u32 a, u32 b, u32 sel) {
+  u32 r;
+  asm("prmt.b32 %0, %1, %2, %3;" : "=r"(r) : "r"(a), "r"(b), "r"(sel));
+  return r;
+}
+
+template <int n>
+FP4C_DEVICE void decode_values(u32 codes, u32 sf, float s, float* v) {
+  const float f = e4m3_decode(sf);
+  const float S = f_mul(s, 4096.0f);
+  if (__float_as_uint(S) < 0x7F800000u) {  // positive and finite (s > 0 always)
+    const float F = f_mul(f, FP4C_TWO_P119);
+    const u32 mag = codes & 0x77777777u;
+    const u32 lut_lo = FP4C_E2M1_X4_LO, lut_hi = FP4C_E2M1_X4_HI;
+    const u32 b03 = prmt(lut_lo, lut_hi, mag);                      // codes 0..3 -> bytes
+    const u32 b47 = n > 4 ? prmt(lut_lo, lut_hi, mag >> 16) : 0u;   // codes 4..7
+    const u32 even = (codes << 4) & 0x80808080u;  // byte j: sign of code 2j at its msb
+    const u32 odd = codes & 0x80808080u;          // byte j: sign of code 2j+1
+#pragma unroll
+    for (int i = 0; i < n; ++i) {
+      // bytes 0,1 <- sign-replicated byte 0 of the table word (0); byte 2 <- table byte;
+      // byte 3 <- sign byte (i >> 1) of the even/odd word
+      const u32 sel = 0x88u | ((u32)(i & 3) << 8) | ((u32)(4 + (i >> 1)) << 12);
+      const u32 bits = prmt(i < 4 ? b03 : b47, (i & 1) ? odd : even, sel);
+      v[i] = f_mul(f_mul(__uint_as_float(bits), F), S);
+    }
+  } else {
+#pragma unroll
+    for (int i = 0; i < n; ++i) v[i] = f_mul(f_mul(e2m1_value(codes >> (4 * i)), f), s);
+  }
+}
+
 template <typename T, bool VEC>
 FP4C_DEVICE void decode_store_chunk(u32 codes, u32 sf, float s, void* p) {
   constexpr int n = Chunk<T>::kValues;
-  const float f = e4m3_decode(sf);
   float v[n];
-#pragma unroll
-  for (int i = 0; i < n; ++i) v[i] = f_mul(f_mul(e2m1_value(codes >> (4 * i)), f), s);
+  decode_values<n>(codes, sf, s, v);
   if constexpr (VEC && T::kBytes == 2) {
     U32x4 a;
     a.x = pack2(T(), v[0], v[1]);

@@ -113,11 +113,20 @@ FP4C_DEVICE void ll_quantize_impl(const void* __restrict__ x, const float* __res
 #define FP4C_DECODE_CHUNKS 2
 #endif
 
+// Where the blocks come from: either three device pointer tables (value_ptrs != 0),
+// or a pool (base pointer + byte stride per array) and a block-id array; an id outside
+// [0, n_pool) or a null table entry reads nothing and decodes to NaN.
+struct LLSource {
+  const u64 *value_ptrs, *sf_ptrs, *amax_ptrs;
+  const void* ids;
+  u64 vbase, vstride, sbase, sstride, abase, astride;
+  i64 n_pool;
+  u32 ids64;
+};
+
 template <typename T, bool VEC>
-FP4C_DEVICE void ll_decode_impl(const u64* __restrict__ value_ptrs,
-                                const u64* __restrict__ sf_ptrs,
-                                const u64* __restrict__ amax_ptrs, void* __restrict__ out,
-                                u32 total, FastDiv fRC, FastDiv fC, float inv_denom) {
+FP4C_DEVICE void ll_decode_impl(const LLSource& src, void* __restrict__ out, u32 total,
+                                FastDiv fRC, FastDiv fC, float inv_denom) {
   constexpr int n = Chunk<T>::kValues;
   constexpr int per_group = Chunk<T>::kPerGroup;
   constexpr int M = FP4C_DECODE_CHUNKS;
@@ -145,9 +154,19 @@ FP4C_DEVICE void ll_decode_impl(const u64* __restrict__ value_ptrs,
     const u32 c = rem - r * fC.d;
     if (b != bprev) {
       bprev = b;
-      vals = (const u8*)value_ptrs[b];
-      sfs = (const u8*)sf_ptrs[b];
-      const u64 ap = amax_ptrs[b];
+      u64 ap;
+      if (src.value_ptrs != nullptr) {
+        vals = (const u8*)src.value_ptrs[b];
+        sfs = (const u8*)src.sf_ptrs[b];
+        ap = src.amax_ptrs[b];
+      } else {
+        const i64 id = src.ids64 ? ((const i64*)src.ids)[b] : (i64)((const int*)src.ids)[b];
+        const bool ok = id >= 0 && id < src.n_pool;
+        const u64 u = ok ? (u64)id : 0u;
+        vals = ok ? (const u8*)(src.vbase + u * src.vstride) : nullptr;
+        sfs = ok ? (const u8*)(src.sbase + u * src.sstride) : nullptr;
+        ap = ok ? src.abase + u * src.astride : 0u;
+      }
       // A null pointer marks a block id outside the pool: NaN rows, nothing read.
       null_block = vals == nullptr || sfs == nullptr || ap == 0u;
       if (!null_block) {
@@ -177,11 +196,10 @@ FP4C_DEVICE void ll_decode_impl(const u64* __restrict__ value_ptrs,
 
 #define FP4C_LL_DECODE_KERNEL(NAME, T, VEC)                                                   \
   extern "C" __global__ void __launch_bounds__(256)                                           \
-      NAME(const u64* __restrict__ value_ptrs, const u64* __restrict__ sf_ptrs,               \
-           const u64* __restrict__ amax_ptrs, void* __restrict__ out, u32 total, u32 rcd,     \
-           u32 rc_m, u32 rc_s, u32 cd, u32 c_m, u32 c_s, float inv_denom) {                   \
-    ll_decode_impl<T, VEC>(value_ptrs, sf_ptrs, amax_ptrs, out, total,                        \
-                           FastDiv{rcd, rc_m, rc_s}, FastDiv{cd, c_m, c_s}, inv_denom);       \
+      NAME(const LLSource src, void* __restrict__ out, u32 total, u32 rcd, u32 rc_m,          \
+           u32 rc_s, u32 cd, u32 c_m, u32 c_s, float inv_denom) {                             \
+    ll_decode_impl<T, VEC>(src, out, total, FastDiv{rcd, rc_m, rc_s}, FastDiv{cd, c_m, c_s}, \
+                           inv_denom);                                                        \
   }
 
 #ifdef FP4C_INSTANTIATIONS

@@ -11,14 +11,14 @@
 //   1 = scan:  token i is written only if no j > i has the same slot; each thread
 //              scans slot_mapping[i+1:N] (used for small N, e.g. decode steps);
 //   2 = claim: a pre-pass does atomicMax(claim[slot], (E+1) << 32 | (i+1)) for every
-//              valid token, E = epoch[0]; the store writes token i only if
-//              claim[slot] holds exactly its key.  A one-thread launch after the
-//              store sets epoch[0] = E+1, so the next call's keys beat every old
-//              entry and the table never needs clearing.  claim (uint64, >= num_slots
-//              entries) and epoch (uint32[1]) are zeroed once and owned by the
-//              backend per device and stream.  Three launches (the first and last
-//              tiny), no host sync, deterministic, graph-safe (the epoch lives on the
-//              device, so a replayed graph still advances it).
+//              valid token, E = epoch[0]; its last CTA to finish sets epoch[0] = E+1
+//              (epoch[1] counts finished CTAs and is reset to 0), so the next call's
+//              keys beat every old entry and the table never needs clearing.  The
+//              store writes token i only if claim[slot] holds exactly
+//              epoch[0] << 32 | (i+1).  claim (uint64, >= num_slots entries) and
+//              epoch (uint32[2]) are zeroed once and owned by the backend per device
+//              and stream.  Two launches, no host sync, deterministic, graph-safe
+//              (the epoch lives on the device, so a replayed graph still advances it).
 #include "fp4_common.cuh"
 
 #define FP4C_LAYOUT_HND 0
@@ -99,6 +99,13 @@ FP4C_DEVICE void store_impl(u8* __restrict__ buffer, const void* __restrict__ sl
     const u32 rem = gid - i * fHG.d;
     const u32 h = fdiv(rem, fG);
     const u32 g = rem - h * fG.d;
+    // K/V addresses depend on (i, h, g) only: issue their loads first, so that they are
+    // in flight while the slot (and its claim) is looked up.  A skipped or losing
+    // token's loads are simply not used.
+    load_raw<T, VEC>((const char*)k + (i * k_tok_stride + h * k_head_stride + g * 16) * T::kBytes,
+                     rk[j]);
+    load_raw<T, VEC>((const char*)v + (i * v_tok_stride + h * v_head_stride + g * 16) * T::kBytes,
+                     rv[j]);
     const i64 slot = load_slot<SlotT>(slots, i);
     if (slot < 0) continue;
     if (slot >= num_slots) {
@@ -114,14 +121,11 @@ FP4C_DEVICE void store_impl(u8* __restrict__ buffer, const void* __restrict__ sl
         }
       }
     } else if (dedup == 2) {
-      loser = claim[slot] != (((u64)(epoch[0] + 1u) << 32) | (u64)(i + 1));
+      // the claim pre-pass has already advanced the epoch to the one its keys carry
+      loser = claim[slot] != (((u64)epoch[0] << 32) | (u64)(i + 1));
     }
     if (loser) continue;
     live[j] = true;
-    load_raw<T, VEC>((const char*)k + (i * k_tok_stride + h * k_head_stride + g * 16) * T::kBytes,
-                     rk[j]);
-    load_raw<T, VEC>((const char*)v + (i * v_tok_stride + h * v_head_stride + g * 16) * T::kBytes,
-                     rv[j]);
     u64 page;
     u32 t;
     split_slot(slot, fT, page, t);
@@ -144,9 +148,18 @@ FP4C_DEVICE void store_impl(u8* __restrict__ buffer, const void* __restrict__ sl
     if (!live[j]) continue;
     Group16 xk, xv;
     unpack_raw(rk[j], xk);
-    const Encoded16 ek = encode_group<RULE>(xk, k_s, k_g);
     unpack_raw(rv[j], xv);
-    const Encoded16 ev = encode_group<RULE>(xv, v_s, v_g);
+    Encoded16 ek, ev;
+    if constexpr (FP4C_ABSMAX16 && T::kIsBf16) {
+      bool nk, nv;
+      const float mk = bf16_group_abs_max(rk[j].w, nk);
+      const float mv = bf16_group_abs_max(rv[j].w, nv);
+      ek = encode_group_m<RULE>(xk, mk, nk, k_s, k_g);
+      ev = encode_group_m<RULE>(xv, mv, nv, v_s, v_g);
+    } else {
+      ek = encode_group<RULE>(xk, k_s, k_g);
+      ev = encode_group<RULE>(xv, v_s, v_g);
+    }
     if (ek.nonfinite) atomicAdd(stats + 0, 1ull);
     if (ev.nonfinite) atomicAdd(stats + 1, 1ull);
     u8* ks = kside[j];
@@ -180,26 +193,33 @@ FP4C_DEVICE void store_impl(u8* __restrict__ buffer, const void* __restrict__ sl
 // ---------------------------------------------------------------------------
 template <typename SlotT>
 FP4C_DEVICE void claim_impl(const void* __restrict__ slots, u64* __restrict__ claim,
-                            const u32* __restrict__ epoch, u32 n_tokens, i64 num_slots) {
+                            u32* __restrict__ epoch, u32 n_tokens, i64 num_slots) {
   const u32 i = blockIdx.x * blockDim.x + threadIdx.x;
-  if (i >= n_tokens) return;
-  const i64 slot = load_slot<SlotT>(slots, i);
-  if (slot < 0 || slot >= num_slots) return;
-  atomicMax((unsigned long long*)(claim + slot),
-            (unsigned long long)((((u64)(epoch[0] + 1u)) << 32) | (u64)(i + 1)));
+  if (i < n_tokens) {
+    const i64 slot = load_slot<SlotT>(slots, i);
+    if (slot >= 0 && slot < num_slots) {
+      atomicMax((unsigned long long*)(claim + slot),
+                (unsigned long long)((((u64)(epoch[0] + 1u)) << 32) | (u64)(i + 1)));
+    }
+  }
+  // The CTA that finishes last advances the epoch (epoch[1] counts finished CTAs):
+  // every thread of every CTA has read epoch[0] by then, and the store kernel, next
+  // on the stream, compares against the advanced value.
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    if (atomicAdd(epoch + 1, 1u) == gridDim.x - 1) {
+      epoch[1] = 0u;
+      epoch[0] = epoch[0] + 1u;
+    }
+  }
 }
 
 #define FP4C_CLAIM_KERNEL(NAME, SLOT)                                                        \
   extern "C" __global__ void __launch_bounds__(256)                                          \
       NAME(const void* __restrict__ slots, u64* __restrict__ claim,                          \
-           const u32* __restrict__ epoch, u32 n_tokens, i64 num_slots) {                     \
+           u32* __restrict__ epoch, u32 n_tokens, i64 num_slots) {                           \
     claim_impl<SLOT>(slots, claim, epoch, n_tokens, num_slots);                              \
   }
-
-// Advance the claim epoch (one thread; launched after the store).
-extern "C" __global__ void fp4cache_claim_epoch_bump(u32* epoch) {
-  if (blockIdx.x == 0 && threadIdx.x == 0) epoch[0] = epoch[0] + 1u;
-}
 
 // ---------------------------------------------------------------------------
 // gather + dequantize

@@ -1,0 +1,133 @@
+"""GPU decode paths added for speed, against the NumPy backend, byte for byte.
+
+* the decode kernels' fast path (table lookup by PRMT, scale split as f*2^119 and
+  s*2^12) and their plain path for s >= 2^116, on both sides of that threshold;
+* ``longlive.dequantize_pool`` as one launch: int32 and int64 ids, ids out of range,
+  ``out=``, CUDA-graph capture and replay with new ids;
+* ``longlive.dequantize`` reusing its cached device pointer tables when the same
+  blocks come again with new contents.
+"""
+
+from __future__ import annotations
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+pytestmark = pytest.mark.gpu
+
+cp = pytest.importorskip("cupy")
+try:
+    _HAS_GPU = cp.cuda.runtime.getDeviceCount() > 0
+except Exception:  # noqa: BLE001
+    _HAS_GPU = False
+if not _HAS_GPU:
+    pytest.skip("needs a CUDA GPU with CuPy", allow_module_level=True)
+
+from fp4cache import PagedKVCache, codec, longlive  # noqa: E402
+
+BF16 = np.dtype(ml_dtypes.bfloat16)
+
+
+def _same(gpu, ref):
+    g = cp.asnumpy(gpu)
+    assert g.dtype == ref.dtype and g.shape == ref.shape
+    u = {2: np.uint16, 4: np.uint32}[ref.dtype.itemsize]
+    gn, rn = np.isnan(g.astype(np.float32)), np.isnan(ref.astype(np.float32))
+    assert np.array_equal(gn, rn)
+    assert np.array_equal(np.where(rn, 0, g.view(u)), np.where(rn, 0, ref.view(u)))
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16", "float32"])
+@pytest.mark.parametrize("scale", [1e-45, 3e-39, 1 / 448, 1.0, 2.0**115, 2.0**116, 1e37, 3e38])
+def test_decode_every_code_and_scale_byte_at_extreme_scales(dtype, scale):
+    """Every (code, scale byte) pair through the flat decoder, fast and plain paths."""
+    # row r: scale byte r // 4 for all 8 groups; its 64 data bytes are (r % 4)*64 + 0..63,
+    # so every (code byte, scale byte) pair occurs
+    r = np.arange(1024)
+    data = ((r[:, None] % 4) * 64 + np.arange(64)[None, :]).astype(np.uint8)
+    scales = np.repeat((r // 4).astype(np.uint8)[:, None], 8, axis=1)
+    ref = codec.dequantize(data, scales, scale, dtype=dtype)
+    got = codec.dequantize(cp.asarray(data), cp.asarray(scales), scale, dtype=dtype)
+    _same(got, ref)
+
+
+@pytest.mark.parametrize("k_scale", [2.0**-130, 1.0, 2.0**117])
+def test_gather_at_extreme_global_scales(k_scale):
+    rng = np.random.default_rng(3)
+    kw = dict(num_blocks=8, block_size=16, num_heads=2, head_dim=64, k_scale=k_scale,
+              v_scale=k_scale)
+    c_cpu = PagedKVCache(**kw, device="cpu")
+    c_gpu = PagedKVCache(**kw, device="cuda")
+    k = (rng.standard_normal((40, 2, 64)) * k_scale).astype(np.float32)
+    v = (rng.standard_normal((40, 2, 64)) * k_scale).astype(np.float32)
+    slots = rng.permutation(128)[:40]
+    c_cpu.store(slots, k, v)
+    c_gpu.store(cp.asarray(slots), cp.asarray(k), cp.asarray(v))
+    blocks = np.array([3, 0, 7, 3])
+    for dt in ("bfloat16", "float32"):
+        rk, rv = c_cpu.gather_dequant(blocks, dtype=dt)
+        gk, gv = c_gpu.gather_dequant(cp.asarray(blocks), dtype=dt)
+        _same(gk, rk)
+        _same(gv, rv)
+
+
+def _pool(rng, n_pool, H, Tb, D):
+    blocks = [longlive.quantize_block(rng.standard_normal((Tb, H, D)).astype(np.float32) * (i + 1),
+                                      "4over6") for i in range(n_pool)]
+    return [np.stack([b[j] for b in blocks]) for j in range(3)]
+
+
+@pytest.mark.parametrize("id_dtype", [np.int32, np.int64])
+def test_dequantize_pool_one_launch_ids_out_and_graph(id_dtype):
+    rng = np.random.default_rng(5)
+    H, Tb, D = 3, 40, 128
+    pool_c = _pool(rng, 5, H, Tb, D)
+    pool_g = [cp.asarray(a) for a in pool_c]
+    ids = np.array([4, 0, 4, 2, 1], id_dtype)
+    ref = longlive.dequantize_pool(*pool_c, ids, H, Tb)
+    ids_d = cp.asarray(ids)
+    out = cp.full(ref.shape, np.nan, dtype=BF16)
+    got = longlive.dequantize_pool(*pool_g, ids_d, H, Tb, out=out)
+    assert got is out
+    _same(out, ref)
+    # out of range on both sides: NaN rows for those blocks only
+    bad = np.array([5, 1, -1, 2, 1 << 30], id_dtype)
+    got = longlive.dequantize_pool(*pool_g, cp.asarray(bad), H, Tb)
+    exp = longlive.dequantize_pool(*pool_c, np.where((bad < 0) | (bad >= 5), 0, bad), H, Tb)
+    for j in (0, 2, 4):
+        exp[0, j * Tb:(j + 1) * Tb] = np.nan
+    _same(got, exp)
+    # captured once, replayed with new ids in the same device array
+    stream = cp.cuda.Stream(non_blocking=True)
+    with stream:
+        out[...] = 0
+        stream.begin_capture()
+        longlive.dequantize_pool(*pool_g, ids_d, H, Tb, out=out)
+        graph = stream.end_capture()
+        new_ids = np.array([1, 1, 3, 0, 2], id_dtype)
+        ids_d.set(new_ids)
+        graph.launch(stream)
+        stream.synchronize()
+    _same(out, longlive.dequantize_pool(*pool_c, new_ids, H, Tb))
+
+
+def test_dequantize_list_reuses_pointer_tables_but_reads_new_contents():
+    rng = np.random.default_rng(8)
+    H, Tb, D = 2, 64, 64
+    pool_c = _pool(rng, 3, H, Tb, D)
+    vals = [cp.asarray(pool_c[0][i]) for i in range(3)]
+    sfs = [cp.asarray(pool_c[1][i]) for i in range(3)]
+    ams = [cp.asarray(pool_c[2][i]) for i in range(3)]
+    ref = longlive.dequantize([a for a in pool_c[0]], [a for a in pool_c[1]],
+                              [a for a in pool_c[2]], H, Tb)
+    _same(longlive.dequantize(vals, sfs, ams, H, Tb), ref)
+    # same blocks (same pointers), new contents: the cached tables still point at them
+    vals[1][...] = cp.asarray(pool_c[0][2])
+    sfs[1][...] = cp.asarray(pool_c[1][2])
+    ams[1][...] = cp.asarray(pool_c[2][2])
+    exp = ref.copy()
+    exp[0, Tb:2 * Tb] = ref[0, 2 * Tb:3 * Tb]
+    _same(longlive.dequantize(vals, sfs, ams, H, Tb), exp)
+    # a different order is a different table
+    _same(longlive.dequantize(vals[::-1], sfs[::-1], ams[::-1], H, Tb)[0, :Tb], ref[0, 2 * Tb:])
