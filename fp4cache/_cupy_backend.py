@@ -226,9 +226,31 @@ STORE_PARAMS_DTYPE = np.dtype(
                              "v_head_stride", "num_slots", "side_bytes", "data_bytes")]
     + [(f, np.uint32) for f in ("n_tokens", "total", "hg", "hg_m", "hg_s", "gd", "g_m", "g_s",
                                 "td", "t_m", "t_s", "H", "nhd", "swizzle", "dedup", "swz_m")]
-    + [(f, np.float32) for f in ("k_s", "k_g", "v_s", "v_g")],
+    + [(f, np.float32) for f in ("k_s", "k_g", "v_s", "v_g")]
+    + [("pk", np.uint32, (8,))],
     align=True,
 )
+#: EncodeAux::pk: multipliers that move a code from bits 22..24 to nibble 0..7.
+_PACK_MULTIPLIERS = tuple(1 << (4 * j + 10) for j in range(6)) + (1 << 2, 1 << 6)
+
+
+@lru_cache(maxsize=64)
+def _os_table_host(k_s: float, v_s: float) -> bytes:
+    """EncodeAux::os_tab for (k_s, v_s): os = min(fl(1/fl(f*s)), FLT_MAX), 0 for f = 0,
+    for the 128 non-negative E4M3 scale bytes f, K's then V's (IEEE float32, numpy)."""
+    f = np.arange(128, dtype=np.uint8).view(ml_dtypes.float8_e4m3fn).astype(np.float32)
+    f[127] = 0  # 0x7F is NaN; never looked up (non-finite groups skip the table)
+    out = []
+    for s in (np.float32(k_s), np.float32(v_s)):
+        with np.errstate(divide="ignore", over="ignore", under="ignore"):
+            os_ = np.float32(1) / (f * s)
+        os_ = np.minimum(os_, np.float32(np.finfo(np.float32).max))
+        out.append(np.where(f == 0, np.float32(0), os_).astype(np.float32))
+    return np.concatenate(out).tobytes()
+
+
+def _os_table(k_s, v_s):
+    return cupy.asarray(np.frombuffer(_os_table_host(float(k_s), float(v_s)), np.float32))
 
 # Store launch plans: (kernel, claim kernel or None, grid, params struct), keyed by
 # everything they depend on, so that a decode step costs one dict lookup + one launch.
@@ -250,13 +272,15 @@ def _store_plan(key, buffer, slots, k, v, geom, rule, k_s, k_g, v_s, v_g):
     params = np.array((kst[0] // es, kst[1] // es, vst[0] // es, vst[1] // es,
                        pa["num_slots"], pa["side"], pa["data"], n, total,
                        hg[0], hg[1], hg[2], fg[0], fg[1], fg[2], ft[0], ft[1], ft[2],
-                       pa["H"], pa["nhd"], pa["swz"], dedup, pa["swz_m"], k_s, k_g, v_s, v_g),
+                       pa["H"], pa["nhd"], pa["swz"], dedup, pa["swz_m"], k_s, k_g, v_s, v_g,
+                       _PACK_MULTIPLIERS),
                       dtype=STORE_PARAMS_DTYPE)[()]
     claim = None
     if dedup == 2:
         claim = _kernel(K.claim_spec(sl))
     per = _THREADS * STORE_ITEMS
-    plan = (fn, claim, ((total + per - 1) // per,), params, pa["num_slots"])
+    plan = (fn, claim, ((total + per - 1) // per,), params, pa["num_slots"],
+            _os_table(k_s, v_s))
     if len(_store_plans) > 4096:
         _store_plans.clear()
     _store_plans[key] = plan
@@ -286,13 +310,13 @@ def store(buffer, slot_mapping, k, v, *, geom: PageGeometry, rule, k_s, k_g, v_s
                       k_g=k_g, v_s=v_s, v_g=v_g, stats=stats)
             return
         plan = _store_plan(key, buffer, slots, k, v, geom, rule, k_s, k_g, v_s, v_g)
-    fn, claim_fn, grid, params, num_slots = plan
+    fn, claim_fn, grid, params, num_slots, os_tab = plan
     if claim_fn is None:
-        fn(grid, _BLOCK, (buffer, slots, k, v, stats, _NULL, _NULL, params))
+        fn(grid, _BLOCK, (buffer, slots, k, v, stats, _NULL, _NULL, os_tab, params))
         return
     table, epoch = _claim_state(int(num_slots))
     claim_fn(_blocks(n), _BLOCK, (slots, table, epoch, _U32(n), num_slots))
-    fn(grid, _BLOCK, (buffer, slots, k, v, stats, table, epoch, params))
+    fn(grid, _BLOCK, (buffer, slots, k, v, stats, table, epoch, os_tab, params))
 
 
 def store_launcher(buffer, slot_mapping, k, v, *, geom: PageGeometry, rule, k_s, k_g, v_s,
@@ -312,12 +336,12 @@ def store_launcher(buffer, slot_mapping, k, v, *, geom: PageGeometry, rule, k_s,
     plan = _store_plans.get(key)
     if plan is None:
         plan = _store_plan(key, buffer, slot_mapping, k, v, geom, rule, k_s, k_g, v_s, v_g)
-    fn, claim_fn, grid, params, _ = plan
+    fn, claim_fn, grid, params, _, os_tab = plan
     if claim_fn is not None:
         return None
 
     def launch(slots, kk, vv):
-        fn(grid, _BLOCK, (buffer, slots, kk, vv, stats, _NULL, _NULL, params))
+        fn(grid, _BLOCK, (buffer, slots, kk, vv, stats, _NULL, _NULL, os_tab, params))
 
     return launch
 

@@ -379,11 +379,30 @@ FP4C_DEVICE float bf16_group_abs_max(const u32* w, bool& nonfinite) {
   return __uint_as_float(mb);
 }
 
+// Precomputed helpers a kernel may hand to the encoder (the store does):
+//   os_tab: os = min(fl(1/fl(f*s)), FLT_MAX) (0 when f = 0) for each of the 128
+//           non-negative E4M3 scale bytes, computed once per launch plan on the host
+//           with the same IEEE float32 operations: a table read replaces a division;
+//   pk:     the 8 multipliers that move a code (at bits 22..24) to its nibble
+//           (2^10, 2^14, ..., 2^30 for mad.hi; 2^2, 2^6 for mad.lo).  Read from the
+//           kernel's parameters, they stay integer multiply-adds (FMA pipe) instead of
+//           becoming shifts (ALU pipe, the busiest one).
+struct EncodeAux {
+  const float* os_tab;
+  const u32* pk;
+};
+
 // One candidate: scale byte and os for multiplier c.
-FP4C_DEVICE void candidate_scale(float m, float c, float s, float g, u32& sf, float& f, float& os) {
+template <bool AUX>
+FP4C_DEVICE void candidate_scale(float m, float c, float s, float g, u32& sf, float& f, float& os,
+                                 const EncodeAux& aux) {
   sf = e4m3_encode_nonneg(f_mul(g, f_mul(m, c)));
   f = e4m3_decode(sf);
-  if ((__float_as_uint(f) & 0x7FFFFFFFu) == 0u) {
+  if (AUX) {
+    float o;
+    asm("ld.global.nc.f32 %0, [%1];" : "=f"(o) : "l"(aux.os_tab + sf));
+    os = o;
+  } else if ((__float_as_uint(f) & 0x7FFFFFFFu) == 0u) {
     os = 0.0f;
   } else {
     os = f_min(f_div(1.0f, f_mul(f, s)), FP4C_FLT_MAX);
@@ -423,9 +442,6 @@ FP4C_DEVICE float group_error(const Group16& g, const float* r, float f, float s
 }
 
 // Magnitude codes of r[16] packed into two words (element 2i in the low nibble).
-#ifndef FP4C_PACK_IMAD
-#define FP4C_PACK_IMAD 0
-#endif
 FP4C_DEVICE u32 mad_hi(u32 a, u32 b, u32 c) {
   u32 r;
   asm("mad.hi.u32 %0, %1, %2, %3;" : "=r"(r) : "r"(a), "r"(b), "r"(c));
@@ -436,18 +452,19 @@ FP4C_DEVICE u32 mad_lo(u32 a, u32 b, u32 c) {
   asm("mad.lo.u32 %0, %1, %2, %3;" : "=r"(r) : "r"(a), "r"(b), "r"(c));
   return r;
 }
-FP4C_DEVICE void pack_mag_codes(const float* r, u32& lo, u32& hi) {
+template <bool AUX>
+FP4C_DEVICE void pack_mag_codes(const float* r, u32& lo, u32& hi, const EncodeAux& aux) {
   u32 w[2] = {0u, 0u};
 #pragma unroll
   for (int i = 0; i < 16; ++i) {
     // code << 22 moved to bit 4*(i%8)
     const u32 c = __float_as_uint(f_mul(r[i], FP4C_TWO_M126));
     const int sh = 4 * (i & 7);
-    if (FP4C_PACK_IMAD) {
-      // shift and accumulate in one integer multiply-add (FMA pipe, not the ALU);
-      // the shifted codes occupy disjoint bits, so + is |
-      w[i >> 3] = sh <= 22 ? mad_hi(c, 1u << (sh + 10), w[i >> 3])
-                           : mad_lo(c, 1u << (sh - 22), w[i >> 3]);
+    if (AUX) {
+      // shift and accumulate in one integer multiply-add; the shifted codes occupy
+      // disjoint bits, so + is |
+      w[i >> 3] = sh <= 22 ? mad_hi(c, aux.pk[sh / 4], w[i >> 3])
+                           : mad_lo(c, aux.pk[sh / 4], w[i >> 3]);
     } else {
       w[i >> 3] |= sh <= 22 ? (c >> (22 - sh)) : (c << (sh - 22));
     }
@@ -456,9 +473,10 @@ FP4C_DEVICE void pack_mag_codes(const float* r, u32& lo, u32& hi) {
   hi = w[1];
 }
 
-FP4C_DEVICE void pack_codes(const Group16& g, const float* r, Encoded16& e) {
+template <bool AUX>
+FP4C_DEVICE void pack_codes(const Group16& g, const float* r, Encoded16& e, const EncodeAux& aux) {
   u32 lo, hi;
-  pack_mag_codes(r, lo, hi);
+  pack_mag_codes<AUX>(r, lo, hi, aux);
   e.lo = lo | g.sgn[0];
   e.hi = hi | g.sgn[1];
 }
@@ -469,9 +487,9 @@ FP4C_DEVICE void pack_codes(const Group16& g, const float* r, Encoded16& e) {
 #define FP4C_PACK_EARLY 1
 #endif
 
-template <int RULE>
+template <int RULE, bool AUX = false>
 FP4C_DEVICE Encoded16 encode_group_m(const Group16& g, float m, bool nonfinite, float s,
-                                     float gm);
+                                     float gm, const EncodeAux& aux = EncodeAux{nullptr, nullptr});
 
 template <int RULE>
 FP4C_DEVICE Encoded16 encode_group(const Group16& g, float s, float gm) {
@@ -481,9 +499,9 @@ FP4C_DEVICE Encoded16 encode_group(const Group16& g, float s, float gm) {
 }
 
 // The encoder given the group's max |x| (m) and whether the group is non-finite.
-template <int RULE>
+template <int RULE, bool AUX>
 FP4C_DEVICE Encoded16 encode_group_m(const Group16& g, float m, bool nonfinite, float s,
-                                     float gm) {
+                                     float gm, const EncodeAux& aux) {
   Encoded16 e;
   e.nonfinite = nonfinite;
   if (nonfinite) {
@@ -494,21 +512,21 @@ FP4C_DEVICE Encoded16 encode_group_m(const Group16& g, float m, bool nonfinite, 
   }
   u32 sf6;
   float f6, os6;
-  candidate_scale(m, FP4C_C6, s, gm, sf6, f6, os6);
+  candidate_scale<AUX>(m, FP4C_C6, s, gm, sf6, f6, os6, aux);
   float r6[16];
   round_group_any(g, m, os6, r6);
   if (RULE == FP4C_RULE_4OVER6 && FP4C_PACK_EARLY) {
     const float err6 = group_error(g, r6, f6, s);
     u32 lo6, hi6;
-    pack_mag_codes(r6, lo6, hi6);
+    pack_mag_codes<AUX>(r6, lo6, hi6, aux);
     u32 sf4;
     float f4, os4;
-    candidate_scale(m, 0.25f, s, gm, sf4, f4, os4);
+    candidate_scale<AUX>(m, 0.25f, s, gm, sf4, f4, os4, aux);
     float r4[16];
     round_group_any(g, m, os4, r4);
     const float err4 = group_error(g, r4, f4, s);
     u32 lo4, hi4;
-    pack_mag_codes(r4, lo4, hi4);
+    pack_mag_codes<AUX>(r4, lo4, hi4, aux);
     // err4 < err6 (a tie keeps 6); both are sums of squares (>= 0, never NaN), so
     // their bit patterns order like the values, subnormals included.
     const bool use4 = __float_as_uint(err4) < __float_as_uint(err6);
@@ -520,7 +538,7 @@ FP4C_DEVICE Encoded16 encode_group_m(const Group16& g, float m, bool nonfinite, 
   if (RULE == FP4C_RULE_4OVER6) {
     u32 sf4;
     float f4, os4;
-    candidate_scale(m, 0.25f, s, gm, sf4, f4, os4);
+    candidate_scale<AUX>(m, 0.25f, s, gm, sf4, f4, os4, aux);
     float r4[16];
     round_group_any(g, m, os4, r4);
     const float err6 = group_error(g, r6, f6, s);
@@ -534,7 +552,7 @@ FP4C_DEVICE Encoded16 encode_group_m(const Group16& g, float m, bool nonfinite, 
   } else {
     e.scale = sf6;
   }
-  pack_codes(g, r6, e);
+  pack_codes<AUX>(g, r6, e, aux);
   return e;
 }
 
@@ -669,6 +687,12 @@ struct FastDiv {
 };
 FP4C_DEVICE u32 fdiv(u32 n, const FastDiv& f) {
   return (u32)(((u64)__umulhi(n, f.m) + n) >> f.s);
+}
+
+// The same in 32-bit arithmetic (one block's scales, Rp * S < 2^32).
+FP4C_DEVICE u32 blocked_scale_offset32(u32 r, u32 s, u32 scales_per_row) {
+  const u32 tile = (r >> 7) * (scales_per_row >> 2) + (s >> 2);
+  return tile * 512u + (r & 31u) * 16u + ((r & 127u) >> 5) * 4u + (s & 3u);
 }
 
 // Byte offset of scale (r, s) in cuBLAS' 128x4 blocked order (spec section 5).

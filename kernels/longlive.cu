@@ -140,7 +140,7 @@ FP4C_DEVICE void ll_decode_impl(const LLSource& src, void* __restrict__ out, u32
   const u8* vals = nullptr;
   const u8* sfs = nullptr;
   float scale = 0.0f;
-  bool null_block = false;
+  bool null_block = false, aligned = true;
 #pragma unroll
   for (int j = 0; j < M; ++j) {
     const u32 gid = base + j * blockDim.x;
@@ -169,6 +169,7 @@ FP4C_DEVICE void ll_decode_impl(const LLSource& src, void* __restrict__ out, u32
       }
       // A null pointer marks a block id outside the pool: NaN rows, nothing read.
       null_block = vals == nullptr || sfs == nullptr || ap == 0u;
+      aligned = (((u64)vals) & (n / 2 - 1)) == 0u;  // chunk offsets are multiples of n/2
       if (!null_block) {
         float am;
         asm("ld.global.nc.f32 %0, [%1];" : "=f"(am) : "l"(ap));
@@ -181,9 +182,8 @@ FP4C_DEVICE void ll_decode_impl(const LLSource& src, void* __restrict__ out, u32
       continue;
     }
     const u8* p = vals + (u64)rem * (n / 2);
-    codes[j] = ((((u64)p) & (n / 2 - 1)) == 0u) ? load_chunk_codes<T, true>(p)
-                                                 : load_chunk_codes<T, false>(p);
-    sfb[j] = ldg_u8(sfs + blocked_scale_offset(r, c / per_group, G));
+    codes[j] = aligned ? load_chunk_codes<T, true>(p) : load_chunk_codes<T, false>(p);
+    sfb[j] = ldg_u8(sfs + blocked_scale_offset32(r, c / per_group, G));
     gs[j] = scale;
   }
 #pragma unroll

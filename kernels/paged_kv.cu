@@ -63,6 +63,7 @@ struct StoreParams {
   i64 num_slots, side_bytes, data_bytes;
   u32 n_tokens, total, hg, hg_m, hg_s, gd, g_m, g_s, td, t_m, t_s, H, nhd, swizzle, dedup, swz_m;
   float k_s, k_g, v_s, v_g;
+  u32 pk[8];  // code-packing multipliers (EncodeAux::pk)
 };
 
 // Groups per thread of the store (loads of all of them are issued first).
@@ -74,7 +75,8 @@ template <typename T, int RULE, typename SlotT, bool VEC>
 FP4C_DEVICE void store_impl(u8* __restrict__ buffer, const void* __restrict__ slots,
                             const void* __restrict__ k, const void* __restrict__ v,
                             u64* __restrict__ stats, const u64* __restrict__ claim,
-                            const u32* __restrict__ epoch, const StoreParams& P) {
+                            const u32* __restrict__ epoch, const float* __restrict__ os_tab,
+                            const StoreParams& P) {
   const i64 k_tok_stride = P.k_tok_stride, k_head_stride = P.k_head_stride;
   const i64 v_tok_stride = P.v_tok_stride, v_head_stride = P.v_head_stride;
   const i64 num_slots = P.num_slots, side_bytes = P.side_bytes, data_bytes = P.data_bytes;
@@ -83,6 +85,7 @@ FP4C_DEVICE void store_impl(u8* __restrict__ buffer, const void* __restrict__ sl
   const float k_s = P.k_s, k_g = P.k_g, v_s = P.v_s, v_g = P.v_g;
   const FastDiv fHG{P.hg, P.hg_m, P.hg_s}, fG{P.gd, P.g_m, P.g_s}, fT{P.td, P.t_m, P.t_s};
   const u32 G = fG.d, Tn = fT.d;
+  const u32 pk[8] = {P.pk[0], P.pk[1], P.pk[2], P.pk[3], P.pk[4], P.pk[5], P.pk[6], P.pk[7]};
   constexpr int M = FP4C_STORE_ITEMS;
   // Phase 1: for each of the thread's M groups, resolve the slot and issue the loads.
   RawGroup<T> rk[M], rv[M];
@@ -154,11 +157,14 @@ FP4C_DEVICE void store_impl(u8* __restrict__ buffer, const void* __restrict__ sl
       bool nk, nv;
       const float mk = bf16_group_abs_max(rk[j].w, nk);
       const float mv = bf16_group_abs_max(rv[j].w, nv);
-      ek = encode_group_m<RULE>(xk, mk, nk, k_s, k_g);
-      ev = encode_group_m<RULE>(xv, mv, nv, v_s, v_g);
+      ek = encode_group_m<RULE, true>(xk, mk, nk, k_s, k_g, EncodeAux{os_tab, pk});
+      ev = encode_group_m<RULE, true>(xv, mv, nv, v_s, v_g, EncodeAux{os_tab + 128, pk});
     } else {
-      ek = encode_group<RULE>(xk, k_s, k_g);
-      ev = encode_group<RULE>(xv, v_s, v_g);
+      bool nk, nv;
+      const float mk = group_abs_max(xk, nk);
+      const float mv = group_abs_max(xv, nv);
+      ek = encode_group_m<RULE, true>(xk, mk, nk, k_s, k_g, EncodeAux{os_tab, pk});
+      ev = encode_group_m<RULE, true>(xv, mv, nv, v_s, v_g, EncodeAux{os_tab + 128, pk});
     }
     if (ek.nonfinite) atomicAdd(stats + 0, 1ull);
     if (ev.nonfinite) atomicAdd(stats + 1, 1ull);
@@ -175,7 +181,7 @@ FP4C_DEVICE void store_impl(u8* __restrict__ buffer, const void* __restrict__ sl
 #define FP4C_STORE_PARAMS                                                                  \
   u8 *__restrict__ buffer, const void *__restrict__ slots, const void *__restrict__ k,      \
       const void *__restrict__ v, u64 *__restrict__ stats, u64 *__restrict__ claim,         \
-      u32 *__restrict__ epoch,                                                              \
+      u32 *__restrict__ epoch, const float *__restrict__ os_tab,                            \
       const StoreParams params
 
 // NAME, value type, rule, slot type, vectorized loads/stores
@@ -185,7 +191,7 @@ FP4C_DEVICE void store_impl(u8* __restrict__ buffer, const void* __restrict__ sl
 #define FP4C_STORE_KERNEL(NAME, T, RULE, SLOT, VEC)                                         \
   extern "C" __global__ void __launch_bounds__(256, FP4C_STORE_MIN_BLOCKS)                  \
       NAME(FP4C_STORE_PARAMS) {                                                             \
-    store_impl<T, RULE, SLOT, VEC>(buffer, slots, k, v, stats, claim, epoch, params);       \
+    store_impl<T, RULE, SLOT, VEC>(buffer, slots, k, v, stats, claim, epoch, os_tab, params); \
   }
 
 // ---------------------------------------------------------------------------
