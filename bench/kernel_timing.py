@@ -165,7 +165,7 @@ def bench_gather(reps, n_pages=4096, H=8, D=128, T=16, dtype=BF16):
     return us, nbytes
 
 
-def bench_longlive_decode(reps, H=24, D=128, Tb=7040, nblk=4):
+def bench_longlive_decode(reps, H=24, D=128, Tb=7040, nblk=4, wide=True):
     Rp = longlive_padded_rows(Tb, H)
     S = D // 16
     rng = np.random.default_rng(0)
@@ -184,7 +184,7 @@ def bench_longlive_decode(reps, H=24, D=128, Tb=7040, nblk=4):
     def run(i):
         tabs = sets[i % 2][0]
         cb.longlive_dequantize(*tabs, outs[i % 2], num_heads=H, block_token_size=Tb,
-                               inv_denom=inv)
+                               inv_denom=inv, values_aligned=wide)
 
     us = gpu_time_us(run, reps)
     nbytes = nblk * (Tb * H * D // 2 + Tb * H * S + 4) + nblk * Tb * H * D * 2
@@ -328,6 +328,7 @@ def main():
         add("gather_dequant 4096p x16 f32",
             *bench_gather(args.reps, dtype=np.dtype(np.float32)))
     add("longlive decode H24 D128 Tb7040 x4", *bench_longlive_decode(args.reps))
+    add("longlive decode (narrow kernel)", *bench_longlive_decode(args.reps, wide=False))
     add("longlive dequantize_pool (front end)", *bench_longlive_front(args.reps, "pool"))
     add("longlive dequantize list (front end)", *bench_longlive_front(args.reps, "list"))
     if not args.quick:

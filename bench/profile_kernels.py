@@ -26,6 +26,7 @@ CASES = {
     "store_4over6": lambda: kt.bench_store("4over6", 1),
     "gather_bf16": lambda: kt.bench_gather(1),
     "longlive_decode": lambda: kt.bench_longlive_decode(1),
+    "longlive_decode_narrow": lambda: kt.bench_longlive_decode(1, wide=False),
 }
 
 

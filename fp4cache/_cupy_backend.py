@@ -427,8 +427,11 @@ LL_SOURCE_DTYPE = np.dtype(
 
 
 def longlive_dequantize(value_ptrs, sf_ptrs, amax_ptrs, out, *, num_heads, block_token_size,
-                        inv_denom) -> None:
-    """Decode LongLive blocks given by device pointer tables into ``out [1, n*Tb, H, D]``."""
+                        inv_denom, values_aligned: bool = False) -> None:
+    """Decode LongLive blocks given by device pointer tables into ``out [1, n*Tb, H, D]``.
+
+    ``values_aligned``: the caller knows every values pointer is 16-byte aligned
+    (enables the wide kernel)."""
     nb = value_ptrs.shape[0]
     tabs = [_contig(a) for a in (value_ptrs, sf_ptrs, amax_ptrs)]
 
@@ -436,7 +439,7 @@ def longlive_dequantize(value_ptrs, sf_ptrs, amax_ptrs, out, *, num_heads, block
         return (tabs[0][a:b].data.ptr, tabs[1][a:b].data.ptr, tabs[2][a:b].data.ptr,
                 0, 0, 0, 0, 0, 0, 0, 0, 0)
 
-    _ll_decode(source, nb, out, num_heads, block_token_size, inv_denom)
+    _ll_decode(source, nb, out, num_heads, block_token_size, inv_denom, values_aligned)
 
 
 # Device pointer tables of the list API, keyed by (device, the blocks' pointers): a
@@ -476,26 +479,43 @@ def longlive_dequantize_pool(values, scale_factors, amax, block_ids, out, *, num
                 values.data.ptr, values.strides[0], scale_factors.data.ptr,
                 scale_factors.strides[0], am.data.ptr, am.strides[0], N, int(ids64))
 
-    _ll_decode(source, ids.shape[0], out, num_heads, block_token_size, inv_denom)
+    aligned = values.data.ptr % 16 == 0 and values.strides[0] % 16 == 0
+    _ll_decode(source, ids.shape[0], out, num_heads, block_token_size, inv_denom, aligned)
 
 
-def _ll_decode(source, nb, out, num_heads, block_token_size, inv_denom) -> None:
+#: Use the wide LongLive decode kernel where it applies (bf16/f16 out, aligned blocks).
+LL_WIDE = True
+
+
+def _ll_decode(source, nb, out, num_heads, block_token_size, inv_denom, aligned) -> None:
     D = out.shape[-1]
     G = D // GROUP
     R = int(num_heads) * int(block_token_size)
     if nb * R * G * out.itemsize == 0:
         return
     C = D // (16 // out.itemsize)  # 16-byte output chunks per row, one per thread
-    per = max(1, (_MAX_THREADS - 1) // (R * C))  # blocks per launch (32-bit thread ids)
     Tb = int(block_token_size)
-    frc, fc = fastdiv(R * C), fastdiv(C)
+    fc = fastdiv(C)
+    dt = _dtype_name(out.dtype, "out")
+    if LL_WIDE and aligned and out.itemsize == 2 and out.data.ptr % 16 == 0 \
+            and R * C < 2**31 - 1024:
+        fn = _kernel(K.ll_decode_wide_spec(dt))
+        gx = (R * C + 1023) // 1024
+        for a in range(0, nb, 65535):  # grid y: one block each
+            b = min(nb, a + 65535)
+            src = np.array(source(a, b), dtype=LL_SOURCE_DTYPE)[()]
+            fn((gx, b - a), _BLOCK, (src, out[:, a * Tb:b * Tb], _U32(R * C), fc[0], fc[1],
+                                     fc[2], _F32(inv_denom)))
+        return
+    per = max(1, (_MAX_THREADS - 1) // (R * C))  # blocks per launch (32-bit thread ids)
+    frc = fastdiv(R * C)
     for a in range(0, nb, per):
         b = min(nb, a + per)
         o = out[:, a * Tb:b * Tb]
         vec = o.data.ptr % 16 == 0
         threads = (b - a) * R * C
         src = np.array(source(a, b), dtype=LL_SOURCE_DTYPE)[()]
-        _kernel(K.ll_decode_spec(_dtype_name(out.dtype, "out"), vec))(
+        _kernel(K.ll_decode_spec(dt, vec))(
             _decode_blocks(threads), _BLOCK, (
                 src, o, _U32(threads), frc[0], frc[1], frc[2], fc[0], fc[1], fc[2],
                 _F32(inv_denom)))

@@ -42,6 +42,7 @@ __all__ = [
     "ll_amax_spec",
     "ll_quantize_spec",
     "ll_decode_spec",
+    "ll_decode_wide_spec",
 ]
 
 #: Options of every compile: C++17, no FMA contraction (bit-exact float32 arithmetic).
@@ -151,6 +152,12 @@ def ll_decode_spec(dtype: str, vec: bool = True) -> Spec:
                 (VALUE_TYPES[dtype], v))
 
 
+def ll_decode_wide_spec(dtype: str) -> Spec:
+    """LongLive decode, 16-byte code loads (bf16/f16 out, 16-byte aligned blocks)."""
+    return Spec("longlive.cu", "FP4C_LL_DECODE_WIDE_KERNEL",
+                f"fp4cache_longlive_decode_wide_{dtype}", (VALUE_TYPES[dtype],))
+
+
 def all_specs() -> list[Spec]:
     """Every specialization the backend can ask for."""
     specs: list[Spec] = []
@@ -166,6 +173,7 @@ def all_specs() -> list[Spec]:
             specs.append(ll_decode_spec(dt, vec))
             specs.append(ll_amax_spec(dt, vec))
     specs += [claim_spec(ix) for ix in INDEX_TYPES]
+    specs += [ll_decode_wide_spec(dt) for dt in ("bf16", "f16")]
     return specs
 
 

@@ -130,7 +130,8 @@ def dequantize(values: Sequence[Any], scale_factors: Sequence[Any], amax: Sequen
         # blocks were decoded recently (the device tables are cached by content).
         ptrs = impl.longlive_pointer_tables(vals, sfs, ams)
         impl.longlive_dequantize(ptrs[0], ptrs[1], ptrs[2], out, num_heads=H,
-                                 block_token_size=Tb, inv_denom=inv)
+                                 block_token_size=Tb, inv_denom=inv,
+                                 values_aligned=all(a.data.ptr % 16 == 0 for a in vals))
     return out
 
 

@@ -202,6 +202,73 @@ FP4C_DEVICE void ll_decode_impl(const LLSource& src, void* __restrict__ out, u32
                            inv_denom);                                                        \
   }
 
+// Wide variant for 2-byte outputs (bf16/f16: 4 code bytes per 16-byte output chunk)
+// when every block's values are 16-byte aligned.  Grid: x covers one block's R*C
+// chunks, 1024 per CTA; y is the block (its three pointers are uniform over the CTA).
+// Each lane loads the codes of 4 consecutive chunks with one 16-byte load, the warp
+// transposes them through 512 bytes of shared memory, and lane l then decodes chunks
+// l, l+32, l+64, l+96 of the warp's 128: every store instruction of the warp still
+// writes 512 contiguous bytes, while each thread has 4x the bytes of codes in flight.
+template <typename T>
+FP4C_DEVICE void ll_decode_wide_impl(const LLSource& src, void* __restrict__ out, u32 rc,
+                                     FastDiv fC, float inv_denom) {
+  static_assert(T::kBytes == 2, "wide decode: 2-byte outputs only");
+  __shared__ U32x4 stage[256];
+  const u32 G = fC.d / 2;
+  const u32 lane = threadIdx.x & 31u, warp = threadIdx.x >> 5;
+  const u32 b = blockIdx.y;
+  const u32 wbase = blockIdx.x * 1024u + warp * 128u;  // first chunk of this warp
+  const u8 *vals, *sfs;
+  u64 ap;
+  if (src.value_ptrs != nullptr) {
+    vals = (const u8*)src.value_ptrs[b];
+    sfs = (const u8*)src.sf_ptrs[b];
+    ap = src.amax_ptrs[b];
+  } else {
+    const i64 id = src.ids64 ? ((const i64*)src.ids)[b] : (i64)((const int*)src.ids)[b];
+    const bool ok = id >= 0 && id < src.n_pool;
+    const u64 u = ok ? (u64)id : 0u;
+    vals = ok ? (const u8*)(src.vbase + u * src.vstride) : nullptr;
+    sfs = ok ? (const u8*)(src.sbase + u * src.sstride) : nullptr;
+    ap = ok ? src.abase + u * src.astride : 0u;
+  }
+  const bool null_block = vals == nullptr || sfs == nullptr || ap == 0u;
+  float scale = 1.0f;
+  U32x4 raw = {0u, 0u, 0u, 0u};
+  u32 sfb[4] = {0x7Fu, 0x7Fu, 0x7Fu, 0x7Fu};  // NaN rows for a block outside the pool
+  if (!null_block) {
+    const u32 q = wbase + 4u * lane;  // rc is a multiple of 4, so q < rc covers q..q+3
+    if (q < rc) raw = ldg16(vals + (u64)q * 4u);
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+      const u32 c = wbase + 32u * k + lane;
+      if (c < rc) {
+        const u32 r = fdiv(c, fC);
+        sfb[k] = ldg_u8(sfs + blocked_scale_offset32(r, (c - r * fC.d) >> 1, G));
+      }
+    }
+    float am;
+    asm("ld.global.nc.f32 %0, [%1];" : "=f"(am) : "l"(ap));
+    scale = f_mul(am, inv_denom);
+  }
+  stage[threadIdx.x] = raw;
+  __syncwarp();
+  const u32* words = (const u32*)(stage + warp * 32u);
+  char* o = (char*)out + ((u64)b * rc) * 16u;
+#pragma unroll
+  for (int k = 0; k < 4; ++k) {
+    const u32 c = wbase + 32u * k + lane;
+    if (c < rc) decode_store_chunk<T, true>(words[32u * k + lane], sfb[k], scale, o + (u64)c * 16u);
+  }
+}
+
+#define FP4C_LL_DECODE_WIDE_KERNEL(NAME, T)                                                   \
+  extern "C" __global__ void __launch_bounds__(256)                                           \
+      NAME(const LLSource src, void* __restrict__ out, u32 rc, u32 cd, u32 c_m, u32 c_s,       \
+           float inv_denom) {                                                                 \
+    ll_decode_wide_impl<T>(src, out, rc, FastDiv{cd, c_m, c_s}, inv_denom);                   \
+  }
+
 #ifdef FP4C_INSTANTIATIONS
 FP4C_INSTANTIATIONS
 #endif

@@ -78,23 +78,29 @@ def _pool(rng, n_pool, H, Tb, D):
     return [np.stack([b[j] for b in blocks]) for j in range(3)]
 
 
+@pytest.mark.parametrize("wide", [True, False])
+@pytest.mark.parametrize("dtype,D", [("bfloat16", 128), ("float16", 64), ("float32", 192)])
 @pytest.mark.parametrize("id_dtype", [np.int32, np.int64])
-def test_dequantize_pool_one_launch_ids_out_and_graph(id_dtype):
+def test_dequantize_pool_one_launch_ids_out_and_graph(id_dtype, dtype, D, wide, monkeypatch):
+    from fp4cache import _cupy_backend
+
+    monkeypatch.setattr(_cupy_backend, "LL_WIDE", wide)
     rng = np.random.default_rng(5)
-    H, Tb, D = 3, 40, 128
+    H, Tb = 3, 40
     pool_c = _pool(rng, 5, H, Tb, D)
     pool_g = [cp.asarray(a) for a in pool_c]
     ids = np.array([4, 0, 4, 2, 1], id_dtype)
-    ref = longlive.dequantize_pool(*pool_c, ids, H, Tb)
+    ref = longlive.dequantize_pool(*pool_c, ids, H, Tb, dtype=dtype)
     ids_d = cp.asarray(ids)
-    out = cp.full(ref.shape, np.nan, dtype=BF16)
+    out = cp.full(ref.shape, np.nan, dtype=ref.dtype)
     got = longlive.dequantize_pool(*pool_g, ids_d, H, Tb, out=out)
     assert got is out
     _same(out, ref)
     # out of range on both sides: NaN rows for those blocks only
     bad = np.array([5, 1, -1, 2, 1 << 30], id_dtype)
-    got = longlive.dequantize_pool(*pool_g, cp.asarray(bad), H, Tb)
-    exp = longlive.dequantize_pool(*pool_c, np.where((bad < 0) | (bad >= 5), 0, bad), H, Tb)
+    got = longlive.dequantize_pool(*pool_g, cp.asarray(bad), H, Tb, dtype=dtype)
+    exp = longlive.dequantize_pool(*pool_c, np.where((bad < 0) | (bad >= 5), 0, bad), H, Tb,
+                                   dtype=dtype)
     for j in (0, 2, 4):
         exp[0, j * Tb:(j + 1) * Tb] = np.nan
     _same(got, exp)
@@ -109,7 +115,27 @@ def test_dequantize_pool_one_launch_ids_out_and_graph(id_dtype):
         ids_d.set(new_ids)
         graph.launch(stream)
         stream.synchronize()
-    _same(out, longlive.dequantize_pool(*pool_c, new_ids, H, Tb))
+    _same(out, longlive.dequantize_pool(*pool_c, new_ids, H, Tb, dtype=dtype))
+
+
+def test_wide_decode_many_blocks_and_a_misaligned_block():
+    """Many small blocks (grid y), then one block at an odd address: the narrow kernel."""
+    rng = np.random.default_rng(9)
+    H, Tb, D = 2, 16, 64
+    pool_c = _pool(rng, 70, H, Tb, D)
+    ids = rng.integers(0, 70, 300)
+    ref = longlive.dequantize_pool(*pool_c, ids, H, Tb)
+    _same(longlive.dequantize_pool(*[cp.asarray(a) for a in pool_c], cp.asarray(ids), H, Tb),
+          ref)
+    vals = [cp.asarray(pool_c[0][i]) for i in (3, 5)]
+    raw = cp.zeros(vals[1].size + 1, cp.uint8)
+    odd = raw[1:].reshape(vals[1].shape)
+    odd[...] = vals[1]
+    sfs = [cp.asarray(pool_c[1][i]) for i in (3, 5)]
+    ams = [cp.asarray(pool_c[2][i]) for i in (3, 5)]
+    exp = longlive.dequantize([pool_c[0][3], pool_c[0][5]], [pool_c[1][3], pool_c[1][5]],
+                              [pool_c[2][3], pool_c[2][5]], H, Tb)
+    _same(longlive.dequantize([vals[0], odd], sfs, ams, H, Tb), exp)
 
 
 def test_dequantize_list_reuses_pointer_tables_but_reads_new_contents():
