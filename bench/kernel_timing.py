@@ -329,6 +329,17 @@ def main():
             *bench_gather(args.reps, dtype=np.dtype(np.float32)))
     add("longlive decode H24 D128 Tb7040 x4", *bench_longlive_decode(args.reps))
     add("longlive decode (narrow kernel)", *bench_longlive_decode(args.reps, wide=False))
+    if args.store_variants:
+        from fp4cache import _kernels
+
+        for tiles in (1, 4):
+            _kernels.set_defines(FP4C_LL_WIDE_TILES=tiles)
+            cb.clear_caches()
+            cb.LL_WIDE_TILES = tiles
+            add(f"longlive decode wide [tiles={tiles}]", *bench_longlive_decode(args.reps))
+        _kernels.set_defines()
+        cb.clear_caches()
+        cb.LL_WIDE_TILES = 2
     add("longlive dequantize_pool (front end)", *bench_longlive_front(args.reps, "pool"))
     add("longlive dequantize list (front end)", *bench_longlive_front(args.reps, "list"))
     if not args.quick:

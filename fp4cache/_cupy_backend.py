@@ -485,6 +485,8 @@ def longlive_dequantize_pool(values, scale_factors, amax, block_ids, out, *, num
 
 #: Use the wide LongLive decode kernel where it applies (bf16/f16 out, aligned blocks).
 LL_WIDE = True
+#: Tiles of 1024 chunks per CTA of the wide kernel (FP4C_LL_WIDE_TILES in the kernels).
+LL_WIDE_TILES = 2
 
 
 def _ll_decode(source, nb, out, num_heads, block_token_size, inv_denom, aligned) -> None:
@@ -498,9 +500,10 @@ def _ll_decode(source, nb, out, num_heads, block_token_size, inv_denom, aligned)
     fc = fastdiv(C)
     dt = _dtype_name(out.dtype, "out")
     if LL_WIDE and aligned and out.itemsize == 2 and out.data.ptr % 16 == 0 \
-            and R * C < 2**31 - 1024:
+            and R * C < 2**31 - 8192:
         fn = _kernel(K.ll_decode_wide_spec(dt))
-        gx = (R * C + 1023) // 1024
+        per_cta = 1024 * LL_WIDE_TILES
+        gx = (R * C + per_cta - 1) // per_cta
         for a in range(0, nb, 65535):  # grid y: one block each
             b = min(nb, a + 65535)
             src = np.array(source(a, b), dtype=LL_SOURCE_DTYPE)[()]

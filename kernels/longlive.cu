@@ -204,20 +204,23 @@ FP4C_DEVICE void ll_decode_impl(const LLSource& src, void* __restrict__ out, u32
 
 // Wide variant for 2-byte outputs (bf16/f16: 4 code bytes per 16-byte output chunk)
 // when every block's values are 16-byte aligned.  Grid: x covers one block's R*C
-// chunks, 1024 per CTA; y is the block (its three pointers are uniform over the CTA).
+// chunks, FP4C_LL_WIDE_TILES * 1024 per CTA (all tiles' loads issued first); y is the block (its three pointers are uniform over the CTA).
 // Each lane loads the codes of 4 consecutive chunks with one 16-byte load, the warp
 // transposes them through 512 bytes of shared memory, and lane l then decodes chunks
 // l, l+32, l+64, l+96 of the warp's 128: every store instruction of the warp still
 // writes 512 contiguous bytes, while each thread has 4x the bytes of codes in flight.
+#ifndef FP4C_LL_WIDE_TILES
+#define FP4C_LL_WIDE_TILES 2
+#endif
 template <typename T>
 FP4C_DEVICE void ll_decode_wide_impl(const LLSource& src, void* __restrict__ out, u32 rc,
                                      FastDiv fC, float inv_denom) {
   static_assert(T::kBytes == 2, "wide decode: 2-byte outputs only");
-  __shared__ U32x4 stage[256];
+  constexpr int NT = FP4C_LL_WIDE_TILES;  // tiles of 1024 chunks per CTA, loads all first
+  __shared__ U32x4 stage[NT][256];
   const u32 G = fC.d / 2;
   const u32 lane = threadIdx.x & 31u, warp = threadIdx.x >> 5;
   const u32 b = blockIdx.y;
-  const u32 wbase = blockIdx.x * 1024u + warp * 128u;  // first chunk of this warp
   const u8 *vals, *sfs;
   u64 ap;
   if (src.value_ptrs != nullptr) {
@@ -234,31 +237,47 @@ FP4C_DEVICE void ll_decode_wide_impl(const LLSource& src, void* __restrict__ out
   }
   const bool null_block = vals == nullptr || sfs == nullptr || ap == 0u;
   float scale = 1.0f;
-  U32x4 raw = {0u, 0u, 0u, 0u};
-  u32 sfb[4] = {0x7Fu, 0x7Fu, 0x7Fu, 0x7Fu};  // NaN rows for a block outside the pool
-  if (!null_block) {
-    const u32 q = wbase + 4u * lane;  // rc is a multiple of 4, so q < rc covers q..q+3
-    if (q < rc) raw = ldg16(vals + (u64)q * 4u);
+  U32x4 raw[NT];
+  u32 sfb[NT][4];
 #pragma unroll
-    for (int k = 0; k < 4; ++k) {
-      const u32 c = wbase + 32u * k + lane;
-      if (c < rc) {
-        const u32 r = fdiv(c, fC);
-        sfb[k] = ldg_u8(sfs + blocked_scale_offset32(r, (c - r * fC.d) >> 1, G));
+  for (int t = 0; t < NT; ++t) {
+    raw[t] = U32x4{0u, 0u, 0u, 0u};
+#pragma unroll
+    for (int k = 0; k < 4; ++k) sfb[t][k] = 0x7Fu;  // NaN rows for a block outside the pool
+  }
+  if (!null_block) {
+#pragma unroll
+    for (int t = 0; t < NT; ++t) {
+      const u32 wbase = (blockIdx.x * NT + t) * 1024u + warp * 128u;  // warp's first chunk
+      const u32 q = wbase + 4u * lane;  // rc is a multiple of 4, so q < rc covers q..q+3
+      if (q < rc) raw[t] = ldg16(vals + (u64)q * 4u);
+#pragma unroll
+      for (int k = 0; k < 4; ++k) {
+        const u32 c = wbase + 32u * k + lane;
+        if (c < rc) {
+          const u32 r = fdiv(c, fC);
+          sfb[t][k] = ldg_u8(sfs + blocked_scale_offset32(r, (c - r * fC.d) >> 1, G));
+        }
       }
     }
     float am;
     asm("ld.global.nc.f32 %0, [%1];" : "=f"(am) : "l"(ap));
     scale = f_mul(am, inv_denom);
   }
-  stage[threadIdx.x] = raw;
-  __syncwarp();
-  const u32* words = (const u32*)(stage + warp * 32u);
   char* o = (char*)out + ((u64)b * rc) * 16u;
 #pragma unroll
-  for (int k = 0; k < 4; ++k) {
-    const u32 c = wbase + 32u * k + lane;
-    if (c < rc) decode_store_chunk<T, true>(words[32u * k + lane], sfb[k], scale, o + (u64)c * 16u);
+  for (int t = 0; t < NT; ++t) {
+    stage[t][threadIdx.x] = raw[t];
+    __syncwarp();
+    const u32* words = (const u32*)(&stage[t][warp * 32u]);
+    const u32 wbase = (blockIdx.x * NT + t) * 1024u + warp * 128u;
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+      const u32 c = wbase + 32u * k + lane;
+      if (c < rc) {
+        decode_store_chunk<T, true>(words[32u * k + lane], sfb[t][k], scale, o + (u64)c * 16u);
+      }
+    }
   }
 }
 
