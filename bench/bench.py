@@ -598,7 +598,7 @@ class Bench:
         calls = [_bind(longlive.dequantize, *lst, H, Tb) for lst in lists]
         self.timed("longlive", case, "fp4cache dequantize", calls, nbytes,
                    batch=2 * len(calls), frac_target=TARGETS["longlive"],
-                   note="list API: pointer table copied from the host per call")
+                   note="list API: device pointer tables cached by content")
         calls = [_bind(longlive.dequantize_pool, values, sf, amax, ids[i], H, Tb, out=outs[i])
                  for i in range(2)]
         self.timed("longlive", case, "fp4cache dequantize_pool", calls, nbytes + nb * 4,
