@@ -224,6 +224,7 @@ def _claim_state(num_slots: int):
 STORE_PARAMS_DTYPE = np.dtype(
     [(f, np.int64) for f in ("k_tok_stride", "k_head_stride", "v_tok_stride",
                              "v_head_stride", "num_slots", "side_bytes", "data_bytes")]
+    + [("os_tab", np.uint64)]
     + [(f, np.uint32) for f in ("n_tokens", "total", "hg", "hg_m", "hg_s", "gd", "g_m", "g_s",
                                 "td", "t_m", "t_s", "H", "nhd", "swizzle", "dedup", "swz_m")]
     + [(f, np.float32) for f in ("k_s", "k_g", "v_s", "v_g")]
@@ -250,7 +251,14 @@ def _os_table_host(k_s: float, v_s: float) -> bytes:
 
 
 def _os_table(k_s, v_s):
-    return cupy.asarray(np.frombuffer(_os_table_host(float(k_s), float(v_s)), np.float32))
+    # Copied on a private stream, so that a plan made while the caller's stream is
+    # being captured into a CUDA graph does not put a host copy into the graph.
+    host = np.frombuffer(_os_table_host(float(k_s), float(v_s)), np.float32)
+    side = cupy.cuda.Stream(non_blocking=True)
+    with side:
+        tab = cupy.asarray(host)
+    side.synchronize()
+    return tab
 
 # Store launch plans: (kernel, claim kernel or None, grid, params struct), keyed by
 # everything they depend on, so that a decode step costs one dict lookup + one launch.
@@ -269,8 +277,9 @@ def _store_plan(key, buffer, slots, k, v, geom, rule, k_s, k_g, v_s, v_g):
     total = n * int(pa["HG"][0])
     dedup = 1 if n <= SCAN_MAX_TOKENS else 2
     hg, fg, ft = pa["HG"], pa["fG"], pa["fT"]
+    os_tab = _os_table(k_s, v_s)
     params = np.array((kst[0] // es, kst[1] // es, vst[0] // es, vst[1] // es,
-                       pa["num_slots"], pa["side"], pa["data"], n, total,
+                       pa["num_slots"], pa["side"], pa["data"], os_tab.data.ptr, n, total,
                        hg[0], hg[1], hg[2], fg[0], fg[1], fg[2], ft[0], ft[1], ft[2],
                        pa["H"], pa["nhd"], pa["swz"], dedup, pa["swz_m"], k_s, k_g, v_s, v_g,
                        _PACK_MULTIPLIERS),
@@ -279,8 +288,8 @@ def _store_plan(key, buffer, slots, k, v, geom, rule, k_s, k_g, v_s, v_g):
     if dedup == 2:
         claim = _kernel(K.claim_spec(sl))
     per = _THREADS * STORE_ITEMS
-    plan = (fn, claim, ((total + per - 1) // per,), params, pa["num_slots"],
-            _os_table(k_s, v_s))
+    # the plan keeps os_tab alive: params holds its address
+    plan = (fn, claim, ((total + per - 1) // per,), params, pa["num_slots"], os_tab)
     if len(_store_plans) > 4096:
         _store_plans.clear()
     _store_plans[key] = plan
@@ -310,13 +319,13 @@ def store(buffer, slot_mapping, k, v, *, geom: PageGeometry, rule, k_s, k_g, v_s
                       k_g=k_g, v_s=v_s, v_g=v_g, stats=stats)
             return
         plan = _store_plan(key, buffer, slots, k, v, geom, rule, k_s, k_g, v_s, v_g)
-    fn, claim_fn, grid, params, num_slots, os_tab = plan
+    fn, claim_fn, grid, params, num_slots, _ = plan
     if claim_fn is None:
-        fn(grid, _BLOCK, (buffer, slots, k, v, stats, _NULL, _NULL, os_tab, params))
+        fn(grid, _BLOCK, (buffer, slots, k, v, stats, _NULL, _NULL, params))
         return
     table, epoch = _claim_state(int(num_slots))
     claim_fn(_blocks(n), _BLOCK, (slots, table, epoch, _U32(n), num_slots))
-    fn(grid, _BLOCK, (buffer, slots, k, v, stats, table, epoch, os_tab, params))
+    fn(grid, _BLOCK, (buffer, slots, k, v, stats, table, epoch, params))
 
 
 def store_launcher(buffer, slot_mapping, k, v, *, geom: PageGeometry, rule, k_s, k_g, v_s,
@@ -336,12 +345,12 @@ def store_launcher(buffer, slot_mapping, k, v, *, geom: PageGeometry, rule, k_s,
     plan = _store_plans.get(key)
     if plan is None:
         plan = _store_plan(key, buffer, slot_mapping, k, v, geom, rule, k_s, k_g, v_s, v_g)
-    fn, claim_fn, grid, params, _, os_tab = plan
+    fn, claim_fn, grid, params, _, _ = plan
     if claim_fn is not None:
         return None
 
     def launch(slots, kk, vv):
-        fn(grid, _BLOCK, (buffer, slots, kk, vv, stats, _NULL, _NULL, os_tab, params))
+        fn(grid, _BLOCK, (buffer, slots, kk, vv, stats, _NULL, _NULL, params))
 
     return launch
 

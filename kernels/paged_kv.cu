@@ -61,6 +61,7 @@ FP4C_DEVICE void split_slot(i64 slot, const FastDiv& fT, u64& page, u32& t) {
 struct StoreParams {
   i64 k_tok_stride, k_head_stride, v_tok_stride, v_head_stride;  // elements
   i64 num_slots, side_bytes, data_bytes;
+  u64 os_tab;  // const float*: EncodeAux::os_tab, K's 128 entries then V's
   u32 n_tokens, total, hg, hg_m, hg_s, gd, g_m, g_s, td, t_m, t_s, H, nhd, swizzle, dedup, swz_m;
   float k_s, k_g, v_s, v_g;
   u32 pk[8];  // code-packing multipliers (EncodeAux::pk)
@@ -75,8 +76,8 @@ template <typename T, int RULE, typename SlotT, bool VEC>
 FP4C_DEVICE void store_impl(u8* __restrict__ buffer, const void* __restrict__ slots,
                             const void* __restrict__ k, const void* __restrict__ v,
                             u64* __restrict__ stats, const u64* __restrict__ claim,
-                            const u32* __restrict__ epoch, const float* __restrict__ os_tab,
-                            const StoreParams& P) {
+                            const u32* __restrict__ epoch, const StoreParams& P) {
+  const float* __restrict__ os_tab = (const float*)P.os_tab;
   const i64 k_tok_stride = P.k_tok_stride, k_head_stride = P.k_head_stride;
   const i64 v_tok_stride = P.v_tok_stride, v_head_stride = P.v_head_stride;
   const i64 num_slots = P.num_slots, side_bytes = P.side_bytes, data_bytes = P.data_bytes;
@@ -181,7 +182,7 @@ FP4C_DEVICE void store_impl(u8* __restrict__ buffer, const void* __restrict__ sl
 #define FP4C_STORE_PARAMS                                                                  \
   u8 *__restrict__ buffer, const void *__restrict__ slots, const void *__restrict__ k,      \
       const void *__restrict__ v, u64 *__restrict__ stats, u64 *__restrict__ claim,         \
-      u32 *__restrict__ epoch, const float *__restrict__ os_tab,                            \
+      u32 *__restrict__ epoch,                                                              \
       const StoreParams params
 
 // NAME, value type, rule, slot type, vectorized loads/stores
@@ -191,7 +192,7 @@ FP4C_DEVICE void store_impl(u8* __restrict__ buffer, const void* __restrict__ sl
 #define FP4C_STORE_KERNEL(NAME, T, RULE, SLOT, VEC)                                         \
   extern "C" __global__ void __launch_bounds__(256, FP4C_STORE_MIN_BLOCKS)                  \
       NAME(FP4C_STORE_PARAMS) {                                                             \
-    store_impl<T, RULE, SLOT, VEC>(buffer, slots, k, v, stats, claim, epoch, os_tab, params); \
+    store_impl<T, RULE, SLOT, VEC>(buffer, slots, k, v, stats, claim, epoch, params);         \
   }
 
 // ---------------------------------------------------------------------------

@@ -5,7 +5,9 @@
 * ``longlive.dequantize_pool`` as one launch: int32 and int64 ids, ids out of range,
   ``out=``, CUDA-graph capture and replay with new ids;
 * ``longlive.dequantize`` reusing its cached device pointer tables when the same
-  blocks come again with new contents.
+  blocks come again with new contents;
+* a store whose launch plan (with its per-plan scale table) is first made while the
+  stream is being captured into a CUDA graph.
 """
 
 from __future__ import annotations
@@ -157,3 +159,32 @@ def test_dequantize_list_reuses_pointer_tables_but_reads_new_contents():
     _same(longlive.dequantize(vals, sfs, ams, H, Tb), exp)
     # a different order is a different table
     _same(longlive.dequantize(vals[::-1], sfs[::-1], ams[::-1], H, Tb)[0, :Tb], ref[0, 2 * Tb:])
+
+
+def test_store_plan_made_during_graph_capture():
+    """New scales -> new plan and os table, made inside the capture; replay is exact."""
+    rng = np.random.default_rng(12)
+    kw = dict(num_blocks=6, block_size=16, num_heads=2, head_dim=64, k_scale=0.0123,
+              v_scale=3.5e-3)
+    c_cpu = PagedKVCache(**kw, device="cpu")
+    c_gpu = PagedKVCache(**kw, device="cuda")
+    n = 24
+    slots = cp.asarray(rng.permutation(96)[:n])
+    k = cp.asarray(rng.standard_normal((n, 2, 64)).astype(np.float32))
+    v = cp.asarray(rng.standard_normal((n, 2, 64)).astype(np.float32))
+    stream = cp.cuda.Stream(non_blocking=True)
+    with stream:
+        stream.begin_capture()
+        c_gpu.store(slots, k, v)
+        graph = stream.end_capture()
+        for _ in range(2):  # replay with new contents in the same device arrays
+            s_h = rng.permutation(96)[:n]
+            k_h = rng.standard_normal((n, 2, 64)).astype(np.float32)
+            v_h = rng.standard_normal((n, 2, 64)).astype(np.float32)
+            slots.set(s_h)
+            k.set(k_h)
+            v.set(v_h)
+            graph.launch(stream)
+            stream.synchronize()
+            c_cpu.store(s_h, k_h, v_h)
+            assert np.array_equal(cp.asnumpy(c_gpu.buffer), c_cpu.buffer)
