@@ -222,7 +222,8 @@ def _claim_state(num_slots: int):
 
 #: numpy twin of ``struct StoreParams`` in ``kernels/paged_kv.cu`` (same field order).
 STORE_PARAMS_DTYPE = np.dtype(
-    [(f, np.int64) for f in ("k_tok_stride", "k_head_stride", "v_tok_stride",
+    [(f, np.uint64) for f in ("buffer", "stats", "claim", "epoch")]
+    + [(f, np.int64) for f in ("k_tok_stride", "k_head_stride", "v_tok_stride",
                              "v_head_stride", "num_slots", "side_bytes", "data_bytes")]
     + [("os_tab", np.uint64)]
     + [(f, np.uint32) for f in ("n_tokens", "total", "hg", "hg_m", "hg_s", "gd", "g_m", "g_s",
@@ -278,12 +279,13 @@ def _store_plan(key, buffer, slots, k, v, geom, rule, k_s, k_g, v_s, v_g):
     dedup = 1 if n <= SCAN_MAX_TOKENS else 2
     hg, fg, ft = pa["HG"], pa["fG"], pa["fT"]
     os_tab = _os_table(k_s, v_s)
-    params = np.array((kst[0] // es, kst[1] // es, vst[0] // es, vst[1] // es,
+    params = np.array((buffer.data.ptr, 0, 0, 0, kst[0] // es, kst[1] // es, vst[0] // es,
+                       vst[1] // es,
                        pa["num_slots"], pa["side"], pa["data"], os_tab.data.ptr, n, total,
                        hg[0], hg[1], hg[2], fg[0], fg[1], fg[2], ft[0], ft[1], ft[2],
                        pa["H"], pa["nhd"], pa["swz"], dedup, pa["swz_m"], k_s, k_g, v_s, v_g,
                        _PACK_MULTIPLIERS),
-                      dtype=STORE_PARAMS_DTYPE)[()]
+                      dtype=STORE_PARAMS_DTYPE)
     claim = None
     if dedup == 2:
         claim = _kernel(K.claim_spec(sl))
@@ -320,12 +322,17 @@ def store(buffer, slot_mapping, k, v, *, geom: PageGeometry, rule, k_s, k_g, v_s
             return
         plan = _store_plan(key, buffer, slots, k, v, geom, rule, k_s, k_g, v_s, v_g)
     fn, claim_fn, grid, params, num_slots, _ = plan
+    p = params.copy()
+    p["buffer"] = buffer.data.ptr
+    p["stats"] = stats.data.ptr
     if claim_fn is None:
-        fn(grid, _BLOCK, (buffer, slots, k, v, stats, _NULL, _NULL, params))
+        fn(grid, _BLOCK, (slots, k, v, p[()]))
         return
     table, epoch = _claim_state(int(num_slots))
+    p["claim"] = table.data.ptr
+    p["epoch"] = epoch.data.ptr
     claim_fn(_blocks(n), _BLOCK, (slots, table, epoch, _U32(n), num_slots))
-    fn(grid, _BLOCK, (buffer, slots, k, v, stats, table, epoch, params))
+    fn(grid, _BLOCK, (slots, k, v, p[()]))
 
 
 def store_launcher(buffer, slot_mapping, k, v, *, geom: PageGeometry, rule, k_s, k_g, v_s,
@@ -348,9 +355,14 @@ def store_launcher(buffer, slot_mapping, k, v, *, geom: PageGeometry, rule, k_s,
     fn, claim_fn, grid, params, _, _ = plan
     if claim_fn is not None:
         return None
+    p = params.copy()
+    p["buffer"] = buffer.data.ptr
+    p["stats"] = stats.data.ptr
+    p = p[()]
+    keep = (buffer, stats)  # the struct holds their addresses
 
-    def launch(slots, kk, vv):
-        fn(grid, _BLOCK, (buffer, slots, kk, vv, stats, _NULL, _NULL, params))
+    def launch(slots, kk, vv, _keep=keep):
+        fn(grid, _BLOCK, (slots, kk, vv, p))
 
     return launch
 

@@ -59,6 +59,7 @@ FP4C_DEVICE void split_slot(i64 slot, const FastDiv& fT, u64& page, u32& t) {
 // kernel argument keeps the host-side launch cost of a decode step low).  The
 // host builds the same layout with a numpy structured dtype (align=True).
 struct StoreParams {
+  u64 buffer, stats, claim, epoch;  // u8* pool, u64 stats[4], u64 claim table, u32 epoch[2]
   i64 k_tok_stride, k_head_stride, v_tok_stride, v_head_stride;  // elements
   i64 num_slots, side_bytes, data_bytes;
   u64 os_tab;  // const float*: EncodeAux::os_tab, K's 128 entries then V's
@@ -73,10 +74,12 @@ struct StoreParams {
 #endif
 
 template <typename T, int RULE, typename SlotT, bool VEC>
-FP4C_DEVICE void store_impl(u8* __restrict__ buffer, const void* __restrict__ slots,
-                            const void* __restrict__ k, const void* __restrict__ v,
-                            u64* __restrict__ stats, const u64* __restrict__ claim,
-                            const u32* __restrict__ epoch, const StoreParams& P) {
+FP4C_DEVICE void store_impl(const void* __restrict__ slots, const void* __restrict__ k,
+                            const void* __restrict__ v, const StoreParams& P) {
+  u8* __restrict__ buffer = (u8*)P.buffer;
+  u64* __restrict__ stats = (u64*)P.stats;
+  const u64* __restrict__ claim = (const u64*)P.claim;
+  const u32* __restrict__ epoch = (const u32*)P.epoch;
   const float* __restrict__ os_tab = (const float*)P.os_tab;
   const i64 k_tok_stride = P.k_tok_stride, k_head_stride = P.k_head_stride;
   const i64 v_tok_stride = P.v_tok_stride, v_head_stride = P.v_head_stride;
@@ -179,10 +182,10 @@ FP4C_DEVICE void store_impl(u8* __restrict__ buffer, const void* __restrict__ sl
   }
 }
 
+// Pointers that stay the same from call to call (pool, stats, claim state) travel in
+// the StoreParams struct: a decode step passes slots, k, v and one struct.
 #define FP4C_STORE_PARAMS                                                                  \
-  u8 *__restrict__ buffer, const void *__restrict__ slots, const void *__restrict__ k,      \
-      const void *__restrict__ v, u64 *__restrict__ stats, u64 *__restrict__ claim,         \
-      u32 *__restrict__ epoch,                                                              \
+  const void *__restrict__ slots, const void *__restrict__ k, const void *__restrict__ v,  \
       const StoreParams params
 
 // NAME, value type, rule, slot type, vectorized loads/stores
@@ -192,7 +195,7 @@ FP4C_DEVICE void store_impl(u8* __restrict__ buffer, const void* __restrict__ sl
 #define FP4C_STORE_KERNEL(NAME, T, RULE, SLOT, VEC)                                         \
   extern "C" __global__ void __launch_bounds__(256, FP4C_STORE_MIN_BLOCKS)                  \
       NAME(FP4C_STORE_PARAMS) {                                                             \
-    store_impl<T, RULE, SLOT, VEC>(buffer, slots, k, v, stats, claim, epoch, params);         \
+    store_impl<T, RULE, SLOT, VEC>(slots, k, v, params);                                     \
   }
 
 // ---------------------------------------------------------------------------
