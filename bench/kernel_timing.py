@@ -4,10 +4,11 @@ Run on a GPU machine from the repository root::
 
     PYTHONPATH=. python3 bench/kernel_timing.py [--reps 50] [--json out.json]
 
-Every kernel is timed with CUDA events around one backend call (all launches of the
-call included), median of ``--reps`` after warm-up, rotating between two input sets
-so that no input stays in L2.  Bandwidth counts the bytes each call must read plus
-write (inputs once, outputs once), the same way the copy ceiling is counted.
+Every kernel is timed with CUDA events around a batch of 8 back-to-back backend calls
+(all launches of each call included; the host enqueues ahead of the device), median of
+``--reps`` after warm-up, rotating between two input sets so that no input stays in L2.
+Bandwidth counts the bytes each call must read plus write (inputs once, outputs once),
+the same way the copy ceiling is counted.
 The host-time row measures the Python + launch cost of a 64-token store (decode step)
 against an empty RawKernel launch.
 """
@@ -29,18 +30,21 @@ from fp4cache.layout import PageGeometry, longlive_padded_rows
 BF16 = np.dtype(ml_dtypes.bfloat16)
 
 
-def gpu_time_us(fn, reps: int, warm: int = 3) -> float:
+def gpu_time_us(fn, reps: int, warm: int = 3, batch: int = 8) -> float:
+    """Median device time of one call: ``batch`` calls back to back between two events
+    (so that the host's enqueue time overlaps the device work instead of adding gaps)."""
     for i in range(warm):
         fn(i)
     cp.cuda.get_current_stream().synchronize()
     times = []
-    for i in range(reps):
+    for r in range(reps):
         a, b = cp.cuda.Event(), cp.cuda.Event()
         a.record()
-        fn(i)
+        for j in range(batch):
+            fn(r * batch + j)
         b.record()
         b.synchronize()
-        times.append(cp.cuda.get_elapsed_time(a, b) * 1e3)
+        times.append(cp.cuda.get_elapsed_time(a, b) * 1e3 / batch)
     return statistics.median(times)
 
 

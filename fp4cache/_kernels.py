@@ -21,6 +21,7 @@ no alignment assumption.
 
 from __future__ import annotations
 
+import os
 import re
 from dataclasses import dataclass
 from functools import cache
@@ -207,7 +208,11 @@ def _read_inlined(file: str) -> str:
 
 #: Extra ``NAME=VALUE`` macro definitions put in front of every translation unit
 #: (tuning experiments, see ``bench/kernel_timing.py``); change with :func:`set_defines`.
-_DEFINES: tuple[tuple[str, str], ...] = ()
+#: The environment variable ``FP4CACHE_KERNEL_DEFINES`` ("A=1,B=2") sets the initial
+#: ones (developer knob: run the test suite against a kernel variant).
+_DEFINES: tuple[tuple[str, str], ...] = tuple(sorted(
+    tuple(kv.split("=", 1)) for kv in os.environ.get("FP4CACHE_KERNEL_DEFINES", "").split(",")
+    if "=" in kv))
 
 
 def set_defines(**defines) -> None:
