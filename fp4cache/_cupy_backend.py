@@ -123,6 +123,9 @@ def _blocks(total: int) -> tuple[int]:
 DECODE_CHUNKS = 2
 #: Groups per thread of the store kernel (FP4C_STORE_ITEMS in the kernels).
 STORE_ITEMS = 1
+#: (input itemsize, rule) pairs whose store kernel gives each thread two adjacent groups
+#: of one (token, head), where D/16 is even (see ``kernels/paged_kv.cu``).
+STORE_PAIR = frozenset({(2, "static6")})
 
 
 def _decode_blocks(chunks: int) -> tuple[int]:
@@ -274,10 +277,16 @@ def _store_plan(key, buffer, slots, k, v, geom, rule, k_s, k_g, v_s, v_g):
     vec = (pa["side_ok"] and buffer.data.ptr % 8 == 0
            and _aligned(k.data.ptr, kst[0], kst[1]) and _aligned(v.data.ptr, vst[0], vst[1]))
     sl = _index_name(slots.dtype, "slot_mapping")
-    fn = _kernel(K.store_spec(_dtype_name(k.dtype, "k"), rule, sl, vec))
-    total = n * int(pa["HG"][0])
+    G = geom.head_dim // GROUP
+    pair = G % 2 == 0 and (k.itemsize, rule) in STORE_PAIR
+    fn = _kernel(K.store_spec(_dtype_name(k.dtype, "k"), rule, sl, vec, pair))
+    if pair:  # threads cover (token, head, pair of groups)
+        hg, fg = fastdiv(geom.num_heads * G // 2), fastdiv(G // 2)
+    else:
+        hg, fg = pa["HG"], pa["fG"]
+    ft = pa["fT"]
+    total = n * int(hg[0])
     dedup = 1 if n <= SCAN_MAX_TOKENS else 2
-    hg, fg, ft = pa["HG"], pa["fG"], pa["fT"]
     os_tab = _os_table(k_s, v_s)
     params = np.array((buffer.data.ptr, 0, 0, 0, kst[0] // es, kst[1] // es, vst[0] // es,
                        vst[1] // es,
@@ -289,7 +298,7 @@ def _store_plan(key, buffer, slots, k, v, geom, rule, k_s, k_g, v_s, v_g):
     claim = None
     if dedup == 2:
         claim = _kernel(K.claim_spec(sl))
-    per = _THREADS * STORE_ITEMS
+    per = _THREADS * (1 if pair else STORE_ITEMS)
     # the plan keeps os_tab alive: params holds its address
     plan = (fn, claim, ((total + per - 1) // per,), params, pa["num_slots"], os_tab)
     if len(_store_plans) > 4096:

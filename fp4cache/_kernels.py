@@ -97,11 +97,13 @@ def _vec(vec: bool) -> tuple[str, str]:
     return ("1" if vec else "0"), ("" if vec else "_scalar")
 
 
-def store_spec(dtype: str, rule: str, slot: str, vec: bool = True) -> Spec:
-    """Paged store of K and V (``dtype`` in bf16/f16/f32, ``slot`` in i32/i64)."""
+def store_spec(dtype: str, rule: str, slot: str, vec: bool = True, pair: bool = False) -> Spec:
+    """Paged store of K and V (``dtype`` in bf16/f16/f32, ``slot`` in i32/i64); ``pair``:
+    each thread encodes two adjacent groups of one (token, head) (needs D/16 even)."""
     v, sfx = _vec(vec)
-    return Spec("paged_kv.cu", "FP4C_STORE_KERNEL", f"fp4cache_store_{dtype}_{rule}_{slot}{sfx}",
-                (VALUE_TYPES[dtype], RULES[rule], INDEX_TYPES[slot], v))
+    name = f"fp4cache_store_{dtype}_{rule}_{slot}{'_pair' if pair else ''}{sfx}"
+    return Spec("paged_kv.cu", "FP4C_STORE_KERNEL", name,
+                (VALUE_TYPES[dtype], RULES[rule], INDEX_TYPES[slot], v, "2" if pair else "1"))
 
 
 def claim_spec(slot: str) -> Spec:
@@ -166,7 +168,8 @@ def all_specs() -> list[Spec]:
     for dt in VALUE_TYPES:
         for vec in bools:
             for rule in RULES:
-                specs += [store_spec(dt, rule, ix, vec) for ix in INDEX_TYPES]
+                specs += [store_spec(dt, rule, ix, vec, pair) for ix in INDEX_TYPES
+                          for pair in bools]
                 specs.append(quantize_spec(dt, rule, vec))
                 specs.append(ll_quantize_spec(dt, rule, vec))
             specs += [gather_spec(dt, ix, vec) for ix in INDEX_TYPES]

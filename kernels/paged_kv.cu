@@ -73,7 +73,10 @@ struct StoreParams {
 #define FP4C_STORE_ITEMS 1
 #endif
 
-template <typename T, int RULE, typename SlotT, bool VEC>
+// NG = groups per item along head_dim (1, or 2 when G is even: the two groups of one
+// (token, head) share the slot lookup, the claim check and the address arithmetic).
+// In NG = 2 kernels the host passes hg = H*G/2 and gd = G/2.
+template <typename T, int RULE, typename SlotT, bool VEC, int NG>
 FP4C_DEVICE void store_impl(const void* __restrict__ slots, const void* __restrict__ k,
                             const void* __restrict__ v, const StoreParams& P) {
   u8* __restrict__ buffer = (u8*)P.buffer;
@@ -88,13 +91,13 @@ FP4C_DEVICE void store_impl(const void* __restrict__ slots, const void* __restri
   const u32 swizzle = P.swizzle, dedup = P.dedup, swz_m = P.swz_m;
   const float k_s = P.k_s, k_g = P.k_g, v_s = P.v_s, v_g = P.v_g;
   const FastDiv fHG{P.hg, P.hg_m, P.hg_s}, fG{P.gd, P.g_m, P.g_s}, fT{P.td, P.t_m, P.t_s};
-  const u32 G = fG.d, Tn = fT.d;
+  const u32 G = fG.d * NG, Tn = fT.d;
   const u32 pk[8] = {P.pk[0], P.pk[1], P.pk[2], P.pk[3], P.pk[4], P.pk[5], P.pk[6], P.pk[7]};
-  constexpr int M = FP4C_STORE_ITEMS;
-  // Phase 1: for each of the thread's M groups, resolve the slot and issue the loads.
-  RawGroup<T> rk[M], rv[M];
+  constexpr int M = NG == 1 ? FP4C_STORE_ITEMS : 1;
+  // Phase 1: for each of the thread's M items, issue the loads, then resolve the slot.
+  RawGroup<T> rk[M][NG], rv[M][NG];
   u8* kside[M];
-  u64 doff[M], ksoff[M], vsoff[M];
+  u64 doff[M], ksoff[M], vsoff[M][NG];
   bool live[M];
   const u32 base = blockIdx.x * (blockDim.x * M) + threadIdx.x;
 #pragma unroll
@@ -105,14 +108,17 @@ FP4C_DEVICE void store_impl(const void* __restrict__ slots, const void* __restri
     const u32 i = fdiv(gid, fHG);
     const u32 rem = gid - i * fHG.d;
     const u32 h = fdiv(rem, fG);
-    const u32 g = rem - h * fG.d;
+    const u32 g0 = (rem - h * fG.d) * NG;
     // K/V addresses depend on (i, h, g) only: issue their loads first, so that they are
     // in flight while the slot (and its claim) is looked up.  A skipped or losing
     // token's loads are simply not used.
-    load_raw<T, VEC>((const char*)k + (i * k_tok_stride + h * k_head_stride + g * 16) * T::kBytes,
-                     rk[j]);
-    load_raw<T, VEC>((const char*)v + (i * v_tok_stride + h * v_head_stride + g * 16) * T::kBytes,
-                     rv[j]);
+    const char* kp = (const char*)k + (i * k_tok_stride + h * k_head_stride + g0 * 16) * T::kBytes;
+    const char* vp = (const char*)v + (i * v_tok_stride + h * v_head_stride + g0 * 16) * T::kBytes;
+#pragma unroll
+    for (int q = 0; q < NG; ++q) {
+      load_raw<T, VEC>(kp + q * 16 * T::kBytes, rk[j][q]);
+      load_raw<T, VEC>(vp + q * 16 * T::kBytes, rv[j][q]);
+    }
     const i64 slot = load_slot<SlotT>(slots, i);
     if (slot < 0) continue;
     if (slot >= num_slots) {
@@ -138,47 +144,52 @@ FP4C_DEVICE void store_impl(const void* __restrict__ slots, const void* __restri
     split_slot(slot, fT, page, t);
     const u32 row = row_index(t, h, H, Tn, nhd);
     kside[j] = buffer + page * (u64)(2 * side_bytes);
-    doff[j] = (u64)row * (G * 8) + g * 8;
-    ksoff[j] = (u64)data_bytes + (u64)row * G + g;
-    vsoff[j] = ksoff[j];
-    if (swizzle) {
-      // q = G/4; g / q as (g * ceil(2^20/q)) >> 20 (exact for g < 4q, q < 512)
-      const u32 gq = (g * swz_m) >> 20;
-      const u32 ts = (t & ~3u) + gq;
-      const u32 ss = (g - gq * (G >> 2)) * 4 + (t & 3u);
-      vsoff[j] = (u64)data_bytes + (u64)row_index(ts, h, H, Tn, nhd) * G + ss;
+    doff[j] = (u64)row * (G * 8) + g0 * 8;
+    ksoff[j] = (u64)data_bytes + (u64)row * G + g0;
+#pragma unroll
+    for (int q = 0; q < NG; ++q) {
+      const u32 g = g0 + q;
+      vsoff[j][q] = ksoff[j] + q;
+      if (swizzle) {
+        // Q = G/4; g / Q as (g * ceil(2^20/Q)) >> 20 (exact for g < 4Q, Q < 512)
+        const u32 gq = (g * swz_m) >> 20;
+        const u32 ts = (t & ~3u) + gq;
+        const u32 ss = (g - gq * (G >> 2)) * 4 + (t & 3u);
+        vsoff[j][q] = (u64)data_bytes + (u64)row_index(ts, h, H, Tn, nhd) * G + ss;
+      }
     }
   }
   // Phase 2: encode and write.
 #pragma unroll
   for (int j = 0; j < M; ++j) {
     if (!live[j]) continue;
-    Group16 xk, xv;
-    unpack_raw(rk[j], xk);
-    unpack_raw(rv[j], xv);
-    Encoded16 ek, ev;
-    if constexpr (FP4C_ABSMAX16 && T::kIsBf16) {
-      bool nk, nv;
-      const float mk = bf16_group_abs_max(rk[j].w, nk);
-      const float mv = bf16_group_abs_max(rv[j].w, nv);
-      ek = encode_group_m<RULE, true>(xk, mk, nk, k_s, k_g, EncodeAux{os_tab, pk});
-      ev = encode_group_m<RULE, true>(xv, mv, nv, v_s, v_g, EncodeAux{os_tab + 128, pk});
-    } else {
-      bool nk, nv;
-      const float mk = group_abs_max(xk, nk);
-      const float mv = group_abs_max(xv, nv);
-      ek = encode_group_m<RULE, true>(xk, mk, nk, k_s, k_g, EncodeAux{os_tab, pk});
-      ev = encode_group_m<RULE, true>(xv, mv, nv, v_s, v_g, EncodeAux{os_tab + 128, pk});
-    }
-    if (ek.nonfinite) atomicAdd(stats + 0, 1ull);
-    if (ev.nonfinite) atomicAdd(stats + 1, 1ull);
     u8* ks = kside[j];
     u8* vs = ks + side_bytes;
-    const u64 d = doff[j];
-    store_codes<VEC>(ks + d, ek);
-    store_codes<VEC>(vs + d, ev);
-    ks[ksoff[j]] = (u8)ek.scale;
-    vs[vsoff[j]] = (u8)ev.scale;
+#pragma unroll
+    for (int q = 0; q < NG; ++q) {
+      Group16 xk, xv;
+      unpack_raw(rk[j][q], xk);
+      unpack_raw(rv[j][q], xv);
+      Encoded16 ek, ev;
+      bool nk, nv;
+      float mk, mv;
+      if constexpr (FP4C_ABSMAX16 && T::kIsBf16) {
+        mk = bf16_group_abs_max(rk[j][q].w, nk);
+        mv = bf16_group_abs_max(rv[j][q].w, nv);
+      } else {
+        mk = group_abs_max(xk, nk);
+        mv = group_abs_max(xv, nv);
+      }
+      ek = encode_group_m<RULE, true>(xk, mk, nk, k_s, k_g, EncodeAux{os_tab, pk});
+      ev = encode_group_m<RULE, true>(xv, mv, nv, v_s, v_g, EncodeAux{os_tab + 128, pk});
+      if (ek.nonfinite) atomicAdd(stats + 0, 1ull);
+      if (ev.nonfinite) atomicAdd(stats + 1, 1ull);
+      const u64 d = doff[j] + q * 8;
+      store_codes<VEC>(ks + d, ek);
+      store_codes<VEC>(vs + d, ev);
+      ks[ksoff[j] + q] = (u8)ek.scale;
+      vs[vsoff[j][q]] = (u8)ev.scale;
+    }
   }
 }
 
@@ -192,10 +203,10 @@ FP4C_DEVICE void store_impl(const void* __restrict__ slots, const void* __restri
 #ifndef FP4C_STORE_MIN_BLOCKS
 #define FP4C_STORE_MIN_BLOCKS 1
 #endif
-#define FP4C_STORE_KERNEL(NAME, T, RULE, SLOT, VEC)                                         \
+#define FP4C_STORE_KERNEL(NAME, T, RULE, SLOT, VEC, NG)                                     \
   extern "C" __global__ void __launch_bounds__(256, FP4C_STORE_MIN_BLOCKS)                  \
       NAME(FP4C_STORE_PARAMS) {                                                             \
-    store_impl<T, RULE, SLOT, VEC>(slots, k, v, params);                                     \
+    store_impl<T, RULE, SLOT, VEC, NG>(slots, k, v, params);                                \
   }
 
 // ---------------------------------------------------------------------------

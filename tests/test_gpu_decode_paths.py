@@ -188,3 +188,35 @@ def test_store_plan_made_during_graph_capture():
             stream.synchronize()
             c_cpu.store(s_h, k_h, v_h)
             assert np.array_equal(cp.asnumpy(c_gpu.buffer), c_cpu.buffer)
+
+
+@pytest.mark.parametrize("pair", [frozenset(), frozenset({(2, "static6"), (2, "4over6"),
+                                                          (4, "static6"), (4, "4over6")})])
+@pytest.mark.parametrize("dtype", [BF16, np.dtype(np.float16), np.dtype(np.float32)])
+@pytest.mark.parametrize("rule", ["static6", "4over6"])
+@pytest.mark.parametrize("D,layout,swz", [(64, "HND", True), (128, "NHD", True),
+                                          (192, "HND", False), (80, "NHD", False)])
+@pytest.mark.parametrize("n", [40, 300])
+def test_store_one_or_two_groups_per_thread(pair, dtype, rule, D, layout, swz, n, monkeypatch):
+    """Both store kernel shapes (one group, or two adjacent groups per thread; D=80 has
+    an odd number of groups and always takes the first) write the NumPy backend's bytes,
+    with padding (-1) and duplicate slots, through the scan (40) and claim (300) paths."""
+    from fp4cache import _cupy_backend
+
+    monkeypatch.setattr(_cupy_backend, "STORE_PAIR", pair)
+    _cupy_backend.clear_caches()
+    rng = np.random.default_rng(n + D)
+    H, T, nb = 3, 16, 24
+    kw = dict(num_blocks=nb, block_size=T, num_heads=H, head_dim=D, layout=layout,
+              scale_rule=rule, k_scale=0.02, v_scale=0.5, swizzle_v_scales=swz)
+    c_cpu = PagedKVCache(**kw, device="cpu")
+    c_gpu = PagedKVCache(**kw, device="cuda")
+    slots = rng.permutation(nb * T)[:n]
+    slots[::7] = -1
+    slots[5::11] = slots[3]  # duplicates: the last occurrence wins
+    k = (rng.standard_normal((n, H, D)) * rng.choice([0.01, 1, 30], (n, H, 1))).astype(dtype)
+    v = (rng.standard_normal((n, H, D)) * 3).astype(dtype)
+    c_cpu.store(slots, k, v)
+    c_gpu.store(cp.asarray(slots), cp.asarray(k), cp.asarray(v))
+    assert np.array_equal(cp.asnumpy(c_gpu.buffer), c_cpu.buffer)
+    _cupy_backend.clear_caches()
