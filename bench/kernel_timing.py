@@ -357,12 +357,19 @@ def main():
     if args.store_variants:
         from fp4cache import _kernels
 
-        for defs in ({}, {"FP4C_ABSMAX16": 0}):
+        both = frozenset({(2, "static6"), (2, "4over6")})
+        for label, defs, pair in (("one group per thread", {}, frozenset()),
+                                  ("pairs for 4over6 too", {}, both),
+                                  ("MIN_BLOCKS=5", {"FP4C_STORE_MIN_BLOCKS": 5}, None),
+                                  ("pairs, MIN_BLOCKS=2", {"FP4C_STORE_MIN_BLOCKS": 2}, both)):
             _kernels.set_defines(**defs)
             cb.clear_caches()
-            tag = ",".join(f"{k}={v}" for k, v in defs.items()) or "default"
+            saved = cb.STORE_PAIR
+            if pair is not None:
+                cb.STORE_PAIR = pair
             for rule in ("static6", "4over6"):
-                add(f"store {rule} [{tag}]", *bench_store(rule, args.reps))
+                add(f"store {rule} [{label}]", *bench_store(rule, args.reps))
+            cb.STORE_PAIR = saved
         _kernels.set_defines()
         cb.clear_caches()
     if args.variants:
