@@ -124,8 +124,9 @@ DECODE_CHUNKS = 2
 #: Groups per thread of the store kernel (FP4C_STORE_ITEMS in the kernels).
 STORE_ITEMS = 1
 #: (input itemsize, rule) pairs whose store kernel gives each thread two adjacent groups
-#: of one (token, head), where D/16 is even (see ``kernels/paged_kv.cu``).
-STORE_PAIR = frozenset({(2, "static6")})
+#: of one (token, head), where D/16 is even (see ``kernels/paged_kv.cu``).  Measured
+#: slower on the H200 (bench/KERNEL_NOTES.md, v15), so none by default.
+STORE_PAIR: frozenset = frozenset()
 
 
 def _decode_blocks(chunks: int) -> tuple[int]:

@@ -168,8 +168,7 @@ def all_specs() -> list[Spec]:
     for dt in VALUE_TYPES:
         for vec in bools:
             for rule in RULES:
-                specs += [store_spec(dt, rule, ix, vec, pair) for ix in INDEX_TYPES
-                          for pair in bools]
+                specs += [store_spec(dt, rule, ix, vec) for ix in INDEX_TYPES]
                 specs.append(quantize_spec(dt, rule, vec))
                 specs.append(ll_quantize_spec(dt, rule, vec))
             specs += [gather_spec(dt, ix, vec) for ix in INDEX_TYPES]
