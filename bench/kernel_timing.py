@@ -357,19 +357,18 @@ def main():
     if args.store_variants:
         from fp4cache import _kernels
 
-        both = frozenset({(2, "static6"), (2, "4over6")})
-        for label, defs, pair in (("one group per thread", {}, frozenset()),
-                                  ("pairs for 4over6 too", {}, both),
-                                  ("MIN_BLOCKS=5", {"FP4C_STORE_MIN_BLOCKS": 5}, None),
-                                  ("pairs, MIN_BLOCKS=2", {"FP4C_STORE_MIN_BLOCKS": 2}, both)):
+        pipe = {"FP4C_STORE_PIPELINE": 1}
+        for label, defs, ctas in (("default", {}, None),
+                                  ("pipelined, 3 CTAs/SM", pipe, 3),
+                                  ("pipelined, 8 CTAs/SM", pipe, 8),
+                                  ("pipelined <=64 regs, 4 CTAs/SM",
+                                   {**pipe, "FP4C_STORE_MIN_BLOCKS": 4}, 4)):
             _kernels.set_defines(**defs)
             cb.clear_caches()
-            saved = cb.STORE_PAIR
-            if pair is not None:
-                cb.STORE_PAIR = pair
+            cb.STORE_CTAS_PER_SM = ctas
             for rule in ("static6", "4over6"):
                 add(f"store {rule} [{label}]", *bench_store(rule, args.reps))
-            cb.STORE_PAIR = saved
+        cb.STORE_CTAS_PER_SM = None
         _kernels.set_defines()
         cb.clear_caches()
     if args.variants:
