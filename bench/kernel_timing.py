@@ -359,15 +359,18 @@ def main():
 
         pipe = {"FP4C_STORE_PIPELINE": 1}
         for label, defs, ctas in (("default", {}, None),
-                                  ("pipelined, 3 CTAs/SM", pipe, 3),
                                   ("pipelined, 8 CTAs/SM", pipe, 8),
-                                  ("pipelined <=64 regs, 4 CTAs/SM",
-                                   {**pipe, "FP4C_STORE_MIN_BLOCKS": 4}, 4)):
+                                  ("MIN_BLOCKS=6", {"FP4C_STORE_MIN_BLOCKS": 6}, None),
+                                  ("ITEMS=2", {"FP4C_STORE_ITEMS": 2}, None),
+                                  ("ITEMS=2, MIN_BLOCKS=4",
+                                   {"FP4C_STORE_ITEMS": 2, "FP4C_STORE_MIN_BLOCKS": 4}, None)):
             _kernels.set_defines(**defs)
             cb.clear_caches()
             cb.STORE_CTAS_PER_SM = ctas
+            cb.STORE_ITEMS = int(defs.get("FP4C_STORE_ITEMS", 1))
             for rule in ("static6", "4over6"):
                 add(f"store {rule} [{label}]", *bench_store(rule, args.reps))
+        cb.STORE_ITEMS = 1
         cb.STORE_CTAS_PER_SM = None
         _kernels.set_defines()
         cb.clear_caches()
