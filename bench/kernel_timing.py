@@ -357,21 +357,21 @@ def main():
     if args.store_variants:
         from fp4cache import _kernels
 
-        pipe = {"FP4C_STORE_PIPELINE": 1}
-        for label, defs, ctas in (("default", {}, None),
-                                  ("pipelined, 8 CTAs/SM", pipe, 8),
+        both = frozenset({(2, "static6"), (2, "4over6")})
+        for label, defs, pair in (("default", {}, None),
+                                  ("two groups per thread", {}, both),
                                   ("MIN_BLOCKS=6", {"FP4C_STORE_MIN_BLOCKS": 6}, None),
-                                  ("ITEMS=2", {"FP4C_STORE_ITEMS": 2}, None),
-                                  ("ITEMS=2, MIN_BLOCKS=4",
-                                   {"FP4C_STORE_ITEMS": 2, "FP4C_STORE_MIN_BLOCKS": 4}, None)):
+                                  ("ITEMS=2", {"FP4C_STORE_ITEMS": 2}, None)):
             _kernels.set_defines(**defs)
             cb.clear_caches()
-            cb.STORE_CTAS_PER_SM = ctas
+            saved = cb.STORE_PAIR
+            if pair is not None:
+                cb.STORE_PAIR = pair
             cb.STORE_ITEMS = int(defs.get("FP4C_STORE_ITEMS", 1))
             for rule in ("static6", "4over6"):
                 add(f"store {rule} [{label}]", *bench_store(rule, args.reps))
+            cb.STORE_PAIR = saved
         cb.STORE_ITEMS = 1
-        cb.STORE_CTAS_PER_SM = None
         _kernels.set_defines()
         cb.clear_caches()
     if args.variants:

@@ -127,9 +127,6 @@ STORE_ITEMS = 1
 #: of one (token, head), where D/16 is even (see ``kernels/paged_kv.cu``).  Measured
 #: slower on the H200 (bench/KERNEL_NOTES.md, v15), so none by default.
 STORE_PAIR: frozenset = frozenset()
-#: CTAs per SM of the store grid (None: one thread per item).  Only for store kernels
-#: compiled with FP4C_STORE_PIPELINE=1 (a grid-stride loop); an experiment knob.
-STORE_CTAS_PER_SM: int | None = None
 
 
 def _decode_blocks(chunks: int) -> tuple[int]:
@@ -304,8 +301,6 @@ def _store_plan(key, buffer, slots, k, v, geom, rule, k_s, k_g, v_s, v_g):
         claim = _kernel(K.claim_spec(sl))
     per = _THREADS * (1 if pair else STORE_ITEMS)
     grid = (total + per - 1) // per
-    if STORE_CTAS_PER_SM:  # only meaningful for kernels compiled with FP4C_STORE_PIPELINE=1
-        grid = min(grid, STORE_CTAS_PER_SM * _num_sms())
     # the plan keeps os_tab alive: params holds its address
     plan = (fn, claim, (grid,), params, pa["num_slots"], os_tab)
     if len(_store_plans) > 4096:

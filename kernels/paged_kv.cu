@@ -193,116 +193,6 @@ FP4C_DEVICE void store_impl(const void* __restrict__ slots, const void* __restri
   }
 }
 
-// Pipelined variant (FP4C_STORE_PIPELINE=1, one group per item): a grid-stride loop
-// over items in which the next item's K/V loads and slot are issued before the
-// current item is encoded, so that a thread keeps loads in flight while it computes.
-// Works for any grid; the host may launch a few CTAs per SM.
-#ifndef FP4C_STORE_PIPELINE
-#define FP4C_STORE_PIPELINE 0
-#endif
-template <typename T, int RULE, typename SlotT, bool VEC>
-FP4C_DEVICE void store_pipe_impl(const void* __restrict__ slots, const void* __restrict__ k,
-                                 const void* __restrict__ v, const StoreParams& P) {
-  u8* __restrict__ buffer = (u8*)P.buffer;
-  u64* __restrict__ stats = (u64*)P.stats;
-  const u64* __restrict__ claim = (const u64*)P.claim;
-  const u32* __restrict__ epoch = (const u32*)P.epoch;
-  const float* __restrict__ os_tab = (const float*)P.os_tab;
-  const i64 num_slots = P.num_slots, side_bytes = P.side_bytes, data_bytes = P.data_bytes;
-  const u32 n_tokens = P.n_tokens, total = P.total, H = P.H, nhd = P.nhd;
-  const u32 swizzle = P.swizzle, dedup = P.dedup, swz_m = P.swz_m;
-  const FastDiv fHG{P.hg, P.hg_m, P.hg_s}, fG{P.gd, P.g_m, P.g_s}, fT{P.td, P.t_m, P.t_s};
-  const u32 G = fG.d, Tn = fT.d;
-  const u32 pk[8] = {P.pk[0], P.pk[1], P.pk[2], P.pk[3], P.pk[4], P.pk[5], P.pk[6], P.pk[7]};
-  const u32 stride = gridDim.x * blockDim.x;
-  u32 gid = blockIdx.x * blockDim.x + threadIdx.x;
-  RawGroup<T> ck, cv;
-  u32 ci = 0, ch = 0, cg = 0;
-  i64 cslot = -1;
-  auto issue = [&](u32 id, RawGroup<T>& rk, RawGroup<T>& rv, u32& i, u32& h, u32& g, i64& sl) {
-    i = fdiv(id, fHG);
-    const u32 rem = id - i * fHG.d;
-    h = fdiv(rem, fG);
-    g = rem - h * fG.d;
-    load_raw<T, VEC>((const char*)k + (i * P.k_tok_stride + h * P.k_head_stride + g * 16) *
-                                          T::kBytes, rk);
-    load_raw<T, VEC>((const char*)v + (i * P.v_tok_stride + h * P.v_head_stride + g * 16) *
-                                          T::kBytes, rv);
-    sl = load_slot<SlotT>(slots, i);
-  };
-  if (gid < total) issue(gid, ck, cv, ci, ch, cg, cslot);
-  while (gid < total) {
-    const u32 ngid = gid + stride;
-    RawGroup<T> nk, nv;
-    u32 ni = 0, nh = 0, ng = 0;
-    i64 nslot = -1;
-    if (ngid < total && ngid > gid) issue(ngid, nk, nv, ni, nh, ng, nslot);
-    const i64 slot = cslot;
-    bool live = slot >= 0;
-    if (live && slot >= num_slots) {
-      if (ch == 0 && cg == 0) atomicAdd(stats + 2, 1ull);
-      live = false;
-    }
-    if (live && dedup == 1) {
-      for (u32 q = ci + 1; q < n_tokens; ++q) {
-        if (load_slot<SlotT>(slots, q) == slot) {
-          live = false;
-          break;
-        }
-      }
-    } else if (live && dedup == 2) {
-      live = claim[slot] == (((u64)epoch[0] << 32) | (u64)(ci + 1));
-    }
-    if (live) {
-      u64 page;
-      u32 t;
-      split_slot(slot, fT, page, t);
-      const u32 row = row_index(t, ch, H, Tn, nhd);
-      u8* ks = buffer + page * (u64)(2 * side_bytes);
-      u8* vs = ks + side_bytes;
-      const u64 d = (u64)row * (G * 8) + cg * 8;
-      const u64 ksoff = (u64)data_bytes + (u64)row * G + cg;
-      u64 vsoff = ksoff;
-      if (swizzle) {
-        const u32 gq = (cg * swz_m) >> 20;
-        const u32 ts = (t & ~3u) + gq;
-        const u32 ss = (cg - gq * (G >> 2)) * 4 + (t & 3u);
-        vsoff = (u64)data_bytes + (u64)row_index(ts, ch, H, Tn, nhd) * G + ss;
-      }
-      Group16 xk, xv;
-      unpack_raw(ck, xk);
-      unpack_raw(cv, xv);
-      bool nk_, nv_;
-      float mk, mv;
-      if constexpr (FP4C_ABSMAX16 && T::kIsBf16) {
-        mk = bf16_group_abs_max(ck.w, nk_);
-        mv = bf16_group_abs_max(cv.w, nv_);
-      } else {
-        mk = group_abs_max(xk, nk_);
-        mv = group_abs_max(xv, nv_);
-      }
-      const Encoded16 ek = encode_group_m<RULE, true>(xk, mk, nk_, P.k_s, P.k_g,
-                                                      EncodeAux{os_tab, pk});
-      const Encoded16 ev = encode_group_m<RULE, true>(xv, mv, nv_, P.v_s, P.v_g,
-                                                      EncodeAux{os_tab + 128, pk});
-      if (ek.nonfinite) atomicAdd(stats + 0, 1ull);
-      if (ev.nonfinite) atomicAdd(stats + 1, 1ull);
-      store_codes<VEC>(ks + d, ek);
-      store_codes<VEC>(vs + d, ev);
-      ks[ksoff] = (u8)ek.scale;
-      vs[vsoff] = (u8)ev.scale;
-    }
-    if (ngid <= gid) break;  // 32-bit wrap: no next item
-    ck = nk;
-    cv = nv;
-    ci = ni;
-    ch = nh;
-    cg = ng;
-    cslot = nslot;
-    gid = ngid;
-  }
-}
-
 // Pointers that stay the same from call to call (pool, stats, claim state) travel in
 // the StoreParams struct: a decode step passes slots, k, v and one struct.
 #define FP4C_STORE_PARAMS                                                                  \
@@ -316,11 +206,7 @@ FP4C_DEVICE void store_pipe_impl(const void* __restrict__ slots, const void* __r
 #define FP4C_STORE_KERNEL(NAME, T, RULE, SLOT, VEC, NG)                                     \
   extern "C" __global__ void __launch_bounds__(256, FP4C_STORE_MIN_BLOCKS)                  \
       NAME(FP4C_STORE_PARAMS) {                                                             \
-    if constexpr (FP4C_STORE_PIPELINE && NG == 1) {                                         \
-      store_pipe_impl<T, RULE, SLOT, VEC>(slots, k, v, params);                             \
-    } else {                                                                                \
-      store_impl<T, RULE, SLOT, VEC, NG>(slots, k, v, params);                              \
-    }                                                                                       \
+    store_impl<T, RULE, SLOT, VEC, NG>(slots, k, v, params);                                \
   }
 
 // ---------------------------------------------------------------------------
