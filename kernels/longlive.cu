@@ -124,6 +124,24 @@ struct LLSource {
   u32 ids64;
 };
 
+// Addresses of output block b's values, scale factors and amax: from the pointer
+// tables, or from the pool and the block's id (null for an id outside the pool).
+FP4C_DEVICE void block_addresses(const LLSource& src, u32 b, const u8*& vals, const u8*& sfs,
+                                 u64& ap) {
+  if (src.value_ptrs != nullptr) {
+    vals = (const u8*)src.value_ptrs[b];
+    sfs = (const u8*)src.sf_ptrs[b];
+    ap = src.amax_ptrs[b];
+  } else {
+    const i64 id = src.ids64 ? ((const i64*)src.ids)[b] : (i64)((const int*)src.ids)[b];
+    const bool ok = id >= 0 && id < src.n_pool;
+    const u64 u = ok ? (u64)id : 0u;
+    vals = ok ? (const u8*)(src.vbase + u * src.vstride) : nullptr;
+    sfs = ok ? (const u8*)(src.sbase + u * src.sstride) : nullptr;
+    ap = ok ? src.abase + u * src.astride : 0u;
+  }
+}
+
 template <typename T, bool VEC>
 FP4C_DEVICE void ll_decode_impl(const LLSource& src, void* __restrict__ out, u32 total,
                                 FastDiv fRC, FastDiv fC, float inv_denom) {
@@ -155,18 +173,7 @@ FP4C_DEVICE void ll_decode_impl(const LLSource& src, void* __restrict__ out, u32
     if (b != bprev) {
       bprev = b;
       u64 ap;
-      if (src.value_ptrs != nullptr) {
-        vals = (const u8*)src.value_ptrs[b];
-        sfs = (const u8*)src.sf_ptrs[b];
-        ap = src.amax_ptrs[b];
-      } else {
-        const i64 id = src.ids64 ? ((const i64*)src.ids)[b] : (i64)((const int*)src.ids)[b];
-        const bool ok = id >= 0 && id < src.n_pool;
-        const u64 u = ok ? (u64)id : 0u;
-        vals = ok ? (const u8*)(src.vbase + u * src.vstride) : nullptr;
-        sfs = ok ? (const u8*)(src.sbase + u * src.sstride) : nullptr;
-        ap = ok ? src.abase + u * src.astride : 0u;
-      }
+      block_addresses(src, b, vals, sfs, ap);
       // A null pointer marks a block id outside the pool: NaN rows, nothing read.
       null_block = vals == nullptr || sfs == nullptr || ap == 0u;
       aligned = (((u64)vals) & (n / 2 - 1)) == 0u;  // chunk offsets are multiples of n/2
@@ -223,18 +230,7 @@ FP4C_DEVICE void ll_decode_wide_impl(const LLSource& src, void* __restrict__ out
   const u32 b = blockIdx.y;
   const u8 *vals, *sfs;
   u64 ap;
-  if (src.value_ptrs != nullptr) {
-    vals = (const u8*)src.value_ptrs[b];
-    sfs = (const u8*)src.sf_ptrs[b];
-    ap = src.amax_ptrs[b];
-  } else {
-    const i64 id = src.ids64 ? ((const i64*)src.ids)[b] : (i64)((const int*)src.ids)[b];
-    const bool ok = id >= 0 && id < src.n_pool;
-    const u64 u = ok ? (u64)id : 0u;
-    vals = ok ? (const u8*)(src.vbase + u * src.vstride) : nullptr;
-    sfs = ok ? (const u8*)(src.sbase + u * src.sstride) : nullptr;
-    ap = ok ? src.abase + u * src.astride : 0u;
-  }
+  block_addresses(src, b, vals, sfs, ap);
   const bool null_block = vals == nullptr || sfs == nullptr || ap == 0u;
   float scale = 1.0f;
   U32x4 raw[NT];
