@@ -702,8 +702,29 @@ class Bench:
                          lambda: cache.gather_dequant(ids, out=(ok, ov)), n, empty)
         else:
             self.log("   (no fp4cache pool: store/gather host times skipped)")
+        if env.gpu:
+            self.attempt("host time: LongLive", self._host_longlive, n, empty)
         if self.torch is not None:
             self.attempt("torch eager store 64", self._torch_decode_store, rng, n, empty)
+
+    def _host_longlive(self, n: int, empty: float | None) -> None:
+        """Host time of the two LongLive decode APIs, 4 blocks of Tb=128, H=24, D=128."""
+        from fp4cache import layout, longlive
+
+        xp = self.env.xp
+        H, D, Tb = 24, 128, 128
+        Rp = layout.longlive_padded_rows(Tb, H)
+        vals = xp.zeros((8, Rp, D // 2), dtype=np.uint8)
+        sfs = xp.full((8, Rp * D // 16), 0x38, dtype=np.uint8)
+        am = xp.ones((8, 1), dtype=np.float32)
+        ids = xp.arange(4, dtype=np.int32)
+        out = xp.empty((1, 4 * Tb, H, D), dtype=BF16)
+        self._host_row("fp4cache LongLive dequantize_pool 4 blocks",
+                       lambda: longlive.dequantize_pool(vals, sfs, am, ids, H, Tb, out=out),
+                       n, empty)
+        lv, ls, la = list(vals[:4]), list(sfs[:4]), list(am[:4])
+        self._host_row("fp4cache LongLive dequantize (list) 4 blocks",
+                       lambda: longlive.dequantize(lv, ls, la, H, Tb), n, empty)
 
     def _torch_decode_store(self, rng, n: int, empty: float | None) -> None:
         env, sz, tr = self.env, self.sz, self.tr

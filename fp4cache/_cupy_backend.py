@@ -44,6 +44,8 @@ __all__ = [
     "longlive_dequantize",
     "longlive_dequantize_pool",
     "longlive_pointer_tables",
+    "longlive_pool_launcher",
+    "longlive_list_launcher",
 ]
 
 _THREADS = 256
@@ -464,14 +466,23 @@ def longlive_dequantize(value_ptrs, sf_ptrs, amax_ptrs, out, *, num_heads, block
 
     ``values_aligned``: the caller knows every values pointer is 16-byte aligned
     (enables the wide kernel)."""
-    nb = value_ptrs.shape[0]
+    _table_plan(value_ptrs, sf_ptrs, amax_ptrs, out.shape[-1], out.dtype,
+                out.data.ptr % 16 == 0, num_heads, block_token_size, inv_denom,
+                values_aligned)(out)
+
+
+def _table_plan(value_ptrs, sf_ptrs, amax_ptrs, D, out_dtype, out_aligned, num_heads,
+                block_token_size, inv_denom, values_aligned):
     tabs = [_contig(a) for a in (value_ptrs, sf_ptrs, amax_ptrs)]
 
     def source(a, b):
         return (tabs[0][a:b].data.ptr, tabs[1][a:b].data.ptr, tabs[2][a:b].data.ptr,
                 0, 0, 0, 0, 0, 0, 0, 0, 0)
 
-    _ll_decode(source, nb, out, num_heads, block_token_size, inv_denom, values_aligned)
+    run = _ll_plan(source, tabs[0].shape[0], D, out_dtype, out_aligned, num_heads,
+                   block_token_size, inv_denom, values_aligned)
+    run.keep = tabs  # the structs hold the tables' addresses
+    return run
 
 
 # Device pointer tables of the list API, keyed by (device, the blocks' pointers): a
@@ -496,11 +507,27 @@ def longlive_pointer_tables(vals, sfs, ams):
     return tab
 
 
+def longlive_list_launcher(vals, sfs, ams, D, out_dtype, out_aligned, *, num_heads,
+                           block_token_size, inv_denom):
+    """``run(out)`` decoding these blocks (the list API, prepared once per signature)."""
+    tab = longlive_pointer_tables(vals, sfs, ams)
+    return _table_plan(tab[0], tab[1], tab[2], D, out_dtype, out_aligned, num_heads,
+                       block_token_size, inv_denom, all(a.data.ptr % 16 == 0 for a in vals))
+
+
 def longlive_dequantize_pool(values, scale_factors, amax, block_ids, out, *, num_heads,
                              block_token_size, inv_denom) -> None:
     """Decode blocks ``block_ids`` of a pool (``values [N, Rp, D/2]``, ``scale_factors
     [N, Rp*D/16]``, ``amax`` with N float32) into ``out``, in one launch: the kernel
     turns each id into the block's addresses; an id outside ``[0, N)`` gives NaN rows."""
+    longlive_pool_launcher(values, scale_factors, amax, block_ids, out.shape[-1], out.dtype,
+                           out.data.ptr % 16 == 0, num_heads=num_heads,
+                           block_token_size=block_token_size, inv_denom=inv_denom)(out)
+
+
+def longlive_pool_launcher(values, scale_factors, amax, block_ids, D, out_dtype, out_aligned,
+                           *, num_heads, block_token_size, inv_denom):
+    """``run(out)`` doing what :func:`longlive_dequantize_pool` does for these arrays."""
     ids = _contig(block_ids)
     N = values.shape[0]
     ids64 = ids.dtype.itemsize == 8
@@ -512,7 +539,11 @@ def longlive_dequantize_pool(values, scale_factors, amax, block_ids, out, *, num
                 scale_factors.strides[0], am.data.ptr, am.strides[0], N, int(ids64))
 
     aligned = values.data.ptr % 16 == 0 and values.strides[0] % 16 == 0
-    _ll_decode(source, ids.shape[0], out, num_heads, block_token_size, inv_denom, aligned)
+    run = _ll_plan(source, ids.shape[0], D, out_dtype, out_aligned, num_heads,
+                   block_token_size, inv_denom, aligned)
+    if ids is not block_ids:
+        run.keep = ids  # our contiguous copy: the struct holds its address
+    return run
 
 
 #: Use the wide LongLive decode kernel where it applies (bf16/f16 out, aligned blocks).
@@ -521,36 +552,47 @@ LL_WIDE = True
 LL_WIDE_TILES = 2
 
 
-def _ll_decode(source, nb, out, num_heads, block_token_size, inv_denom, aligned) -> None:
-    D = out.shape[-1]
+def _ll_plan(source, nb, D, out_dtype, out_aligned, num_heads, block_token_size, inv_denom,
+             aligned):
+    """The launches of one LongLive decode, prepared: ``run(out)`` issues them."""
+    out_dtype = np.dtype(out_dtype)
+    itemsize = out_dtype.itemsize
     G = D // GROUP
     R = int(num_heads) * int(block_token_size)
-    if nb * R * G * out.itemsize == 0:
-        return
-    C = D // (16 // out.itemsize)  # 16-byte output chunks per row, one per thread
     Tb = int(block_token_size)
-    fc = fastdiv(C)
-    dt = _dtype_name(out.dtype, "out")
-    if LL_WIDE and aligned and out.itemsize == 2 and out.data.ptr % 16 == 0 \
-            and R * C < 2**31 - 8192:
-        fn = _kernel(K.ll_decode_wide_spec(dt))
-        per_cta = 1024 * LL_WIDE_TILES
-        gx = (R * C + per_cta - 1) // per_cta
-        for a in range(0, nb, 65535):  # grid y: one block each
-            b = min(nb, a + 65535)
-            src = np.array(source(a, b), dtype=LL_SOURCE_DTYPE)[()]
-            fn((gx, b - a), _BLOCK, (src, out[:, a * Tb:b * Tb], _U32(R * C), fc[0], fc[1],
-                                     fc[2], _F32(inv_denom)))
-        return
-    per = max(1, (_MAX_THREADS - 1) // (R * C))  # blocks per launch (32-bit thread ids)
-    frc = fastdiv(R * C)
-    for a in range(0, nb, per):
-        b = min(nb, a + per)
-        o = out[:, a * Tb:b * Tb]
-        vec = o.data.ptr % 16 == 0
-        threads = (b - a) * R * C
-        src = np.array(source(a, b), dtype=LL_SOURCE_DTYPE)[()]
-        _kernel(K.ll_decode_spec(dt, vec))(
-            _decode_blocks(threads), _BLOCK, (
-                src, o, _U32(threads), frc[0], frc[1], frc[2], fc[0], fc[1], fc[2],
-                _F32(inv_denom)))
+    launches = []  # (kernel, grid, args before out, first block, end block, args after out)
+    if nb * R * G > 0:
+        C = D // (16 // itemsize)  # 16-byte output chunks per row, one per thread
+        fc = fastdiv(C)
+        dt = _dtype_name(out_dtype, "out")
+        if LL_WIDE and aligned and itemsize == 2 and out_aligned and R * C < 2**31 - 8192:
+            fn = _kernel(K.ll_decode_wide_spec(dt))
+            per_cta = 1024 * LL_WIDE_TILES
+            gx = (R * C + per_cta - 1) // per_cta
+            for a in range(0, nb, 65535):  # grid y: one block each
+                b = min(nb, a + 65535)
+                src = np.array(source(a, b), dtype=LL_SOURCE_DTYPE)[()]
+                launches.append((fn, (gx, b - a), src, a, b,
+                                 (_U32(R * C), fc[0], fc[1], fc[2], _F32(inv_denom))))
+        else:
+            per = max(1, (_MAX_THREADS - 1) // (R * C))  # blocks per launch (32-bit ids)
+            frc = fastdiv(R * C)
+            fn = _kernel(K.ll_decode_spec(dt, out_aligned))
+            for a in range(0, nb, per):
+                b = min(nb, a + per)
+                threads = (b - a) * R * C
+                src = np.array(source(a, b), dtype=LL_SOURCE_DTYPE)[()]
+                launches.append((fn, _decode_blocks(threads), src, a, b,
+                                 (_U32(threads), frc[0], frc[1], frc[2], fc[0], fc[1], fc[2],
+                                  _F32(inv_denom))))
+
+    if len(launches) == 1:
+        fn, grid, src, _, _, rest = launches[0]
+
+        def run(out):
+            fn(grid, _BLOCK, (src, out) + rest)
+    else:
+        def run(out):
+            for fn, grid, src, a, b, rest in launches:
+                fn(grid, _BLOCK, (src, out[:, a * Tb:b * Tb]) + rest)
+    return run

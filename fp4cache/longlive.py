@@ -99,6 +99,17 @@ def dequantize(values: Sequence[Any], scale_factors: Sequence[Any], amax: Sequen
     once per distinct list of blocks (the device tables are cached by content);
     :func:`dequantize_pool` needs none.
     """
+    key = None
+    if all(isinstance(x, (list, tuple)) for x in (values, scale_factors, amax)):
+        key = _signature("list", (*values, *scale_factors, *amax), num_heads,
+                         block_token_size, dtype, e2m1_max, e4m3_max, None, len(values),
+                         len(scale_factors))
+    hit = _FAST.get(key) if key is not None else None
+    if hit is not None:  # same arrays as a validated earlier call: launch straight away
+        run, shape, dt = hit
+        out = _cupy().empty(shape, dtype=dt)
+        run(out)
+        return out
     if not isinstance(values, (list, tuple)) or not values:
         raise ValueError("values must be a non-empty list of per-block arrays")
     if not (len(values) == len(scale_factors) == len(amax)):
@@ -128,10 +139,10 @@ def dequantize(values: Sequence[Any], scale_factors: Sequence[Any], amax: Sequen
                     raise ValueError(f"{name}[{i}] must be C-contiguous")
         # The three pointer tables: one small host-to-device copy, skipped when the same
         # blocks were decoded recently (the device tables are cached by content).
-        ptrs = impl.longlive_pointer_tables(vals, sfs, ams)
-        impl.longlive_dequantize(ptrs[0], ptrs[1], ptrs[2], out, num_heads=H,
-                                 block_token_size=Tb, inv_denom=inv,
-                                 values_aligned=all(a.data.ptr % 16 == 0 for a in vals))
+        run = impl.longlive_list_launcher(vals, sfs, ams, D, out.dtype, True, num_heads=H,
+                                          block_token_size=Tb, inv_denom=inv)
+        run(out)
+        _remember(key, (run, out.shape, out.dtype))
     return out
 
 
@@ -155,6 +166,15 @@ def dequantize_pool(values: Any, scale_factors: Any, amax: Any, block_ids: Any,
     On the GPU this is one kernel launch: no host synchronization, and with ``out`` no
     allocation, so it can be captured in a CUDA graph.
     """
+    key = _signature("pool", (values, scale_factors, amax, block_ids), num_heads,
+                     block_token_size, dtype, e2m1_max, e4m3_max, out)
+    hit = _FAST.get(key) if key is not None else None
+    if hit is not None:  # same arrays as a validated earlier call: launch straight away
+        run, shape, dt = hit
+        if out is None:
+            out = _cupy().empty(shape, dtype=dt)
+        run(out)
+        return out
     H, Tb = _check_counts(num_heads, block_token_size)
     backend = _arrays.backend_of(values)
     values = _arrays.to_backend(values, backend, "values")
@@ -195,9 +215,59 @@ def dequantize_pool(values: Any, scale_factors: Any, amax: Any, block_ids: Any,
     for name, a in (("values", values), ("scale_factors", scale_factors), ("amax", amax)):
         if not a.flags.c_contiguous:
             raise ValueError(f"{name} must be C-contiguous")
-    impl.longlive_dequantize_pool(values, scale_factors, amax, ids, out, num_heads=H,
-                                  block_token_size=Tb, inv_denom=inv)
+    run = impl.longlive_pool_launcher(values, scale_factors, amax, ids, D, out.dtype,
+                                      out.data.ptr % 16 == 0, num_heads=H,
+                                      block_token_size=Tb, inv_denom=inv)
+    run(out)
+    if ids is block_ids and ids.flags.c_contiguous:  # the launch reads block_ids itself
+        _remember(key, (run, out.shape, out.dtype))
     return out
+
+
+# Prepared GPU launches of dequantize / dequantize_pool, keyed by everything the checks
+# and the launch depend on: the type, address, shape, strides and dtype of every array,
+# the counts (with their types), the dtype and maxima, and the device.  A call with the
+# same signature as an earlier validated one skips the checks and launches at once
+# (the kernels read the arrays' current contents, so new data is decoded).  Entries
+# hold addresses, not the arrays: they are only used for live arrays at those addresses.
+_FAST: dict = {}
+_FAST_MAX = 256
+
+
+def _cupy():
+    import cupy
+
+    return cupy
+
+
+def _signature(api, arrays, num_heads, block_token_size, dtype, e2m1_max, e4m3_max, out,
+               *extra):
+    """Hashable signature of a GPU call, or None (CPU arrays, unhashable arguments)."""
+    try:
+        if not arrays or not _arrays.is_cupy(arrays[0]):
+            return None
+        parts = [api, type(num_heads), num_heads, type(block_token_size), block_token_size,
+                 type(e2m1_max), e2m1_max, type(e4m3_max), e4m3_max, extra,
+                 _cupy().cuda.runtime.getDevice()]
+        for a in arrays:
+            parts.append((type(a), a.data.ptr, a.shape, a.strides, a.dtype))
+        if out is None:
+            parts.append(("new", type(dtype), dtype))
+        else:
+            parts.append((type(out), out.data.ptr, out.shape, out.strides, out.dtype))
+        key = tuple(parts)
+        hash(key)
+        return key
+    except (AttributeError, TypeError):
+        return None
+
+
+def _remember(key, entry) -> None:
+    if key is None:
+        return
+    if len(_FAST) >= _FAST_MAX:
+        _FAST.clear()
+    _FAST[key] = entry
 
 
 def _check_counts(num_heads, block_token_size):
