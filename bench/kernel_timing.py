@@ -16,6 +16,7 @@ against an empty RawKernel launch.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import statistics
 import time
@@ -295,6 +296,21 @@ def host_time_decode_store(n_calls=3000):
     return res
 
 
+@contextlib.contextmanager
+def variant(**defines):
+    """Kernels compiled with ``defines`` (over ``_kernels.TUNING``) inside the block; the
+    backend sizes its grids from the same values."""
+    from fp4cache import _kernels
+
+    _kernels.set_defines(**defines)
+    cb.clear_caches()
+    try:
+        yield
+    finally:
+        _kernels.set_defines()
+        cb.clear_caches()
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--reps", type=int, default=50)
@@ -334,16 +350,9 @@ def main():
     add("longlive decode H24 D128 Tb7040 x4", *bench_longlive_decode(args.reps))
     add("longlive decode (narrow kernel)", *bench_longlive_decode(args.reps, wide=False))
     if args.store_variants:
-        from fp4cache import _kernels
-
         for tiles in (1, 4):
-            _kernels.set_defines(FP4C_LL_WIDE_TILES=tiles)
-            cb.clear_caches()
-            cb.LL_WIDE_TILES = tiles
-            add(f"longlive decode wide [tiles={tiles}]", *bench_longlive_decode(args.reps))
-        _kernels.set_defines()
-        cb.clear_caches()
-        cb.LL_WIDE_TILES = 2
+            with variant(FP4C_LL_WIDE_TILES=tiles):
+                add(f"longlive decode wide [tiles={tiles}]", *bench_longlive_decode(args.reps))
     add("longlive dequantize_pool (front end)", *bench_longlive_front(args.reps, "pool"))
     add("longlive dequantize list (front end)", *bench_longlive_front(args.reps, "list"))
     if not args.quick:
@@ -355,47 +364,27 @@ def main():
             add(f"flat quantize 512Kx128 bf16 {rule}", *q)
         add("flat dequantize 512Kx128 bf16", *d)
     if args.store_variants:
-        from fp4cache import _kernels
-
         both = frozenset({(2, "static6"), (2, "4over6")})
-        for label, defs, pair in (("default", {}, None),
+        for label, defs, pair in (("default", {}, cb.STORE_PAIR),
                                   ("two groups per thread", {}, both),
-                                  ("MIN_BLOCKS=6", {"FP4C_STORE_MIN_BLOCKS": 6}, None),
-                                  ("ITEMS=2", {"FP4C_STORE_ITEMS": 2}, None)):
-            _kernels.set_defines(**defs)
-            cb.clear_caches()
-            saved = cb.STORE_PAIR
-            if pair is not None:
-                cb.STORE_PAIR = pair
-            cb.STORE_ITEMS = int(defs.get("FP4C_STORE_ITEMS", 1))
-            for rule in ("static6", "4over6"):
-                add(f"store {rule} [{label}]", *bench_store(rule, args.reps))
+                                  ("MIN_BLOCKS=6", {"FP4C_STORE_MIN_BLOCKS": 6}, cb.STORE_PAIR),
+                                  ("ITEMS=2", {"FP4C_STORE_ITEMS": 2}, cb.STORE_PAIR)):
+            saved, cb.STORE_PAIR = cb.STORE_PAIR, pair
+            with variant(**defs):
+                for rule in ("static6", "4over6"):
+                    add(f"store {rule} [{label}]", *bench_store(rule, args.reps))
             cb.STORE_PAIR = saved
-        cb.STORE_ITEMS = 1
-        _kernels.set_defines()
-        cb.clear_caches()
     if args.variants:
-        from fp4cache import _kernels
-
         for m in (1, 4):
-            _kernels.set_defines(FP4C_DECODE_CHUNKS=m)
-            cb.clear_caches()
-            cb.DECODE_CHUNKS = m
-            add(f"gather bf16 [chunks/thread={m}]", *bench_gather(args.reps))
-            add(f"longlive decode [chunks/thread={m}]", *bench_longlive_decode(args.reps))
-        cb.DECODE_CHUNKS = 2
-        for items, extra in ((1, {}), (2, {"FP4C_STORE_MIN_BLOCKS": 2}),
-                             (1, {"FP4C_PACK_EARLY": 0})):
-            defs = {"FP4C_STORE_ITEMS": items, **extra}
-            _kernels.set_defines(**defs)
-            cb.clear_caches()
-            cb.STORE_ITEMS = items
+            with variant(FP4C_DECODE_CHUNKS=m):
+                add(f"gather bf16 [chunks/thread={m}]", *bench_gather(args.reps))
+                add(f"longlive decode [chunks/thread={m}]", *bench_longlive_decode(args.reps))
+        for defs in ({"FP4C_STORE_ITEMS": 2, "FP4C_STORE_MIN_BLOCKS": 2},
+                     {"FP4C_PACK_EARLY": 0}):
             tag = ",".join(f"{k}={v}" for k, v in defs.items())
-            for rule in ("static6", "4over6"):
-                add(f"store {rule} [{tag}]", *bench_store(rule, args.reps))
-        cb.STORE_ITEMS = 1
-        _kernels.set_defines()
-        cb.clear_caches()
+            with variant(**defs):
+                for rule in ("static6", "4over6"):
+                    add(f"store {rule} [{tag}]", *bench_store(rule, args.reps))
     claim_us = bench_claim_passes(args.reps)
     host = host_time_decode_store()
     print(f"\nD2D copy: {copy_gbs:.0f} GB/s (read + written)")

@@ -42,7 +42,6 @@ __all__ = [
     "gather_dequant",
     "longlive_quantize",
     "longlive_dequantize",
-    "longlive_dequantize_pool",
     "longlive_pointer_tables",
     "longlive_pool_launcher",
     "longlive_list_launcher",
@@ -121,10 +120,6 @@ def _blocks(total: int) -> tuple[int]:
     return ((total + _THREADS - 1) // _THREADS,)
 
 
-#: Output chunks per thread of the decode kernels (FP4C_DECODE_CHUNKS in the kernels).
-DECODE_CHUNKS = 2
-#: Groups per thread of the store kernel (FP4C_STORE_ITEMS in the kernels).
-STORE_ITEMS = 1
 #: (input itemsize, rule) pairs whose store kernel gives each thread two adjacent groups
 #: of one (token, head), where D/16 is even (see ``kernels/paged_kv.cu``).  Measured
 #: slower on the H200 (bench/KERNEL_NOTES.md, v15), so none by default.
@@ -132,7 +127,7 @@ STORE_PAIR: frozenset = frozenset()
 
 
 def _decode_blocks(chunks: int) -> tuple[int]:
-    per = _THREADS * DECODE_CHUNKS
+    per = _THREADS * K.tuning("FP4C_DECODE_CHUNKS")
     return ((chunks + per - 1) // per,)
 
 
@@ -242,8 +237,7 @@ STORE_PARAMS_DTYPE = np.dtype(
 _PACK_MULTIPLIERS = tuple(1 << (4 * j + 10) for j in range(6)) + (1 << 2, 1 << 6)
 
 
-@lru_cache(maxsize=64)
-def _os_table_host(k_s: float, v_s: float) -> bytes:
+def _os_table_values(k_s: float, v_s: float) -> np.ndarray:
     """EncodeAux::os_tab for (k_s, v_s): os = min(fl(1/fl(f*s)), FLT_MAX), 0 for f = 0,
     for the 128 non-negative E4M3 scale bytes f, K's then V's (IEEE float32, numpy)."""
     f = np.arange(128, dtype=np.uint8).view(ml_dtypes.float8_e4m3fn).astype(np.float32)
@@ -254,18 +248,29 @@ def _os_table_host(k_s: float, v_s: float) -> bytes:
             os_ = np.float32(1) / (f * s)
         os_ = np.minimum(os_, np.float32(np.finfo(np.float32).max))
         out.append(np.where(f == 0, np.float32(0), os_).astype(np.float32))
-    return np.concatenate(out).tobytes()
+    return np.concatenate(out)
+
+
+# Device os tables per (device, k_s, v_s), shared by every launch plan with those scales
+# (a plan keeps its table alive; dropping the dict's reference frees nothing in use).
+_os_tables: dict = {}
 
 
 def _os_table(k_s, v_s):
-    # Copied on a private stream, so that a plan made while the caller's stream is
-    # being captured into a CUDA graph does not put a host copy into the graph.
-    host = np.frombuffer(_os_table_host(float(k_s), float(v_s)), np.float32)
-    side = cupy.cuda.Stream(non_blocking=True)
-    with side:
-        tab = cupy.asarray(host)
-    side.synchronize()
+    key = (cupy.cuda.runtime.getDevice(), float(k_s), float(v_s))
+    tab = _os_tables.get(key)
+    if tab is None:
+        # Copied on a private stream, so that a plan made while the caller's stream is
+        # being captured into a CUDA graph does not put a host copy into the graph.
+        side = cupy.cuda.Stream(non_blocking=True)
+        with side:
+            tab = cupy.asarray(_os_table_values(key[1], key[2]))
+        side.synchronize()
+        if len(_os_tables) >= 64:
+            _os_tables.clear()
+        _os_tables[key] = tab
     return tab
+
 
 # Store launch plans: (kernel, claim kernel or None, grid, params struct), keyed by
 # everything they depend on, so that a decode step costs one dict lookup + one launch.
@@ -291,7 +296,7 @@ def _store_plan(key, buffer, slots, k, v, geom, rule, k_s, k_g, v_s, v_g):
     total = n * int(hg[0])
     dedup = 1 if n <= SCAN_MAX_TOKENS else 2
     os_tab = _os_table(k_s, v_s)
-    params = np.array((buffer.data.ptr, 0, 0, 0, kst[0] // es, kst[1] // es, vst[0] // es,
+    params = np.array((0, 0, 0, 0, kst[0] // es, kst[1] // es, vst[0] // es,
                        vst[1] // es,
                        pa["num_slots"], pa["side"], pa["data"], os_tab.data.ptr, n, total,
                        hg[0], hg[1], hg[2], fg[0], fg[1], fg[2], ft[0], ft[1], ft[2],
@@ -301,7 +306,7 @@ def _store_plan(key, buffer, slots, k, v, geom, rule, k_s, k_g, v_s, v_g):
     claim = None
     if dedup == 2:
         claim = _kernel(K.claim_spec(sl))
-    per = _THREADS * (1 if pair else STORE_ITEMS)
+    per = _THREADS * (1 if pair else K.tuning("FP4C_STORE_ITEMS"))
     grid = (total + per - 1) // per
     # the plan keeps os_tab alive: params holds its address
     plan = (fn, claim, (grid,), params, pa["num_slots"], os_tab)
@@ -515,19 +520,11 @@ def longlive_list_launcher(vals, sfs, ams, D, out_dtype, out_aligned, *, num_hea
                        block_token_size, inv_denom, all(a.data.ptr % 16 == 0 for a in vals))
 
 
-def longlive_dequantize_pool(values, scale_factors, amax, block_ids, out, *, num_heads,
-                             block_token_size, inv_denom) -> None:
-    """Decode blocks ``block_ids`` of a pool (``values [N, Rp, D/2]``, ``scale_factors
-    [N, Rp*D/16]``, ``amax`` with N float32) into ``out``, in one launch: the kernel
-    turns each id into the block's addresses; an id outside ``[0, N)`` gives NaN rows."""
-    longlive_pool_launcher(values, scale_factors, amax, block_ids, out.shape[-1], out.dtype,
-                           out.data.ptr % 16 == 0, num_heads=num_heads,
-                           block_token_size=block_token_size, inv_denom=inv_denom)(out)
-
-
 def longlive_pool_launcher(values, scale_factors, amax, block_ids, D, out_dtype, out_aligned,
                            *, num_heads, block_token_size, inv_denom):
-    """``run(out)`` doing what :func:`longlive_dequantize_pool` does for these arrays."""
+    """``run(out)`` decoding blocks ``block_ids`` of a pool (``values [N, Rp, D/2]``,
+    ``scale_factors [N, Rp*D/16]``, ``amax`` with N float32) in one launch: the kernel
+    turns each id into the block's addresses; an id outside ``[0, N)`` gives NaN rows."""
     ids = _contig(block_ids)
     N = values.shape[0]
     ids64 = ids.dtype.itemsize == 8
@@ -548,8 +545,6 @@ def longlive_pool_launcher(values, scale_factors, amax, block_ids, D, out_dtype,
 
 #: Use the wide LongLive decode kernel where it applies (bf16/f16 out, aligned blocks).
 LL_WIDE = True
-#: Tiles of 1024 chunks per CTA of the wide kernel (FP4C_LL_WIDE_TILES in the kernels).
-LL_WIDE_TILES = 2
 
 
 def _ll_plan(source, nb, D, out_dtype, out_aligned, num_heads, block_token_size, inv_denom,
@@ -567,7 +562,7 @@ def _ll_plan(source, nb, D, out_dtype, out_aligned, num_heads, block_token_size,
         dt = _dtype_name(out_dtype, "out")
         if LL_WIDE and aligned and itemsize == 2 and out_aligned and R * C < 2**31 - 8192:
             fn = _kernel(K.ll_decode_wide_spec(dt))
-            per_cta = 1024 * LL_WIDE_TILES
+            per_cta = 1024 * K.tuning("FP4C_LL_WIDE_TILES")
             gx = (R * C + per_cta - 1) // per_cta
             for a in range(0, nb, 65535):  # grid y: one block each
                 b = min(nb, a + 65535)

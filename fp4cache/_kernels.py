@@ -208,8 +208,20 @@ def _read_inlined(file: str) -> str:
     return "\n".join(expand(file)) + "\n"
 
 
-#: Extra ``NAME=VALUE`` macro definitions put in front of every translation unit
-#: (tuning experiments, see ``bench/kernel_timing.py``); change with :func:`set_defines`.
+#: The kernels' tuning macros and their values: the one place that holds them.  Every
+#: translation unit gets all of them (``kernels/fp4_common.cuh`` refuses to compile
+#: without), and the backend sizes its grids from :func:`tuning`.
+TUNING: dict[str, int] = {
+    "FP4C_DECODE_CHUNKS": 2,     # 16-byte output chunks per thread (gather, flat, LongLive)
+    "FP4C_STORE_ITEMS": 1,       # groups per thread of the store
+    "FP4C_STORE_MIN_BLOCKS": 1,  # __launch_bounds__ minimum blocks of the store
+    "FP4C_LL_WIDE_TILES": 2,     # 1024-chunk tiles per CTA of the wide LongLive decode
+    "FP4C_ABSMAX16": 1,          # bf16 group max on 16-bit pairs
+    "FP4C_PACK_EARLY": 1,        # 4over6: pack each candidate's codes as soon as possible
+}
+
+#: Extra ``NAME=VALUE`` macro definitions (tuning experiments, see
+#: ``bench/kernel_timing.py``), overriding :data:`TUNING`; change with :func:`set_defines`.
 #: The environment variable ``FP4CACHE_KERNEL_DEFINES`` ("A=1,B=2") sets the initial
 #: ones (developer knob: run the test suite against a kernel variant).
 _DEFINES: tuple[tuple[str, str], ...] = tuple(sorted(
@@ -217,10 +229,23 @@ _DEFINES: tuple[tuple[str, str], ...] = tuple(sorted(
     if "=" in kv))
 
 
+def _effective() -> dict[str, str]:
+    return {**{k: str(v) for k, v in TUNING.items()}, **dict(_DEFINES)}
+
+
+_EFFECTIVE: dict[str, str] = _effective()
+
+
+def tuning(name: str) -> int:
+    """Value of tuning macro ``name`` in the kernels compiled now."""
+    return int(_EFFECTIVE[name])
+
+
 def set_defines(**defines) -> None:
     """Set extra macro definitions for later compiles and drop every compiled kernel."""
-    global _DEFINES
+    global _DEFINES, _EFFECTIVE
     _DEFINES = tuple(sorted((k, str(v)) for k, v in defines.items()))
+    _EFFECTIVE = _effective()
     _MODULES.clear()
     _FUNCS.clear()
 
@@ -231,7 +256,7 @@ def build_source(file: str, specs: list[Spec] | tuple[Spec, ...]) -> str:
         if s.file != file:
             raise ValueError(f"spec {s.name} belongs to {s.file}, not {file}")
     body = " \\\n    ".join(s.instantiation for s in specs)
-    defs = "".join(f"#define {k} {v}\n" for k, v in _DEFINES)
+    defs = "".join(f"#define {k} {v}\n" for k, v in sorted(_EFFECTIVE.items()))
     preamble = f"// fp4cache specializations\n{defs}#define FP4C_INSTANTIATIONS \\\n    {body}\n"
     return preamble + _read_inlined(file)
 

@@ -107,7 +107,7 @@ def dequantize(values: Sequence[Any], scale_factors: Sequence[Any], amax: Sequen
     hit = _FAST.get(key) if key is not None else None
     if hit is not None:  # same arrays as a validated earlier call: launch straight away
         run, shape, dt = hit
-        out = _cupy().empty(shape, dtype=dt)
+        out = _arrays.array_module("cuda").empty(shape, dtype=dt)
         run(out)
         return out
     if not isinstance(values, (list, tuple)) or not values:
@@ -172,7 +172,7 @@ def dequantize_pool(values: Any, scale_factors: Any, amax: Any, block_ids: Any,
     if hit is not None:  # same arrays as a validated earlier call: launch straight away
         run, shape, dt = hit
         if out is None:
-            out = _cupy().empty(shape, dtype=dt)
+            out = _arrays.array_module("cuda").empty(shape, dtype=dt)
         run(out)
         return out
     H, Tb = _check_counts(num_heads, block_token_size)
@@ -234,12 +234,6 @@ _FAST: dict = {}
 _FAST_MAX = 256
 
 
-def _cupy():
-    import cupy
-
-    return cupy
-
-
 def _signature(api, arrays, num_heads, block_token_size, dtype, e2m1_max, e4m3_max, out,
                *extra):
     """Hashable signature of a GPU call, or None (CPU arrays, unhashable arguments)."""
@@ -248,7 +242,7 @@ def _signature(api, arrays, num_heads, block_token_size, dtype, e2m1_max, e4m3_m
             return None
         parts = [api, type(num_heads), num_heads, type(block_token_size), block_token_size,
                  type(e2m1_max), e2m1_max, type(e4m3_max), e4m3_max, extra,
-                 _cupy().cuda.runtime.getDevice()]
+                 _arrays.array_module("cuda").cuda.runtime.getDevice()]
         for a in arrays:
             parts.append((type(a), a.data.ptr, a.shape, a.strides, a.dtype))
         if out is None:

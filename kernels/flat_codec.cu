@@ -30,9 +30,6 @@ FP4C_DEVICE void quantize_impl(const void* __restrict__ x, u8* __restrict__ data
 // Output chunks of 16 bytes (Chunk<T>::kValues values); total counts chunks
 // (N*D / kValues); a CTA covers FP4C_DECODE_CHUNKS * 256 consecutive chunks, thread
 // tid every 256th one (coalesced stores, several loads in flight per thread).
-#ifndef FP4C_DECODE_CHUNKS
-#define FP4C_DECODE_CHUNKS 2
-#endif
 
 template <typename T, bool VEC>
 FP4C_DEVICE void dequantize_impl(const u8* __restrict__ data, const u8* __restrict__ scales,

@@ -16,6 +16,15 @@
 // module is also compiled with --fmad=false.
 #pragma once
 
+// Tuning macros (FP4C_DECODE_CHUNKS, FP4C_STORE_ITEMS, ...) are defined in front of every
+// translation unit by fp4cache/_kernels.py (TUNING), the one place that holds their
+// values: the host sizes its grids from the same numbers.
+#if !defined(FP4C_DECODE_CHUNKS) || !defined(FP4C_STORE_ITEMS) || \
+    !defined(FP4C_STORE_MIN_BLOCKS) || !defined(FP4C_LL_WIDE_TILES) || \
+    !defined(FP4C_ABSMAX16) || !defined(FP4C_PACK_EARLY)
+#error "fp4cache tuning macros missing: build the source with fp4cache._kernels.build_source"
+#endif
+
 typedef unsigned char u8;
 typedef unsigned short u16;
 typedef unsigned int u32;
@@ -357,9 +366,6 @@ FP4C_DEVICE float group_abs_max(const Group16& g, bool& nonfinite) {
 
 // The same maximum from the raw 16-bit words of a bf16 group: two magnitudes per
 // 32-bit word, compared as unsigned 16-bit pairs (one op for two values on sm_90).
-#ifndef FP4C_ABSMAX16
-#define FP4C_ABSMAX16 1
-#endif
 FP4C_DEVICE u32 max_u16x2(u32 a, u32 b) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   u32 r;
@@ -483,9 +489,6 @@ FP4C_DEVICE void pack_codes(const Group16& g, const float* r, Encoded16& e, cons
 
 // 4over6: pack each candidate's codes as soon as its error is known, so that only
 // one candidate's 16 rounded values are live at a time (fewer registers, more warps).
-#ifndef FP4C_PACK_EARLY
-#define FP4C_PACK_EARLY 1
-#endif
 
 template <int RULE, bool AUX = false>
 FP4C_DEVICE Encoded16 encode_group_m(const Group16& g, float m, bool nonfinite, float s,
@@ -554,17 +557,6 @@ FP4C_DEVICE Encoded16 encode_group_m(const Group16& g, float m, bool nonfinite, 
   }
   pack_codes<AUX>(g, r6, e, aux);
   return e;
-}
-
-// Decode 16 codes (two words) with scale byte sf and multiplier s into v[16].
-FP4C_DEVICE void decode_group(u32 lo, u32 hi, u32 sf, float s, float* v) {
-  const float f = e4m3_decode(sf);
-#pragma unroll
-  for (int i = 0; i < 16; ++i) {
-    const u32 w = (i < 8) ? lo : hi;
-    const u32 code = (w >> (4 * (i & 7))) & 0xFu;
-    v[i] = f_mul(f_mul(e2m1_value(code), f), s);
-  }
 }
 
 // Decode kernels give each thread one 16-byte piece of output, so that every store
@@ -689,14 +681,10 @@ FP4C_DEVICE u32 fdiv(u32 n, const FastDiv& f) {
   return (u32)(((u64)__umulhi(n, f.m) + n) >> f.s);
 }
 
-// The same in 32-bit arithmetic (one block's scales, Rp * S < 2^32).
-FP4C_DEVICE u32 blocked_scale_offset32(u32 r, u32 s, u32 scales_per_row) {
-  const u32 tile = (r >> 7) * (scales_per_row >> 2) + (s >> 2);
-  return tile * 512u + (r & 31u) * 16u + ((r & 127u) >> 5) * 4u + (s & 3u);
-}
-
-// Byte offset of scale (r, s) in cuBLAS' 128x4 blocked order (spec section 5).
-FP4C_DEVICE i64 blocked_scale_offset(i64 r, u32 s, u32 scales_per_row) {
-  const i64 tile = (r >> 7) * (i64)(scales_per_row >> 2) + (s >> 2);
+// Byte offset of scale (r, s) in cuBLAS' 128x4 blocked order (spec section 5); I is i64,
+// or u32 where the block's Rp*S scale bytes are known to fit in 32 bits.
+template <typename I>
+FP4C_DEVICE I blocked_scale_offset(I r, u32 s, u32 scales_per_row) {
+  const I tile = (r >> 7) * (I)(scales_per_row >> 2) + (s >> 2);
   return tile * 512 + (r & 31) * 16 + ((r & 127) >> 5) * 4 + (s & 3);
 }

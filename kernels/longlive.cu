@@ -96,7 +96,7 @@ FP4C_DEVICE void ll_quantize_impl(const void* __restrict__ x, const float* __res
     }
   }
   store_codes<VEC>(values + (u64)gid * 8, e);
-  sf[blocked_scale_offset(r, g, G)] = (u8)e.scale;
+  sf[blocked_scale_offset<i64>(r, g, G)] = (u8)e.scale;
 }
 
 #define FP4C_LL_QUANTIZE_KERNEL(NAME, T, RULE, VEC)                                            \
@@ -109,9 +109,6 @@ FP4C_DEVICE void ll_quantize_impl(const void* __restrict__ x, const float* __res
 // Output chunks of 16 bytes (Chunk<T>::kValues values of row r of block b); a CTA
 // covers FP4C_DECODE_CHUNKS * 256 consecutive chunks, thread tid every 256th one
 // (coalesced stores, several loads in flight per thread).
-#ifndef FP4C_DECODE_CHUNKS
-#define FP4C_DECODE_CHUNKS 2
-#endif
 
 // Where the blocks come from: either three device pointer tables (value_ptrs != 0),
 // or a pool (base pointer + byte stride per array) and a block-id array; an id outside
@@ -190,7 +187,7 @@ FP4C_DEVICE void ll_decode_impl(const LLSource& src, void* __restrict__ out, u32
     }
     const u8* p = vals + (u64)rem * (n / 2);
     codes[j] = aligned ? load_chunk_codes<T, true>(p) : load_chunk_codes<T, false>(p);
-    sfb[j] = ldg_u8(sfs + blocked_scale_offset32(r, c / per_group, G));
+    sfb[j] = ldg_u8(sfs + blocked_scale_offset<u32>(r, c / per_group, G));
     gs[j] = scale;
   }
 #pragma unroll
@@ -216,9 +213,6 @@ FP4C_DEVICE void ll_decode_impl(const LLSource& src, void* __restrict__ out, u32
 // transposes them through 512 bytes of shared memory, and lane l then decodes chunks
 // l, l+32, l+64, l+96 of the warp's 128: every store instruction of the warp still
 // writes 512 contiguous bytes, while each thread has 4x the bytes of codes in flight.
-#ifndef FP4C_LL_WIDE_TILES
-#define FP4C_LL_WIDE_TILES 2
-#endif
 template <typename T>
 FP4C_DEVICE void ll_decode_wide_impl(const LLSource& src, void* __restrict__ out, u32 rc,
                                      FastDiv fC, float inv_denom) {
@@ -252,7 +246,7 @@ FP4C_DEVICE void ll_decode_wide_impl(const LLSource& src, void* __restrict__ out
         const u32 c = wbase + 32u * k + lane;
         if (c < rc) {
           const u32 r = fdiv(c, fC);
-          sfb[t][k] = ldg_u8(sfs + blocked_scale_offset32(r, (c - r * fC.d) >> 1, G));
+          sfb[t][k] = ldg_u8(sfs + blocked_scale_offset<u32>(r, (c - r * fC.d) >> 1, G));
         }
       }
     }

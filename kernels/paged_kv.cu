@@ -69,9 +69,6 @@ struct StoreParams {
 };
 
 // Groups per thread of the store (loads of all of them are issued first).
-#ifndef FP4C_STORE_ITEMS
-#define FP4C_STORE_ITEMS 1
-#endif
 
 // NG = groups per item along head_dim (1, or 2 when G is even: the two groups of one
 // (token, head) share the slot lookup, the claim check and the address arithmetic).
@@ -200,9 +197,6 @@ FP4C_DEVICE void store_impl(const void* __restrict__ slots, const void* __restri
       const StoreParams params
 
 // NAME, value type, rule, slot type, vectorized loads/stores
-#ifndef FP4C_STORE_MIN_BLOCKS
-#define FP4C_STORE_MIN_BLOCKS 1
-#endif
 #define FP4C_STORE_KERNEL(NAME, T, RULE, SLOT, VEC, NG)                                     \
   extern "C" __global__ void __launch_bounds__(256, FP4C_STORE_MIN_BLOCKS)                  \
       NAME(FP4C_STORE_PARAMS) {                                                             \
@@ -251,9 +245,6 @@ FP4C_DEVICE void claim_impl(const void* __restrict__ slots, u64* __restrict__ cl
 // writes 512 contiguous bytes, and each thread has several independent loads in
 // flight before its first decode.  Each chunk is decoded for K and for V:
 // out[(i*T + t), h, e0 : e0 + kValues] from row (t, h) of page blocks[i].
-#ifndef FP4C_DECODE_CHUNKS
-#define FP4C_DECODE_CHUNKS 2
-#endif
 
 template <typename T, typename BlockT, bool VEC>
 FP4C_DEVICE void gather_impl(

@@ -15,16 +15,14 @@ from __future__ import annotations
 import ml_dtypes
 import numpy as np
 import pytest
+from conftest import gpu_available
+from nvfp4_ref import assert_same_values
 
 pytestmark = pytest.mark.gpu
-
-cp = pytest.importorskip("cupy")
-try:
-    _HAS_GPU = cp.cuda.runtime.getDeviceCount() > 0
-except Exception:  # noqa: BLE001
-    _HAS_GPU = False
-if not _HAS_GPU:
+if not gpu_available():
     pytest.skip("needs a CUDA GPU with CuPy", allow_module_level=True)
+
+import cupy as cp  # noqa: E402
 
 from fp4cache import PagedKVCache, codec, longlive  # noqa: E402
 
@@ -32,12 +30,8 @@ BF16 = np.dtype(ml_dtypes.bfloat16)
 
 
 def _same(gpu, ref):
-    g = cp.asnumpy(gpu)
-    assert g.dtype == ref.dtype and g.shape == ref.shape
-    u = {2: np.uint16, 4: np.uint32}[ref.dtype.itemsize]
-    gn, rn = np.isnan(g.astype(np.float32)), np.isnan(ref.astype(np.float32))
-    assert np.array_equal(gn, rn)
-    assert np.array_equal(np.where(rn, 0, g.view(u)), np.where(rn, 0, ref.view(u)))
+    """Bit-identical values (NaN matching NaN), device result against the NumPy one."""
+    assert_same_values(cp.asnumpy(gpu), ref)
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16", "float32"])
