@@ -105,7 +105,8 @@ def rand_bf16(shape, seed):
     return bits.view(BF16)
 
 
-def bench_store(rule, reps, N=65536, H=8, D=128, T=16, slot_order="contiguous", layout="HND"):
+def bench_store(rule, reps, N=65536, H=8, D=128, T=16, slot_order="contiguous", layout="HND",
+                unique_slots=False):
     geom = PageGeometry(H, T, D, layout, True)
     nblk = N // T
     buf = cp.zeros((nblk, 2, geom.side_bytes), cp.uint8)
@@ -122,7 +123,7 @@ def bench_store(rule, reps, N=65536, H=8, D=128, T=16, slot_order="contiguous", 
 
     def run(i):
         cb.store(buf, slots[i % 2], ks[i % 2], vs[i % 2], geom=geom, rule=rule, k_s=one,
-                 k_g=one, v_s=one, v_g=one, stats=st)
+                 k_g=one, v_s=one, v_g=one, stats=st, unique_slots=unique_slots)
 
     us = gpu_time_us(run, reps)
     nbytes = 2 * N * H * D * 2 + 2 * N * H * geom.bytes_per_row + N * 8
@@ -321,6 +322,8 @@ def main():
                     help="time the store under the encoder's alternative macro settings")
     ap.add_argument("--quick", action="store_true",
                     help="copy, store, gather, LongLive decode only")
+    ap.add_argument("--store-only", action="store_true",
+                    help="copy and the store variants only (with --store-variants)")
     args = ap.parse_args()
     dev = cp.cuda.Device()
     props = cp.cuda.runtime.getDeviceProperties(dev.id)
@@ -336,25 +339,30 @@ def main():
 
     for name, (us, nb) in base.items():
         add(f"baseline {name}", us, nb)
-    for rule in ("static6", "4over6"):
+    if args.store_only:
+        args.quick, args.variants = True, False
+    for rule in () if args.store_only else ("static6", "4over6"):
         add(f"store 64Kx8x128 bf16 {rule}", *bench_store(rule, args.reps))
     if not args.quick:
         add("store 64Kx8x128 bf16 static6 random slots",
             *bench_store("static6", args.reps, slot_order="random"))
         add("store 64Kx8x128 bf16 static6 NHD",
             *bench_store("static6", args.reps, layout="NHD"))
-    add("gather_dequant 4096p x16 bf16", *bench_gather(args.reps))
+    if not args.store_only:
+        add("gather_dequant 4096p x16 bf16", *bench_gather(args.reps))
     if not args.quick:
         add("gather_dequant 4096p x16 f32",
             *bench_gather(args.reps, dtype=np.dtype(np.float32)))
-    add("longlive decode H24 D128 Tb7040 x4", *bench_longlive_decode(args.reps))
-    add("longlive decode (narrow kernel)", *bench_longlive_decode(args.reps, wide=False))
-    if args.store_variants:
+    if not args.store_only:
+        add("longlive decode H24 D128 Tb7040 x4", *bench_longlive_decode(args.reps))
+        add("longlive decode (narrow kernel)", *bench_longlive_decode(args.reps, wide=False))
+    if args.store_variants and not args.store_only:
         for tiles in (1, 4):
             with variant(FP4C_LL_WIDE_TILES=tiles):
                 add(f"longlive decode wide [tiles={tiles}]", *bench_longlive_decode(args.reps))
-    add("longlive dequantize_pool (front end)", *bench_longlive_front(args.reps, "pool"))
-    add("longlive dequantize list (front end)", *bench_longlive_front(args.reps, "list"))
+    if not args.store_only:
+        add("longlive dequantize_pool (front end)", *bench_longlive_front(args.reps, "pool"))
+        add("longlive dequantize list (front end)", *bench_longlive_front(args.reps, "list"))
     if not args.quick:
         for rule in ("static6", "4over6"):
             add(f"longlive quantize Tb7040 H24 {rule}",
@@ -365,15 +373,24 @@ def main():
         add("flat dequantize 512Kx128 bf16", *d)
     if args.store_variants:
         both = frozenset({(2, "static6"), (2, "4over6")})
-        for label, defs, pair in (("default", {}, cb.STORE_PAIR),
-                                  ("two groups per thread", {}, both),
-                                  ("MIN_BLOCKS=6", {"FP4C_STORE_MIN_BLOCKS": 6}, cb.STORE_PAIR),
-                                  ("ITEMS=2", {"FP4C_STORE_ITEMS": 2}, cb.STORE_PAIR)):
-            saved, cb.STORE_PAIR = cb.STORE_PAIR, pair
+        names = ("STORE_PAIR", "STORE_PDL")
+        default = {n: getattr(cb, n) for n in names}
+        for label, defs, attrs in (
+                ("default", {}, {}),
+                ("no PDL", {}, {"STORE_PDL": False}),
+                ("one head per thread", {}, {"STORE_PAIR": frozenset()}),
+                ("two heads, 4over6 too", {}, {"STORE_PAIR": both}),
+                ("software E4M3", {"FP4C_E4M3_CVT": 0}, {})):
+            for n, val in {**default, **attrs}.items():
+                setattr(cb, n, val)
             with variant(**defs):
                 for rule in ("static6", "4over6"):
                     add(f"store {rule} [{label}]", *bench_store(rule, args.reps))
-            cb.STORE_PAIR = saved
+        for n, val in default.items():
+            setattr(cb, n, val)
+        for rule in ("static6", "4over6"):
+            add(f"store {rule} [unique_slots=True]",
+                *bench_store(rule, args.reps, unique_slots=True))
     if args.variants:
         for m in (1, 4):
             with variant(FP4C_DECODE_CHUNKS=m):

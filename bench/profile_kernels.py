@@ -21,7 +21,21 @@ import cupy.cuda.profiler  # noqa: F401
 sys.path.insert(0, "bench")
 import kernel_timing as kt  # noqa: E402
 
+
+def _store_shape(rule, pair):
+    """The store with one head (pair=False) or two heads per thread."""
+    saved, kt.cb.STORE_PAIR = kt.cb.STORE_PAIR, frozenset({(2, rule)} if pair else ())
+    kt.cb._store_plans.clear()
+    try:
+        return kt.bench_store(rule, 1)
+    finally:
+        kt.cb.STORE_PAIR = saved
+        kt.cb._store_plans.clear()
+
+
 CASES = {
+    "store_static6_single": lambda: _store_shape("static6", False),
+    "store_static6_pair": lambda: _store_shape("static6", True),
     "store_static6": lambda: kt.bench_store("static6", 1),
     "store_4over6": lambda: kt.bench_store("4over6", 1),
     "gather_bf16": lambda: kt.bench_gather(1),

@@ -33,6 +33,7 @@ import cupy
 import numpy as np
 
 from . import _kernels as K
+from . import _pdl
 from .layout import GROUP, PageGeometry
 
 __all__ = [
@@ -120,10 +121,13 @@ def _blocks(total: int) -> tuple[int]:
     return ((total + _THREADS - 1) // _THREADS,)
 
 
-#: (input itemsize, rule) pairs whose store kernel gives each thread two adjacent groups
-#: of one (token, head), where D/16 is even (see ``kernels/paged_kv.cu``).  Measured
-#: slower on the H200 (bench/KERNEL_NOTES.md, v15), so none by default.
-STORE_PAIR: frozenset = frozenset()
+#: (input itemsize, rule) pairs whose store kernel gives each thread the same group of
+#: two heads (h and h + H/2) of one token, where H is even (``kernels/paged_kv.cu``, NH):
+#: bf16/f16 static6, measured faster on the H200 (bench/KERNEL_NOTES.md, v17); 4over6 and
+#: float32 inputs would need too many registers.
+STORE_PAIR: frozenset = frozenset({(2, "static6")})
+#: Launch the store after a claim pass with programmatic dependent launch (sm_90+).
+STORE_PDL = True
 
 
 def _decode_blocks(chunks: int) -> tuple[int]:
@@ -226,9 +230,10 @@ STORE_PARAMS_DTYPE = np.dtype(
     [(f, np.uint64) for f in ("buffer", "stats", "claim", "epoch")]
     + [(f, np.int64) for f in ("k_tok_stride", "k_head_stride", "v_tok_stride",
                              "v_head_stride", "num_slots", "side_bytes", "data_bytes")]
-    + [("os_tab", np.uint64)]
+    + [("os_tab", np.uint64), ("k_pair_bytes", np.int64), ("v_pair_bytes", np.int64)]
     + [(f, np.uint32) for f in ("n_tokens", "total", "hg", "hg_m", "hg_s", "gd", "g_m", "g_s",
-                                "td", "t_m", "t_s", "H", "nhd", "swizzle", "dedup", "swz_m")]
+                                "td", "t_m", "t_s", "H", "nhd", "swizzle", "dedup", "swz_m",
+                                "pair_rows")]
     + [(f, np.float32) for f in ("k_s", "k_g", "v_s", "v_g")]
     + [("pk", np.uint32, (8,))],
     align=True,
@@ -277,7 +282,7 @@ def _os_table(k_s, v_s):
 _store_plans: dict = {}
 
 
-def _store_plan(key, buffer, slots, k, v, geom, rule, k_s, k_g, v_s, v_g):
+def _store_plan(key, buffer, slots, k, v, geom, rule, k_s, k_g, v_s, v_g, unique_slots=False):
     n = k.shape[0]
     pa = _page_args(geom, buffer.shape[0])
     es = k.itemsize
@@ -285,31 +290,36 @@ def _store_plan(key, buffer, slots, k, v, geom, rule, k_s, k_g, v_s, v_g):
     vec = (pa["side_ok"] and buffer.data.ptr % 8 == 0
            and _aligned(k.data.ptr, kst[0], kst[1]) and _aligned(v.data.ptr, vst[0], vst[1]))
     sl = _index_name(slots.dtype, "slot_mapping")
-    G = geom.head_dim // GROUP
-    pair = G % 2 == 0 and (k.itemsize, rule) in STORE_PAIR
+    G, H = geom.head_dim // GROUP, geom.num_heads
+    pair = H % 2 == 0 and (k.itemsize, rule) in STORE_PAIR
     fn = _kernel(K.store_spec(_dtype_name(k.dtype, "k"), rule, sl, vec, pair))
-    if pair:  # threads cover (token, head, pair of groups)
-        hg, fg = fastdiv(geom.num_heads * G // 2), fastdiv(G // 2)
-    else:
-        hg, fg = pa["HG"], pa["fG"]
-    ft = pa["fT"]
+    # threads cover (token, head, group), or (token, head pair, group) with heads h, h + H/2
+    hg, fg, ft = (fastdiv(H // 2 * G) if pair else pa["HG"]), pa["fG"], pa["fT"]
+    half = H // 2
+    pair_rows = half if geom.layout == "NHD" else half * geom.block_size
     total = n * int(hg[0])
-    dedup = 1 if n <= SCAN_MAX_TOKENS else 2
+    # duplicate slots: none promised (0), scan the later tokens (1) or claim pass (2)
+    dedup = 0 if unique_slots else 1 if n <= SCAN_MAX_TOKENS else 2
     os_tab = _os_table(k_s, v_s)
     params = np.array((0, 0, 0, 0, kst[0] // es, kst[1] // es, vst[0] // es,
                        vst[1] // es,
-                       pa["num_slots"], pa["side"], pa["data"], os_tab.data.ptr, n, total,
+                       pa["num_slots"], pa["side"], pa["data"], os_tab.data.ptr,
+                       half * kst[1], half * vst[1], n, total,
                        hg[0], hg[1], hg[2], fg[0], fg[1], fg[2], ft[0], ft[1], ft[2],
-                       pa["H"], pa["nhd"], pa["swz"], dedup, pa["swz_m"], k_s, k_g, v_s, v_g,
+                       pa["H"], pa["nhd"], pa["swz"], dedup, pa["swz_m"], pair_rows,
+                       k_s, k_g, v_s, v_g,
                        _PACK_MULTIPLIERS),
                       dtype=STORE_PARAMS_DTYPE)
-    claim = None
-    if dedup == 2:
-        claim = _kernel(K.claim_spec(sl))
+    claim = pdl = None
+    block = _THREADS
     per = _THREADS * (1 if pair else K.tuning("FP4C_STORE_ITEMS"))
     grid = (total + per - 1) // per
+    if dedup == 2:
+        claim = _kernel(K.claim_spec(sl))
+        # the store may start during the claim pass (its loads overlap it): sm_90+
+        pdl = _pdl.launcher(fn, grid, block, params.copy(), 3) if STORE_PDL else None
     # the plan keeps os_tab alive: params holds its address
-    plan = (fn, claim, (grid,), params, pa["num_slots"], os_tab)
+    plan = (fn, claim, (grid,), params, pa["num_slots"], os_tab, pdl, (block,))
     if len(_store_plans) > 4096:
         _store_plans.clear()
     _store_plans[key] = plan
@@ -317,7 +327,7 @@ def _store_plan(key, buffer, slots, k, v, geom, rule, k_s, k_g, v_s, v_g):
 
 
 def store(buffer, slot_mapping, k, v, *, geom: PageGeometry, rule, k_s, k_g, v_s, v_g,
-          stats) -> None:
+          stats, unique_slots: bool = False) -> None:
     """Quantize K/V ``[N, H, D]`` and scatter them into the page pool ``buffer``."""
     n = k.shape[0]
     if n == 0:
@@ -327,7 +337,7 @@ def store(buffer, slot_mapping, k, v, *, geom: PageGeometry, rule, k_s, k_g, v_s
     kp, vp, bp = k.data.ptr, v.data.ptr, buffer.data.ptr
     key = (geom, buffer.shape[0], bp & 15, kp & 15, vp & 15, k.strides, v.strides, n,
            k.dtype, slots.dtype, rule, float(k_s), float(k_g), float(v_s), float(v_g),
-           cupy.cuda.runtime.getDevice())
+           cupy.cuda.runtime.getDevice(), unique_slots)
     plan = _store_plans.get(key)
     if plan is None:
         pa = _page_args(geom, buffer.shape[0])
@@ -336,25 +346,35 @@ def store(buffer, slot_mapping, k, v, *, geom: PageGeometry, rule, k_s, k_g, v_s
             for a in range(0, n, max_tokens):
                 b = min(n, a + max_tokens)
                 store(buffer, slots[a:b], k[a:b], v[a:b], geom=geom, rule=rule, k_s=k_s,
-                      k_g=k_g, v_s=v_s, v_g=v_g, stats=stats)
+                      k_g=k_g, v_s=v_s, v_g=v_g, stats=stats, unique_slots=unique_slots)
             return
-        plan = _store_plan(key, buffer, slots, k, v, geom, rule, k_s, k_g, v_s, v_g)
-    fn, claim_fn, grid, params, num_slots, _ = plan
-    p = params.copy()
-    p["buffer"] = buffer.data.ptr
-    p["stats"] = stats.data.ptr
+        plan = _store_plan(key, buffer, slots, k, v, geom, rule, k_s, k_g, v_s, v_g,
+                           unique_slots)
+    fn, claim_fn, grid, params, num_slots, _, pdl, block = plan
     if claim_fn is None:
-        fn(grid, _BLOCK, (slots, k, v, p[()]))
+        p = params.copy()
+        p["buffer"] = buffer.data.ptr
+        p["stats"] = stats.data.ptr
+        fn(grid, block, (slots, k, v, p[()]))
         return
     table, epoch = _claim_state(int(num_slots))
+    claim_fn(_blocks(n), _BLOCK, (slots, table, epoch, _U32(n), num_slots))
+    stream = cupy.cuda.get_current_stream()
+    p = params.copy() if pdl is None or _pdl.capturing(stream) else None
+    if p is None:
+        pdl(stream.ptr, (slots.data.ptr, k.data.ptr, v.data.ptr),
+            {"buffer": buffer.data.ptr, "stats": stats.data.ptr, "claim": table.data.ptr,
+             "epoch": epoch.data.ptr})
+        return
+    p["buffer"] = buffer.data.ptr
+    p["stats"] = stats.data.ptr
     p["claim"] = table.data.ptr
     p["epoch"] = epoch.data.ptr
-    claim_fn(_blocks(n), _BLOCK, (slots, table, epoch, _U32(n), num_slots))
-    fn(grid, _BLOCK, (slots, k, v, p[()]))
+    fn(grid, block, (slots, k, v, p[()]))
 
 
 def store_launcher(buffer, slot_mapping, k, v, *, geom: PageGeometry, rule, k_s, k_g, v_s,
-                   v_g, stats):
+                   v_g, stats, unique_slots: bool = False):
     """A closure ``launch(slot_mapping, k, v)`` doing what :func:`store` does for arguments
     with the same shapes, strides, dtypes, pointer alignment and device, or ``None``.
 
@@ -366,11 +386,12 @@ def store_launcher(buffer, slot_mapping, k, v, *, geom: PageGeometry, rule, k_s,
         return None
     key = (geom, buffer.shape[0], buffer.data.ptr & 15, k.data.ptr & 15, v.data.ptr & 15,
            k.strides, v.strides, n, k.dtype, slot_mapping.dtype, rule, float(k_s), float(k_g),
-           float(v_s), float(v_g), cupy.cuda.runtime.getDevice())
+           float(v_s), float(v_g), cupy.cuda.runtime.getDevice(), unique_slots)
     plan = _store_plans.get(key)
     if plan is None:
-        plan = _store_plan(key, buffer, slot_mapping, k, v, geom, rule, k_s, k_g, v_s, v_g)
-    fn, claim_fn, grid, params, _, _ = plan
+        plan = _store_plan(key, buffer, slot_mapping, k, v, geom, rule, k_s, k_g, v_s, v_g,
+                           unique_slots)
+    fn, claim_fn, grid, params, _, _, _, _ = plan
     if claim_fn is not None:
         return None
     p = params.copy()

@@ -99,7 +99,7 @@ def _vec(vec: bool) -> tuple[str, str]:
 
 def store_spec(dtype: str, rule: str, slot: str, vec: bool = True, pair: bool = False) -> Spec:
     """Paged store of K and V (``dtype`` in bf16/f16/f32, ``slot`` in i32/i64); ``pair``:
-    each thread encodes two adjacent groups of one (token, head) (needs D/16 even)."""
+    each thread encodes one group of two heads, h and h + H/2, of a token (needs H even)."""
     v, sfx = _vec(vec)
     name = f"fp4cache_store_{dtype}_{rule}_{slot}{'_pair' if pair else ''}{sfx}"
     return Spec("paged_kv.cu", "FP4C_STORE_KERNEL", name,
@@ -218,6 +218,7 @@ TUNING: dict[str, int] = {
     "FP4C_LL_WIDE_TILES": 2,     # 1024-chunk tiles per CTA of the wide LongLive decode
     "FP4C_ABSMAX16": 1,          # bf16 group max on 16-bit pairs
     "FP4C_PACK_EARLY": 1,        # 4over6: pack each candidate's codes as soon as possible
+    "FP4C_E4M3_CVT": 1,          # sm_89+: scale bytes by the E4M3 conversion instruction
 }
 
 #: Extra ``NAME=VALUE`` macro definitions (tuning experiments, see
@@ -259,6 +260,13 @@ def build_source(file: str, specs: list[Spec] | tuple[Spec, ...]) -> str:
     defs = "".join(f"#define {k} {v}\n" for k, v in sorted(_EFFECTIVE.items()))
     preamble = f"// fp4cache specializations\n{defs}#define FP4C_INSTANTIATIONS \\\n    {body}\n"
     return preamble + _read_inlined(file)
+
+
+def common_source() -> str:
+    """The tuning macros and ``fp4_common.cuh``, inlined: a prefix for test kernels that
+    call the shared device functions directly."""
+    defs = "".join(f"#define {k} {v}\n" for k, v in sorted(_EFFECTIVE.items()))
+    return defs + _read_inlined("fp4_common.cuh")
 
 
 _MODULES: dict[tuple[int, Spec], object] = {}

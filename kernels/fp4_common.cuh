@@ -21,7 +21,7 @@
 // values: the host sizes its grids from the same numbers.
 #if !defined(FP4C_DECODE_CHUNKS) || !defined(FP4C_STORE_ITEMS) || \
     !defined(FP4C_STORE_MIN_BLOCKS) || !defined(FP4C_LL_WIDE_TILES) || \
-    !defined(FP4C_ABSMAX16) || !defined(FP4C_PACK_EARLY)
+    !defined(FP4C_ABSMAX16) || !defined(FP4C_PACK_EARLY) || !defined(FP4C_E4M3_CVT)
 #error "fp4cache tuning macros missing: build the source with fp4cache._kernels.build_source"
 #endif
 
@@ -280,7 +280,10 @@ FP4C_DEVICE void unpack_raw(const RawGroup<T>& r, Group16& g) {
 // E4M3 (satfinite, RNE) byte of a float32 v >= 0 (+inf allowed, NaN never passed).
 // Clipping to 448 first then rounding is what ml_dtypes' float8_e4m3fn gives
 // for the clipped value; subnormals (multiples of 2^-9 below 2^-6) are kept.
-FP4C_DEVICE u32 e4m3_encode_nonneg(float v) {
+// Software version (every architecture); e4m3_encode_nonneg below picks the
+// conversion instruction where there is one (checked equal on every input by
+// tests/test_gpu_decode_paths.py).
+FP4C_DEVICE u32 e4m3_encode_nonneg_sw(float v) {
   v = f_min(v, 448.0f);
   const u32 u = __float_as_uint(v);
   if (__float_as_uint(v) < 0x3C800000u) {  // below 2^-6: subnormal E4M3, step 2^-9
@@ -291,6 +294,18 @@ FP4C_DEVICE u32 e4m3_encode_nonneg(float v) {
   // Normal: keep 3 mantissa bits, RNE on the dropped 20 bits.
   const u32 r = u + 0x7FFFFu + ((u >> 20) & 1u);
   return (r >> 20) - (120u << 3);
+}
+
+// The same byte from sm_89's cvt.rn.satfinite.e4m3x2.f32 (RNE, out-of-range and +inf to
+// 448, subnormals kept): one conversion instead of about ten integer operations.
+FP4C_DEVICE u32 e4m3_encode_nonneg(float v) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890 && FP4C_E4M3_CVT
+  unsigned short h;
+  asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(h) : "f"(0.0f), "f"(v));
+  return h;  // the high byte holds the conversion of 0.0f: 0
+#else
+  return e4m3_encode_nonneg_sw(v);
+#endif
 }
 
 // Float value of an E4M3 byte (0x7F / 0xFF are NaN).

@@ -40,6 +40,14 @@ FP4C_DEVICE i64 load_slot(const void* p, i64 i) {
   return (i64)((const SlotT*)p)[i];
 }
 
+// Wait until the grid this one depends on (programmatic dependent launch) has finished
+// and its writes are visible; returns at once in an ordinary launch.
+FP4C_DEVICE void grid_dependency_wait() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+
 // slot -> (page, t).  Slots below 2^31 use the fast divider.
 FP4C_DEVICE void split_slot(i64 slot, const FastDiv& fT, u64& page, u32& t) {
   if (slot < 0x7FFFFFFFll) {
@@ -63,130 +71,182 @@ struct StoreParams {
   i64 k_tok_stride, k_head_stride, v_tok_stride, v_head_stride;  // elements
   i64 num_slots, side_bytes, data_bytes;
   u64 os_tab;  // const float*: EncodeAux::os_tab, K's 128 entries then V's
+  i64 k_pair_bytes, v_pair_bytes;  // NH = 2: input offset of head h + H/2 from head h
   u32 n_tokens, total, hg, hg_m, hg_s, gd, g_m, g_s, td, t_m, t_s, H, nhd, swizzle, dedup, swz_m;
+  u32 pair_rows;  // NH = 2: pool row of head h + H/2 minus that of head h (H/2 or T*H/2)
   float k_s, k_g, v_s, v_g;
   u32 pk[8];  // code-packing multipliers (EncodeAux::pk)
 };
 
-// Groups per thread of the store (loads of all of them are issued first).
+// NH = heads per thread: 1, or 2 when H is even.  With NH = 2 a thread encodes group g of
+// heads h and h + H/2 of one token (K and V of each): the slot lookup, the duplicate
+// check and the page address are shared, and the second head's pool offsets are the
+// first's plus one constant (pair_rows rows), in both layouts and with the swizzle
+// (it moves t only).  The host passes hg = (H/NH)*G.
 
-// NG = groups per item along head_dim (1, or 2 when G is even: the two groups of one
-// (token, head) share the slot lookup, the claim check and the address arithmetic).
-// In NG = 2 kernels the host passes hg = H*G/2 and gd = G/2.
-template <typename T, int RULE, typename SlotT, bool VEC, int NG>
+// Token, (first) head and group of work item gid.
+struct StoreItem {
+  u32 i, h, g, rem;  // rem = h*G + g
+};
+FP4C_DEVICE StoreItem store_item(u32 gid, const StoreParams& P) {
+  const FastDiv fHG{P.hg, P.hg_m, P.hg_s}, fG{P.gd, P.g_m, P.g_s};
+  StoreItem it;
+  it.i = fdiv(gid, fHG);
+  it.rem = gid - it.i * fHG.d;
+  it.h = fdiv(it.rem, fG);
+  it.g = it.rem - it.h * fG.d;
+  return it;
+}
+
+// Address of the item's K (or V) group in the input.
+template <typename T>
+FP4C_DEVICE const char* store_src(const void* x, const StoreItem& it, i64 tok_stride,
+                                  i64 head_stride) {
+  return (const char*)x + (it.i * tok_stride + it.h * head_stride + it.g * 16) * T::kBytes;
+}
+
+// Whether token it.i writes slot `slot` (a valid slot, no later duplicate), counting
+// out-of-range slots once per token.  dedup: 1 = scan the later tokens, 2 = claim
+// table (claim_key = epoch << 32 | (i+1) is what the claim pass left for the winner).
+template <typename SlotT>
+FP4C_DEVICE bool store_slot_live(const void* slots, i64 slot, const StoreItem& it,
+                                 const StoreParams& P) {
+  if (slot < 0) return false;
+  if (slot >= P.num_slots) {
+    if (it.rem == 0) atomicAdd((u64*)P.stats + 2, 1ull);
+    return false;
+  }
+  if (P.dedup == 1) {
+    for (u32 q = it.i + 1; q < P.n_tokens; ++q) {
+      if (load_slot<SlotT>(slots, q) == slot) return false;
+    }
+  } else if (P.dedup == 2) {
+    // Launched with programmatic dependent launch (sm_90+), the store may start while
+    // the claim pass runs: the loads before this overlap it, and this waits for its end
+    // (a no-op in an ordinary launch).  Then the claim pass has advanced the epoch to
+    // the one its keys carry.
+    grid_dependency_wait();
+    const u64 key = ((u64)((const u32*)P.epoch)[0] << 32) | (u64)(it.i + 1);
+    return ((const u64*)P.claim)[slot] == key;
+  }
+  return true;
+}
+
+// Where the item's groups go: the page's K side, the data offset and both scale offsets
+// of head it.h (the other head of a pair adds pair_rows rows to each).
+struct StoreDest {
+  u8* kside;
+  u64 doff, ksoff, vsoff;
+};
+FP4C_DEVICE StoreDest store_dest(i64 slot, const StoreItem& it, const StoreParams& P) {
+  const FastDiv fT{P.td, P.t_m, P.t_s};
+  const u32 G = P.gd, Tn = fT.d, g = it.g;
+  u64 page;
+  u32 t;
+  split_slot(slot, fT, page, t);
+  const u32 row = row_index(t, it.h, P.H, Tn, P.nhd);
+  StoreDest d;
+  d.kside = (u8*)P.buffer + page * (u64)(2 * P.side_bytes);
+  d.doff = (u64)row * (G * 8) + g * 8;
+  d.ksoff = (u64)P.data_bytes + (u64)row * G + g;
+  d.vsoff = d.ksoff;
+  if (P.swizzle) {
+    // Q = G/4; g / Q as (g * ceil(2^20/Q)) >> 20 (exact for g < 4Q, Q < 512)
+    const u32 gq = (g * P.swz_m) >> 20;
+    const u32 ts = (t & ~3u) + gq;
+    const u32 ss = (g - gq * (G >> 2)) * 4 + (t & 3u);
+    d.vsoff = (u64)P.data_bytes + (u64)row_index(ts, it.h, P.H, Tn, P.nhd) * G + ss;
+  }
+  return d;
+}
+
+// Encode the NH K groups and NH V groups of one item.
+template <typename T, int RULE, int NH>
+FP4C_DEVICE void store_encode(const RawGroup<T>* rk, const RawGroup<T>* rv, const StoreParams& P,
+                              const u32* pk, Encoded16* ek, Encoded16* ev) {
+  const float* __restrict__ os_tab = (const float*)P.os_tab;
+#pragma unroll
+  for (int q = 0; q < NH; ++q) {
+    Group16 xk, xv;
+    unpack_raw(rk[q], xk);
+    unpack_raw(rv[q], xv);
+    bool nk, nv;
+    float mk, mv;
+    if constexpr (FP4C_ABSMAX16 && T::kIsBf16) {
+      mk = bf16_group_abs_max(rk[q].w, nk);
+      mv = bf16_group_abs_max(rv[q].w, nv);
+    } else {
+      mk = group_abs_max(xk, nk);
+      mv = group_abs_max(xv, nv);
+    }
+    ek[q] = encode_group_m<RULE, true>(xk, mk, nk, P.k_s, P.k_g, EncodeAux{os_tab, pk});
+    ev[q] = encode_group_m<RULE, true>(xv, mv, nv, P.v_s, P.v_g, EncodeAux{os_tab + 128, pk});
+  }
+}
+
+// Write an item's encoded groups to its page and count its non-finite groups.
+template <bool VEC, int NH>
+FP4C_DEVICE void store_write(const Encoded16* ek, const Encoded16* ev, const StoreDest& d,
+                             const StoreParams& P) {
+  const u32 G = P.gd;
+  u8* ks = d.kside;
+  u8* vs = ks + P.side_bytes;
+  u32 bad_k = 0u, bad_v = 0u;
+#pragma unroll
+  for (int q = 0; q < NH; ++q) {
+    bad_k += ek[q].nonfinite ? 1u : 0u;
+    bad_v += ev[q].nonfinite ? 1u : 0u;
+    const u32 dr = q * P.pair_rows;  // pool rows from head h to this head
+    const u64 o = d.doff + (u64)dr * (G * 8);
+    store_codes<VEC>(ks + o, ek[q]);
+    store_codes<VEC>(vs + o, ev[q]);
+    ks[d.ksoff + (u64)dr * G] = (u8)ek[q].scale;
+    vs[d.vsoff + (u64)dr * G] = (u8)ev[q].scale;
+  }
+  if ((bad_k | bad_v) != 0u) {
+    if (bad_k) atomicAdd((u64*)P.stats + 0, (u64)bad_k);
+    if (bad_v) atomicAdd((u64*)P.stats + 1, (u64)bad_v);
+  }
+}
+
+// One kernel thread per item (M = FP4C_STORE_ITEMS items per thread when NH = 1): the
+// loads of every item are issued first, then the slots resolved, then the groups encoded.
+template <typename T, int RULE, typename SlotT, bool VEC, int NH>
 FP4C_DEVICE void store_impl(const void* __restrict__ slots, const void* __restrict__ k,
                             const void* __restrict__ v, const StoreParams& P) {
-  u8* __restrict__ buffer = (u8*)P.buffer;
-  u64* __restrict__ stats = (u64*)P.stats;
-  const u64* __restrict__ claim = (const u64*)P.claim;
-  const u32* __restrict__ epoch = (const u32*)P.epoch;
-  const float* __restrict__ os_tab = (const float*)P.os_tab;
-  const i64 k_tok_stride = P.k_tok_stride, k_head_stride = P.k_head_stride;
-  const i64 v_tok_stride = P.v_tok_stride, v_head_stride = P.v_head_stride;
-  const i64 num_slots = P.num_slots, side_bytes = P.side_bytes, data_bytes = P.data_bytes;
-  const u32 n_tokens = P.n_tokens, total = P.total, H = P.H, nhd = P.nhd;
-  const u32 swizzle = P.swizzle, dedup = P.dedup, swz_m = P.swz_m;
-  const float k_s = P.k_s, k_g = P.k_g, v_s = P.v_s, v_g = P.v_g;
-  const FastDiv fHG{P.hg, P.hg_m, P.hg_s}, fG{P.gd, P.g_m, P.g_s}, fT{P.td, P.t_m, P.t_s};
-  const u32 G = fG.d * NG, Tn = fT.d;
   const u32 pk[8] = {P.pk[0], P.pk[1], P.pk[2], P.pk[3], P.pk[4], P.pk[5], P.pk[6], P.pk[7]};
-  constexpr int M = NG == 1 ? FP4C_STORE_ITEMS : 1;
-  // Phase 1: for each of the thread's M items, issue the loads, then resolve the slot.
-  RawGroup<T> rk[M][NG], rv[M][NG];
-  u8* kside[M];
-  u64 doff[M], ksoff[M], vsoff[M][NG];
+  constexpr int M = NH == 1 ? FP4C_STORE_ITEMS : 1;
+  RawGroup<T> rk[M][NH], rv[M][NH];
+  StoreDest dest[M];
   bool live[M];
   const u32 base = blockIdx.x * (blockDim.x * M) + threadIdx.x;
 #pragma unroll
   for (int j = 0; j < M; ++j) {
     live[j] = false;
     const u32 gid = base + j * blockDim.x;
-    if (gid >= total) continue;
-    const u32 i = fdiv(gid, fHG);
-    const u32 rem = gid - i * fHG.d;
-    const u32 h = fdiv(rem, fG);
-    const u32 g0 = (rem - h * fG.d) * NG;
+    if (gid >= P.total) continue;
+    const StoreItem it = store_item(gid, P);
     // K/V addresses depend on (i, h, g) only: issue their loads first, so that they are
     // in flight while the slot (and its claim) is looked up.  A skipped or losing
     // token's loads are simply not used.
-    const char* kp = (const char*)k + (i * k_tok_stride + h * k_head_stride + g0 * 16) * T::kBytes;
-    const char* vp = (const char*)v + (i * v_tok_stride + h * v_head_stride + g0 * 16) * T::kBytes;
+    const char* kp = store_src<T>(k, it, P.k_tok_stride, P.k_head_stride);
+    const char* vp = store_src<T>(v, it, P.v_tok_stride, P.v_head_stride);
 #pragma unroll
-    for (int q = 0; q < NG; ++q) {
-      load_raw<T, VEC>(kp + q * 16 * T::kBytes, rk[j][q]);
-      load_raw<T, VEC>(vp + q * 16 * T::kBytes, rv[j][q]);
+    for (int q = 0; q < NH; ++q) {
+      load_raw<T, VEC>(kp + q * P.k_pair_bytes, rk[j][q]);
+      load_raw<T, VEC>(vp + q * P.v_pair_bytes, rv[j][q]);
     }
-    const i64 slot = load_slot<SlotT>(slots, i);
-    if (slot < 0) continue;
-    if (slot >= num_slots) {
-      if (rem == 0) atomicAdd(stats + 2, 1ull);
-      continue;
-    }
-    bool loser = false;
-    if (dedup == 1) {
-      for (u32 q = i + 1; q < n_tokens; ++q) {
-        if (load_slot<SlotT>(slots, q) == slot) {
-          loser = true;
-          break;
-        }
-      }
-    } else if (dedup == 2) {
-      // the claim pre-pass has already advanced the epoch to the one its keys carry
-      loser = claim[slot] != (((u64)epoch[0] << 32) | (u64)(i + 1));
-    }
-    if (loser) continue;
+    const i64 slot = load_slot<SlotT>(slots, it.i);
+    if (!store_slot_live<SlotT>(slots, slot, it, P)) continue;
     live[j] = true;
-    u64 page;
-    u32 t;
-    split_slot(slot, fT, page, t);
-    const u32 row = row_index(t, h, H, Tn, nhd);
-    kside[j] = buffer + page * (u64)(2 * side_bytes);
-    doff[j] = (u64)row * (G * 8) + g0 * 8;
-    ksoff[j] = (u64)data_bytes + (u64)row * G + g0;
-#pragma unroll
-    for (int q = 0; q < NG; ++q) {
-      const u32 g = g0 + q;
-      vsoff[j][q] = ksoff[j] + q;
-      if (swizzle) {
-        // Q = G/4; g / Q as (g * ceil(2^20/Q)) >> 20 (exact for g < 4Q, Q < 512)
-        const u32 gq = (g * swz_m) >> 20;
-        const u32 ts = (t & ~3u) + gq;
-        const u32 ss = (g - gq * (G >> 2)) * 4 + (t & 3u);
-        vsoff[j][q] = (u64)data_bytes + (u64)row_index(ts, h, H, Tn, nhd) * G + ss;
-      }
-    }
+    dest[j] = store_dest(slot, it, P);
   }
-  // Phase 2: encode and write.
 #pragma unroll
   for (int j = 0; j < M; ++j) {
     if (!live[j]) continue;
-    u8* ks = kside[j];
-    u8* vs = ks + side_bytes;
-#pragma unroll
-    for (int q = 0; q < NG; ++q) {
-      Group16 xk, xv;
-      unpack_raw(rk[j][q], xk);
-      unpack_raw(rv[j][q], xv);
-      Encoded16 ek, ev;
-      bool nk, nv;
-      float mk, mv;
-      if constexpr (FP4C_ABSMAX16 && T::kIsBf16) {
-        mk = bf16_group_abs_max(rk[j][q].w, nk);
-        mv = bf16_group_abs_max(rv[j][q].w, nv);
-      } else {
-        mk = group_abs_max(xk, nk);
-        mv = group_abs_max(xv, nv);
-      }
-      ek = encode_group_m<RULE, true>(xk, mk, nk, k_s, k_g, EncodeAux{os_tab, pk});
-      ev = encode_group_m<RULE, true>(xv, mv, nv, v_s, v_g, EncodeAux{os_tab + 128, pk});
-      if (ek.nonfinite) atomicAdd(stats + 0, 1ull);
-      if (ev.nonfinite) atomicAdd(stats + 1, 1ull);
-      const u64 d = doff[j] + q * 8;
-      store_codes<VEC>(ks + d, ek);
-      store_codes<VEC>(vs + d, ev);
-      ks[ksoff[j] + q] = (u8)ek.scale;
-      vs[vsoff[j][q]] = (u8)ev.scale;
-    }
+    Encoded16 ek[NH], ev[NH];
+    store_encode<T, RULE, NH>(rk[j], rv[j], P, pk, ek, ev);
+    store_write<VEC, NH>(ek, ev, dest[j], P);
   }
 }
 
@@ -196,19 +256,28 @@ FP4C_DEVICE void store_impl(const void* __restrict__ slots, const void* __restri
   const void *__restrict__ slots, const void *__restrict__ k, const void *__restrict__ v,  \
       const StoreParams params
 
-// NAME, value type, rule, slot type, vectorized loads/stores
-#define FP4C_STORE_KERNEL(NAME, T, RULE, SLOT, VEC, NG)                                     \
+// NAME, value type, rule, slot type, vectorized loads/stores, heads per thread
+#define FP4C_STORE_KERNEL(NAME, T, RULE, SLOT, VEC, NH)                                     \
   extern "C" __global__ void __launch_bounds__(256, FP4C_STORE_MIN_BLOCKS)                  \
       NAME(FP4C_STORE_PARAMS) {                                                             \
-    store_impl<T, RULE, SLOT, VEC, NG>(slots, k, v, params);                                \
+    store_impl<T, RULE, SLOT, VEC, NH>(slots, k, v, params);                                \
   }
 
 // ---------------------------------------------------------------------------
 // claim (dedup mode 2)
 // ---------------------------------------------------------------------------
+// Programmatic dependent launch (sm_90+): the claim pass lets the store start at once;
+// the store waits for the claim pass to finish before it reads the claim table.
+FP4C_DEVICE void allow_dependent_launch() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+
 template <typename SlotT>
 FP4C_DEVICE void claim_impl(const void* __restrict__ slots, u64* __restrict__ claim,
                             u32* __restrict__ epoch, u32 n_tokens, i64 num_slots) {
+  allow_dependent_launch();
   const u32 i = blockIdx.x * blockDim.x + threadIdx.x;
   if (i < n_tokens) {
     const i64 slot = load_slot<SlotT>(slots, i);

@@ -34,6 +34,35 @@ def _same(gpu, ref):
     assert_same_values(cp.asnumpy(gpu), ref)
 
 
+_E4M3_CHECK = r"""
+extern "C" __global__ void e4m3_check(unsigned long long* bad, unsigned int* first) {
+  // every float32 bit pattern from +0 to +inf
+  const u32 stride = gridDim.x * blockDim.x;
+  for (u32 u = blockIdx.x * blockDim.x + threadIdx.x; u <= 0x7F800000u; u += stride) {
+    const float v = __uint_as_float(u);
+    if (e4m3_encode_nonneg(v) != e4m3_encode_nonneg_sw(v)) {
+      atomicAdd(bad, 1ull);
+      atomicMin(first, u);
+    }
+  }
+}
+"""
+
+
+def test_e4m3_conversion_instruction_matches_software_on_every_input():
+    """The scale byte from sm_89's cvt.rn.satfinite.e4m3x2.f32 (what the kernels use
+    there) equals the software encoder's, which the NumPy backend matches, on every
+    non-negative float32 up to +inf.  On older devices both are the software one."""
+    from fp4cache import _kernels
+
+    mod = cp.RawModule(code=_kernels.common_source() + _E4M3_CHECK,
+                       options=_kernels.NVRTC_OPTIONS)
+    bad = cp.zeros(1, cp.uint64)
+    first = cp.full(1, 0xFFFFFFFF, cp.uint32)
+    mod.get_function("e4m3_check")((132 * 8,), (256,), (bad, first))
+    assert int(bad[0]) == 0, f"{int(bad[0])} mismatches, first at bits {int(first[0]):#010x}"
+
+
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16", "float32"])
 @pytest.mark.parametrize("scale", [1e-45, 3e-39, 1 / 448, 1.0, 2.0**115, 2.0**116, 1e37, 3e38])
 def test_decode_every_code_and_scale_byte_at_extreme_scales(dtype, scale):
@@ -188,19 +217,24 @@ def test_store_plan_made_during_graph_capture():
                                                           (4, "static6"), (4, "4over6")})])
 @pytest.mark.parametrize("dtype", [BF16, np.dtype(np.float16), np.dtype(np.float32)])
 @pytest.mark.parametrize("rule", ["static6", "4over6"])
-@pytest.mark.parametrize("D,layout,swz", [(64, "HND", True), (128, "NHD", True),
-                                          (192, "HND", False), (80, "NHD", False)])
-@pytest.mark.parametrize("n", [40, 300])
-def test_store_one_or_two_groups_per_thread(pair, dtype, rule, D, layout, swz, n, monkeypatch):
-    """Both store kernel shapes (one group, or two adjacent groups per thread; D=80 has
-    an odd number of groups and always takes the first) write the NumPy backend's bytes,
-    with padding (-1) and duplicate slots, through the scan (40) and claim (300) paths."""
+@pytest.mark.parametrize("D,layout,swz,H", [(64, "HND", True, 4), (128, "NHD", True, 6),
+                                            (192, "HND", False, 2), (80, "NHD", False, 3),
+                                            (128, "HND", True, 3)])
+@pytest.mark.parametrize("n,pdl", [(40, True), (300, True), (300, False), (2000, True)])
+def test_store_one_or_two_heads_per_thread(pair, dtype, rule, D, layout, swz, H, n, pdl,
+                                           monkeypatch):
+    """Both store kernel shapes (one group per thread, or the same group of heads h and
+    h + H/2; an odd H always takes the first) write the NumPy backend's bytes, with
+    padding (-1) and duplicate slots, through the scan (40) and claim (300, 2000) paths,
+    the store launched after the claim pass with or without programmatic dependent
+    launch."""
     from fp4cache import _cupy_backend
 
     monkeypatch.setattr(_cupy_backend, "STORE_PAIR", pair)
+    monkeypatch.setattr(_cupy_backend, "STORE_PDL", pdl)
     _cupy_backend.clear_caches()
-    rng = np.random.default_rng(n + D)
-    H, T, nb = 3, 16, 24
+    rng = np.random.default_rng(n + D + H)
+    T, nb = 16, 160
     kw = dict(num_blocks=nb, block_size=T, num_heads=H, head_dim=D, layout=layout,
               scale_rule=rule, k_scale=0.02, v_scale=0.5, swizzle_v_scales=swz)
     c_cpu = PagedKVCache(**kw, device="cpu")
