@@ -138,8 +138,11 @@ def _last_occurrence(slots: np.ndarray) -> np.ndarray:
 
 
 def store(buffer, slot_mapping, k, v, *, geom: PageGeometry, rule, k_s, k_g, v_s, v_g,
-          stats) -> None:
-    """Quantize K/V ``[N, H, D]`` and scatter them into the page pool ``buffer``."""
+          stats, unique_slots: bool = False) -> None:
+    """Quantize K/V ``[N, H, D]`` and scatter them into the page pool ``buffer``.
+
+    ``unique_slots`` (a promise that lets the GPU skip its duplicate handling) changes
+    nothing here: the last occurrence always wins, one of the outcomes it allows."""
     slots = np.asarray(slot_mapping).astype(np.int64)
     num_slots = buffer.shape[0] * geom.block_size
     bad = slots >= num_slots

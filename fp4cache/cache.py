@@ -238,7 +238,8 @@ class PagedKVCache:
         )
 
     # -- store ---------------------------------------------------------------------------
-    def store(self, slot_mapping: Any, k: Any, v: Any, *, validate: bool | None = None) -> None:
+    def store(self, slot_mapping: Any, k: Any, v: Any, *, unique_slots: bool = False,
+              validate: bool | None = None) -> None:
         """Quantize K and V and write them into their pages.
 
         Parameters
@@ -248,22 +249,33 @@ class PagedKVCache:
             skipped (padding).  When a slot repeats, the last token wins.
         k, v : array, shape (N, H, D), bfloat16, float16 or float32
             Keys and values, any token and head strides (same dtype for both).
+        unique_slots : bool, default False
+            The caller promises that no slot repeats among the non-negative entries
+            (true of the slot mappings a serving engine builds).  The GPU backend then
+            skips its duplicate-slot work: the claim pass before the store of more than
+            128 tokens, the scan of the later tokens below that.  A repeated slot then
+            holds an unspecified mix of its tokens' groups; when validating, a repeated
+            slot raises ``ValueError`` instead.
         validate : bool, optional
             Override the cache's ``validate`` for this call.
 
         Raises
         ------
         TypeError, ValueError
-            Wrong dtype, shape or backend; the buffer is untouched.
+            Wrong dtype, shape or backend, or (when validating) a repeated slot with
+            ``unique_slots=True``; the buffer is untouched.
         IndexError
             (when validating) a slot is ``>= num_slots``; nothing is written.
         """
         check = self.validate if validate is None else validate
+        unique_slots = bool(unique_slots)
         sig = None
         if not check and self.device == "cuda":
             # Hot path of a decode step: arguments whose kind, shape, dtype and strides
             # were fully checked before go straight to the kernel launch.
             sig = _store_signature(slot_mapping, k, v)
+            if sig is not None:
+                sig = (sig, unique_slots)
             hit = self._fast.get(sig) if sig is not None else None
             if hit is not None:
                 if hit is not True:  # a prepared single launch (decode-step sizes)
@@ -271,7 +283,8 @@ class PagedKVCache:
                 elif k.shape[0]:
                     self._impl.store(self.buffer, slot_mapping, k, v, geom=self.geometry,
                                      rule=self.scale_rule, k_s=self._k_s, k_g=self._k_g,
-                                     v_s=self._v_s, v_g=self._v_g, stats=self._stats)
+                                     v_s=self._v_s, v_g=self._v_g, stats=self._stats,
+                                     unique_slots=unique_slots)
                 return
         be = self.device
         g = self.geometry
@@ -299,6 +312,15 @@ class PagedKVCache:
                     f"< num_slots = {self.num_slots} (negative slots are skipped); "
                     "nothing was stored"
                 )
+            if unique_slots:
+                host = slots.get() if self.device == "cuda" else np.asarray(slots)
+                valid = np.sort(host[host >= 0])
+                rep = valid[1:][valid[1:] == valid[:-1]]
+                if rep.size:
+                    raise ValueError(
+                        f"slot_mapping repeats slot {int(rep[0])} but unique_slots=True "
+                        "promises that no slot repeats; nothing was stored"
+                    )
         xp = _arrays.array_module(self.device)
         if k.strides[-1] != k.itemsize:
             k = xp.ascontiguousarray(k)
@@ -307,11 +329,13 @@ class PagedKVCache:
         self._impl.store(
             self.buffer, slots, k, v, geom=g, rule=self.scale_rule, k_s=self._k_s,
             k_g=self._k_g, v_s=self._v_s, v_g=self._v_g, stats=self._stats,
+            unique_slots=unique_slots,
         )
         if sig is not None and k is k_in and v is v_in and slots is slots_in:
             launch = self._impl.store_launcher(
                 self.buffer, slots, k, v, geom=g, rule=self.scale_rule, k_s=self._k_s,
-                k_g=self._k_g, v_s=self._v_s, v_g=self._v_g, stats=self._stats)
+                k_g=self._k_g, v_s=self._v_s, v_g=self._v_g, stats=self._stats,
+                unique_slots=unique_slots)
             self._remember(sig, True if launch is None else launch)
 
     # -- gather --------------------------------------------------------------------------

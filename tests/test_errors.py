@@ -558,3 +558,27 @@ def test_fuzz_store_and_gather(device, call):
                                  np.dtype(F32): "float32"}[kd])
     ref.assert_same_values(host(gk), wk)
     ref.assert_same_values(host(gv), wv)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("slots", [[3, 5, 3], [0, 7, -1, 7, -1]])
+def test_store_unique_slots_refuses_repeats_when_validating(device, slots):
+    """unique_slots=True with a repeated slot: ValueError naming the slot, buffer untouched;
+    without a repeat it stores what the default path stores."""
+    kw = dict(num_blocks=2, block_size=4, num_heads=2, head_dim=64, device=device,
+              validate=True)
+    cache, plain = PagedKVCache(**kw), PagedKVCache(**kw)
+    xp = np if device == "cpu" else __import__("cupy")
+    rng = np.random.default_rng(0)
+    k = xp.asarray(rng.standard_normal((4, 2, 64)).astype(np.float32))
+    cache.store(xp.arange(4), k, k)
+    plain.store(xp.arange(4), k, k)
+    before = cache.buffer.copy()
+    x = xp.asarray(rng.standard_normal((len(slots), 2, 64)).astype(np.float32))
+    with pytest.raises(ValueError, match=r"repeats slot \d+ but unique_slots=True"):
+        cache.store(xp.asarray(slots), x, x, unique_slots=True)
+    assert bool((cache.buffer == before).all())
+    ok = xp.asarray([6, 1, -1])
+    cache.store(ok, x[:3], x[:3], unique_slots=True)
+    plain.store(ok, x[:3], x[:3])
+    assert bool((cache.buffer == plain.buffer).all()) and not bool((cache.buffer == before).all())

@@ -248,3 +248,25 @@ def test_store_one_or_two_heads_per_thread(pair, dtype, rule, D, layout, swz, H,
     c_gpu.store(cp.asarray(slots), cp.asarray(k), cp.asarray(v))
     assert np.array_equal(cp.asnumpy(c_gpu.buffer), c_cpu.buffer)
     _cupy_backend.clear_caches()
+
+
+@pytest.mark.parametrize("rule", ["static6", "4over6"])
+@pytest.mark.parametrize("n", [1, 40, 300, 2000])
+@pytest.mark.parametrize("validate", [True, False])
+def test_store_unique_slots_skips_the_duplicate_pass(rule, n, validate):
+    """unique_slots=True (no scan, no claim pass) writes the same bytes as the default
+    store for slot mappings without repeats, also through the prepared fast path."""
+    rng = np.random.default_rng(n)
+    H, D, T, nb = 8, 128, 16, 160
+    kw = dict(num_blocks=nb, block_size=T, num_heads=H, head_dim=D, scale_rule=rule,
+              k_scale=0.05, v_scale=0.3, validate=validate)
+    c_cpu = PagedKVCache(**kw, device="cpu")
+    c_gpu = PagedKVCache(**kw, device="cuda")
+    for step in range(3):  # repeated calls: the fast path when not validating
+        slots = rng.permutation(nb * T)[:n]
+        slots[::9] = -1
+        k = (rng.standard_normal((n, H, D)) * 2).astype(BF16)
+        v = rng.standard_normal((n, H, D)).astype(BF16)
+        c_cpu.store(slots, k, v)
+        c_gpu.store(cp.asarray(slots), cp.asarray(k), cp.asarray(v), unique_slots=True)
+        assert np.array_equal(cp.asnumpy(c_gpu.buffer), c_cpu.buffer), step
