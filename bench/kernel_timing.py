@@ -136,12 +136,12 @@ def bench_claim_passes(reps, N=65536, nslots=65536):
 
     slots = [cp.asarray(np.random.default_rng(s).permutation(nslots)[:N].astype(np.int64))
              for s in (1, 2)]
-    table, epoch = cb._claim_state(nslots)
     fn = cb._kernel(_kernels.claim_spec("i64"))
 
     def run(i):
+        table, epoch, e_host = cb._claim_state(nslots, False)
         fn(((N + 255) // 256,), (256,), (slots[i % 2], table, epoch, np.uint32(N),
-                                         np.int64(nslots)))
+                                         np.int64(nslots), np.uint32(e_host)))
 
     return gpu_time_us(run, reps)
 

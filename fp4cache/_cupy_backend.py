@@ -202,16 +202,20 @@ def _page_args(geom: PageGeometry, num_blocks: int):
     }
 
 
-# Duplicate-slot claim state per (device, stream): a zeroed uint64 table of at least
-# num_slots entries, uint32 [epoch, finished-CTA count] and a host count of the calls
-# that used it (the 32-bit epoch is re-zeroed long before it could wrap).
-_claim_tables: dict[tuple[int, int], list] = {}
+# Duplicate-slot claim state per (device, stream, captured): a zeroed uint64 table of at
+# least num_slots entries, uint32 [epoch, finished-CTA count] and a host count of the
+# calls that used it.  Calls outside graph capture key their claims with that count (the
+# host epoch); captured calls, replayed with the same arguments, use their own table and
+# the device epoch that the claim kernel advances.  Either epoch is re-zeroed, with its
+# table, long before it could wrap.
+_claim_tables: dict[tuple[int, int, bool], list] = {}
 _EPOCH_LIMIT = 2**32 - 16
 
 
-def _claim_state(num_slots: int):
-    """(table, epoch) for this device and stream, zeroed on first use and on growth."""
-    key = (cupy.cuda.runtime.getDevice(), cupy.cuda.get_current_stream().ptr)
+def _claim_state(num_slots: int, captured: bool):
+    """(table, epoch array, host epoch) for this device and stream; the host epoch is 0
+    for a call being captured into a CUDA graph (the device epoch is used)."""
+    key = (cupy.cuda.runtime.getDevice(), cupy.cuda.get_current_stream().ptr, captured)
     st = _claim_tables.get(key)
     if st is None or st[0].size < num_slots:
         st = [cupy.zeros(max(num_slots, 1024), dtype=np.uint64),
@@ -222,7 +226,7 @@ def _claim_state(num_slots: int):
         st[0].fill(0)
         st[1].fill(0)
         st[2] = 1
-    return st[0], st[1]
+    return st[0], st[1], 0 if captured else st[2]
 
 
 #: numpy twin of ``struct StoreParams`` in ``kernels/paged_kv.cu`` (same field order).
@@ -233,7 +237,7 @@ STORE_PARAMS_DTYPE = np.dtype(
     + [("os_tab", np.uint64), ("k_pair_bytes", np.int64), ("v_pair_bytes", np.int64)]
     + [(f, np.uint32) for f in ("n_tokens", "total", "hg", "hg_m", "hg_s", "gd", "g_m", "g_s",
                                 "td", "t_m", "t_s", "H", "nhd", "swizzle", "dedup", "swz_m",
-                                "pair_rows")]
+                                "pair_rows", "epoch_host")]
     + [(f, np.float32) for f in ("k_s", "k_g", "v_s", "v_g")]
     + [("pk", np.uint32, (8,))],
     align=True,
@@ -306,7 +310,7 @@ def _store_plan(key, buffer, slots, k, v, geom, rule, k_s, k_g, v_s, v_g, unique
                        pa["num_slots"], pa["side"], pa["data"], os_tab.data.ptr,
                        half * kst[1], half * vst[1], n, total,
                        hg[0], hg[1], hg[2], fg[0], fg[1], fg[2], ft[0], ft[1], ft[2],
-                       pa["H"], pa["nhd"], pa["swz"], dedup, pa["swz_m"], pair_rows,
+                       pa["H"], pa["nhd"], pa["swz"], dedup, pa["swz_m"], pair_rows, 0,
                        k_s, k_g, v_s, v_g,
                        _PACK_MULTIPLIERS),
                       dtype=STORE_PARAMS_DTYPE)
@@ -357,19 +361,21 @@ def store(buffer, slot_mapping, k, v, *, geom: PageGeometry, rule, k_s, k_g, v_s
         p["stats"] = stats.data.ptr
         fn(grid, block, (slots, k, v, p[()]))
         return
-    table, epoch = _claim_state(int(num_slots))
-    claim_fn(_blocks(n), _BLOCK, (slots, table, epoch, _U32(n), num_slots))
     stream = cupy.cuda.get_current_stream()
-    p = params.copy() if pdl is None or _pdl.capturing(stream) else None
-    if p is None:
+    captured = _pdl.capturing(stream)
+    table, epoch, e_host = _claim_state(int(num_slots), captured)
+    claim_fn(_blocks(n), _BLOCK, (slots, table, epoch, _U32(n), num_slots, _U32(e_host)))
+    if pdl is not None and not captured:
         pdl(stream.ptr, (slots.data.ptr, k.data.ptr, v.data.ptr),
             {"buffer": buffer.data.ptr, "stats": stats.data.ptr, "claim": table.data.ptr,
-             "epoch": epoch.data.ptr})
+             "epoch": epoch.data.ptr, "epoch_host": e_host})
         return
+    p = params.copy()
     p["buffer"] = buffer.data.ptr
     p["stats"] = stats.data.ptr
     p["claim"] = table.data.ptr
     p["epoch"] = epoch.data.ptr
+    p["epoch_host"] = e_host
     fn(grid, block, (slots, k, v, p[()]))
 
 

@@ -10,15 +10,17 @@
 // by the host (dedup argument):
 //   1 = scan:  token i is written only if no j > i has the same slot; each thread
 //              scans slot_mapping[i+1:N] (used for small N, e.g. decode steps);
-//   2 = claim: a pre-pass does atomicMax(claim[slot], (E+1) << 32 | (i+1)) for every
-//              valid token, E = epoch[0]; its last CTA to finish sets epoch[0] = E+1
-//              (epoch[1] counts finished CTAs and is reset to 0), so the next call's
-//              keys beat every old entry and the table never needs clearing.  The
-//              store writes token i only if claim[slot] holds exactly
-//              epoch[0] << 32 | (i+1).  claim (uint64, >= num_slots entries) and
-//              epoch (uint32[2]) are zeroed once and owned by the backend per device
-//              and stream.  Two launches, no host sync, deterministic, graph-safe
-//              (the epoch lives on the device, so a replayed graph still advances it).
+//   2 = claim: a pre-pass does atomicMax(claim[slot], E << 32 | (i+1)) for every valid
+//              token, where E numbers the call, so that every call's keys beat every
+//              older entry and the table never needs clearing; the store writes token
+//              i only if claim[slot] holds exactly E << 32 | (i+1).  Outside CUDA-graph
+//              capture the host numbers the calls (a kernel argument).  A captured call
+//              is replayed with the same arguments, so it uses another table and a
+//              device epoch instead: E = epoch[0] + 1, and the claim kernel's last CTA
+//              to finish sets epoch[0] = E (epoch[1] counts finished CTAs).  Tables
+//              (uint64, >= num_slots entries) and epoch (uint32[2]) are zeroed once and
+//              owned by the backend per device and stream.  Two launches, no host
+//              sync, deterministic, graph-safe.
 #include "fp4_common.cuh"
 
 #define FP4C_LAYOUT_HND 0
@@ -74,6 +76,7 @@ struct StoreParams {
   i64 k_pair_bytes, v_pair_bytes;  // NH = 2: input offset of head h + H/2 from head h
   u32 n_tokens, total, hg, hg_m, hg_s, gd, g_m, g_s, td, t_m, t_s, H, nhd, swizzle, dedup, swz_m;
   u32 pair_rows;  // NH = 2: pool row of head h + H/2 minus that of head h (H/2 or T*H/2)
+  u32 epoch_host;  // dedup 2: the claim keys' epoch, or 0 to read the device epoch
   float k_s, k_g, v_s, v_g;
   u32 pk[8];  // code-packing multipliers (EncodeAux::pk)
 };
@@ -121,12 +124,10 @@ FP4C_DEVICE bool store_slot_live(const void* slots, i64 slot, const StoreItem& i
       if (load_slot<SlotT>(slots, q) == slot) return false;
     }
   } else if (P.dedup == 2) {
-    // Launched with programmatic dependent launch (sm_90+), the store may start while
-    // the claim pass runs: the loads before this overlap it, and this waits for its end
-    // (a no-op in an ordinary launch).  Then the claim pass has advanced the epoch to
-    // the one its keys carry.
-    grid_dependency_wait();
-    const u64 key = ((u64)((const u32*)P.epoch)[0] << 32) | (u64)(it.i + 1);
+    // the claim pass's keys carry the host's call number, or the device epoch, which it
+    // has advanced to the one its keys carry
+    const u32 e = P.epoch_host != 0u ? P.epoch_host : ((const u32*)P.epoch)[0];
+    const u64 key = ((u64)e << 32) | (u64)(it.i + 1);
     return ((const u64*)P.claim)[slot] == key;
   }
   return true;
@@ -237,6 +238,11 @@ FP4C_DEVICE void store_impl(const void* __restrict__ slots, const void* __restri
       load_raw<T, VEC>(vp + q * P.v_pair_bytes, rv[j][q]);
     }
     const i64 slot = load_slot<SlotT>(slots, it.i);
+    // Launched with programmatic dependent launch (sm_90+), the store may start while
+    // the claim pass runs: the loads above overlap it, and every thread waits here for
+    // its end before anything else (a no-op in an ordinary launch), so that the store
+    // also never finishes before the claim pass.
+    if (P.dedup == 2) grid_dependency_wait();
     if (!store_slot_live<SlotT>(slots, slot, it, P)) continue;
     live[j] = true;
     dest[j] = store_dest(slot, it, P);
@@ -276,19 +282,25 @@ FP4C_DEVICE void allow_dependent_launch() {
 
 template <typename SlotT>
 FP4C_DEVICE void claim_impl(const void* __restrict__ slots, u64* __restrict__ claim,
-                            u32* __restrict__ epoch, u32 n_tokens, i64 num_slots) {
+                            u32* __restrict__ epoch, u32 n_tokens, i64 num_slots,
+                            u32 host_epoch) {
   allow_dependent_launch();
+  // host_epoch != 0 (calls outside CUDA-graph capture): the host numbers the calls and the
+  // keys carry that number; nothing else to do.  host_epoch = 0 (captured calls, replayed
+  // with the same arguments): the epoch lives on the device, epoch[0] + 1 for this call.
+  const u32 e = host_epoch != 0u ? host_epoch : epoch[0] + 1u;
   const u32 i = blockIdx.x * blockDim.x + threadIdx.x;
   if (i < n_tokens) {
     const i64 slot = load_slot<SlotT>(slots, i);
     if (slot >= 0 && slot < num_slots) {
       atomicMax((unsigned long long*)(claim + slot),
-                (unsigned long long)((((u64)(epoch[0] + 1u)) << 32) | (u64)(i + 1)));
+                (unsigned long long)(((u64)e << 32) | (u64)(i + 1)));
     }
   }
-  // The CTA that finishes last advances the epoch (epoch[1] counts finished CTAs):
-  // every thread of every CTA has read epoch[0] by then, and the store kernel, next
-  // on the stream, compares against the advanced value.
+  if (host_epoch != 0u) return;
+  // The CTA that finishes last advances the device epoch (epoch[1] counts finished CTAs):
+  // every thread of every CTA has read epoch[0] by then, and the store kernel, next on
+  // the stream, compares against the advanced value.
   __syncthreads();
   if (threadIdx.x == 0) {
     if (atomicAdd(epoch + 1, 1u) == gridDim.x - 1) {
@@ -301,8 +313,8 @@ FP4C_DEVICE void claim_impl(const void* __restrict__ slots, u64* __restrict__ cl
 #define FP4C_CLAIM_KERNEL(NAME, SLOT)                                                        \
   extern "C" __global__ void __launch_bounds__(256)                                          \
       NAME(const void* __restrict__ slots, u64* __restrict__ claim,                          \
-           u32* __restrict__ epoch, u32 n_tokens, i64 num_slots) {                           \
-    claim_impl<SLOT>(slots, claim, epoch, n_tokens, num_slots);                              \
+           u32* __restrict__ epoch, u32 n_tokens, i64 num_slots, u32 host_epoch) {           \
+    claim_impl<SLOT>(slots, claim, epoch, n_tokens, num_slots, host_epoch);                  \
   }
 
 // ---------------------------------------------------------------------------

@@ -518,7 +518,8 @@ def test_every_specialization_compiles_and_loads():
 
 
 def test_claim_epochs_across_calls_and_graph_replays():
-    """Large stores (claim path): stale claims of earlier calls never win a slot."""
+    """Large stores (claim path): stale claims of earlier calls never win a slot, in eager
+    calls (host epoch), graph replays (device epoch) and eager calls after replays."""
     rng = np.random.default_rng(99)
     geom = PageGeometry(2, 16, 64, "NHD", False)
     num_blocks, n = 40, 300
@@ -533,7 +534,7 @@ def test_claim_epochs_across_calls_and_graph_replays():
     stream = cp.cuda.Stream(non_blocking=True)
     graph = None
     prev_last = -1
-    for call in range(6):
+    for call in range(9):
         slots = rng.permutation(num_blocks * 16)[:n].astype(np.int64)
         if call % 2:  # the slot the previous call gave to its last token goes to token 0
             first = slots[0]
@@ -547,7 +548,7 @@ def test_claim_epochs_across_calls_and_graph_replays():
             slots_d.set(slots)
             k_d.set(k)
             v_d.set(v)
-            if call < 3:
+            if call < 3 or call >= 6:  # eager (host epoch), also after graph replays
                 cb.store(buf, slots_d, k_d, v_d, stats=st, **kw)
             else:  # capture once, then replay with new contents
                 if graph is None:
