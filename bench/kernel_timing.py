@@ -380,7 +380,8 @@ def main():
                 ("no PDL", {}, {"STORE_PDL": False}),
                 ("one head per thread", {}, {"STORE_PAIR": frozenset()}),
                 ("two heads, 4over6 too", {}, {"STORE_PAIR": both}),
-                ("software E4M3", {"FP4C_E4M3_CVT": 0}, {})):
+                ("software E4M3", {"FP4C_E4M3_CVT": 0}, {}),
+                ("integer bf16 max", {"FP4C_ABSMAX16": 1}, {})):
             for n, val in {**default, **attrs}.items():
                 setattr(cb, n, val)
             with variant(**defs):

@@ -216,7 +216,8 @@ TUNING: dict[str, int] = {
     "FP4C_STORE_ITEMS": 1,       # groups per thread of the store
     "FP4C_STORE_MIN_BLOCKS": 1,  # __launch_bounds__ minimum blocks of the store
     "FP4C_LL_WIDE_TILES": 2,     # 1024-chunk tiles per CTA of the wide LongLive decode
-    "FP4C_ABSMAX16": 1,          # bf16 group max on 16-bit pairs
+    "FP4C_ABSMAX16": 2,          # group max on 16-bit pairs: 1 bf16 (integer), 2 also f16
+                                 # (packed float max, sm_86+; 1 below)
     "FP4C_PACK_EARLY": 1,        # 4over6: pack each candidate's codes as soon as possible
     "FP4C_E4M3_CVT": 1,          # sm_89+: scale bytes by the E4M3 conversion instruction
 }

@@ -391,6 +391,38 @@ FP4C_DEVICE u32 max_u16x2(u32 a, u32 b) {
   return (hi << 16) | lo;
 #endif
 }
+// sm_86+: max(|a|, |b|) of 16-bit float pairs in one instruction (the sign of the result
+// is junk, masked at the end); .NaN makes a NaN input give NaN.  Exact, no flushing.
+FP4C_DEVICE u32 absmax2(bf16_t, u32 a, u32 b) {
+  u32 r;
+  asm("max.NaN.xorsign.abs.bf16x2 %0, %1, %2;" : "=r"(r) : "r"(a), "r"(b));
+  return r;
+}
+FP4C_DEVICE u32 absmax2(f16_t, u32 a, u32 b) {
+  u32 r;
+  asm("max.NaN.xorsign.abs.f16x2 %0, %1, %2;" : "=r"(r) : "r"(a), "r"(b));
+  return r;
+}
+
+// max |x| of a bf16 or f16 group from its 8 raw words (FP4C_ABSMAX16 = 2 on sm_86+):
+// seven packed float maxima, then the larger of the two 16-bit magnitudes (non-negative
+// 16-bit floats order like their bit patterns, infinities and NaNs above every finite).
+template <typename T>
+FP4C_DEVICE float packed_group_abs_max(const u32* w, bool& nonfinite) {
+  u32 m = absmax2(T(), w[0], w[1]);
+#pragma unroll
+  for (int i = 2; i < 8; ++i) m = absmax2(T(), m, w[i]);
+  const u32 lo = m & 0x7FFFu, hi = (m >> 16) & 0x7FFFu;
+  const u32 mx = max(lo, hi);
+  if constexpr (T::kIsBf16) {
+    nonfinite = mx >= 0x7F80u;
+    return __uint_as_float(mx << 16);
+  } else {
+    nonfinite = mx >= 0x7C00u;
+    return f16_bits_to_float(mx);
+  }
+}
+
 FP4C_DEVICE float bf16_group_abs_max(const u32* w, bool& nonfinite) {
   u32 m = w[0] & 0x7FFF7FFFu;
 #pragma unroll

@@ -173,7 +173,15 @@ FP4C_DEVICE void store_encode(const RawGroup<T>* rk, const RawGroup<T>* rv, cons
     unpack_raw(rv[q], xv);
     bool nk, nv;
     float mk, mv;
-    if constexpr (FP4C_ABSMAX16 && T::kIsBf16) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 860
+    constexpr bool kPacked = FP4C_ABSMAX16 == 2 && T::kBytes == 2;
+#else
+    constexpr bool kPacked = false;
+#endif
+    if constexpr (kPacked) {
+      mk = packed_group_abs_max<T>(rk[q].w, nk);
+      mv = packed_group_abs_max<T>(rv[q].w, nv);
+    } else if constexpr (FP4C_ABSMAX16 && T::kIsBf16) {
       mk = bf16_group_abs_max(rk[q].w, nk);
       mv = bf16_group_abs_max(rv[q].w, nv);
     } else {

@@ -270,3 +270,45 @@ def test_store_unique_slots_skips_the_duplicate_pass(rule, n, validate):
         c_cpu.store(slots, k, v)
         c_gpu.store(cp.asarray(slots), cp.asarray(k), cp.asarray(v), unique_slots=True)
         assert np.array_equal(cp.asnumpy(c_gpu.buffer), c_cpu.buffer), step
+
+
+@pytest.mark.parametrize("dtype", [BF16, np.dtype(np.float16)])
+@pytest.mark.parametrize("pair", [frozenset(), frozenset({(2, "static6"), (2, "4over6")})])
+@pytest.mark.parametrize("rule", ["static6", "4over6"])
+def test_store_group_max_special_values(dtype, pair, rule, monkeypatch):
+    """The group max |x| (packed 16-bit maxima on sm_86+) with the largest magnitude, a
+    NaN, +Inf or -Inf at every position of a group, negative maxima, -0, subnormal-only
+    groups and the largest finite value: same bytes as the NumPy backend."""
+    from fp4cache import _cupy_backend
+
+    monkeypatch.setattr(_cupy_backend, "STORE_PAIR", pair)
+    _cupy_backend.clear_caches()
+    finfo = ml_dtypes.finfo(dtype) if dtype == BF16 else np.finfo(dtype)
+    tiny = np.float32(finfo.smallest_subnormal)
+    rows = []
+    for pos in range(16):
+        base = np.linspace(-1, 1, 16, dtype=np.float32)
+        for special in (np.float32(-7.5), np.nan, np.inf, -np.inf):
+            g = base.copy()
+            g[pos] = special
+            rows.append(g)
+        rows.append(np.where(np.arange(16) == pos, -tiny * 3, tiny).astype(np.float32))
+    rows.append(np.full(16, np.float32(finfo.max)))
+    rows.append(np.full(16, -np.float32(finfo.max)))
+    rows.append(np.full(16, np.float32(-0.0)))
+    D, H = 64, 2
+    x = np.array(rows, np.float32).reshape(-1)
+    n = -(-x.size // (H * D))
+    x = np.concatenate([x, np.ones(n * H * D - x.size, np.float32)]).reshape(n, H, D)
+    k, v = x.astype(dtype), (-x[::-1]).astype(dtype)
+    kw = dict(num_blocks=8, block_size=16, num_heads=H, head_dim=D, scale_rule=rule,
+              k_scale=1 / 448, v_scale=0.02)
+    for rep in (1, 15):  # scan path, then claim path (165 tokens, repeated slots)
+        slots = np.arange(n).repeat(rep) % (8 * 16)
+        kk, vv = np.repeat(k, rep, axis=0), np.repeat(v, rep, axis=0)
+        c_cpu = PagedKVCache(**kw, device="cpu")
+        c_gpu = PagedKVCache(**kw, device="cuda")
+        c_cpu.store(slots, kk, vv)
+        c_gpu.store(cp.asarray(slots), cp.asarray(kk), cp.asarray(vv))
+        assert np.array_equal(cp.asnumpy(c_gpu.buffer), c_cpu.buffer)
+        assert c_gpu.stats == c_cpu.stats
