@@ -128,6 +128,8 @@ def _blocks(total: int) -> tuple[int]:
 STORE_PAIR: frozenset = frozenset({(2, "static6")})
 #: Launch the store after a claim pass with programmatic dependent launch (sm_90+).
 STORE_PDL = True
+#: Prepared decode-step stores launch through cuLaunchKernelEx with arguments packed once.
+STORE_DRIVER_LAUNCH = True
 
 
 def _decode_blocks(chunks: int) -> tuple[int]:
@@ -403,8 +405,16 @@ def store_launcher(buffer, slot_mapping, k, v, *, geom: PageGeometry, rule, k_s,
     p = params.copy()
     p["buffer"] = buffer.data.ptr
     p["stats"] = stats.data.ptr
-    p = p[()]
     keep = (buffer, stats)  # the struct holds their addresses
+    drv = _pdl.launcher(fn, grid[0], _THREADS, p, 3, pdl=False) if STORE_DRIVER_LAUNCH else None
+    if drv is not None:
+        current = cupy.cuda.get_current_stream
+
+        def launch(slots, kk, vv, _keep=keep):
+            drv(current().ptr, (slots.data.ptr, kk.data.ptr, vv.data.ptr))
+
+        return launch
+    p = p[()]
 
     def launch(slots, kk, vv, _keep=keep):
         fn(grid, _BLOCK, (slots, kk, vv, p))

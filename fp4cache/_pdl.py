@@ -1,5 +1,6 @@
-"""Programmatic dependent launch (PDL) of a kernel, through the CUDA driver's
-``cuLaunchKernelEx`` (CuPy's ``RawKernel`` has no launch attributes).
+"""Prepared kernel launches through the CUDA driver's ``cuLaunchKernelEx``: programmatic
+dependent launch (PDL; CuPy's ``RawKernel`` has no launch attributes), and ordinary
+launches whose arguments are packed once (the decode-step store).
 
 A kernel launched this way may start while the kernel before it on the stream is still
 running, once every CTA of that kernel has executed ``griddepcontrol.launch_dependents``
@@ -65,11 +66,13 @@ class _Launch:
     ``__call__(stream_ptr, pointers, fields)`` sets the pointers and the struct's
     ``fields`` and launches (the driver copies the arguments at launch)."""
 
-    def __init__(self, kernel, grid: int, block: int, struct, n_pointers: int):
+    def __init__(self, kernel, grid: int, block: int, struct, n_pointers: int,
+                 pdl: bool = True):
         self._fn = _driver_entry()
         self._func = ctypes.c_void_p(kernel.kernel.ptr)
         self._attr = _Attr(id=_ATTR_PROGRAMMATIC_STREAM_SERIALIZATION, value=1)
-        self._cfg = _Config(grid, 1, 1, block, 1, 1, 0, None, ctypes.pointer(self._attr), 1)
+        self._cfg = _Config(grid, 1, 1, block, 1, 1, 0, None,
+                            ctypes.pointer(self._attr) if pdl else None, 1 if pdl else 0)
         self._struct = struct
         self._ptrs = [ctypes.c_uint64(0) for _ in range(n_pointers)]
         params = [ctypes.cast(ctypes.byref(p), ctypes.c_void_p) for p in self._ptrs]
@@ -77,25 +80,28 @@ class _Launch:
         self._params = (ctypes.c_void_p * len(params))(*params)
         self._lock = threading.Lock()  # the argument buffers are shared by every call
 
-    def __call__(self, stream_ptr: int, pointers, fields: dict) -> None:
+    def __call__(self, stream_ptr: int, pointers, fields: dict | None = None) -> None:
         with self._lock:
             for slot, value in zip(self._ptrs, pointers):
                 slot.value = value
-            for name, value in fields.items():
-                self._struct[name] = value
+            if fields:
+                for name, value in fields.items():
+                    self._struct[name] = value
             self._cfg.hStream = stream_ptr or None
             err = self._fn(ctypes.byref(self._cfg), self._func, self._params, None)
         if err:
             raise RuntimeError(f"cuLaunchKernelEx failed with CUresult {err}")
 
 
-def launcher(kernel, grid: int, block: int, struct, n_pointers: int):
+def launcher(kernel, grid: int, block: int, struct, n_pointers: int, pdl: bool = True):
     """A :class:`_Launch` for ``kernel(ptr_0, ..., ptr_{n-1}, struct)`` (``struct``: a
-    numpy 0-d structured array, owned by the launch from then on), or ``None`` where PDL
-    is not available (pre-Hopper device, no driver entry point)."""
-    if not _supported(cupy.cuda.runtime.getDevice()):
+    numpy 0-d structured array, owned by the launch from then on), or ``None`` where it
+    is not available: no driver entry point, or (``pdl``) a pre-Hopper device.  Without
+    ``pdl`` it is an ordinary launch that costs less host time than a ``RawKernel`` call
+    with a struct argument (the arguments are packed once, here)."""
+    if _driver_entry() is None or (pdl and not _supported(cupy.cuda.runtime.getDevice())):
         return None
-    return _Launch(kernel, grid, block, struct, n_pointers)
+    return _Launch(kernel, grid, block, struct, n_pointers, pdl)
 
 
 def capturing(stream) -> bool:

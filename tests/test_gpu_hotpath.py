@@ -16,9 +16,15 @@ pytestmark = [
 ]
 
 
+@pytest.mark.parametrize("driver", [True, False])
 @pytest.mark.parametrize("n", [1, 64, 128, 129, 1000])
-def test_repeated_stores_and_gathers_match_cpu(n):
+def test_repeated_stores_and_gathers_match_cpu(n, driver, monkeypatch):
+    """Both launch paths of the prepared decode-step store (driver API, RawKernel)."""
     import cupy
+
+    from fp4cache import _cupy_backend
+
+    monkeypatch.setattr(_cupy_backend, "STORE_DRIVER_LAUNCH", driver)
 
     rng = np.random.default_rng(n)
     nb, T, H, D = 128, 16, 4, 128
@@ -63,3 +69,41 @@ def test_new_signature_is_validated_again():
     with pytest.raises(TypeError, match="same dtype"):
         gpu.store(slots, k, k.astype(cupy.float16))
     assert cupy.array_equal(before, gpu.buffer)
+
+
+@pytest.mark.parametrize("driver", [True, False])
+def test_prepared_store_in_a_cuda_graph(driver, monkeypatch):
+    """The prepared decode-step store (either launch path) captured into a CUDA graph and
+    replayed with new slot and K/V contents writes what the CPU backend writes."""
+    import cupy
+
+    from fp4cache import _cupy_backend
+
+    monkeypatch.setattr(_cupy_backend, "STORE_DRIVER_LAUNCH", driver)
+    rng = np.random.default_rng(7)
+    nb, T, H, D, n = 32, 16, 2, 64, 24
+    gpu = PagedKVCache(nb, T, H, D, device="cuda")
+    cpu = PagedKVCache(nb, T, H, D, device="cpu")
+    slots = cupy.arange(n, dtype=cupy.int64)
+    k = cupy.ones((n, H, D), ml_dtypes.bfloat16)
+    v = cupy.ones((n, H, D), ml_dtypes.bfloat16)
+    stream = cupy.cuda.Stream(non_blocking=True)
+    with stream:
+        gpu.store(slots, k, v)  # validated once: the next calls take the prepared launch
+        gpu.store(slots, k, v)
+        cpu.store(np.arange(n), np.ones((n, H, D), ml_dtypes.bfloat16),
+                  np.ones((n, H, D), ml_dtypes.bfloat16))
+        stream.begin_capture()
+        gpu.store(slots, k, v)
+        graph = stream.end_capture()
+        for _ in range(3):
+            s_h = rng.permutation(nb * T)[:n]
+            k_h = rng.standard_normal((n, H, D)).astype(ml_dtypes.bfloat16)
+            v_h = rng.standard_normal((n, H, D)).astype(ml_dtypes.bfloat16)
+            slots.set(s_h)
+            k.set(k_h)
+            v.set(v_h)
+            graph.launch(stream)
+            cpu.store(s_h, k_h, v_h)
+        stream.synchronize()
+    assert np.array_equal(gpu.buffer.get(), cpu.buffer)
