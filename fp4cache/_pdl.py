@@ -55,6 +55,21 @@ def _driver_entry():
     return fn
 
 
+def _error_text(err: int) -> str:
+    """``CUDA_ERROR_...: description`` of a driver result code (the number if unknown)."""
+    name = "nvcuda.dll" if sys.platform == "win32" else "libcuda.so.1"
+    try:
+        lib = ctypes.CDLL(name)
+        text, desc = ctypes.c_char_p(), ctypes.c_char_p()
+        lib.cuGetErrorName(err, ctypes.byref(text))
+        lib.cuGetErrorString(err, ctypes.byref(desc))
+        if text.value:
+            return f"{text.value.decode()}: {(desc.value or b'').decode()} (CUresult {err})"
+    except (OSError, AttributeError):
+        pass
+    return f"CUresult {err}"
+
+
 @cache
 def _supported(device: int) -> bool:
     return int(cupy.cuda.Device(device).compute_capability) >= 90 and _driver_entry() is not None
@@ -90,7 +105,7 @@ class _Launch:
             self._cfg.hStream = stream_ptr or None
             err = self._fn(ctypes.byref(self._cfg), self._func, self._params, None)
         if err:
-            raise RuntimeError(f"cuLaunchKernelEx failed with CUresult {err}")
+            raise RuntimeError(f"cuLaunchKernelEx failed: {_error_text(err)}")
 
 
 def launcher(kernel, grid: int, block: int, struct, n_pointers: int, pdl: bool = True):
