@@ -28,6 +28,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from functools import cache, lru_cache
+from typing import NamedTuple
 
 import cupy
 import numpy as np
@@ -283,9 +284,27 @@ def _os_table(k_s, v_s):
     return tab
 
 
-# Store launch plans: (kernel, claim kernel or None, grid, params struct), keyed by
-# everything they depend on, so that a decode step costs one dict lookup + one launch.
+class _StorePlan(NamedTuple):
+    """What a store launch needs, cached per :func:`_store_key`."""
+
+    fn: object  # the store kernel
+    grid: tuple[int]
+    params: np.ndarray  # 0-d StoreParams; per-call fields are set on a copy
+    num_slots: np.int64
+    os_tab: object  # kept alive: params holds its address
+    claim: object  # claim pre-pass kernel (more than SCAN_MAX_TOKENS tokens, no promise)
+    after_claim: object  # PDL launch of the store after the claim pass, or None
+
+
+# Store launch plans, keyed by everything they depend on, so that a decode step costs one
+# dict lookup + one launch.
 _store_plans: dict = {}
+
+
+def _store_key(buffer, slots, k, v, geom, rule, k_s, k_g, v_s, v_g, unique_slots):
+    return (geom, buffer.shape[0], buffer.data.ptr & 15, k.data.ptr & 15, v.data.ptr & 15,
+            k.strides, v.strides, k.shape[0], k.dtype, slots.dtype, rule, float(k_s),
+            float(k_g), float(v_s), float(v_g), cupy.cuda.runtime.getDevice(), unique_slots)
 
 
 def _store_plan(key, buffer, slots, k, v, geom, rule, k_s, k_g, v_s, v_g, unique_slots=False):
@@ -316,16 +335,15 @@ def _store_plan(key, buffer, slots, k, v, geom, rule, k_s, k_g, v_s, v_g, unique
                        k_s, k_g, v_s, v_g,
                        _PACK_MULTIPLIERS),
                       dtype=STORE_PARAMS_DTYPE)
-    claim = pdl = None
-    block = _THREADS
     per = _THREADS * (1 if pair else K.tuning("FP4C_STORE_ITEMS"))
     grid = (total + per - 1) // per
+    claim = after_claim = None
     if dedup == 2:
         claim = _kernel(K.claim_spec(sl))
         # the store may start during the claim pass (its loads overlap it): sm_90+
-        pdl = _pdl.launcher(fn, grid, block, params.copy(), 3) if STORE_PDL else None
-    # the plan keeps os_tab alive: params holds its address
-    plan = (fn, claim, (grid,), params, pa["num_slots"], os_tab, pdl, (block,))
+        if STORE_PDL:
+            after_claim = _pdl.launcher(fn, grid, _THREADS, params.copy(), 3)
+    plan = _StorePlan(fn, (grid,), params, pa["num_slots"], os_tab, claim, after_claim)
     if len(_store_plans) > 4096:
         _store_plans.clear()
     _store_plans[key] = plan
@@ -340,10 +358,7 @@ def store(buffer, slot_mapping, k, v, *, geom: PageGeometry, rule, k_s, k_g, v_s
         return
     slots = slot_mapping if slot_mapping.flags.c_contiguous else \
         cupy.ascontiguousarray(slot_mapping)
-    kp, vp, bp = k.data.ptr, v.data.ptr, buffer.data.ptr
-    key = (geom, buffer.shape[0], bp & 15, kp & 15, vp & 15, k.strides, v.strides, n,
-           k.dtype, slots.dtype, rule, float(k_s), float(k_g), float(v_s), float(v_g),
-           cupy.cuda.runtime.getDevice(), unique_slots)
+    key = _store_key(buffer, slots, k, v, geom, rule, k_s, k_g, v_s, v_g, unique_slots)
     plan = _store_plans.get(key)
     if plan is None:
         pa = _page_args(geom, buffer.shape[0])
@@ -356,29 +371,30 @@ def store(buffer, slot_mapping, k, v, *, geom: PageGeometry, rule, k_s, k_g, v_s
             return
         plan = _store_plan(key, buffer, slots, k, v, geom, rule, k_s, k_g, v_s, v_g,
                            unique_slots)
-    fn, claim_fn, grid, params, num_slots, _, pdl, block = plan
-    if claim_fn is None:
-        p = params.copy()
+    if plan.claim is None:
+        p = plan.params.copy()
         p["buffer"] = buffer.data.ptr
         p["stats"] = stats.data.ptr
-        fn(grid, block, (slots, k, v, p[()]))
+        plan.fn(plan.grid, _BLOCK, (slots, k, v, p[()]))
         return
     stream = cupy.cuda.get_current_stream()
     captured = _pdl.capturing(stream)
-    table, epoch, e_host = _claim_state(int(num_slots), captured)
-    claim_fn(_blocks(n), _BLOCK, (slots, table, epoch, _U32(n), num_slots, _U32(e_host)))
-    if pdl is not None and not captured:
-        pdl(stream.ptr, (slots.data.ptr, k.data.ptr, v.data.ptr),
-            {"buffer": buffer.data.ptr, "stats": stats.data.ptr, "claim": table.data.ptr,
-             "epoch": epoch.data.ptr, "epoch_host": e_host})
+    table, epoch, e_host = _claim_state(int(plan.num_slots), captured)
+    plan.claim(_blocks(n), _BLOCK, (slots, table, epoch, _U32(n), plan.num_slots,
+                                    _U32(e_host)))
+    if plan.after_claim is not None and not captured:
+        plan.after_claim(stream.ptr, (slots.data.ptr, k.data.ptr, v.data.ptr),
+                         {"buffer": buffer.data.ptr, "stats": stats.data.ptr,
+                          "claim": table.data.ptr, "epoch": epoch.data.ptr,
+                          "epoch_host": e_host})
         return
-    p = params.copy()
+    p = plan.params.copy()
     p["buffer"] = buffer.data.ptr
     p["stats"] = stats.data.ptr
     p["claim"] = table.data.ptr
     p["epoch"] = epoch.data.ptr
     p["epoch_host"] = e_host
-    fn(grid, block, (slots, k, v, p[()]))
+    plan.fn(plan.grid, _BLOCK, (slots, k, v, p[()]))
 
 
 def store_launcher(buffer, slot_mapping, k, v, *, geom: PageGeometry, rule, k_s, k_g, v_s,
@@ -392,20 +408,18 @@ def store_launcher(buffer, slot_mapping, k, v, *, geom: PageGeometry, rule, k_s,
     n = k.shape[0]
     if n == 0 or n > SCAN_MAX_TOKENS or not slot_mapping.flags.c_contiguous:
         return None
-    key = (geom, buffer.shape[0], buffer.data.ptr & 15, k.data.ptr & 15, v.data.ptr & 15,
-           k.strides, v.strides, n, k.dtype, slot_mapping.dtype, rule, float(k_s), float(k_g),
-           float(v_s), float(v_g), cupy.cuda.runtime.getDevice(), unique_slots)
+    key = _store_key(buffer, slot_mapping, k, v, geom, rule, k_s, k_g, v_s, v_g, unique_slots)
     plan = _store_plans.get(key)
     if plan is None:
         plan = _store_plan(key, buffer, slot_mapping, k, v, geom, rule, k_s, k_g, v_s, v_g,
                            unique_slots)
-    fn, claim_fn, grid, params, _, _, _, _ = plan
-    if claim_fn is not None:
+    if plan.claim is not None:
         return None
-    p = params.copy()
+    p = plan.params.copy()
     p["buffer"] = buffer.data.ptr
     p["stats"] = stats.data.ptr
     keep = (buffer, stats)  # the struct holds their addresses
+    fn, grid = plan.fn, plan.grid
     drv = _pdl.launcher(fn, grid[0], _THREADS, p, 3, pdl=False) if STORE_DRIVER_LAUNCH else None
     if drv is not None:
         current = cupy.cuda.get_current_stream

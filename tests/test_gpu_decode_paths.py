@@ -312,3 +312,40 @@ def test_store_group_max_special_values(dtype, pair, rule, monkeypatch):
         c_gpu.store(cp.asarray(slots), cp.asarray(kk), cp.asarray(vv))
         assert np.array_equal(cp.asnumpy(c_gpu.buffer), c_cpu.buffer)
         assert c_gpu.stats == c_cpu.stats
+
+
+@pytest.mark.parametrize("pdl", [True, False])
+@pytest.mark.parametrize("rule", ["static6", "4over6"])
+def test_large_stores_with_and_without_repeats_keep_pages_and_counters(pdl, rule,
+                                                                       monkeypatch):
+    """Large stores (claim pass; the store encodes every group before it looks at the
+    claims): calls with and without repeated slots, with non-finite groups in winning and
+    in losing tokens.  After every call the pages and every counter equal the NumPy
+    backend's: a losing token's non-finite groups are not counted."""
+    from fp4cache import _cupy_backend
+
+    monkeypatch.setattr(_cupy_backend, "STORE_PDL", pdl)
+    _cupy_backend.clear_caches()
+    rng = np.random.default_rng(7)
+    H, D, T, nb, n = 4, 64, 16, 64, 400
+    kw = dict(num_blocks=nb, block_size=T, num_heads=H, head_dim=D, scale_rule=rule,
+              k_scale=0.05, v_scale=0.5)
+    c_cpu = PagedKVCache(**kw, device="cpu")
+    c_gpu = PagedKVCache(**kw, device="cuda")
+    for call, repeats in enumerate([True, False, False, True, True, False, True, False]):
+        slots = rng.permutation(nb * T)[:n].astype(np.int64)
+        slots[::13] = -1
+        k = rng.standard_normal((n, H, D)).astype(BF16)
+        v = (rng.standard_normal((n, H, D)) * 3).astype(BF16)
+        k[rng.choice(n, 6, replace=False), 1, 16:32] = np.nan
+        v[rng.choice(n, 4, replace=False), 2, :16] = np.inf
+        if repeats:
+            slots[7::17] = slots[3]  # token 3 and most of these lose to the last one
+            k[3, 0, :16] = np.nan
+            v[7, 3, 5] = -np.inf
+        c_cpu.store(slots, k, v)
+        c_gpu.store(cp.asarray(slots), cp.asarray(k), cp.asarray(v))
+        assert np.array_equal(cp.asnumpy(c_gpu.buffer), c_cpu.buffer), f"call {call}"
+        assert c_gpu.stats == c_cpu.stats, f"call {call}"
+    assert c_cpu.nonfinite_groups[0] > 0 and c_cpu.nonfinite_groups[1] > 0
+    _cupy_backend.clear_caches()
