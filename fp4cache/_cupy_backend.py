@@ -53,7 +53,7 @@ _THREADS = 256
 _BLOCK = (_THREADS,)
 #: Up to this many tokens the store resolves duplicate slots by scanning later
 #: entries of slot_mapping in the kernel (one launch); above it, claim pre-pass.
-SCAN_MAX_TOKENS = 128
+SCAN_MAX_TOKENS = K.TUNING["FP4C_SCAN_MAX_TOKENS"]
 #: Launches are split so that a thread index always fits in 31 bits.
 _MAX_THREADS = 2**31 - 1
 
@@ -323,8 +323,9 @@ def _store_plan(key, buffer, slots, k, v, geom, rule, k_s, k_g, v_s, v_g, unique
     half = H // 2
     pair_rows = half if geom.layout == "NHD" else half * geom.block_size
     total = n * int(hg[0])
-    # duplicate slots: none promised (0), scan the later tokens (1) or claim pass (2)
-    dedup = 0 if unique_slots else 1 if n <= SCAN_MAX_TOKENS else 2
+    # duplicate slots: none promised or possible (0), scan the later tokens (1) or claim
+    # pass (2)
+    dedup = 0 if unique_slots or n == 1 else 1 if n <= SCAN_MAX_TOKENS else 2
     os_tab = _os_table(k_s, v_s)
     params = np.array((0, 0, 0, 0, kst[0] // es, kst[1] // es, vst[0] // es,
                        vst[1] // es,

@@ -215,6 +215,8 @@ TUNING: dict[str, int] = {
     "FP4C_DECODE_CHUNKS": 2,     # 16-byte output chunks per thread (gather, flat, LongLive)
     "FP4C_STORE_ITEMS": 1,       # groups per thread of the store
     "FP4C_STORE_MIN_BLOCKS": 1,  # __launch_bounds__ minimum blocks of the store
+    "FP4C_SCAN_MAX_TOKENS": 128,  # stores of up to this many tokens find repeated slots by
+                                  # a scan in the kernel (one launch); above, a claim pass
     "FP4C_LL_WIDE_TILES": 2,     # 1024-chunk tiles per CTA of the wide LongLive decode
     "FP4C_ABSMAX16": 2,          # group max on 16-bit pairs: 1 bf16 (integer), 2 also f16
                                  # (packed float max, sm_86+; 1 below)

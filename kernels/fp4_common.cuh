@@ -20,7 +20,8 @@
 // translation unit by fp4cache/_kernels.py (TUNING), the one place that holds their
 // values: the host sizes its grids from the same numbers.
 #if !defined(FP4C_DECODE_CHUNKS) || !defined(FP4C_STORE_ITEMS) || \
-    !defined(FP4C_STORE_MIN_BLOCKS) || !defined(FP4C_LL_WIDE_TILES) || \
+    !defined(FP4C_STORE_MIN_BLOCKS) || !defined(FP4C_SCAN_MAX_TOKENS) || \
+    !defined(FP4C_LL_WIDE_TILES) || \
     !defined(FP4C_ABSMAX16) || !defined(FP4C_PACK_EARLY) || !defined(FP4C_E4M3_CVT)
 #error "fp4cache tuning macros missing: build the source with fp4cache._kernels.build_source"
 #endif

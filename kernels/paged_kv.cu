@@ -8,8 +8,10 @@
 //
 // Duplicate slots ("the last occurrence in slot_mapping wins"), chosen per call
 // by the host (dedup argument):
-//   1 = scan:  token i is written only if no j > i has the same slot; each thread
-//              scans slot_mapping[i+1:N] (used for small N, e.g. decode steps);
+//   1 = scan:  token i is written only if no j > i has the same slot (used for
+//              N <= FP4C_SCAN_MAX_TOKENS, e.g. decode steps): every CTA copies
+//              slot_mapping into shared memory, thread t compares slot t with all
+//              later ones, and the items read the verdict of their token;
 //   2 = claim: a pre-pass does atomicMax(claim[slot], E << 32 | (i+1)) for every valid
 //              token, where E numbers the call, so that every call's keys beat every
 //              older entry and the table never needs clearing; the store writes token
@@ -108,21 +110,42 @@ FP4C_DEVICE const char* store_src(const void* x, const StoreItem& it, i64 tok_st
   return (const char*)x + (it.i * tok_stride + it.h * head_stride + it.g * 16) * T::kBytes;
 }
 
-// Whether token it.i writes slot `slot` (a valid slot, no later duplicate), counting
-// out-of-range slots once per token.  dedup: 1 = scan the later tokens, 2 = claim
-// table (claim_key = epoch << 32 | (i+1) is what the claim pass left for the winner).
+#if FP4C_SCAN_MAX_TOKENS > 256
+#error "the duplicate scan takes one thread per token in a CTA of 256 threads"
+#endif
+
+// dedup 1: last[t] = 1 when no later token repeats token t's slot, for the n <=
+// FP4C_SCAN_MAX_TOKENS tokens, computed by the whole CTA in shared memory: one global
+// read per token, then independent shared-memory compares (no early exit, so they
+// pipeline) instead of a chain of dependent global loads in every thread.  Every thread
+// of the CTA must call it.
 template <typename SlotT>
-FP4C_DEVICE bool store_slot_live(const void* slots, i64 slot, const StoreItem& it,
-                                 const StoreParams& P) {
+FP4C_DEVICE void scan_last_occurrences(const void* slots, u32 n, i64* s_slot, u8* last) {
+  const u32 t = threadIdx.x;
+  if (t < n) s_slot[t] = load_slot<SlotT>(slots, t);
+  __syncthreads();
+  if (t < n) {
+    const i64 me = s_slot[t];
+    bool later = false;
+#pragma unroll 8
+    for (u32 q = t + 1; q < n; ++q) later |= s_slot[q] == me;
+    last[t] = later ? 0 : 1;
+  }
+  __syncthreads();
+}
+
+// Whether token it.i writes slot `slot` (a valid slot, no later duplicate), counting
+// out-of-range slots once per token.  dedup: 1 = the scan's verdict (last), 2 = claim
+// table (claim_key = epoch << 32 | (i+1) is what the claim pass left for the winner).
+FP4C_DEVICE bool store_slot_live(i64 slot, const StoreItem& it, const StoreParams& P,
+                                 const u8* last) {
   if (slot < 0) return false;
   if (slot >= P.num_slots) {
     if (it.rem == 0) atomicAdd((u64*)P.stats + 2, 1ull);
     return false;
   }
   if (P.dedup == 1) {
-    for (u32 q = it.i + 1; q < P.n_tokens; ++q) {
-      if (load_slot<SlotT>(slots, q) == slot) return false;
-    }
+    return last[it.i] != 0;
   } else if (P.dedup == 2) {
     // the claim pass's keys carry the host's call number, or the device epoch, which it
     // has advanced to the one its keys carry
@@ -232,6 +255,11 @@ FP4C_DEVICE void store_impl(const void* __restrict__ slots, const void* __restri
   StoreItem it[M];
   i64 slot[M];
   bool inr[M];
+  // small stores: the verdicts of the duplicate scan first (at the start, where few
+  // registers are live; the kernel is latency-bound at these sizes anyway)
+  __shared__ i64 s_slot[FP4C_SCAN_MAX_TOKENS];
+  __shared__ u8 s_last[FP4C_SCAN_MAX_TOKENS];
+  if (P.dedup == 1) scan_last_occurrences<SlotT>(slots, P.n_tokens, s_slot, s_last);  // uniform
   const u32 base = blockIdx.x * (blockDim.x * M) + threadIdx.x;
 #pragma unroll
   for (int j = 0; j < M; ++j) {
@@ -262,7 +290,7 @@ FP4C_DEVICE void store_impl(const void* __restrict__ slots, const void* __restri
     // its end before anything else (a no-op in an ordinary launch), so that the store
     // also never finishes before the claim pass.
     if (P.dedup == 2) grid_dependency_wait();
-    if (!store_slot_live<SlotT>(slots, slot[j], it[j], P)) continue;
+    if (!store_slot_live(slot[j], it[j], P, s_last)) continue;
     store_write<VEC, NH>(ek[j], ev[j], store_dest(slot[j], it[j], P), P);
   }
 }

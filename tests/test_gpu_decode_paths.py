@@ -349,3 +349,36 @@ def test_large_stores_with_and_without_repeats_keep_pages_and_counters(pdl, rule
         assert c_gpu.stats == c_cpu.stats, f"call {call}"
     assert c_cpu.nonfinite_groups[0] > 0 and c_cpu.nonfinite_groups[1] > 0
     _cupy_backend.clear_caches()
+
+
+@pytest.mark.parametrize("n", [1, 2, 31, 64, 127, 128])
+@pytest.mark.parametrize("pattern", ["all_same", "pairs", "random_repeats", "padding"])
+@pytest.mark.parametrize("slot_dtype", [np.int32, np.int64])
+def test_decode_step_scan_of_repeated_slots(n, pattern, slot_dtype):
+    """Stores of up to 128 tokens find repeated slots in one launch (each CTA compares
+    the slots in shared memory): the last occurrence wins for every pattern and length,
+    also through the prepared decode-step launch (second call), against the NumPy
+    backend."""
+    rng = np.random.default_rng(n)
+    H, D, T, nb = 8, 128, 16, 12
+    if pattern == "all_same":
+        slots = np.full(n, 37)
+    elif pattern == "pairs":
+        slots = np.arange(n) // 2 * 3
+    elif pattern == "random_repeats":
+        slots = rng.integers(0, 20, n)
+    else:
+        slots = rng.permutation(nb * T)[:n]
+        slots[::3] = -1
+        slots[1::5] = slots[-1]
+    slots = slots.astype(slot_dtype)
+    kw = dict(num_blocks=nb, block_size=T, num_heads=H, head_dim=D, k_scale=0.01,
+              v_scale=0.02)
+    c_cpu = PagedKVCache(**kw, device="cpu")
+    c_gpu = PagedKVCache(**kw, device="cuda")
+    for call in range(2):  # the second call takes the prepared launch
+        k = rng.standard_normal((n, H, D)).astype(BF16)
+        v = rng.standard_normal((n, H, D)).astype(BF16)
+        c_cpu.store(slots, k, v)
+        c_gpu.store(cp.asarray(slots), cp.asarray(k), cp.asarray(v))
+        assert np.array_equal(cp.asnumpy(c_gpu.buffer), c_cpu.buffer), f"call {call}"
