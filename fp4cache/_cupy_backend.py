@@ -8,6 +8,8 @@ allocates outputs):
 * ``dequantize(data, scales, s, out)``
 * ``store(buffer, slot_mapping, k, v, *, geom, rule, k_s, k_g, v_s, v_g, stats)``
 * ``gather_dequant(buffer, blocks, out_k, out_v, *, geom, k_s, v_s, stats)``
+* ``store_launcher(...)`` / ``gather_launcher(...)``: prepared launches for the
+  front end's hot path (GPU only; ``None`` where not available)
 * ``longlive_quantize(x, rule, values_out, sf_out, amax_out)``
 * ``longlive_dequantize(value_ptrs, sf_ptrs, amax_ptrs, out, *, num_heads,
   block_token_size, inv_denom)`` (three device ``uint64`` pointer tables)
@@ -15,9 +17,10 @@ allocates outputs):
 Every function enqueues work on the current stream and returns without a host
 synchronization.  ``gather_dequant`` and ``longlive_dequantize`` allocate nothing,
 so they can be captured in a CUDA graph.  ``store`` is one launch for up to
-``SCAN_MAX_TOKENS`` tokens; above that it adds a claim pre-pass (whose last CTA
-advances an epoch) over a claim table allocated once per device and stream
-(graph-safe: the epoch lives on the device; see ``kernels/paged_kv.cu``).  Non-contiguous K/V (any
+``SCAN_MAX_TOKENS`` tokens; above that it adds a claim pre-pass over a claim table
+allocated once per device and stream (calls outside graph capture number their claims
+on the host; captured ones use a device epoch that the claim pass advances, so replays
+stay correct; see ``kernels/paged_kv.cu``).  Non-contiguous K/V (any
 token and head strides) are read in place; pointers or strides that are not
 16-byte aligned select the ``_scalar`` kernel variants.  Launch arguments of
 ``store`` are cached per geometry/shape/stride/scale key, so a decode step costs
@@ -468,6 +471,65 @@ def gather_dequant(buffer, blocks, out_k, out_v, *, geom: PageGeometry, k_s, v_s
         fh[0], fh[1], fh[2], ft[0], ft[1], ft[2], pa["nhd"], pa["swz"], pa["swz_m"],
         pa["num_blocks"],
         pa["side"], pa["data"], _F32(k_s), _F32(v_s)))
+
+
+def gather_launcher(buffer, blocks, out_k, *, geom: PageGeometry, k_s, v_s, stats):
+    """A closure ``launch(blocks, out_k, out_v)`` doing what :func:`gather_dequant` does
+    for block-id arrays of ``blocks``' dtype and outputs of ``out_k``'s dtype, any length
+    and alignment, with the arguments packed once per kernel variant (``None`` without the
+    driver entry point).  The caller keys it on what it validated."""
+    if not GATHER_DRIVER_LAUNCH:
+        return None
+    import ctypes
+
+    pa = _page_args(geom, buffer.shape[0])
+    T = geom.block_size
+    per_page = T * int(pa["HG"][0])
+    chunk = 16 // out_k.itemsize
+    per_group = 16 // chunk
+    max_pages = _MAX_THREADS // (per_page * out_k.itemsize)
+    fc, fh, ft = fastdiv(pa["G"] * per_group), pa["fH"], pa["fT"]
+    side_vec = geom.side_bytes % (chunk // 2) == 0 and buffer.data.ptr % (chunk // 2) == 0
+    dt = _dtype_name(out_k.dtype, "out_k")
+    ix = _index_name(blocks.dtype, "blocks")
+    u32, i64, f32, ptr = ctypes.c_uint32, ctypes.c_int64, ctypes.c_float, ctypes.c_uint64
+    prepared = {}
+
+    def prepare(vec):
+        fn = _kernel(K.gather_spec(dt, ix, vec))
+        args = [ptr(buffer.data.ptr), ptr(0), ptr(0), ptr(0), ptr(stats.data.ptr), u32(0),
+                *(u32(int(x)) for x in (*fc, *fh, *ft, pa["nhd"], pa["swz"], pa["swz_m"])),
+                i64(int(pa["num_blocks"])), i64(int(pa["side"])), i64(int(pa["data"])),
+                f32(float(k_s)), f32(float(v_s))]
+        return _pdl.args_launcher(fn, _THREADS, args)
+
+    for vec in (True, False):
+        prepared[vec] = prepare(vec)
+        if prepared[vec] is None:
+            return None
+    keep = (buffer, stats)  # the prepared arguments hold their addresses
+    per = _THREADS * K.tuning("FP4C_DECODE_CHUNKS")
+    current = cupy.cuda.get_current_stream
+
+    def launch(blocks, out_k, out_v, _keep=keep):
+        n = blocks.shape[0]
+        if n == 0:
+            return
+        if n > max_pages or not blocks.flags.c_contiguous:
+            gather_dequant(buffer, blocks, out_k, out_v, geom=geom, k_s=k_s, v_s=v_s,
+                           stats=stats)
+            return
+        kp, vp = out_k.data.ptr, out_v.data.ptr
+        total = n * per_page * per_group
+        prepared[side_vec and kp % 16 == 0 and vp % 16 == 0](
+            current().ptr, (total + per - 1) // per,
+            (buffer.data.ptr, blocks.data.ptr, kp, vp, stats.data.ptr, total))
+
+    return launch
+
+
+#: Prepared gathers launch through cuLaunchKernelEx with their arguments packed once.
+GATHER_DRIVER_LAUNCH = True
 
 
 # -- LongLive ------------------------------------------------------------------------------

@@ -20,7 +20,7 @@ from functools import cache
 
 import cupy
 
-__all__ = ["launcher", "capturing"]
+__all__ = ["launcher", "args_launcher", "capturing"]
 
 _ATTR_PROGRAMMATIC_STREAM_SERIALIZATION = 6  # CU_LAUNCH_ATTRIBUTE_... (cuda.h)
 
@@ -117,6 +117,39 @@ def launcher(kernel, grid: int, block: int, struct, n_pointers: int, pdl: bool =
     if _driver_entry() is None or (pdl and not _supported(cupy.cuda.runtime.getDevice())):
         return None
     return _Launch(kernel, grid, block, struct, n_pointers, pdl)
+
+
+class _ArgsLaunch:
+    """An ordinary launch of a kernel with scalar arguments, packed once: ``args`` are
+    ctypes values matching the kernel's parameters one for one (``c_uint64`` for
+    pointers).  ``__call__(stream_ptr, grid, values)`` sets the first ``len(values)``
+    arguments and the grid, then launches (the driver copies the arguments)."""
+
+    def __init__(self, kernel, block: int, args):
+        self._fn = _driver_entry()
+        self._func = ctypes.c_void_p(kernel.kernel.ptr)
+        self._cfg = _Config(1, 1, 1, block, 1, 1, 0, None, None, 0)
+        self._args = list(args)
+        self._params = (ctypes.c_void_p * len(self._args))(
+            *[ctypes.cast(ctypes.byref(a), ctypes.c_void_p) for a in self._args])
+        self._lock = threading.Lock()  # the argument buffers are shared by every call
+
+    def __call__(self, stream_ptr: int, grid: int, values=()) -> None:
+        with self._lock:
+            for slot, value in zip(self._args, values):
+                slot.value = value
+            self._cfg.gridDimX = grid
+            self._cfg.hStream = stream_ptr or None
+            err = self._fn(ctypes.byref(self._cfg), self._func, self._params, None)
+        if err:
+            raise RuntimeError(f"cuLaunchKernelEx failed: {_error_text(err)}")
+
+
+def args_launcher(kernel, block: int, args):
+    """An :class:`_ArgsLaunch`, or ``None`` without the driver entry point."""
+    if _driver_entry() is None:
+        return None
+    return _ArgsLaunch(kernel, block, args)
 
 
 def capturing(stream) -> bool:

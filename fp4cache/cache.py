@@ -368,13 +368,16 @@ class PagedKVCache:
             sig = _gather_signature(blocks, dtype, out)
             hit = self._fast.get(sig) if sig is not None else None
             if hit is not None:
+                dt, launch = hit
                 n = blocks.shape[0]
                 if out is None:
                     import cupy
 
                     shape = (n * self.block_size, self.num_heads, self.head_dim)
-                    out = (cupy.empty(shape, dtype=hit), cupy.empty(shape, dtype=hit))
-                if n:
+                    out = (cupy.empty(shape, dtype=dt), cupy.empty(shape, dtype=dt))
+                if launch is not None:  # a prepared launch (arguments packed once)
+                    launch(blocks, out[0], out[1])
+                elif n:
                     self._impl.gather_dequant(self.buffer, blocks, out[0], out[1],
                                               geom=self.geometry, k_s=self._k_s,
                                               v_s=self._v_s, stats=self._stats)
@@ -416,5 +419,8 @@ class PagedKVCache:
         )
         if sig is not None and blocks is blocks_in and (
                 out is None or (out_k is out[0] and out_v is out[1])):
-            self._remember(sig, dt)
+            launch = self._impl.gather_launcher(self.buffer, blocks, out_k, geom=g,
+                                                k_s=self._k_s, v_s=self._v_s,
+                                                stats=self._stats)
+            self._remember(sig, (dt, launch))
         return out_k, out_v

@@ -107,3 +107,75 @@ def test_prepared_store_in_a_cuda_graph(driver, monkeypatch):
             cpu.store(s_h, k_h, v_h)
         stream.synchronize()
     assert np.array_equal(gpu.buffer.get(), cpu.buffer)
+
+
+@pytest.mark.parametrize("driver", [True, False])
+@pytest.mark.parametrize("out_dtype", ["bfloat16", "float16", "float32"])
+def test_prepared_gather_any_length_alignment_and_out(driver, out_dtype, monkeypatch):
+    """The prepared gather (arguments packed once, one launch per call) for block lists of
+    changing length (0 included), allocated outputs and ``out=`` views at 16-byte aligned
+    and unaligned offsets (the vectorized and the scalar kernel), against the CPU."""
+    import cupy
+
+    from fp4cache import _cupy_backend
+
+    monkeypatch.setattr(_cupy_backend, "GATHER_DRIVER_LAUNCH", driver)
+    rng = np.random.default_rng(11)
+    nb, T, H, D = 64, 16, 2, 64
+    gpu = PagedKVCache(nb, T, H, D, scale_rule="4over6", device="cuda")
+    cpu = PagedKVCache(nb, T, H, D, scale_rule="4over6", device="cpu")
+    slots = rng.permutation(nb * T)
+    k = rng.standard_normal((nb * T, H, D)).astype(np.float32)
+    v = (rng.standard_normal((nb * T, H, D)) * 4).astype(np.float32)
+    cpu.store(slots, k, v)
+    gpu.store(cupy.asarray(slots), cupy.asarray(k), cupy.asarray(v))
+    dt = np.dtype(getattr(ml_dtypes, out_dtype, None) or out_dtype)
+    for n in (3, 3, 7, 0, 40, 1, 7):  # the same signature, lengths change
+        blocks = rng.integers(0, nb, n).astype(np.int32)
+        k_out, v_out = gpu.gather_dequant(cupy.asarray(blocks), out_dtype)
+        k_ref, v_ref = cpu.gather_dequant(blocks, out_dtype)
+        assert k_out.shape == k_ref.shape and k_out.dtype == dt
+        assert np.array_equal(k_out.get().view(np.uint8), k_ref.view(np.uint8)), n
+        assert np.array_equal(v_out.get().view(np.uint8), v_ref.view(np.uint8)), n
+    n = 5
+    rows = n * T * H * D
+    for offset in (0, 1, 0, 1):  # out= views: aligned, then one element off
+        flat = cupy.zeros(2 * rows + 1, dt)
+        out = (flat[offset:offset + rows].reshape(n * T, H, D),
+               flat[rows + offset:2 * rows + offset].reshape(n * T, H, D))
+        blocks = rng.integers(0, nb, n).astype(np.int64)
+        gpu.gather_dequant(cupy.asarray(blocks), out=out)
+        k_ref, v_ref = cpu.gather_dequant(blocks, out_dtype)
+        assert np.array_equal(out[0].get().view(np.uint8), k_ref.view(np.uint8)), offset
+        assert np.array_equal(out[1].get().view(np.uint8), v_ref.view(np.uint8)), offset
+
+
+def test_prepared_gather_in_a_cuda_graph():
+    """The prepared gather captured into a CUDA graph and replayed with new block ids
+    decodes what the CPU backend decodes."""
+    import cupy
+
+    rng = np.random.default_rng(5)
+    nb, T, H, D, n = 32, 16, 2, 64, 6
+    gpu = PagedKVCache(nb, T, H, D, device="cuda")
+    cpu = PagedKVCache(nb, T, H, D, device="cpu")
+    slots = rng.permutation(nb * T)
+    k = rng.standard_normal((nb * T, H, D)).astype(ml_dtypes.bfloat16)
+    cpu.store(slots, k, k)
+    gpu.store(cupy.asarray(slots), cupy.asarray(k), cupy.asarray(k))
+    blocks = cupy.zeros(n, cupy.int32)
+    out = (cupy.empty((n * T, H, D), ml_dtypes.bfloat16),
+           cupy.empty((n * T, H, D), ml_dtypes.bfloat16))
+    stream = cupy.cuda.Stream(non_blocking=True)
+    with stream:
+        gpu.gather_dequant(blocks, out=out)  # validated once: then the prepared launch
+        stream.begin_capture()
+        gpu.gather_dequant(blocks, out=out)
+        graph = stream.end_capture()
+        for _ in range(3):
+            b = rng.integers(0, nb, n).astype(np.int32)
+            blocks.set(b)
+            graph.launch(stream)
+            stream.synchronize()
+            k_ref, _ = cpu.gather_dequant(b)
+            assert np.array_equal(out[0].get().view(np.uint16), k_ref.view(np.uint16))
