@@ -17,7 +17,7 @@ allocates outputs):
 Every function enqueues work on the current stream and returns without a host
 synchronization.  ``gather_dequant`` and ``longlive_dequantize`` allocate nothing,
 so they can be captured in a CUDA graph.  ``store`` is one launch for up to
-``SCAN_MAX_TOKENS`` tokens; above that it adds a claim pre-pass over a claim table
+``FP4C_SCAN_MAX_TOKENS`` tokens; above that it adds a claim pre-pass over a claim table
 allocated once per device and stream (calls outside graph capture number their claims
 on the host; captured ones use a device epoch that the claim pass advances, so replays
 stay correct; see ``kernels/paged_kv.cu``).  Non-contiguous K/V (any
@@ -54,9 +54,14 @@ __all__ = [
 
 _THREADS = 256
 _BLOCK = (_THREADS,)
-#: Up to this many tokens the store resolves duplicate slots by scanning later
-#: entries of slot_mapping in the kernel (one launch); above it, claim pre-pass.
-SCAN_MAX_TOKENS = K.TUNING["FP4C_SCAN_MAX_TOKENS"]
+
+
+def _scan_max_tokens() -> int:
+    """Up to this many tokens the store resolves duplicate slots by a scan in the kernel
+    (one launch); above it, a claim pre-pass.  Read from the kernels' tuning, whose value
+    also sizes the kernel's shared-memory arrays."""
+    return K.tuning("FP4C_SCAN_MAX_TOKENS")
+
 #: Launches are split so that a thread index always fits in 31 bits.
 _MAX_THREADS = 2**31 - 1
 
@@ -295,7 +300,7 @@ class _StorePlan(NamedTuple):
     params: np.ndarray  # 0-d StoreParams; per-call fields are set on a copy
     num_slots: np.int64
     os_tab: object  # kept alive: params holds its address
-    claim: object  # claim pre-pass kernel (more than SCAN_MAX_TOKENS tokens, no promise)
+    claim: object  # claim pre-pass kernel (more than FP4C_SCAN_MAX_TOKENS tokens, no promise)
     after_claim: object  # PDL launch of the store after the claim pass, or None
 
 
@@ -328,7 +333,7 @@ def _store_plan(key, buffer, slots, k, v, geom, rule, k_s, k_g, v_s, v_g, unique
     total = n * int(hg[0])
     # duplicate slots: none promised or possible (0), scan the later tokens (1) or claim
     # pass (2)
-    dedup = 0 if unique_slots or n == 1 else 1 if n <= SCAN_MAX_TOKENS else 2
+    dedup = 0 if unique_slots or n == 1 else 1 if n <= _scan_max_tokens() else 2
     os_tab = _os_table(k_s, v_s)
     params = np.array((0, 0, 0, 0, kst[0] // es, kst[1] // es, vst[0] // es,
                        vst[1] // es,
@@ -406,11 +411,11 @@ def store_launcher(buffer, slot_mapping, k, v, *, geom: PageGeometry, rule, k_s,
     """A closure ``launch(slot_mapping, k, v)`` doing what :func:`store` does for arguments
     with the same shapes, strides, dtypes, pointer alignment and device, or ``None``.
 
-    Only single-launch stores (up to ``SCAN_MAX_TOKENS`` tokens: a decode step) get one;
+    Only single-launch stores (up to ``FP4C_SCAN_MAX_TOKENS`` tokens: a decode step) get one;
     the caller keys it on those properties and then skips every per-call lookup.
     """
     n = k.shape[0]
-    if n == 0 or n > SCAN_MAX_TOKENS or not slot_mapping.flags.c_contiguous:
+    if n == 0 or n > _scan_max_tokens() or not slot_mapping.flags.c_contiguous:
         return None
     key = _store_key(buffer, slot_mapping, k, v, geom, rule, k_s, k_g, v_s, v_g, unique_slots)
     plan = _store_plans.get(key)
@@ -440,37 +445,54 @@ def store_launcher(buffer, slot_mapping, k, v, *, geom: PageGeometry, rule, k_s,
     return launch
 
 
+class _GatherPlan(NamedTuple):
+    """What a gather launch needs for one geometry, pool and output itemsize (the one
+    place that derives the gather kernel's arguments)."""
+
+    per_page: int  # threads per page: one 16-byte output piece each
+    max_pages: int  # pages per launch (32-bit thread index)
+    side_vec: bool  # the pool allows the vectorized kernel (outputs must be too)
+    tail: tuple  # the kernel's arguments after ``total``, typed, without k_s and v_s
+
+
+def _gather_plan(buffer, geom: PageGeometry, itemsize: int) -> _GatherPlan:
+    pa = _page_args(geom, buffer.shape[0])
+    per_group = itemsize  # 16-byte pieces per 16-value group: 16 // (16 // itemsize)
+    chunk = 16 // itemsize  # values per piece
+    per_page = geom.block_size * int(pa["HG"][0]) * per_group
+    fc, fh, ft = fastdiv(pa["G"] * per_group), pa["fH"], pa["fT"]
+    return _GatherPlan(
+        per_page, _MAX_THREADS // per_page,
+        geom.side_bytes % (chunk // 2) == 0 and buffer.data.ptr % (chunk // 2) == 0,
+        (*fc, *fh, *ft, pa["nhd"], pa["swz"], pa["swz_m"], pa["num_blocks"], pa["side"],
+         pa["data"]))
+
+
+def _gather_vec(plan: _GatherPlan, out_k, out_v) -> bool:
+    return plan.side_vec and out_k.data.ptr % 16 == 0 and out_v.data.ptr % 16 == 0
+
+
 def gather_dequant(buffer, blocks, out_k, out_v, *, geom: PageGeometry, k_s, v_s,
                    stats) -> None:
     """Gather pages ``blocks`` and decode them into ``out_k``/``out_v`` ``[n*T, H, D]``."""
     n = blocks.shape[0]
     if n == 0:
         return
-    pa = _page_args(geom, buffer.shape[0])
-    T = geom.block_size
-    per_page = T * int(pa["HG"][0])
-    max_pages = _MAX_THREADS // (per_page * out_k.itemsize)
-    if n > max_pages:
-        for a in range(0, n, max_pages):
-            b = min(n, a + max_pages)
+    plan = _gather_plan(buffer, geom, out_k.itemsize)
+    if n > plan.max_pages:
+        T, m = geom.block_size, plan.max_pages
+        for a in range(0, n, m):
+            b = min(n, a + m)
             gather_dequant(buffer, blocks[a:b], out_k[a * T:b * T], out_v[a * T:b * T],
                            geom=geom, k_s=k_s, v_s=v_s, stats=stats)
         return
     blocks = _contig(blocks)
-    chunk = 16 // out_k.itemsize  # values per thread (one 16-byte output piece)
-    vec = (geom.side_bytes % (chunk // 2) == 0 and buffer.data.ptr % (chunk // 2) == 0
-           and out_k.data.ptr % 16 == 0 and out_v.data.ptr % 16 == 0)
     fn = _kernel(K.gather_spec(_dtype_name(out_k.dtype, "out_k"),
-                               _index_name(blocks.dtype, "blocks"), vec))
-    per_group = 16 // chunk
-    total = n * per_page * per_group
-    fc = fastdiv(pa["G"] * per_group)
-    fh, ft = pa["fH"], pa["fT"]
-    fn(_decode_blocks(total), _BLOCK, (
-        buffer, blocks, out_k, out_v, stats, _U32(total), fc[0], fc[1], fc[2],
-        fh[0], fh[1], fh[2], ft[0], ft[1], ft[2], pa["nhd"], pa["swz"], pa["swz_m"],
-        pa["num_blocks"],
-        pa["side"], pa["data"], _F32(k_s), _F32(v_s)))
+                               _index_name(blocks.dtype, "blocks"),
+                               _gather_vec(plan, out_k, out_v)))
+    total = n * plan.per_page
+    fn(_decode_blocks(total), _BLOCK, (buffer, blocks, out_k, out_v, stats, _U32(total),
+                                       *plan.tail, _F32(k_s), _F32(v_s)))
 
 
 def gather_launcher(buffer, blocks, out_k, *, geom: PageGeometry, k_s, v_s, stats):
@@ -482,48 +504,36 @@ def gather_launcher(buffer, blocks, out_k, *, geom: PageGeometry, k_s, v_s, stat
         return None
     import ctypes
 
-    pa = _page_args(geom, buffer.shape[0])
-    T = geom.block_size
-    per_page = T * int(pa["HG"][0])
-    chunk = 16 // out_k.itemsize
-    per_group = 16 // chunk
-    max_pages = _MAX_THREADS // (per_page * out_k.itemsize)
-    fc, fh, ft = fastdiv(pa["G"] * per_group), pa["fH"], pa["fT"]
-    side_vec = geom.side_bytes % (chunk // 2) == 0 and buffer.data.ptr % (chunk // 2) == 0
+    plan = _gather_plan(buffer, geom, out_k.itemsize)
     dt = _dtype_name(out_k.dtype, "out_k")
     ix = _index_name(blocks.dtype, "blocks")
-    u32, i64, f32, ptr = ctypes.c_uint32, ctypes.c_int64, ctypes.c_float, ctypes.c_uint64
+    as_ctype = {np.dtype(np.uint32): ctypes.c_uint32, np.dtype(np.int64): ctypes.c_int64}
+    ptr = ctypes.c_uint64
+    tail = [as_ctype[np.asarray(x).dtype](int(x)) for x in plan.tail]
     prepared = {}
-
-    def prepare(vec):
-        fn = _kernel(K.gather_spec(dt, ix, vec))
-        args = [ptr(buffer.data.ptr), ptr(0), ptr(0), ptr(0), ptr(stats.data.ptr), u32(0),
-                *(u32(int(x)) for x in (*fc, *fh, *ft, pa["nhd"], pa["swz"], pa["swz_m"])),
-                i64(int(pa["num_blocks"])), i64(int(pa["side"])), i64(int(pa["data"])),
-                f32(float(k_s)), f32(float(v_s))]
-        return _pdl.args_launcher(fn, _THREADS, args)
-
     for vec in (True, False):
-        prepared[vec] = prepare(vec)
+        args = [ptr(buffer.data.ptr), ptr(0), ptr(0), ptr(0), ptr(stats.data.ptr),
+                ctypes.c_uint32(0), *tail, ctypes.c_float(float(_F32(k_s))),
+                ctypes.c_float(float(_F32(v_s)))]
+        prepared[vec] = _pdl.args_launcher(_kernel(K.gather_spec(dt, ix, vec)), _THREADS, args)
         if prepared[vec] is None:
             return None
     keep = (buffer, stats)  # the prepared arguments hold their addresses
-    per = _THREADS * K.tuning("FP4C_DECODE_CHUNKS")
     current = cupy.cuda.get_current_stream
 
     def launch(blocks, out_k, out_v, _keep=keep):
         n = blocks.shape[0]
         if n == 0:
             return
-        if n > max_pages or not blocks.flags.c_contiguous:
+        if n > plan.max_pages or not blocks.flags.c_contiguous:
             gather_dequant(buffer, blocks, out_k, out_v, geom=geom, k_s=k_s, v_s=v_s,
                            stats=stats)
             return
-        kp, vp = out_k.data.ptr, out_v.data.ptr
-        total = n * per_page * per_group
-        prepared[side_vec and kp % 16 == 0 and vp % 16 == 0](
-            current().ptr, (total + per - 1) // per,
-            (buffer.data.ptr, blocks.data.ptr, kp, vp, stats.data.ptr, total))
+        total = n * plan.per_page
+        prepared[_gather_vec(plan, out_k, out_v)](
+            current().ptr, _decode_blocks(total)[0],
+            (buffer.data.ptr, blocks.data.ptr, out_k.data.ptr, out_v.data.ptr,
+             stats.data.ptr, total))
 
     return launch
 

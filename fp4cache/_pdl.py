@@ -75,25 +75,43 @@ def _supported(device: int) -> bool:
     return int(cupy.cuda.Device(device).compute_capability) >= 90 and _driver_entry() is not None
 
 
-class _Launch:
-    """A prepared PDL launch of one kernel with a fixed grid and block: pointer arguments,
-    then one struct passed by value (a numpy 0-d structured array);
-    ``__call__(stream_ptr, pointers, fields)`` sets the pointers and the struct's
-    ``fields`` and launches (the driver copies the arguments at launch)."""
+class _Prepared:
+    """A kernel launch whose argument buffers are set up once (``param_ptrs``: the address
+    of each kernel argument's value); subclasses fill the values and call :meth:`_launch`
+    while holding ``_lock`` (the buffers are shared by every call)."""
 
-    def __init__(self, kernel, grid: int, block: int, struct, n_pointers: int,
-                 pdl: bool = True):
+    def __init__(self, kernel, grid: int, block: int, param_ptrs, pdl: bool):
         self._fn = _driver_entry()
         self._func = ctypes.c_void_p(kernel.kernel.ptr)
         self._attr = _Attr(id=_ATTR_PROGRAMMATIC_STREAM_SERIALIZATION, value=1)
         self._cfg = _Config(grid, 1, 1, block, 1, 1, 0, None,
                             ctypes.pointer(self._attr) if pdl else None, 1 if pdl else 0)
+        self._params = (ctypes.c_void_p * len(param_ptrs))(*param_ptrs)
+        self._lock = threading.Lock()
+
+    def _launch(self, stream_ptr: int) -> None:
+        self._cfg.hStream = stream_ptr or None
+        err = self._fn(ctypes.byref(self._cfg), self._func, self._params, None)
+        if err:
+            raise RuntimeError(f"cuLaunchKernelEx failed: {_error_text(err)}")
+
+
+def _addresses(values) -> list:
+    return [ctypes.cast(ctypes.byref(v), ctypes.c_void_p) for v in values]
+
+
+class _Launch(_Prepared):
+    """A prepared (PDL) launch of one kernel with a fixed grid and block: pointer
+    arguments, then one struct passed by value (a numpy 0-d structured array);
+    ``__call__(stream_ptr, pointers, fields)`` sets the pointers and the struct's
+    ``fields`` and launches (the driver copies the arguments at launch)."""
+
+    def __init__(self, kernel, grid: int, block: int, struct, n_pointers: int,
+                 pdl: bool = True):
         self._struct = struct
         self._ptrs = [ctypes.c_uint64(0) for _ in range(n_pointers)]
-        params = [ctypes.cast(ctypes.byref(p), ctypes.c_void_p) for p in self._ptrs]
-        params.append(ctypes.c_void_p(struct.ctypes.data))
-        self._params = (ctypes.c_void_p * len(params))(*params)
-        self._lock = threading.Lock()  # the argument buffers are shared by every call
+        super().__init__(kernel, grid, block,
+                         _addresses(self._ptrs) + [ctypes.c_void_p(struct.ctypes.data)], pdl)
 
     def __call__(self, stream_ptr: int, pointers, fields: dict | None = None) -> None:
         with self._lock:
@@ -102,10 +120,7 @@ class _Launch:
             if fields:
                 for name, value in fields.items():
                     self._struct[name] = value
-            self._cfg.hStream = stream_ptr or None
-            err = self._fn(ctypes.byref(self._cfg), self._func, self._params, None)
-        if err:
-            raise RuntimeError(f"cuLaunchKernelEx failed: {_error_text(err)}")
+            self._launch(stream_ptr)
 
 
 def launcher(kernel, grid: int, block: int, struct, n_pointers: int, pdl: bool = True):
@@ -119,30 +134,22 @@ def launcher(kernel, grid: int, block: int, struct, n_pointers: int, pdl: bool =
     return _Launch(kernel, grid, block, struct, n_pointers, pdl)
 
 
-class _ArgsLaunch:
+class _ArgsLaunch(_Prepared):
     """An ordinary launch of a kernel with scalar arguments, packed once: ``args`` are
     ctypes values matching the kernel's parameters one for one (``c_uint64`` for
     pointers).  ``__call__(stream_ptr, grid, values)`` sets the first ``len(values)``
     arguments and the grid, then launches (the driver copies the arguments)."""
 
     def __init__(self, kernel, block: int, args):
-        self._fn = _driver_entry()
-        self._func = ctypes.c_void_p(kernel.kernel.ptr)
-        self._cfg = _Config(1, 1, 1, block, 1, 1, 0, None, None, 0)
         self._args = list(args)
-        self._params = (ctypes.c_void_p * len(self._args))(
-            *[ctypes.cast(ctypes.byref(a), ctypes.c_void_p) for a in self._args])
-        self._lock = threading.Lock()  # the argument buffers are shared by every call
+        super().__init__(kernel, 1, block, _addresses(self._args), pdl=False)
 
     def __call__(self, stream_ptr: int, grid: int, values=()) -> None:
         with self._lock:
             for slot, value in zip(self._args, values):
                 slot.value = value
             self._cfg.gridDimX = grid
-            self._cfg.hStream = stream_ptr or None
-            err = self._fn(ctypes.byref(self._cfg), self._func, self._params, None)
-        if err:
-            raise RuntimeError(f"cuLaunchKernelEx failed: {_error_text(err)}")
+            self._launch(stream_ptr)
 
 
 def args_launcher(kernel, block: int, args):
