@@ -28,6 +28,7 @@ __all__ = [
     "check_scale",
     "check_out",
     "check_device",
+    "check_strides",
 ]
 
 
@@ -168,17 +169,34 @@ def check_out(out, name: str, shape: tuple[int, ...], dtype, backend: str):
         raise TypeError(f"{name} must have dtype {np.dtype(dtype).name}, got {out.dtype}")
     if not out.flags.c_contiguous:
         raise ValueError(f"{name} must be C-contiguous")
+    if is_cupy(out) and out.data.ptr % out.itemsize:
+        raise ValueError(f"{name} must be aligned to its itemsize ({out.itemsize} bytes), got "
+                         f"address {out.data.ptr:#x} (a view at an odd byte offset)")
     return out
 
 
+def check_strides(a, name: str):
+    """Byte strides must be whole elements (a view of another dtype's buffer can have
+    strides that are not: refused rather than read wrong)."""
+    for st in a.strides:
+        if st % a.itemsize:
+            raise ValueError(f"{name} must have strides that are multiples of its itemsize "
+                             f"({a.itemsize} bytes), got strides {tuple(a.strides)}")
+    return a
+
+
 def check_device(arrays: dict[str, Any], ref) -> None:
-    """CuPy arrays must live on the same GPU as ``ref`` (the cache's buffer)."""
+    """CuPy arrays must live on the same GPU as ``ref`` (the cache's buffer): a
+    ``ValueError`` names the argument and both devices."""
     if not is_cupy(ref):
         return
+    want = ref.data.device_id
     for name, a in arrays.items():
-        if is_cupy(a) and a.device.id != ref.device.id:
+        if is_cupy(a) and a.data.device_id != want:
             raise ValueError(
-                f"{name} is on GPU {a.device.id} but the cache lives on GPU {ref.device.id}"
+                f"{name} is on GPU {a.data.device_id} (cuda:{a.data.device_id}) but the cache "
+                f"lives on GPU {want} (cuda:{want}); move it with cupy.asarray under "
+                f"cupy.cuda.Device({want})"
             )
 
 

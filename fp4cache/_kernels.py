@@ -10,7 +10,10 @@ or scalar memory access); the loader builds a translation unit from
   (CuPy's on-disk cache keys on the source text only, so headers must be part of
   it), framed by ``#line`` directives so that NVRTC messages name the real files,
 
-and compiles it with ``cupy.RawModule``, memoized per device and specialization.
+and compiles it with ``cupy.RawModule``, memoized per device and specialization.  A
+``#include "fp4c_abi.cuh"`` is answered with :func:`fp4cache._abi.header` (constants and
+by-value structs shared with the host, with layout checks).  Tuning values are part of a
+:class:`Spec`: a kernel's identity includes them, nothing changes them behind its back.
 :func:`compile_all` compiles every specialization with the low-level NVRTC API for
 a given architecture; it needs no GPU (used by the CPU test suite).
 
@@ -21,11 +24,12 @@ no alignment assumption.
 
 from __future__ import annotations
 
-import os
 import re
 from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
+
+from . import _abi
 
 __all__ = [
     "NVRTC_OPTIONS",
@@ -37,6 +41,7 @@ __all__ = [
     "compile_all",
     "store_spec",
     "claim_spec",
+    "clear_spec",
     "gather_spec",
     "quantize_spec",
     "dequantize_spec",
@@ -57,8 +62,26 @@ CUPY_IMPLICIT_OPTIONS: tuple[str, ...] = ("-ftz=true",)
 VALUE_TYPES = {"bf16": "bf16_t", "f16": "f16_t", "f32": "f32_t"}
 #: Index types of slot_mapping / block ids: short name -> C++ type.
 INDEX_TYPES = {"i32": "int", "i64": "i64"}
-#: Scale rules: name -> value of the RULE template parameter.
-RULES = {"static6": "FP4C_RULE_STATIC6", "4over6": "FP4C_RULE_4OVER6"}
+#: Scale rules: name -> the macro holding the RULE template parameter's value.
+RULES = {name: f"FP4C_RULE_{name.upper()}" for name in _abi.RULES}
+#: The virtual header that carries :func:`fp4cache._abi.header`.
+ABI_HEADER = "fp4c_abi.cuh"
+
+#: The kernels' tuning macros and the library's values: every translation unit gets all of
+#: them (``kernels/fp4_common.cuh`` refuses to compile without), and the backend sizes its
+#: grids from the values of the Spec it launches.  A benchmark may build specs with other
+#: values (``Spec.with_tuning``); the library never does.
+TUNING: tuple[tuple[str, int], ...] = tuple(sorted((
+    ("FP4C_DECODE_CHUNKS", 2),     # 16-byte output chunks per thread (gather, flat, LongLive)
+    ("FP4C_STORE_ITEMS", 1),       # groups per thread of the store (one head per thread)
+    ("FP4C_STORE_MIN_BLOCKS", 1),  # __launch_bounds__ minimum blocks of the store
+    ("FP4C_SCAN_MAX_TOKENS", 128),  # stores of up to this many tokens find repeated slots by
+                                    # a scan in the kernel (one launch); above, a claim pass
+    ("FP4C_LL_WIDE_TILES", 2),     # 1024-chunk tiles per CTA of the wide LongLive decode
+    ("FP4C_ABSMAX16", 2),          # group max on 16-bit pairs: 1 bf16 (integer), 2 also f16
+                                   # (packed float max, sm_86+; 1 below)
+    ("FP4C_E4M3_CVT", 1),          # sm_89+: scale bytes by the E4M3 conversion instruction
+)))
 
 _INCLUDE = re.compile(r'^\s*#\s*include\s+"([^"]+)"\s*$')
 
@@ -80,17 +103,32 @@ def kernel_dir() -> Path:
 
 @dataclass(frozen=True)
 class Spec:
-    """One kernel specialization: file, stamping macro, kernel name, macro arguments."""
+    """One kernel specialization: file, stamping macro, kernel name, macro arguments and
+    the tuning values it is compiled with."""
 
     file: str
     macro: str
     name: str
     args: tuple[str, ...]
+    tuning: tuple[tuple[str, int], ...] = TUNING
 
     @property
     def instantiation(self) -> str:
         """The macro call that defines this kernel."""
         return f"{self.macro}({', '.join((self.name,) + self.args)})"
+
+    def tune(self, name: str) -> int:
+        """Value of tuning macro ``name`` in this kernel."""
+        return dict(self.tuning)[name]
+
+    def with_tuning(self, **values: int) -> Spec:
+        """The same kernel compiled with other tuning values (benchmarks)."""
+        known = dict(self.tuning)
+        unknown = set(values) - set(known)
+        if unknown:
+            raise ValueError(f"unknown tuning macros {sorted(unknown)}; known: {sorted(known)}")
+        return Spec(self.file, self.macro, self.name, self.args,
+                    tuple(sorted({**known, **values}.items())))
 
 
 def _vec(vec: bool) -> tuple[str, str]:
@@ -107,9 +145,22 @@ def store_spec(dtype: str, rule: str, slot: str, vec: bool = True, pair: bool = 
 
 
 def claim_spec(slot: str) -> Spec:
-    """Duplicate-slot claim pre-pass of the store (its last CTA advances the epoch)."""
+    """Duplicate-slot claim pre-pass of the store ("last occurrence wins")."""
     return Spec("paged_kv.cu", "FP4C_CLAIM_KERNEL", f"fp4cache_claim_{slot}",
                 (INDEX_TYPES[slot],))
+
+
+def clear_spec(slot: str) -> Spec:
+    """The pass after such a store that zeroes the claim entries again."""
+    return Spec("paged_kv.cu", "FP4C_CLEAR_KERNEL", f"fp4cache_claim_clear_{slot}",
+                (INDEX_TYPES[slot],))
+
+
+#: (value type, rule) pairs whose store gives each thread the same group of two heads
+#: (h and h + H/2) of one token when H is even (``kernels/paged_kv.cu``, NH = 2): 16-bit
+#: inputs with static6, measured faster on the H200 (bench/KERNEL_NOTES.md, v17); 4over6
+#: and float32 inputs would need too many registers.
+STORE_PAIR = frozenset({("bf16", "static6"), ("f16", "static6")})
 
 
 def gather_spec(dtype: str, block: str, vec: bool = True) -> Spec:
@@ -162,13 +213,16 @@ def ll_decode_wide_spec(dtype: str) -> Spec:
 
 
 def all_specs() -> list[Spec]:
-    """Every specialization the backend can ask for."""
+    """Every specialization the backend can launch (and no other)."""
     specs: list[Spec] = []
     bools = (True, False)
     for dt in VALUE_TYPES:
         for vec in bools:
             for rule in RULES:
-                specs += [store_spec(dt, rule, ix, vec) for ix in INDEX_TYPES]
+                for ix in INDEX_TYPES:
+                    specs.append(store_spec(dt, rule, ix, vec))
+                    if (dt, rule) in STORE_PAIR:
+                        specs.append(store_spec(dt, rule, ix, vec, pair=True))
                 specs.append(quantize_spec(dt, rule, vec))
                 specs.append(ll_quantize_spec(dt, rule, vec))
             specs += [gather_spec(dt, ix, vec) for ix in INDEX_TYPES]
@@ -176,6 +230,7 @@ def all_specs() -> list[Spec]:
             specs.append(ll_decode_spec(dt, vec))
             specs.append(ll_amax_spec(dt, vec))
     specs += [claim_spec(ix) for ix in INDEX_TYPES]
+    specs += [clear_spec(ix) for ix in INDEX_TYPES]
     specs += [ll_decode_wide_spec(dt) for dt in ("bf16", "f16")]
     return specs
 
@@ -191,7 +246,10 @@ def _read_inlined(file: str) -> str:
         lines = (root / name).read_text().splitlines()
         for lineno, line in enumerate(lines, start=1):
             m = _INCLUDE.match(line)
-            if m:
+            if m and m.group(1) == ABI_HEADER:
+                out += [f'#line 1 "{ABI_HEADER}"', *_abi.header().splitlines(),
+                        f'#line {lineno + 1} "{name}"']
+            elif m:
                 inc = m.group(1)
                 if not (root / inc).is_file():
                     raise FileNotFoundError(f"{name}:{lineno}: include {inc!r} not in {root}")
@@ -208,93 +266,45 @@ def _read_inlined(file: str) -> str:
     return "\n".join(expand(file)) + "\n"
 
 
-#: The kernels' tuning macros and their values: the one place that holds them.  Every
-#: translation unit gets all of them (``kernels/fp4_common.cuh`` refuses to compile
-#: without), and the backend sizes its grids from :func:`tuning`.
-TUNING: dict[str, int] = {
-    "FP4C_DECODE_CHUNKS": 2,     # 16-byte output chunks per thread (gather, flat, LongLive)
-    "FP4C_STORE_ITEMS": 1,       # groups per thread of the store
-    "FP4C_STORE_MIN_BLOCKS": 1,  # __launch_bounds__ minimum blocks of the store
-    "FP4C_SCAN_MAX_TOKENS": 128,  # stores of up to this many tokens find repeated slots by
-                                  # a scan in the kernel (one launch); above, a claim pass
-    "FP4C_LL_WIDE_TILES": 2,     # 1024-chunk tiles per CTA of the wide LongLive decode
-    "FP4C_ABSMAX16": 2,          # group max on 16-bit pairs: 1 bf16 (integer), 2 also f16
-                                 # (packed float max, sm_86+; 1 below)
-    "FP4C_PACK_EARLY": 1,        # 4over6: pack each candidate's codes as soon as possible
-    "FP4C_E4M3_CVT": 1,          # sm_89+: scale bytes by the E4M3 conversion instruction
-}
-
-#: Extra ``NAME=VALUE`` macro definitions (tuning experiments, see
-#: ``bench/kernel_timing.py``), overriding :data:`TUNING`; change with :func:`set_defines`.
-#: The environment variable ``FP4CACHE_KERNEL_DEFINES`` ("A=1,B=2") sets the initial
-#: ones (developer knob: run the test suite against a kernel variant).
-_DEFINES: tuple[tuple[str, str], ...] = tuple(sorted(
-    tuple(kv.split("=", 1)) for kv in os.environ.get("FP4CACHE_KERNEL_DEFINES", "").split(",")
-    if "=" in kv))
-
-
-def _effective() -> dict[str, str]:
-    return {**{k: str(v) for k, v in TUNING.items()}, **dict(_DEFINES)}
-
-
-_EFFECTIVE: dict[str, str] = _effective()
-
-
-def tuning(name: str) -> int:
-    """Value of tuning macro ``name`` in the kernels compiled now."""
-    return int(_EFFECTIVE[name])
-
-
-def set_defines(**defines) -> None:
-    """Set extra macro definitions for later compiles and drop every compiled kernel."""
-    global _DEFINES, _EFFECTIVE
-    _DEFINES = tuple(sorted((k, str(v)) for k, v in defines.items()))
-    _EFFECTIVE = _effective()
-    _MODULES.clear()
-    _FUNCS.clear()
+def _defines(tuning: tuple[tuple[str, int], ...]) -> str:
+    return "".join(f"#define {k} {v}\n" for k, v in sorted(tuning))
 
 
 def build_source(file: str, specs: list[Spec] | tuple[Spec, ...]) -> str:
-    """Translation unit of ``file`` defining the kernels in ``specs``."""
+    """Translation unit of ``file`` defining the kernels in ``specs`` (one tuning)."""
     for s in specs:
         if s.file != file:
             raise ValueError(f"spec {s.name} belongs to {s.file}, not {file}")
+    tunings = {s.tuning for s in specs}
+    if len(tunings) > 1:
+        raise ValueError("specs of one translation unit must share their tuning values")
+    tuning = tunings.pop() if tunings else TUNING
     body = " \\\n    ".join(s.instantiation for s in specs)
-    defs = "".join(f"#define {k} {v}\n" for k, v in sorted(_EFFECTIVE.items()))
-    preamble = f"// fp4cache specializations\n{defs}#define FP4C_INSTANTIATIONS \\\n    {body}\n"
+    preamble = (f"// fp4cache specializations\n{_defines(tuning)}"
+                f"#define FP4C_INSTANTIATIONS \\\n    {body}\n")
     return preamble + _read_inlined(file)
 
 
-def common_source() -> str:
+def common_source(tuning: tuple[tuple[str, int], ...] = TUNING) -> str:
     """The tuning macros and ``fp4_common.cuh``, inlined: a prefix for test kernels that
     call the shared device functions directly."""
-    defs = "".join(f"#define {k} {v}\n" for k, v in sorted(_EFFECTIVE.items()))
-    return defs + _read_inlined("fp4_common.cuh")
+    return _defines(tuning) + _read_inlined("fp4_common.cuh")
 
 
-_MODULES: dict[tuple[int, Spec], object] = {}
-_FUNCS: dict[tuple[int, Spec, str | None], object] = {}
+# Compiled kernels per (device, spec), like ``cupy.memoize(for_each_device=True)``: the
+# one memo of the library (launch plans live with their owners).
+_FUNCS: dict[tuple[int, Spec], object] = {}
 
 
-def get_kernel(spec: Spec, name: str | None = None):
-    """Compiled ``cupy.RawKernel`` of ``spec`` on the current device (memoized).
-
-    ``name`` picks another kernel of the same module (a non-template helper kernel
-    defined in the ``.cu`` file itself).
-    """
+def get_kernel(spec: Spec):
+    """Compiled ``cupy.RawKernel`` of ``spec`` on the current device (memoized)."""
     import cupy
 
-    dev = cupy.cuda.runtime.getDevice()
-    key = (dev, spec)
-    mod = _MODULES.get(key)
-    if mod is None:
-        mod = cupy.RawModule(code=build_source(spec.file, [spec]), options=NVRTC_OPTIONS)
-        _MODULES[key] = mod
-    fkey = (dev, spec, name)
-    fn = _FUNCS.get(fkey)
+    key = (cupy.cuda.runtime.getDevice(), spec)
+    fn = _FUNCS.get(key)
     if fn is None:
-        fn = mod.get_function(spec.name if name is None else name)
-        _FUNCS[fkey] = fn
+        mod = cupy.RawModule(code=build_source(spec.file, [spec]), options=NVRTC_OPTIONS)
+        fn = _FUNCS.setdefault(key, mod.get_function(spec.name))
     return fn
 
 
@@ -331,14 +341,14 @@ def compile_all(arch: str = "sm_90", specs: list[Spec] | None = None) -> dict[st
     and ``RuntimeError`` if a kernel is missing from the PTX.
     """
     specs = all_specs() if specs is None else specs
-    by_file: dict[str, list[Spec]] = {}
+    by_file: dict[tuple[str, tuple], list[Spec]] = {}
     for s in specs:
-        by_file.setdefault(s.file, []).append(s)
+        by_file.setdefault((s.file, s.tuning), []).append(s)
     out: dict[str, str] = {}
-    for file, group in sorted(by_file.items()):
+    for (file, _), group in sorted(by_file.items()):
         ptx = compile_source(build_source(file, group), file, arch, CUPY_IMPLICIT_OPTIONS)
         for s in group:
             if f".entry {s.name}(" not in ptx:
                 raise RuntimeError(f"kernel {s.name} missing from the PTX of {file}")
-        out[file] = ptx
+        out[file] = out.get(file, "") + ptx
     return out

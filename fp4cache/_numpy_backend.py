@@ -9,8 +9,11 @@ functions take validated arguments from the front end (``codec``, ``cache``,
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import numpy as np
 
+from ._abi import STAT
 from .formats import (
     C4,
     C6,
@@ -30,12 +33,22 @@ _F32 = np.float32
 _ZERO = _F32(0.0)
 _ONE = _F32(1.0)
 
-#: Index of each counter in a cache's ``stats`` array.
-STAT_K_NONFINITE, STAT_V_NONFINITE, STAT_BAD_SLOTS, STAT_BAD_BLOCKS = range(4)
+_E4M3_MAX = _F32(448.0)
+_E4M3_MIN_NORMAL_BYTE = 8  # 2^-6: bytes below are zero or subnormal
+
+
+class EncodedGroups(NamedTuple):
+    """What :func:`encode_groups` returns, one entry per group."""
+
+    codes: np.ndarray      # uint8 (n, 16) E2M1 codes, not yet packed
+    sf: np.ndarray         # uint8 (n,) E4M3 block-scale bytes
+    nonfinite: np.ndarray  # bool (n,): held a NaN/Inf (scale 0x7F, codes 0)
+    saturated: np.ndarray  # bool (n,): the chosen scale was clipped at 448
+    underflow: np.ndarray  # bool (n,): nonzero group, scale byte zero or subnormal
 
 
 # -- one group scope ---------------------------------------------------------------------
-def encode_groups(x: np.ndarray, s, g, rule: str):
+def encode_groups(x: np.ndarray, s, g, rule: str) -> EncodedGroups:
     """Encode groups of 16 float32 values with decode multiplier ``s``, encode ``g``.
 
     Parameters
@@ -46,12 +59,10 @@ def encode_groups(x: np.ndarray, s, g, rule: str):
 
     Returns
     -------
-    codes : uint8 (n, 16)
-        E2M1 codes (not yet packed).
-    sf : uint8 (n,)
-        E4M3 block-scale bytes.
-    nonfinite : bool (n,)
-        Groups that held a NaN or an infinity (scale 0x7F, codes 0).
+    EncodedGroups
+        Codes, scale bytes, and which groups were non-finite, had their scale clipped
+        at 448 (``fl(g * fl(m * c)) > 448`` for the chosen candidate) or are nonzero
+        with a zero or subnormal scale byte.
     """
     x = np.asarray(x, dtype=_F32)
     s = np.asarray(s, dtype=_F32)
@@ -64,13 +75,15 @@ def encode_groups(x: np.ndarray, s, g, rule: str):
     best = None
     with np.errstate(over="ignore", divide="ignore", invalid="ignore"):
         for c in candidates:
-            sf = e4m3_encode(g * (m * c))
+            arg = g * (m * c)
+            clipped = arg > _E4M3_MAX
+            sf = e4m3_encode(arg)
             f = e4m3_decode(sf)
             # os = 0 if f == 0 else min(fl(1/fl(f*s)), FLT_MAX); 1/0 -> inf -> FLT_MAX.
             os_ = np.where(f == _ZERO, _ZERO, np.minimum(_ONE / (f * s), FLT_MAX))
             codes = e2m1_encode(x * os_[:, None])
             if len(candidates) == 1:
-                best = (codes, sf)
+                best = (codes, sf, None, clipped)
                 break
             xh = (E2M1_VALUES[codes] * f[:, None]) * s[..., None]
             d = xh - x
@@ -79,27 +92,33 @@ def encode_groups(x: np.ndarray, s, g, rule: str):
             for i in range(GROUP):  # sequential float32 sum, i = 0..15
                 err = err + dd[:, i]
             if best is None:
-                best = (codes, sf, err)
+                best = (codes, sf, err, clipped)
             else:
                 use4 = err < best[2]
                 best = (
                     np.where(use4[:, None], codes, best[0]),
                     np.where(use4, sf, best[1]),
+                    None,
+                    np.where(use4, clipped, best[3]),
                 )
-    codes, sf = best[0], best[1]
+    codes, sf, _, saturated = best
+    underflow = (m > 0) & (sf < _E4M3_MIN_NORMAL_BYTE)
     if nonfinite.any():
         codes = np.where(nonfinite[:, None], np.uint8(0), codes)
         sf = np.where(nonfinite, np.uint8(E4M3_NAN), sf)
-    return codes.astype(np.uint8), sf.astype(np.uint8), nonfinite
+        saturated = saturated & ~nonfinite
+        underflow = underflow & ~nonfinite
+    return EncodedGroups(codes.astype(np.uint8), sf.astype(np.uint8), nonfinite,
+                         np.asarray(saturated, dtype=bool), np.asarray(underflow, dtype=bool))
 
 
-def decode_groups(codes_or_data: np.ndarray, sf: np.ndarray, s, *, packed: bool = True):
+def decode_groups(data: np.ndarray, sf: np.ndarray, s):
     """float32 values ``fl(fl(e2m1 * float(sf)) * s)`` of groups.
 
-    ``codes_or_data`` is ``[..., 8]`` packed bytes (``packed=True``) or ``[..., 16]``
-    codes; ``sf`` is ``[...]`` E4M3 bytes; ``s`` broadcasts against ``sf``.
+    ``data`` is ``[..., 8]`` packed bytes; ``sf`` is ``[...]`` E4M3 bytes; ``s``
+    broadcasts against ``sf``.
     """
-    codes = unpack_nibbles(codes_or_data) if packed else np.asarray(codes_or_data)
+    codes = unpack_nibbles(data)
     f = e4m3_decode(sf)
     s = np.asarray(s, dtype=_F32)
     with np.errstate(over="ignore", invalid="ignore"):
@@ -112,14 +131,12 @@ def _rows_to_groups(x: np.ndarray) -> np.ndarray:
 
 
 # -- protocol: flat codec ----------------------------------------------------------------
-def quantize(x, s, g, rule, data_out, scales_out, stats=None) -> None:
+def quantize(x, s, g, rule, data_out, scales_out) -> None:
     """Quantize rows ``x [N, D]`` into ``data_out [N, D/2]`` and ``scales_out [N, D/16]``."""
     n, d = x.shape
-    codes, sf, bad = encode_groups(_rows_to_groups(x), s, g, rule)
-    data_out[...] = pack_nibbles(codes.reshape(n, d))
-    scales_out[...] = sf.reshape(n, d // GROUP)
-    if stats is not None:
-        stats[STAT_K_NONFINITE] += np.uint64(bad.sum())
+    e = encode_groups(_rows_to_groups(x), s, g, rule)
+    data_out[...] = pack_nibbles(e.codes.reshape(n, d))
+    scales_out[...] = e.sf.reshape(n, d // GROUP)
 
 
 def dequantize(data, scales, s, out) -> None:
@@ -147,7 +164,7 @@ def store(buffer, slot_mapping, k, v, *, geom: PageGeometry, rule, k_s, k_g, v_s
     num_slots = buffer.shape[0] * geom.block_size
     bad = slots >= num_slots
     if bad.any():
-        stats[STAT_BAD_SLOTS] += np.uint64(bad.sum())
+        stats[STAT["bad_slots"]] += np.uint64(bad.sum())
     idx = np.flatnonzero((slots >= 0) & ~bad)
     if idx.size == 0:
         return
@@ -162,11 +179,15 @@ def store(buffer, slot_mapping, k, v, *, geom: PageGeometry, rule, k_s, k_g, v_s
     sc = np.arange(S)[None, None, :]
     for side, x, s, g in ((0, k, k_s, k_g), (1, v, v_s, v_g)):
         rows = np.asarray(x)[idx]  # [n, H, D]
-        codes, sf, nonfinite = encode_groups(_rows_to_groups(rows.reshape(-1, D)), s, g, rule)
-        stats[STAT_K_NONFINITE + side] += np.uint64(nonfinite.sum())
-        data = pack_nibbles(codes.reshape(len(idx), H, D))
+        e = encode_groups(_rows_to_groups(rows.reshape(-1, D)), s, g, rule)
+        kv = "kv"[side]
+        for name, flags in (("nonfinite", e.nonfinite), ("saturated", e.saturated),
+                            ("underflow", e.underflow)):
+            stats[STAT[f"{kv}_{name}_groups"]] += np.uint64(flags.sum())
+        data = pack_nibbles(e.codes.reshape(len(idx), H, D))
         buffer[blocks, side, geom.data_offset(t, h, j)] = data
-        buffer[blocks, side, geom.scale_offset(t, h, sc, side=side)] = sf.reshape(len(idx), H, S)
+        buffer[blocks, side, geom.scale_offset(t, h, sc, side=side)] = e.sf.reshape(
+            len(idx), H, S)
 
 
 def gather_dequant(buffer, blocks, out_k, out_v, *, geom: PageGeometry, k_s, v_s,
@@ -178,7 +199,7 @@ def gather_dequant(buffer, blocks, out_k, out_v, *, geom: PageGeometry, k_s, v_s
     S = geom.scales_per_row
     bad = (blocks < 0) | (blocks >= buffer.shape[0])
     if bad.any():
-        stats[STAT_BAD_BLOCKS] += np.uint64(bad.sum())
+        stats[STAT["bad_block_ids"]] += np.uint64(bad.sum())
     safe = np.where(bad, 0, blocks)[:, None, None, None]
     t = np.arange(T)[None, :, None, None]
     h = np.arange(H)[None, None, :, None]
@@ -224,7 +245,8 @@ def longlive_quantize(x, rule, values_out, sf_out, amax_out) -> None:
         sf_out[offs] = E4M3_NAN
         return
     s, g = longlive_scalars(amax, rule)
-    codes, sf, _ = encode_groups(_rows_to_groups(x32.reshape(R, D)), s, g, rule)
+    enc = encode_groups(_rows_to_groups(x32.reshape(R, D)), s, g, rule)
+    codes, sf = enc.codes, enc.sf
     values_out[:R] = pack_nibbles(codes.reshape(R, D))
     sf_out[offs] = sf.reshape(R, S)
 

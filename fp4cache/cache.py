@@ -2,24 +2,27 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from typing import Any
 
 import numpy as np
 
-from . import _arrays
+from . import _abi, _arrays
+from ._device import DeviceGuard, parse_device
 from .codec import backend_module, check_rule
 from .formats import reciprocal_clamped, resolve_dtype
 from .layout import PageGeometry
 
 __all__ = ["PagedKVCache"]
 
-_STAT_NAMES = ("k_nonfinite_groups", "v_nonfinite_groups", "bad_slots", "bad_block_ids")
+_STAT = _abi.STAT
+_NO_GUARD = contextlib.nullcontext()
 
 
-def _store_signature(slot_mapping, k, v):
-    """What store() checks about its arguments (and what its kernel launch depends on:
-    pointer alignment, device), or None for arguments that are not CuPy arrays."""
+def _store_signature(slot_mapping, k, v, unique_slots):
+    """Everything a prepared store launch depends on, for CuPy arrays (else None): kinds,
+    shapes, dtypes, strides, pointer alignment, devices."""
     try:
         nd = _cupy_ndarray()
         if not (type(k) is nd and type(v) is nd and type(slot_mapping) is nd):
@@ -27,8 +30,28 @@ def _store_signature(slot_mapping, k, v):
         kd, vd, sd = k.data, v.data, slot_mapping.data
         return (k.shape, k.dtype, k.strides, v.shape, v.dtype, v.strides, slot_mapping.shape,
                 slot_mapping.dtype, slot_mapping.strides, kd.ptr & 15, vd.ptr & 15,
-                kd.device_id, vd.device_id, sd.device_id, _current_device())
+                kd.device_id, vd.device_id, sd.device_id, bool(unique_slots))
     except AttributeError:
+        return None
+
+
+def _gather_signature(blocks, dtype, out):
+    """Everything a prepared gather depends on, for CuPy arrays (else None)."""
+    try:
+        if type(blocks) is not _cupy_ndarray():
+            return None
+        sig = ("gather", blocks.ndim, blocks.dtype, blocks.strides, blocks.data.device_id, dtype)
+        hash(sig)  # an unhashable dtype argument just takes the checked path
+        if out is None:
+            return sig
+        if not (isinstance(out, tuple) and len(out) == 2 and type(out[0]) is _cupy_ndarray()
+                and type(out[1]) is _cupy_ndarray()):
+            return None
+        a, b = out
+        return sig + (blocks.shape, a.shape, a.dtype, a.strides, a.data.device_id,
+                      a.data.ptr & 15, b.shape, b.dtype, b.strides, b.data.device_id,
+                      b.data.ptr & 15, a.data.ptr == b.data.ptr)
+    except (AttributeError, TypeError):
         return None
 
 
@@ -39,29 +62,19 @@ def _cupy_ndarray():
     return cupy.ndarray
 
 
-def _current_device() -> int:
+@functools.cache
+def _get_device():
     import cupy
 
-    return cupy.cuda.runtime.getDevice()
+    return cupy.cuda.runtime.getDevice
 
 
-def _gather_signature(blocks, dtype, out):
-    """What gather_dequant() validates about its arguments, or None."""
-    try:
-        if not _arrays.is_cupy(blocks):
-            return None
-        sig = (blocks.ndim, blocks.dtype, blocks.strides, blocks.device.id, dtype)
-        hash(sig)  # an unhashable dtype argument just takes the checked path
-        if out is None:
-            return sig
-        if not (isinstance(out, tuple) and len(out) == 2 and _arrays.is_cupy(out[0])
-                and _arrays.is_cupy(out[1])):
-            return None
-        a, b = out
-        return sig + (blocks.shape, a.shape, a.dtype, a.strides, a.device.id, b.shape,
-                      b.dtype, b.strides, b.device.id)
-    except (AttributeError, TypeError):
-        return None
+def _overlap(a, b) -> bool:
+    """Whether two C-contiguous arrays share bytes."""
+    if _arrays.is_cupy(a):
+        pa, pb = a.data.ptr, b.data.ptr
+        return pa < pb + b.nbytes and pb < pa + a.nbytes and a.nbytes > 0 and b.nbytes > 0
+    return bool(np.shares_memory(a, b))
 
 
 class PagedKVCache:
@@ -88,9 +101,12 @@ class PagedKVCache:
     swizzle_v_scales : bool
         Store V scales in trtllm-gen's swizzled order (what vLLM writes).  Needs
         ``block_size % 4 == 0`` and ``head_dim % 64 == 0``.
-    device : {None, "cpu", "cuda"}
-        ``"cpu"``: NumPy backend; ``"cuda"``: CuPy kernels on the current device and
-        stream; ``None``: the GPU when one is usable, else the CPU.
+    device : None, "cpu", "cuda", "cuda:N", int or cupy.cuda.Device
+        ``"cpu"``: NumPy backend; a GPU: CuPy kernels on that GPU (``"cuda"``: the
+        current one at construction).  ``None``: the current GPU when one is usable,
+        else the CPU.  The cache owns its device: every call runs there, on that
+        device's current CuPy stream, whatever device is current, and leaves the
+        current device unchanged.
     validate : bool, optional
         Check slot ids and block ids on the host before each call, raising
         ``IndexError`` before anything is written.  The CPU backend always validates
@@ -101,6 +117,8 @@ class PagedKVCache:
 
     Attributes
     ----------
+    device : {"cpu", "cuda"}
+        The backend; ``device_id`` is the GPU index (``None`` on the CPU).
     buffer : ndarray, uint8, shape (num_blocks, 2, H*T*(D/2 + D/16))
         The page pool, zero-initialized.  ``buffer[b, 0]`` is page ``b``'s K side and
         ``buffer[b, 1]`` its V side, each ``[data | scales]`` as in vLLM.
@@ -129,16 +147,22 @@ class PagedKVCache:
         self._v_g = reciprocal_clamped(self._v_s)
         if device is None:
             device = "cuda" if _arrays.gpu_available() else "cpu"
-        self._impl = backend_module(device)
-        self.device = device
+        kind, index = parse_device(device)
+        self._impl = backend_module(kind)
+        self.device = kind
+        self.device_id = index
         self.geometry = geom
         self.num_blocks = int(num_blocks)
-        self.validate = True if device == "cpu" else bool(validate)
-        xp = _arrays.array_module(self.device)
-        self.buffer = xp.zeros((self.num_blocks, 2, geom.side_bytes), dtype=np.uint8)
-        self._stats = xp.zeros(4, dtype=np.uint64)
-        # Signatures of arguments already validated (GPU hot path) -> what they resolved to.
-        self._fast: dict[tuple, Any] = {}
+        self.validate = True if kind == "cpu" else bool(validate)
+        self._state = None  # GPU: pool, counters, tables and launch plans (CacheState)
+        if kind == "cuda":
+            self._state = self._impl.CacheState(index, geom, self.num_blocks, self._k_s,
+                                                self._k_g, self._v_s, self._v_g)
+            self.buffer = self._state.buffer
+            self._stats = self._state.stats
+        else:
+            self.buffer = np.zeros((self.num_blocks, 2, geom.side_bytes), dtype=np.uint8)
+            self._stats = np.zeros(len(_abi.STAT_NAMES), dtype=np.uint64)
 
     # -- properties ---------------------------------------------------------------------
     @property
@@ -182,14 +206,30 @@ class PagedKVCache:
 
     @property
     def nbytes(self) -> int:
-        """Size of the page pool in bytes."""
-        return self.num_blocks * self.geometry.page_bytes
+        """Memory the cache owns, in bytes: the page pool, plus on the GPU its counters,
+        encode table and duplicate-slot claim table (4 bytes per slot)."""
+        if self._state is not None:
+            return self._state.nbytes
+        return self.buffer.nbytes + self._stats.nbytes
+
+    def _guard(self):
+        return DeviceGuard(self.device_id) if self._state is not None else _NO_GUARD
 
     @property
     def stats(self) -> dict[str, int]:
-        """Device-side counters (reads them back: synchronizes on the GPU)."""
-        vals = self._stats.get() if self.device == "cuda" else self._stats
-        return {k: int(v) for k, v in zip(_STAT_NAMES, vals)}
+        """Device-side counters (reads them back: synchronizes on the GPU).
+
+        ``k/v_nonfinite_groups``: groups stored with a NaN/Inf (they decode to NaN);
+        ``bad_slots``, ``bad_block_ids``: ids skipped by unvalidated GPU calls;
+        ``k/v_saturated_groups``: groups whose block scale was clipped at E4M3's 448
+        (values lost: the global scale is too small); ``k/v_underflow_groups``: nonzero
+        groups whose block scale came out zero or subnormal (precision lost: the global
+        scale is too large).  :func:`fp4cache.calibrate_scale` picks a scale that avoids
+        both.
+        """
+        with self._guard():
+            vals = self._stats.get() if self._state is not None else self._stats
+        return {k: int(v) for k, v in zip(_abi.STAT_NAMES, vals)}
 
     @property
     def nonfinite_groups(self) -> tuple[int, int]:
@@ -199,6 +239,18 @@ class PagedKVCache:
         """
         st = self.stats
         return st["k_nonfinite_groups"], st["v_nonfinite_groups"]
+
+    @property
+    def saturated_groups(self) -> tuple[int, int]:
+        """Groups whose block scale saturated at 448 so far, ``(k_groups, v_groups)``."""
+        st = self.stats
+        return st["k_saturated_groups"], st["v_saturated_groups"]
+
+    @property
+    def underflow_groups(self) -> tuple[int, int]:
+        """Nonzero groups whose block scale was zero or subnormal, ``(k_groups, v_groups)``."""
+        st = self.stats
+        return st["k_underflow_groups"], st["v_underflow_groups"]
 
     def check(self) -> None:
         """Raise ``IndexError`` if earlier calls met out-of-range slots or block ids.
@@ -210,7 +262,9 @@ class PagedKVCache:
         """
         st = self.stats
         if st["bad_slots"] or st["bad_block_ids"]:
-            self._stats[2:] = 0
+            with self._guard():
+                self._stats[_STAT["bad_slots"]] = 0
+                self._stats[_STAT["bad_block_ids"]] = 0
             raise IndexError(
                 f"{st['bad_slots']} token(s) had a slot_mapping entry >= num_slots "
                 f"({self.num_slots}) and were not stored; {st['bad_block_ids']} block id(s) "
@@ -218,13 +272,9 @@ class PagedKVCache:
             )
 
     def reset_counters(self) -> None:
-        """Zero every device-side counter (non-finite groups, bad slots, bad block ids)."""
-        self._stats[...] = 0
-
-    def _remember(self, sig: tuple, value: Any) -> None:
-        if len(self._fast) >= 64:
-            self._fast.clear()
-        self._fast[sig] = value
+        """Zero every device-side counter (see :attr:`stats`)."""
+        with self._guard():
+            self._stats[...] = 0
 
     def __repr__(self) -> str:
         g = self.geometry
@@ -233,12 +283,13 @@ class PagedKVCache:
             f"num_heads={g.num_heads}, head_dim={g.head_dim}, layout={g.layout!r}, "
             f"scale_rule={self.scale_rule!r}, k_scale={self.k_scale:g}, "
             f"v_scale={self.v_scale:g}, swizzle_v_scales={g.swizzle_v_scales}, "
-            f"device={self.device!r})  # {self.bytes_per_token} B/token, "
+            f"device={self.device if self.device_id is None else f'cuda:{self.device_id}'!r})"
+            f"  # {self.bytes_per_token} B/token, "
             f"{self.compression_ratio:.2f}x vs bf16, pool {self.nbytes / 2**20:.1f} MiB"
         )
 
     # -- store ---------------------------------------------------------------------------
-    def store(self, slot_mapping: Any, k: Any, v: Any, *, unique_slots: bool = False,
+    def store(self, slot_mapping: Any, k: Any, v: Any, *, unique_slots: bool = True,
               validate: bool | None = None) -> None:
         """Quantize K and V and write them into their pages.
 
@@ -246,49 +297,50 @@ class PagedKVCache:
         ----------
         slot_mapping : array of int32 or int64, shape (N,)
             Slot of each token, ``block * block_size + offset``.  Negative entries are
-            skipped (padding).  When a slot repeats, the last token wins.
+            skipped (padding).
         k, v : array, shape (N, H, D), bfloat16, float16 or float32
             Keys and values, any token and head strides (same dtype for both).
-        unique_slots : bool, default False
-            The caller promises that no slot repeats among the non-negative entries
-            (true of the slot mappings a serving engine builds).  The GPU backend then
-            skips its duplicate-slot work: the claim pass before the store of more than
-            128 tokens, the scan of the later tokens below that.  A repeated slot then
-            holds an unspecified mix of its tokens' groups; when validating, a repeated
-            slot raises ``ValueError`` instead.
+        unique_slots : bool, default True
+            ``True``: no slot repeats among the non-negative entries, as in every slot
+            mapping a serving engine builds (vLLM's are unique by construction); when
+            validating, a repeated slot raises ``ValueError``, otherwise such a slot
+            holds an unspecified mix of its tokens' groups.  ``False``: slots may repeat
+            and the last occurrence wins (the GPU adds a scan in the kernel for up to
+            128 tokens, else a claim pass before the store and a clear pass after it).
         validate : bool, optional
             Override the cache's ``validate`` for this call.
 
         Raises
         ------
         TypeError, ValueError
-            Wrong dtype, shape or backend, or (when validating) a repeated slot with
-            ``unique_slots=True``; the buffer is untouched.
+            Wrong dtype, shape, strides, device or backend, or (when validating) a
+            repeated slot with ``unique_slots=True``; the buffer is untouched.
         IndexError
             (when validating) a slot is ``>= num_slots``; nothing is written.
         """
         check = self.validate if validate is None else validate
-        unique_slots = bool(unique_slots)
-        sig = None
-        if not check and self.device == "cuda":
-            # Hot path of a decode step: arguments whose kind, shape, dtype and strides
-            # were fully checked before go straight to the kernel launch.
-            sig = _store_signature(slot_mapping, k, v)
-            if sig is not None:
-                sig = (sig, unique_slots)
-            hit = self._fast.get(sig) if sig is not None else None
-            if hit is not None:
-                if hit is not True:  # a prepared single launch (decode-step sizes)
-                    hit(slot_mapping, k, v)
-                elif k.shape[0]:
-                    self._impl.store(self.buffer, slot_mapping, k, v, geom=self.geometry,
-                                     rule=self.scale_rule, k_s=self._k_s, k_g=self._k_g,
-                                     v_s=self._v_s, v_g=self._v_g, stats=self._stats,
-                                     unique_slots=unique_slots)
+        st = self._state
+        if st is None:
+            self._store_checked(slot_mapping, k, v, bool(unique_slots), check)
+            return
+        if not check:
+            # Hot path of a decode step: arguments whose kind, shape, dtype, strides,
+            # alignment and devices were checked before go straight to their launch.
+            sig = _store_signature(slot_mapping, k, v, unique_slots)
+            run = st.plans.get(sig) if sig is not None else None
+            if run is not None:
+                if _get_device()() == self.device_id:
+                    run(slot_mapping, k, v)
+                else:
+                    with DeviceGuard(self.device_id):
+                        run(slot_mapping, k, v)
                 return
+        with DeviceGuard(self.device_id):
+            self._store_checked(slot_mapping, k, v, bool(unique_slots), check)
+
+    def _store_checked(self, slot_mapping, k, v, unique_slots: bool, check: bool) -> None:
         be = self.device
         g = self.geometry
-        k_in, v_in, slots_in = k, v, slot_mapping
         k = _arrays.to_backend(k, be, "k")
         v = _arrays.to_backend(v, be, "v")
         shape = (None, g.num_heads, g.head_dim)
@@ -301,6 +353,8 @@ class PagedKVCache:
         slots = _arrays.to_backend(slot_mapping, be, "slot_mapping", allow_convert=True)
         _arrays.check_index_array(slots, "slot_mapping", length=k.shape[0])
         _arrays.check_device({"k": k, "v": v, "slot_mapping": slots}, self.buffer)
+        _arrays.check_strides(k, "k")
+        _arrays.check_strides(v, "v")
         if k.shape[0] == 0:
             return
         if check:
@@ -313,30 +367,37 @@ class PagedKVCache:
                     "nothing was stored"
                 )
             if unique_slots:
-                host = slots.get() if self.device == "cuda" else np.asarray(slots)
+                host = slots.get() if self._state is not None else np.asarray(slots)
                 valid = np.sort(host[host >= 0])
                 rep = valid[1:][valid[1:] == valid[:-1]]
                 if rep.size:
                     raise ValueError(
                         f"slot_mapping repeats slot {int(rep[0])} but unique_slots=True "
-                        "promises that no slot repeats; nothing was stored"
+                        "promises that no slot repeats (pass unique_slots=False to let the "
+                        "last occurrence win); nothing was stored"
                     )
-        xp = _arrays.array_module(self.device)
-        if k.strides[-1] != k.itemsize:
-            k = xp.ascontiguousarray(k)
-        if v.strides[-1] != v.itemsize:
-            v = xp.ascontiguousarray(v)
-        self._impl.store(
-            self.buffer, slots, k, v, geom=g, rule=self.scale_rule, k_s=self._k_s,
-            k_g=self._k_g, v_s=self._v_s, v_g=self._v_g, stats=self._stats,
-            unique_slots=unique_slots,
-        )
-        if sig is not None and k is k_in and v is v_in and slots is slots_in:
-            launch = self._impl.store_launcher(
+        if self._state is None:
+            self._impl.store(
                 self.buffer, slots, k, v, geom=g, rule=self.scale_rule, k_s=self._k_s,
                 k_g=self._k_g, v_s=self._v_s, v_g=self._v_g, stats=self._stats,
                 unique_slots=unique_slots)
-            self._remember(sig, True if launch is None else launch)
+            return
+        # the kernels read the last axis contiguously, 2-byte values at their alignment
+        # and slot ids in order
+        if k.strides[-1] != k.itemsize or k.data.ptr % k.itemsize:
+            k = k.copy()
+        if v.strides[-1] != v.itemsize or v.data.ptr % v.itemsize:
+            v = v.copy()
+        if not slots.flags.c_contiguous:
+            slots = slots.copy()
+        sig = _store_signature(slots, k, v, unique_slots)
+        plans = self._state.plans
+        run = plans.get(sig)
+        if run is None:
+            run = self._impl.store_plan(self._state, slots, k, v, rule=self.scale_rule,
+                                        unique_slots=unique_slots)
+            plans.put(sig, run)
+        run(slots, k, v)
 
     # -- gather --------------------------------------------------------------------------
     def gather_dequant(self, blocks: Any, dtype: Any = None, *, out: Any = None,
@@ -350,7 +411,8 @@ class PagedKVCache:
         dtype : {"bfloat16", "float16", "float32"}, optional
             Output dtype; default bfloat16, or the dtype of ``out``.
         out : tuple of two arrays, optional
-            ``(k_out, v_out)``, each C-contiguous ``(n*block_size, H, D)``.
+            ``(k_out, v_out)``, each C-contiguous ``(n*block_size, H, D)``, aligned to
+            their itemsize and not overlapping.
         validate : bool, optional
             Override the cache's ``validate`` for this call.
 
@@ -363,25 +425,31 @@ class PagedKVCache:
         validating), so it can be captured in a CUDA graph.
         """
         check = self.validate if validate is None else validate
-        sig = None
-        if not check and self.device == "cuda":
+        st = self._state
+        if st is None:
+            return self._gather_checked(blocks, dtype, out, check)
+        if not check:
             sig = _gather_signature(blocks, dtype, out)
-            hit = self._fast.get(sig) if sig is not None else None
+            hit = st.plans.get(sig) if sig is not None else None
             if hit is not None:
-                dt, launch = hit
-                n = blocks.shape[0]
-                if out is None:
-                    import cupy
+                dt, run = hit
+                if _get_device()() != self.device_id:
+                    with DeviceGuard(self.device_id):
+                        return self._gather_run(run, dt, blocks, out)
+                return self._gather_run(run, dt, blocks, out)
+        with DeviceGuard(self.device_id):
+            return self._gather_checked(blocks, dtype, out, check)
 
-                    shape = (n * self.block_size, self.num_heads, self.head_dim)
-                    out = (cupy.empty(shape, dtype=dt), cupy.empty(shape, dtype=dt))
-                if launch is not None:  # a prepared launch (arguments packed once)
-                    launch(blocks, out[0], out[1])
-                elif n:
-                    self._impl.gather_dequant(self.buffer, blocks, out[0], out[1],
-                                              geom=self.geometry, k_s=self._k_s,
-                                              v_s=self._v_s, stats=self._stats)
-                return out[0], out[1]
+    def _gather_run(self, run, dt, blocks, out):
+        if out is None:
+            import cupy
+
+            shape = (blocks.shape[0] * self.block_size, self.num_heads, self.head_dim)
+            out = (cupy.empty(shape, dtype=dt), cupy.empty(shape, dtype=dt))
+        run(blocks, out[0], out[1])
+        return out[0], out[1]
+
+    def _gather_checked(self, blocks, dtype, out, check: bool):
         be = self.device
         g = self.geometry
         blocks_in = blocks
@@ -396,9 +464,12 @@ class PagedKVCache:
                   else resolve_dtype(dtype, name="dtype"))
             out_k = _arrays.check_out(out[0], "out[0]", shape, dt, be)
             out_v = _arrays.check_out(out[1], "out[1]", shape, dt, be)
+            if _overlap(out_k, out_v):
+                raise ValueError("out[0] and out[1] must not overlap (K and V need their own "
+                                 "arrays)")
         else:
             dt = resolve_dtype("bfloat16" if dtype is None else dtype, name="dtype")
-            xp = _arrays.array_module(self.device)
+            xp = _arrays.array_module(be)
             out_k = xp.empty(shape, dtype=dt)
             out_v = xp.empty(shape, dtype=dt)
         _arrays.check_device({"blocks": blocks, "out[0]": out_k, "out[1]": out_v}, self.buffer)
@@ -413,14 +484,22 @@ class PagedKVCache:
                     f"blocks[{i}] = {int(blocks[i])} is out of range: block ids must be in "
                     f"[0, {self.num_blocks})"
                 )
-        self._impl.gather_dequant(
-            self.buffer, blocks, out_k, out_v, geom=g, k_s=self._k_s, v_s=self._v_s,
-            stats=self._stats,
-        )
-        if sig is not None and blocks is blocks_in and (
-                out is None or (out_k is out[0] and out_v is out[1])):
-            launch = self._impl.gather_launcher(self.buffer, blocks, out_k, geom=g,
-                                                k_s=self._k_s, v_s=self._v_s,
-                                                stats=self._stats)
-            self._remember(sig, (dt, launch))
+        if self._state is None:
+            self._impl.gather_dequant(self.buffer, blocks, out_k, out_v, geom=g, k_s=self._k_s,
+                                      v_s=self._v_s, stats=self._stats)
+            return out_k, out_v
+        if not blocks.flags.c_contiguous:
+            blocks = blocks.copy()
+        key = ("gather-plan", blocks.dtype, dt, out_k.data.ptr % 16 == 0
+               and out_v.data.ptr % 16 == 0)
+        plans = self._state.plans
+        run = plans.get(key)
+        if run is None:
+            run = self._impl.gather_plan(self._state, blocks, out_k, out_v)
+            plans.put(key, run)
+        run(blocks, out_k, out_v)
+        if blocks is blocks_in and (out is None or (out_k is out[0] and out_v is out[1])):
+            sig = _gather_signature(blocks, dtype, None if out is None else (out_k, out_v))
+            if sig is not None:
+                plans.put(sig, (dt, run))
         return out_k, out_v

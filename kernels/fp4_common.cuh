@@ -17,12 +17,11 @@
 #pragma once
 
 // Tuning macros (FP4C_DECODE_CHUNKS, FP4C_STORE_ITEMS, ...) are defined in front of every
-// translation unit by fp4cache/_kernels.py (TUNING), the one place that holds their
-// values: the host sizes its grids from the same numbers.
+// translation unit by fp4cache/_kernels.py from the kernel's Spec, the one place that holds
+// their values: the host sizes its grids from the same Spec.
 #if !defined(FP4C_DECODE_CHUNKS) || !defined(FP4C_STORE_ITEMS) || \
     !defined(FP4C_STORE_MIN_BLOCKS) || !defined(FP4C_SCAN_MAX_TOKENS) || \
-    !defined(FP4C_LL_WIDE_TILES) || \
-    !defined(FP4C_ABSMAX16) || !defined(FP4C_PACK_EARLY) || !defined(FP4C_E4M3_CVT)
+    !defined(FP4C_LL_WIDE_TILES) || !defined(FP4C_ABSMAX16) || !defined(FP4C_E4M3_CVT)
 #error "fp4cache tuning macros missing: build the source with fp4cache._kernels.build_source"
 #endif
 
@@ -33,6 +32,10 @@ typedef unsigned long long u64;
 typedef long long i64;
 
 #define FP4C_DEVICE __device__ __forceinline__
+
+// Rule and layout values, counter indices and the structs kernels take by value: generated
+// from fp4cache/_abi.py by the loader (no such file on disk), with layout static_asserts.
+#include "fp4c_abi.cuh"
 
 // ---------------------------------------------------------------------------
 // float32 arithmetic with IEEE subnormals, whatever the compile flags say.
@@ -346,13 +349,12 @@ FP4C_DEVICE float e2m1_value(u32 code) {
 // ---------------------------------------------------------------------------
 // Group encoder (spec section 2).
 // ---------------------------------------------------------------------------
-#define FP4C_RULE_STATIC6 0
-#define FP4C_RULE_4OVER6 1
-
 struct Encoded16 {
   u32 lo, hi;   // 16 nibbles: element 2i low nibble of byte i
   u32 scale;    // E4M3 byte
   bool nonfinite;
+  bool saturated;  // the chosen candidate's scale was clipped at 448 (fl(g*fl(m*c)) > 448)
+  bool underflow;  // nonzero group whose scale byte is zero or subnormal (< 2^-6)
 };
 
 // Write the 8 packed-code bytes of a group at dst (8-byte aligned when VEC).
@@ -449,8 +451,10 @@ struct EncodeAux {
 // One candidate: scale byte and os for multiplier c.
 template <bool AUX>
 FP4C_DEVICE void candidate_scale(float m, float c, float s, float g, u32& sf, float& f, float& os,
-                                 const EncodeAux& aux) {
-  sf = e4m3_encode_nonneg(f_mul(g, f_mul(m, c)));
+                                 bool& clipped, const EncodeAux& aux) {
+  const float a = f_mul(g, f_mul(m, c));
+  clipped = __float_as_uint(a) > 0x43E00000u;  // a > 448 (a >= 0, never NaN)
+  sf = e4m3_encode_nonneg(a);
   f = e4m3_decode(sf);
   if (AUX) {
     float o;
@@ -535,9 +539,6 @@ FP4C_DEVICE void pack_codes(const Group16& g, const float* r, Encoded16& e, cons
   e.hi = hi | g.sgn[1];
 }
 
-// 4over6: pack each candidate's codes as soon as its error is known, so that only
-// one candidate's 16 rounded values are live at a time (fewer registers, more warps).
-
 template <int RULE, bool AUX = false>
 FP4C_DEVICE Encoded16 encode_group_m(const Group16& g, float m, bool nonfinite, float s,
                                      float gm, const EncodeAux& aux = EncodeAux{nullptr, nullptr});
@@ -549,12 +550,16 @@ FP4C_DEVICE Encoded16 encode_group(const Group16& g, float s, float gm) {
   return encode_group_m<RULE>(g, m, nonfinite, s, gm);
 }
 
-// The encoder given the group's max |x| (m) and whether the group is non-finite.
+// The encoder given the group's max |x| (m) and whether the group is non-finite.  4over6
+// packs each candidate's codes as soon as its error is known, so that only one
+// candidate's 16 rounded values are live at a time (fewer registers, more warps).
 template <int RULE, bool AUX>
 FP4C_DEVICE Encoded16 encode_group_m(const Group16& g, float m, bool nonfinite, float s,
                                      float gm, const EncodeAux& aux) {
   Encoded16 e;
   e.nonfinite = nonfinite;
+  e.saturated = false;
+  e.underflow = false;
   if (nonfinite) {
     e.lo = 0u;
     e.hi = 0u;
@@ -563,16 +568,19 @@ FP4C_DEVICE Encoded16 encode_group_m(const Group16& g, float m, bool nonfinite, 
   }
   u32 sf6;
   float f6, os6;
-  candidate_scale<AUX>(m, FP4C_C6, s, gm, sf6, f6, os6, aux);
+  bool clip6;
+  candidate_scale<AUX>(m, FP4C_C6, s, gm, sf6, f6, os6, clip6, aux);
   float r6[16];
   round_group_any(g, m, os6, r6);
-  if (RULE == FP4C_RULE_4OVER6 && FP4C_PACK_EARLY) {
+  const bool nonzero = __float_as_uint(m) != 0u;
+  if (RULE == FP4C_RULE_4OVER6) {
     const float err6 = group_error(g, r6, f6, s);
     u32 lo6, hi6;
     pack_mag_codes<AUX>(r6, lo6, hi6, aux);
     u32 sf4;
     float f4, os4;
-    candidate_scale<AUX>(m, 0.25f, s, gm, sf4, f4, os4, aux);
+    bool clip4;
+    candidate_scale<AUX>(m, 0.25f, s, gm, sf4, f4, os4, clip4, aux);
     float r4[16];
     round_group_any(g, m, os4, r4);
     const float err4 = group_error(g, r4, f4, s);
@@ -584,26 +592,13 @@ FP4C_DEVICE Encoded16 encode_group_m(const Group16& g, float m, bool nonfinite, 
     e.scale = use4 ? sf4 : sf6;
     e.lo = (use4 ? lo4 : lo6) | g.sgn[0];
     e.hi = (use4 ? hi4 : hi6) | g.sgn[1];
-    return e;
-  }
-  if (RULE == FP4C_RULE_4OVER6) {
-    u32 sf4;
-    float f4, os4;
-    candidate_scale<AUX>(m, 0.25f, s, gm, sf4, f4, os4, aux);
-    float r4[16];
-    round_group_any(g, m, os4, r4);
-    const float err6 = group_error(g, r6, f6, s);
-    const float err4 = group_error(g, r4, f4, s);
-    // err4 < err6 (a tie keeps 6); both are sums of squares (>= 0, never NaN), so
-    // their bit patterns order like the values, subnormals included.
-    const bool use4 = __float_as_uint(err4) < __float_as_uint(err6);
-#pragma unroll
-    for (int i = 0; i < 16; ++i) r6[i] = use4 ? r4[i] : r6[i];
-    e.scale = use4 ? sf4 : sf6;
+    e.saturated = use4 ? clip4 : clip6;
   } else {
     e.scale = sf6;
+    e.saturated = clip6;
+    pack_codes<AUX>(g, r6, e, aux);
   }
-  pack_codes<AUX>(g, r6, e, aux);
+  e.underflow = nonzero && e.scale < 8u;
   return e;
 }
 

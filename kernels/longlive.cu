@@ -112,23 +112,17 @@ FP4C_DEVICE void ll_quantize_impl(const void* __restrict__ x, const float* __res
 
 // Where the blocks come from: either three device pointer tables (value_ptrs != 0),
 // or a pool (base pointer + byte stride per array) and a block-id array; an id outside
-// [0, n_pool) or a null table entry reads nothing and decodes to NaN.
-struct LLSource {
-  const u64 *value_ptrs, *sf_ptrs, *amax_ptrs;
-  const void* ids;
-  u64 vbase, vstride, sbase, sstride, abase, astride;
-  i64 n_pool;
-  u32 ids64;
-};
+// [0, n_pool) or a null table entry reads nothing and decodes to NaN.  The LLSource
+// struct (device addresses as u64) is generated from fp4cache/_abi.py.
 
 // Addresses of output block b's values, scale factors and amax: from the pointer
 // tables, or from the pool and the block's id (null for an id outside the pool).
 FP4C_DEVICE void block_addresses(const LLSource& src, u32 b, const u8*& vals, const u8*& sfs,
                                  u64& ap) {
-  if (src.value_ptrs != nullptr) {
-    vals = (const u8*)src.value_ptrs[b];
-    sfs = (const u8*)src.sf_ptrs[b];
-    ap = src.amax_ptrs[b];
+  if (src.value_ptrs != 0u) {
+    vals = (const u8*)((const u64*)src.value_ptrs)[b];
+    sfs = (const u8*)((const u64*)src.sf_ptrs)[b];
+    ap = ((const u64*)src.amax_ptrs)[b];
   } else {
     const i64 id = src.ids64 ? ((const i64*)src.ids)[b] : (i64)((const int*)src.ids)[b];
     const bool ok = id >= 0 && id < src.n_pool;

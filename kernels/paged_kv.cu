@@ -6,50 +6,25 @@
 //   gather:         pages listed in a device block-id array -> bf16/f16/f32 rows,
 //                   no host sync, no allocation (CUDA-graph capturable).
 //
-// Duplicate slots ("the last occurrence in slot_mapping wins"), chosen per call
-// by the host (dedup argument):
+// Duplicate slots ("the last occurrence in slot_mapping wins", asked for per call; the
+// default promises unique slots, dedup 0), chosen per call by the host (dedup field):
 //   1 = scan:  token i is written only if no j > i has the same slot (used for
 //              N <= FP4C_SCAN_MAX_TOKENS, e.g. decode steps): every CTA copies
 //              slot_mapping into shared memory, thread t compares slot t with all
 //              later ones, and the items read the verdict of their token;
-//   2 = claim: a pre-pass does atomicMax(claim[slot], E << 32 | (i+1)) for every valid
-//              token, where E numbers the call, so that every call's keys beat every
-//              older entry and the table never needs clearing; the store writes token
-//              i only if claim[slot] holds exactly E << 32 | (i+1).  Outside CUDA-graph
-//              capture the host numbers the calls (a kernel argument).  A captured call
-//              is replayed with the same arguments, so it uses another table and a
-//              device epoch instead: E = epoch[0] + 1, and the claim kernel's last CTA
-//              to finish sets epoch[0] = E (epoch[1] counts finished CTAs).  Tables
-//              (uint64, >= num_slots entries) and epoch (uint32[2]) are zeroed once and
-//              owned by the backend per device and stream.  Two launches, no host
-//              sync, deterministic, graph-safe.
+//   2 = claim: a pre-pass does atomicMax(claim[slot], i + 1) for every valid token,
+//              the store writes token i only if claim[slot] holds exactly i + 1, and a
+//              clear pass sets claim[slot] = 0 again for every token.  The claim table
+//              (u32, one entry per slot) belongs to the cache and is all zero between
+//              calls, so there is no epoch to wrap: three launches, no host sync,
+//              deterministic, and a captured CUDA graph replays correctly any number of
+//              times.
 #include "fp4_common.cuh"
-
-#define FP4C_LAYOUT_HND 0
-#define FP4C_LAYOUT_NHD 1
-
-struct PageGeom {
-  u32 H, T, G;   // heads, tokens per page, groups (= scales) per row
-  u32 nhd;       // 0 = HND, 1 = NHD
-  u32 swizzle;   // V scales swizzled (trtllm-gen)
-};
-
-// Row index of (t, h) inside one side.
-FP4C_DEVICE u32 row_index(u32 t, u32 h, u32 H, u32 T, u32 nhd) {
-  return nhd ? t * H + h : h * T + t;
-}
+#include "paged_layout.cuh"
 
 template <typename SlotT>
 FP4C_DEVICE i64 load_slot(const void* p, i64 i) {
   return (i64)((const SlotT*)p)[i];
-}
-
-// Wait until the grid this one depends on (programmatic dependent launch) has finished
-// and its writes are visible; returns at once in an ordinary launch.
-FP4C_DEVICE void grid_dependency_wait() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("griddepcontrol.wait;" ::: "memory");
-#endif
 }
 
 // slot -> (page, t).  Slots below 2^31 use the fast divider.
@@ -67,21 +42,8 @@ FP4C_DEVICE void split_slot(i64 slot, const FastDiv& fT, u64& page, u32& t) {
 // ---------------------------------------------------------------------------
 // store
 // ---------------------------------------------------------------------------
-// Every non-pointer argument of the store, passed by value as one struct (one
-// kernel argument keeps the host-side launch cost of a decode step low).  The
-// host builds the same layout with a numpy structured dtype (align=True).
-struct StoreParams {
-  u64 buffer, stats, claim, epoch;  // u8* pool, u64 stats[4], u64 claim table, u32 epoch[2]
-  i64 k_tok_stride, k_head_stride, v_tok_stride, v_head_stride;  // elements
-  i64 num_slots, side_bytes, data_bytes;
-  u64 os_tab;  // const float*: EncodeAux::os_tab, K's 128 entries then V's
-  i64 k_pair_bytes, v_pair_bytes;  // NH = 2: input offset of head h + H/2 from head h
-  u32 n_tokens, total, hg, hg_m, hg_s, gd, g_m, g_s, td, t_m, t_s, H, nhd, swizzle, dedup, swz_m;
-  u32 pair_rows;  // NH = 2: pool row of head h + H/2 minus that of head h (H/2 or T*H/2)
-  u32 epoch_host;  // dedup 2: the claim keys' epoch, or 0 to read the device epoch
-  float k_s, k_g, v_s, v_g;
-  u32 pk[8];  // code-packing multipliers (EncodeAux::pk)
-};
+// Every non-pointer argument of the store travels by value in one StoreParams struct
+// (generated from fp4cache/_abi.py): a decode step passes slots, k, v and the struct.
 
 // NH = heads per thread: 1, or 2 when H is even.  With NH = 2 a thread encodes group g of
 // heads h and h + H/2 of one token (K and V of each): the slot lookup, the duplicate
@@ -136,22 +98,18 @@ FP4C_DEVICE void scan_last_occurrences(const void* slots, u32 n, i64* s_slot, u8
 
 // Whether token it.i writes slot `slot` (a valid slot, no later duplicate), counting
 // out-of-range slots once per token.  dedup: 1 = the scan's verdict (last), 2 = claim
-// table (claim_key = epoch << 32 | (i+1) is what the claim pass left for the winner).
+// table (the claim pass left i + 1 of the last token with this slot).
 FP4C_DEVICE bool store_slot_live(i64 slot, const StoreItem& it, const StoreParams& P,
                                  const u8* last) {
   if (slot < 0) return false;
   if (slot >= P.num_slots) {
-    if (it.rem == 0) atomicAdd((u64*)P.stats + 2, 1ull);
+    if (it.rem == 0) atomicAdd((u64*)P.stats + FP4C_STAT_BAD_SLOTS, 1ull);
     return false;
   }
   if (P.dedup == 1) {
     return last[it.i] != 0;
   } else if (P.dedup == 2) {
-    // the claim pass's keys carry the host's call number, or the device epoch, which it
-    // has advanced to the one its keys carry
-    const u32 e = P.epoch_host != 0u ? P.epoch_host : ((const u32*)P.epoch)[0];
-    const u64 key = ((u64)e << 32) | (u64)(it.i + 1);
-    return ((const u64*)P.claim)[slot] == key;
+    return ((const u32*)P.claim)[slot] == it.i + 1u;
   }
   return true;
 }
@@ -173,14 +131,7 @@ FP4C_DEVICE StoreDest store_dest(i64 slot, const StoreItem& it, const StoreParam
   d.kside = (u8*)P.buffer + page * (u64)(2 * P.side_bytes);
   d.doff = (u64)row * (G * 8) + g * 8;
   d.ksoff = (u64)P.data_bytes + (u64)row * G + g;
-  d.vsoff = d.ksoff;
-  if (P.swizzle) {
-    // Q = G/4; g / Q as (g * ceil(2^20/Q)) >> 20 (exact for g < 4Q, Q < 512)
-    const u32 gq = (g * P.swz_m) >> 20;
-    const u32 ts = (t & ~3u) + gq;
-    const u32 ss = (g - gq * (G >> 2)) * 4 + (t & 3u);
-    d.vsoff = (u64)P.data_bytes + (u64)row_index(ts, it.h, P.H, Tn, P.nhd) * G + ss;
-  }
+  d.vsoff = v_scale_offset(t, it.h, g, P.H, Tn, G, P.nhd, P.swizzle, P.swz_m, P.data_bytes);
   return d;
 }
 
@@ -216,18 +167,32 @@ FP4C_DEVICE void store_encode(const RawGroup<T>* rk, const RawGroup<T>* rv, cons
   }
 }
 
-// Write an item's encoded groups to its page and count its non-finite groups.
+// Count the groups of the written items that have a property (non-finite, clipped or
+// underflowed scale): one atomic per warp and counter, from the lanes that write.
+FP4C_DEVICE void count_groups(u64* stats, int index, u32 n) {
+  const u32 active = __activemask();
+  const u32 any = __ballot_sync(active, n != 0u);
+  if (any == 0u) return;
+  const u32 total = __reduce_add_sync(active, n);
+  if ((threadIdx.x & 31u) == (u32)(__ffs(active) - 1)) atomicAdd(stats + index, (u64)total);
+}
+
+// Write an item's encoded groups to its page and count its special groups.
 template <bool VEC, int NH>
 FP4C_DEVICE void store_write(const Encoded16* ek, const Encoded16* ev, const StoreDest& d,
                              const StoreParams& P) {
   const u32 G = P.gd;
   u8* ks = d.kside;
   u8* vs = ks + P.side_bytes;
-  u32 bad_k = 0u, bad_v = 0u;
+  u32 n[6] = {0u, 0u, 0u, 0u, 0u, 0u};  // k/v non-finite, k/v clipped, k/v underflow
 #pragma unroll
   for (int q = 0; q < NH; ++q) {
-    bad_k += ek[q].nonfinite ? 1u : 0u;
-    bad_v += ev[q].nonfinite ? 1u : 0u;
+    n[0] += ek[q].nonfinite ? 1u : 0u;
+    n[1] += ev[q].nonfinite ? 1u : 0u;
+    n[2] += ek[q].saturated ? 1u : 0u;
+    n[3] += ev[q].saturated ? 1u : 0u;
+    n[4] += ek[q].underflow ? 1u : 0u;
+    n[5] += ev[q].underflow ? 1u : 0u;
     const u32 dr = q * P.pair_rows;  // pool rows from head h to this head
     const u64 o = d.doff + (u64)dr * (G * 8);
     store_codes<VEC>(ks + o, ek[q]);
@@ -235,10 +200,15 @@ FP4C_DEVICE void store_write(const Encoded16* ek, const Encoded16* ev, const Sto
     ks[d.ksoff + (u64)dr * G] = (u8)ek[q].scale;
     vs[d.vsoff + (u64)dr * G] = (u8)ev[q].scale;
   }
-  if ((bad_k | bad_v) != 0u) {
-    if (bad_k) atomicAdd((u64*)P.stats + 0, (u64)bad_k);
-    if (bad_v) atomicAdd((u64*)P.stats + 1, (u64)bad_v);
-  }
+  u64* stats = (u64*)P.stats;
+  const u32 special = n[0] | n[1] | n[2] | n[3] | n[4] | n[5];
+  if (__ballot_sync(__activemask(), special != 0u) == 0u) return;  // the common case
+  count_groups(stats, FP4C_STAT_K_NONFINITE_GROUPS, n[0]);
+  count_groups(stats, FP4C_STAT_V_NONFINITE_GROUPS, n[1]);
+  count_groups(stats, FP4C_STAT_K_SATURATED_GROUPS, n[2]);
+  count_groups(stats, FP4C_STAT_V_SATURATED_GROUPS, n[3]);
+  count_groups(stats, FP4C_STAT_K_UNDERFLOW_GROUPS, n[4]);
+  count_groups(stats, FP4C_STAT_V_UNDERFLOW_GROUPS, n[5]);
 }
 
 // One kernel thread per item (M = FP4C_STORE_ITEMS items per thread when NH = 1).  The
@@ -285,18 +255,13 @@ FP4C_DEVICE void store_impl(const void* __restrict__ slots, const void* __restri
 #pragma unroll
   for (int j = 0; j < M; ++j) {
     if (!inr[j]) continue;
-    // Launched with programmatic dependent launch (sm_90+), the store may start while
-    // the claim pass runs: everything above overlaps it, and every thread waits here for
-    // its end before anything else (a no-op in an ordinary launch), so that the store
-    // also never finishes before the claim pass.
-    if (P.dedup == 2) grid_dependency_wait();
     if (!store_slot_live(slot[j], it[j], P, s_last)) continue;
     store_write<VEC, NH>(ek[j], ev[j], store_dest(slot[j], it[j], P), P);
   }
 }
 
-// Pointers that stay the same from call to call (pool, stats, claim state) travel in
-// the StoreParams struct: a decode step passes slots, k, v and one struct.
+// Pointers that stay the same from call to call (pool, stats, claim table, os table)
+// travel in the StoreParams struct: a decode step passes slots, k, v and one struct.
 #define FP4C_STORE_PARAMS                                                                  \
   const void *__restrict__ slots, const void *__restrict__ k, const void *__restrict__ v,  \
       const StoreParams params
@@ -309,51 +274,38 @@ FP4C_DEVICE void store_impl(const void* __restrict__ slots, const void* __restri
   }
 
 // ---------------------------------------------------------------------------
-// claim (dedup mode 2)
+// claim and clear (dedup mode 2)
 // ---------------------------------------------------------------------------
-// Programmatic dependent launch (sm_90+): the claim pass lets the store start at once;
-// the store waits for the claim pass to finish before it reads the claim table.
-FP4C_DEVICE void allow_dependent_launch() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
-#endif
-}
-
 template <typename SlotT>
-FP4C_DEVICE void claim_impl(const void* __restrict__ slots, u64* __restrict__ claim,
-                            u32* __restrict__ epoch, u32 n_tokens, i64 num_slots,
-                            u32 host_epoch) {
-  allow_dependent_launch();
-  // host_epoch != 0 (calls outside CUDA-graph capture): the host numbers the calls and the
-  // keys carry that number; nothing else to do.  host_epoch = 0 (captured calls, replayed
-  // with the same arguments): the epoch lives on the device, epoch[0] + 1 for this call.
-  const u32 e = host_epoch != 0u ? host_epoch : epoch[0] + 1u;
+FP4C_DEVICE void claim_impl(const void* __restrict__ slots, u32* __restrict__ claim,
+                            u32 n_tokens, i64 num_slots) {
   const u32 i = blockIdx.x * blockDim.x + threadIdx.x;
-  if (i < n_tokens) {
-    const i64 slot = load_slot<SlotT>(slots, i);
-    if (slot >= 0 && slot < num_slots) {
-      atomicMax((unsigned long long*)(claim + slot),
-                (unsigned long long)(((u64)e << 32) | (u64)(i + 1)));
-    }
-  }
-  if (host_epoch != 0u) return;
-  // The CTA that finishes last advances the device epoch (epoch[1] counts finished CTAs):
-  // every thread of every CTA has read epoch[0] by then, and the store kernel, next on
-  // the stream, compares against the advanced value.
-  __syncthreads();
-  if (threadIdx.x == 0) {
-    if (atomicAdd(epoch + 1, 1u) == gridDim.x - 1) {
-      epoch[1] = 0u;
-      epoch[0] = epoch[0] + 1u;
-    }
-  }
+  if (i >= n_tokens) return;
+  const i64 slot = load_slot<SlotT>(slots, i);
+  if (slot >= 0 && slot < num_slots) atomicMax(claim + slot, i + 1u);
 }
 
-#define FP4C_CLAIM_KERNEL(NAME, SLOT)                                                        \
-  extern "C" __global__ void __launch_bounds__(256)                                          \
-      NAME(const void* __restrict__ slots, u64* __restrict__ claim,                          \
-           u32* __restrict__ epoch, u32 n_tokens, i64 num_slots, u32 host_epoch) {           \
-    claim_impl<SLOT>(slots, claim, epoch, n_tokens, num_slots, host_epoch);                  \
+// After the store: every entry the claim pass touched is zero again.
+template <typename SlotT>
+FP4C_DEVICE void clear_impl(const void* __restrict__ slots, u32* __restrict__ claim,
+                            u32 n_tokens, i64 num_slots) {
+  const u32 i = blockIdx.x * blockDim.x + threadIdx.x;
+  if (i >= n_tokens) return;
+  const i64 slot = load_slot<SlotT>(slots, i);
+  if (slot >= 0 && slot < num_slots) claim[slot] = 0u;
+}
+
+#define FP4C_CLAIM_PARAMS \
+  const void *__restrict__ slots, u32 *__restrict__ claim, u32 n_tokens, i64 num_slots
+
+#define FP4C_CLAIM_KERNEL(NAME, SLOT)                                                 \
+  extern "C" __global__ void __launch_bounds__(256) NAME(FP4C_CLAIM_PARAMS) {         \
+    claim_impl<SLOT>(slots, claim, n_tokens, num_slots);                              \
+  }
+
+#define FP4C_CLEAR_KERNEL(NAME, SLOT)                                                 \
+  extern "C" __global__ void __launch_bounds__(256) NAME(FP4C_CLAIM_PARAMS) {         \
+    clear_impl<SLOT>(slots, claim, n_tokens, num_slots);                              \
   }
 
 // ---------------------------------------------------------------------------
@@ -367,11 +319,12 @@ FP4C_DEVICE void claim_impl(const void* __restrict__ slots, u64* __restrict__ cl
 // out[(i*T + t), h, e0 : e0 + kValues] from row (t, h) of page blocks[i].
 
 template <typename T, typename BlockT, bool VEC>
-FP4C_DEVICE void gather_impl(
-    const u8* __restrict__ buffer, const void* __restrict__ blocks, void* __restrict__ out_k,
-    void* __restrict__ out_v, u64* __restrict__ stats, u32 total, FastDiv fC, FastDiv fH,
-    FastDiv fT, u32 nhd, u32 swizzle, u32 swz_m, i64 num_blocks, i64 side_bytes, i64 data_bytes,
-    float k_s, float v_s) {
+FP4C_DEVICE void gather_impl(const void* __restrict__ blocks, void* __restrict__ out_k,
+                             void* __restrict__ out_v, u32 total, const GatherParams& P) {
+  const u8* __restrict__ buffer = (const u8*)P.buffer;
+  const FastDiv fC{P.cd, P.c_m, P.c_s}, fH{P.hd, P.h_m, P.h_s}, fT{P.td, P.t_m, P.t_s};
+  const u32 nhd = P.nhd;
+  const i64 num_blocks = P.num_blocks, side_bytes = P.side_bytes, data_bytes = P.data_bytes;
   constexpr int n = Chunk<T>::kValues;
   constexpr int per_group = Chunk<T>::kPerGroup;
   constexpr int M = FP4C_DECODE_CHUNKS;
@@ -410,14 +363,7 @@ FP4C_DEVICE void gather_impl(
     kc[j] = load_chunk_codes<T, VEC>(kside + doff);
     vc[j] = load_chunk_codes<T, VEC>(vside + doff);
     const u64 ksoff = (u64)data_bytes + (u64)row * G + g;
-    u64 vsoff = ksoff;
-    if (swizzle) {
-      // q = G/4; g / q as (g * ceil(2^20/q)) >> 20 (exact for g < 4q, q < 512)
-      const u32 gq = (g * swz_m) >> 20;
-      const u32 ts = (t & ~3u) + gq;
-      const u32 ss = (g - gq * (G >> 2)) * 4 + (t & 3u);
-      vsoff = (u64)data_bytes + (u64)row_index(ts, h, H, Tn, nhd) * G + ss;
-    }
+    const u64 vsoff = v_scale_offset(t, h, g, H, Tn, G, nhd, P.swizzle, P.swz_m, data_bytes);
     ksf[j] = ldg_u8(kside + ksoff);
     vsf[j] = ldg_u8(vside + vsoff);
   }
@@ -425,26 +371,22 @@ FP4C_DEVICE void gather_impl(
   for (int j = 0; j < M; ++j) {
     const u32 gid = base + j * blockDim.x;
     if (gid >= total) continue;
-    if (bad[j]) atomicAdd(stats + 3, 1ull);
-    decode_store_chunk<T, VEC>(kc[j], ksf[j], k_s, (char*)out_k + (u64)gid * 16);
-    decode_store_chunk<T, VEC>(vc[j], vsf[j], v_s, (char*)out_v + (u64)gid * 16);
+    if (bad[j]) atomicAdd((u64*)P.stats + FP4C_STAT_BAD_BLOCK_IDS, 1ull);
+    decode_store_chunk<T, VEC>(kc[j], ksf[j], P.k_s, (char*)out_k + (u64)gid * 16);
+    decode_store_chunk<T, VEC>(vc[j], vsf[j], P.v_s, (char*)out_v + (u64)gid * 16);
   }
 }
 
-#define FP4C_GATHER_PARAMS                                                                   \
-  const u8 *__restrict__ buffer, const void *__restrict__ blocks, void *__restrict__ out_k,   \
-      void *__restrict__ out_v, u64 *__restrict__ stats, u32 total, u32 cd, u32 c_m, u32 c_s, \
-      u32 hd, u32 h_m, u32 h_s, u32 td, u32 t_m, u32 t_s, u32 nhd, u32 swizzle, u32 swz_m,   \
-      i64 num_blocks, i64 side_bytes, i64 data_bytes, float k_s, float v_s
-
-#define FP4C_GATHER_ARGS                                                                    \
-  buffer, blocks, out_k, out_v, stats, total, FastDiv{cd, c_m, c_s}, FastDiv{hd, h_m, h_s}, \
-      FastDiv{td, t_m, t_s}, nhd, swizzle, swz_m, num_blocks, side_bytes, data_bytes, k_s, v_s
+// Block ids and outputs change from call to call; the pool, counters and every size travel
+// in the GatherParams struct (generated from fp4cache/_abi.py).
+#define FP4C_GATHER_PARAMS                                                              \
+  const void *__restrict__ blocks, void *__restrict__ out_k, void *__restrict__ out_v,  \
+      u32 total, const GatherParams params
 
 // NAME, output value type, block-id type, vectorized
 #define FP4C_GATHER_KERNEL(NAME, T, BLOCK, VEC)                                   \
   extern "C" __global__ void __launch_bounds__(256) NAME(FP4C_GATHER_PARAMS) {    \
-    gather_impl<T, BLOCK, VEC>(FP4C_GATHER_ARGS);                                 \
+    gather_impl<T, BLOCK, VEC>(blocks, out_k, out_v, total, params);              \
   }
 
 #ifdef FP4C_INSTANTIATIONS

@@ -180,7 +180,7 @@ def test_duplicate_slots_last_occurrence_wins():
     cache, model = make_pair(kw)
     slots = np.array([3, 7, 3, 3, 9, 7, -1, 3], np.int64)
     k, v = rand_kv(rng, len(slots), H, D, scale=5.0)
-    cache.store(slots, k, v)
+    cache.store(slots, k, v, unique_slots=False)
     model.store(slots, k, v)
     check_against_model(cache, model)
     gk, gv = cache.gather_dequant(np.arange(3), dtype="float32")

@@ -386,7 +386,7 @@ def test_duplicates_and_negative_slots(device):
     slots = np.array([5, -1, 5, 20, 5, -7, 20, 0, 31], np.int64)
     k = rng.standard_normal((len(slots), H, D)).astype(BF16)
     v = rng.standard_normal((len(slots), H, D)).astype(BF16)
-    c.cache.store(c.arr(slots), c.arr(k), c.arr(v))
+    c.cache.store(c.arr(slots), c.arr(k), c.arr(v), unique_slots=False)
     model.store(slots, k, v)
     np.testing.assert_array_equal(host(c.cache.buffer), model.buffer())
 
@@ -404,7 +404,7 @@ def test_many_duplicates_last_wins(device, n):
     k = rng.standard_normal((n, H, D)).astype(np.float16)
     v = rng.standard_normal((n, H, D)).astype(np.float16)
     k[rng.integers(0, n, 5), 0, 3] = np.nan
-    c.cache.store(c.arr(slots), c.arr(k), c.arr(v))
+    c.cache.store(c.arr(slots), c.arr(k), c.arr(v), unique_slots=False)
     model.store(slots, k, v)
     np.testing.assert_array_equal(host(c.cache.buffer), model.buffer())
     # counted: the non-finite groups of the rows actually written (last occurrences)
@@ -412,7 +412,7 @@ def test_many_duplicates_last_wins(device, n):
     rows = k[sorted(last.values())]
     assert c.cache.nonfinite_groups[0] == int(np.isnan(rows[:, 0, :16]).any(axis=1).sum())
     # a second identical call gives identical bytes (deterministic)
-    c.cache.store(c.arr(slots), c.arr(k), c.arr(v))
+    c.cache.store(c.arr(slots), c.arr(k), c.arr(v), unique_slots=False)
     np.testing.assert_array_equal(host(c.cache.buffer), model.buffer())
 
 
@@ -533,7 +533,7 @@ def test_fuzz_store_and_gather(device, call):
         expected.add(IndexError)
     before = host(cache.buffer).copy()
     try:
-        cache.store(xp.asarray(slot_in), xp.asarray(k), xp.asarray(v))
+        cache.store(xp.asarray(slot_in), xp.asarray(k), xp.asarray(v), unique_slots=False)
     except (TypeError, ValueError, IndexError) as e:
         assert type(e) in expected, (type(e), expected, e)
         np.testing.assert_array_equal(host(cache.buffer), before)

@@ -61,7 +61,7 @@ def test_source_assembly():
     with pytest.raises(ValueError):
         K.build_source("flat_codec.cu", [spec])
     families = {s.macro for s in K.all_specs()}
-    assert len(families) == 9
+    assert len(families) == 10
     assert len({s.name for s in K.all_specs()}) == len(K.all_specs())
 
 

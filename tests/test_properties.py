@@ -121,7 +121,7 @@ def test_cache_matches_reference_model(case, data, in_dtype, out_dtype):
     cache = PagedKVCache(**kw, device="cpu")
     model = ref.PagedModel(**kw)  # encodes with the reference, not the library
     slot_arr = np.array(slots, dtype=data.draw(st.sampled_from([np.int32, np.int64])))
-    cache.store(slot_arr, k, v)
+    cache.store(slot_arr, k, v, unique_slots=False)
     model.store(slot_arr, k, v)
     np.testing.assert_array_equal(cache.buffer, model.buffer())
     blocks = data.draw(st.lists(st.integers(0, kw["num_blocks"] - 1), max_size=6))

@@ -1,0 +1,120 @@
+"""What the host code and the CUDA kernels share, defined once.
+
+The constants (scale rules, layouts, counter indices) and the layouts of the structs that
+kernels take by value live here as Python tables.  :func:`header` turns them into the C
+text that the kernel loader inlines where a ``.cu`` file says ``#include "fp4c_abi.cuh"``
+(there is no such file on disk), and :func:`struct_dtype` turns each struct into the numpy
+structured dtype the host fills.  Every generated struct is followed by
+``static_assert``\\ s of its size and of each field's offset, computed from the numpy
+dtype: a field moved on either side fails the NVRTC compile (the CPU test suite compiles
+every kernel) instead of garbling arguments on the GPU.
+"""
+
+from __future__ import annotations
+
+from functools import cache
+
+import numpy as np
+
+__all__ = ["RULES", "LAYOUTS", "STAT_NAMES", "STAT", "STRUCTS", "struct_dtype", "header"]
+
+#: Scale rules: name -> value of the kernels' ``RULE`` template parameter.
+RULES: dict[str, int] = {"static6": 0, "4over6": 1}
+#: Page row orders: name -> value of the ``nhd`` kernel field.
+LAYOUTS: dict[str, int] = {"HND": 0, "NHD": 1}
+
+#: The counters of a cache's ``stats`` array (uint64, on the cache's device), in order.
+STAT_NAMES: tuple[str, ...] = (
+    "k_nonfinite_groups",   # groups of 16 stored with a NaN/Inf (they decode to NaN)
+    "v_nonfinite_groups",
+    "bad_slots",            # tokens whose slot was >= num_slots (not stored)
+    "bad_block_ids",        # block ids outside [0, num_blocks) (gathered as NaN)
+    "k_saturated_groups",   # block scale clipped at E4M3's 448: the global scale is too small
+    "v_saturated_groups",
+    "k_underflow_groups",   # nonzero group whose block scale is zero or subnormal: too large
+    "v_underflow_groups",
+)
+#: Counter name -> index.
+STAT: dict[str, int] = {name: i for i, name in enumerate(STAT_NAMES)}
+
+_CTYPES = {"u32": np.uint32, "u64": np.uint64, "i64": np.int64, "float": np.float32}
+
+#: Structs passed to kernels by value: name -> fields ``(name, C type[, count])``.
+#: Pointers travel as ``u64``.
+STRUCTS: dict[str, tuple[tuple, ...]] = {
+    # kernels/paged_kv.cu, every non-pointer argument of the store
+    "StoreParams": (
+        ("buffer", "u64"), ("stats", "u64"), ("claim", "u64"), ("os_tab", "u64"),
+        ("k_tok_stride", "i64"), ("k_head_stride", "i64"),  # elements
+        ("v_tok_stride", "i64"), ("v_head_stride", "i64"),
+        ("num_slots", "i64"), ("side_bytes", "i64"), ("data_bytes", "i64"),
+        ("k_pair_bytes", "i64"), ("v_pair_bytes", "i64"),  # NH = 2: offset of head h + H/2
+        ("n_tokens", "u32"), ("total", "u32"),
+        ("hg", "u32"), ("hg_m", "u32"), ("hg_s", "u32"),  # FastDiv of (H/NH)*G
+        ("gd", "u32"), ("g_m", "u32"), ("g_s", "u32"),    # FastDiv of G
+        ("td", "u32"), ("t_m", "u32"), ("t_s", "u32"),    # FastDiv of T
+        ("H", "u32"), ("nhd", "u32"), ("swizzle", "u32"), ("dedup", "u32"), ("swz_m", "u32"),
+        ("pair_rows", "u32"),  # NH = 2: pool rows from head h to head h + H/2
+        ("k_s", "float"), ("k_g", "float"), ("v_s", "float"), ("v_g", "float"),
+        ("pk", "u32", 8),  # code-packing multipliers (EncodeAux::pk)
+        ("_pad", "u32"),
+    ),
+    # kernels/paged_kv.cu, every non-pointer argument of the gather
+    "GatherParams": (
+        ("buffer", "u64"), ("stats", "u64"),
+        ("num_blocks", "i64"), ("side_bytes", "i64"), ("data_bytes", "i64"),
+        ("cd", "u32"), ("c_m", "u32"), ("c_s", "u32"),  # FastDiv of output chunks per row
+        ("hd", "u32"), ("h_m", "u32"), ("h_s", "u32"),  # FastDiv of H
+        ("td", "u32"), ("t_m", "u32"), ("t_s", "u32"),  # FastDiv of T
+        ("nhd", "u32"), ("swizzle", "u32"), ("swz_m", "u32"),
+        ("k_s", "float"), ("v_s", "float"),
+    ),
+    # kernels/longlive.cu, where the blocks of a LongLive decode come from
+    "LLSource": (
+        ("value_ptrs", "u64"), ("sf_ptrs", "u64"), ("amax_ptrs", "u64"), ("ids", "u64"),
+        ("vbase", "u64"), ("vstride", "u64"), ("sbase", "u64"), ("sstride", "u64"),
+        ("abase", "u64"), ("astride", "u64"),
+        ("n_pool", "i64"), ("ids64", "u32"), ("_pad", "u32"),
+    ),
+}
+
+
+def _field_bytes(f: tuple) -> tuple[int, int]:
+    size = np.dtype(_CTYPES[f[1]]).itemsize
+    return size, size * (f[2] if len(f) == 3 else 1)
+
+
+@cache
+def struct_dtype(name: str) -> np.dtype:
+    """The numpy dtype of struct ``name`` (C layout: natural alignment, ``align=True``).
+
+    Raises ``AssertionError`` for a table that would need implicit padding."""
+    fields, sizes = [], []
+    for f in STRUCTS[name]:
+        fields.append((f[0], _CTYPES[f[1]], (f[2],)) if len(f) == 3 else (f[0], _CTYPES[f[1]]))
+        sizes.append(_field_bytes(f))
+    dt = np.dtype(fields, align=True)
+    assert all(a[0] >= b[0] for a, b in zip(sizes, sizes[1:])), f"{name}: order by size"
+    assert dt.itemsize == sum(n for _, n in sizes), f"{name}: pad the tail explicitly"
+    return dt
+
+
+@cache
+def header() -> str:
+    """The C text of every constant and struct above, with layout checks."""
+    out = ["// Generated by fp4cache/_abi.py: the one definition of these values."]
+    out += [f"#define FP4C_RULE_{k.upper()} {v}" for k, v in RULES.items()]
+    out += [f"#define FP4C_LAYOUT_{k} {v}" for k, v in LAYOUTS.items()]
+    out += [f"#define FP4C_STAT_{k.upper()} {i}" for i, k in enumerate(STAT_NAMES)]
+    out.append(f"#define FP4C_NUM_STATS {len(STAT_NAMES)}")
+    for name, fields in STRUCTS.items():
+        dt = struct_dtype(name)
+        out.append(f"struct {name} {{")
+        for f in fields:
+            out.append(f"  {f[1]} {f[0]}{f'[{f[2]}]' if len(f) == 3 else ''};")
+        out.append("};")
+        out.append(f'static_assert(sizeof({name}) == {dt.itemsize}, "{name}: padding");')
+        for f in fields:
+            out.append(f"static_assert(sizeof({name}::{f[0]}) == {_field_bytes(f)[1]}, "
+                       f'"{name}.{f[0]}: size");')
+    return "\n".join(out) + "\n"

@@ -1,0 +1,86 @@
+"""Which device a cache or an array lives on, and running GPU work there.
+
+Every GPU entry point runs on the device its data lives on, whatever device is current
+(like a PyTorch device guard), on that device's current CuPy stream, and leaves the
+current device as it found it.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+__all__ = ["parse_device", "device_name", "array_device", "DeviceGuard"]
+
+_CUDA = re.compile(r"^cuda(?::(\d+))?$")
+
+
+def parse_device(device: Any) -> tuple[str, int | None]:
+    """``("cpu", None)`` or ``("cuda", index)`` for a ``device=`` argument.
+
+    Accepts ``"cpu"``, ``"cuda"`` (the current device), ``"cuda:N"``, an ``int`` N and a
+    ``cupy.cuda.Device``.  ``None`` is resolved by the caller (GPU when usable).
+    Raises ``ValueError`` naming the accepted forms; a GPU index is checked against the
+    devices CuPy sees.
+    """
+    if isinstance(device, str):
+        if device == "cpu":
+            return "cpu", None
+        m = _CUDA.match(device)
+        if m is None:
+            raise ValueError(
+                f"device must be 'cpu', 'cuda', 'cuda:N', an int or a cupy.cuda.Device, "
+                f"got {device!r}")
+        index = None if m.group(1) is None else int(m.group(1))
+    elif isinstance(device, bool):
+        raise ValueError(f"device must be 'cpu', 'cuda', 'cuda:N', an int or a "
+                         f"cupy.cuda.Device, got {device!r}")
+    elif isinstance(device, int):
+        index = device
+    elif type(device).__module__.startswith("cupy") and hasattr(device, "id"):
+        index = int(device.id)
+    else:
+        raise ValueError(f"device must be 'cpu', 'cuda', 'cuda:N', an int or a "
+                         f"cupy.cuda.Device, got {device!r}")
+    import cupy
+
+    count = cupy.cuda.runtime.getDeviceCount()
+    if index is None:
+        index = cupy.cuda.runtime.getDevice()
+    if not 0 <= index < count:
+        raise ValueError(f"device {device!r}: CuPy sees {count} GPU(s), indices 0..{count - 1}")
+    return "cuda", index
+
+
+def device_name(kind: str, index: int | None) -> str:
+    """``"cpu"`` or ``"cuda:N"``."""
+    return "cpu" if kind == "cpu" else f"cuda:{index}"
+
+
+def array_device(a: Any) -> int | None:
+    """GPU index of a CuPy array, ``None`` for anything else."""
+    dev = getattr(a, "device", None)
+    return None if dev is None or not hasattr(dev, "id") else int(dev.id)
+
+
+class DeviceGuard:
+    """``with DeviceGuard(n):`` makes GPU ``n`` current inside the block (only switching
+    when another one is current) and restores the previous device after it."""
+
+    __slots__ = ("index", "prev", "_runtime")
+
+    def __init__(self, index: int) -> None:
+        import cupy
+
+        self.index = index
+        self._runtime = cupy.cuda.runtime
+
+    def __enter__(self) -> DeviceGuard:
+        self.prev = self._runtime.getDevice()
+        if self.prev != self.index:
+            self._runtime.setDevice(self.index)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.prev != self.index:
+            self._runtime.setDevice(self.prev)
