@@ -1,8 +1,9 @@
 """The NVFP4 paged KV cache written in plain PyTorch: the baseline fp4cache is compared to.
 
 This is what a user without fp4cache would write: quantize K/V with the NVFP4 rules of
-``NVFP4_SPEC.md`` section 2 in float32 torch ops, and scatter the bytes into vLLM's paged
-layout (section 4) with advanced indexing on views of the page pool; gather pages back
+the contract (``docs/format.md``, section 2) in float32 torch ops, and scatter the bytes
+into vLLM's paged layout (section 4) with advanced indexing on views of the page pool;
+gather pages back
 and decode them.  It is written from the spec only (nothing here imports ``fp4cache``),
 so that the agreement check in ``bench.py`` compares two independent implementations.
 

@@ -37,6 +37,8 @@ __all__ = [
     "CacheState",
     "store_plan",
     "gather_plan",
+    "store",
+    "gather_dequant",
     "quantize",
     "dequantize",
     "longlive_quantize",
@@ -217,22 +219,27 @@ class CacheState:
     plans.  Freed with the cache."""
 
     def __init__(self, device: int, geom: PageGeometry, num_blocks: int, k_s, k_g, v_s,
-                 v_g) -> None:
+                 v_g, *, buffer=None, stats=None, tables: bool = True) -> None:
         self.device = device
         self.geom = geom
         self.num_blocks = num_blocks
         self.scalars = (_F32(k_s), _F32(k_g), _F32(v_s), _F32(v_g))
         with cupy.cuda.Device(device):
-            self.buffer = cupy.zeros((num_blocks, 2, geom.side_bytes), dtype=np.uint8)
-            self.stats = cupy.zeros(len(_abi.STAT_NAMES), dtype=np.uint64)
-            self.os_tab = cupy.asarray(_os_table_values(k_s, v_s))
-            self.claim = cupy.zeros(num_blocks * geom.block_size, dtype=np.uint32)
+            self.buffer = (cupy.zeros((num_blocks, 2, geom.side_bytes), dtype=np.uint8)
+                           if buffer is None else buffer)
+            self.stats = (cupy.zeros(len(_abi.STAT_NAMES), dtype=np.uint64)
+                          if stats is None else stats)
+            # the store's tables (a gather-only state has none)
+            self.os_tab = cupy.asarray(_os_table_values(k_s, v_s)) if tables else None
+            self.claim = (cupy.zeros(num_blocks * geom.block_size, dtype=np.uint32)
+                          if tables else None)
         self.plans = _Plans()
 
     @property
     def nbytes(self) -> int:
         """Device bytes held: pool, counters, encode table and claim table."""
-        return sum(a.nbytes for a in (self.buffer, self.stats, self.os_tab, self.claim))
+        return sum(a.nbytes for a in (self.buffer, self.stats, self.os_tab, self.claim)
+                   if a is not None)
 
 
 def _noop(*args) -> None:
@@ -317,6 +324,27 @@ def store_plan(st: CacheState, slots, k, v, *, rule: str, unique_slots: bool) ->
         clear(cgrid, _BLOCK, (slots, table, nt, ns))
 
     return run_claimed
+
+
+def store(buffer, slot_mapping, k, v, *, geom: PageGeometry, rule, k_s, k_g, v_s, v_g, stats,
+          unique_slots: bool = False) -> None:
+    """The functional form of the protocol (as in the NumPy backend; tests, benchmarks):
+    store into ``buffer``/``stats`` through a :class:`CacheState` made for this call (it
+    allocates and uploads tables: not for CUDA-graph capture, which needs the owner's
+    state, :class:`~fp4cache.PagedKVCache`)."""
+    st = CacheState(buffer.data.device_id, geom, buffer.shape[0], k_s, k_g, v_s, v_g,
+                    buffer=buffer, stats=stats)
+    slots = _contig(slot_mapping)
+    store_plan(st, slots, k, v, rule=rule, unique_slots=unique_slots)(slots, k, v)
+
+
+def gather_dequant(buffer, blocks, out_k, out_v, *, geom: PageGeometry, k_s, v_s,
+                   stats) -> None:
+    """The functional form of the gather (as in the NumPy backend; tests, benchmarks)."""
+    st = CacheState(buffer.data.device_id, geom, buffer.shape[0], k_s, 1.0, v_s, 1.0,
+                    buffer=buffer, stats=stats, tables=False)
+    blocks = _contig(blocks)
+    gather_plan(st, blocks, out_k, out_v)(blocks, out_k, out_v)
 
 
 def gather_plan(st: CacheState, blocks, out_k, out_v) -> Callable:

@@ -7,10 +7,11 @@ current device as it found it.
 
 from __future__ import annotations
 
+import functools
 import re
 from typing import Any
 
-__all__ = ["parse_device", "device_name", "array_device", "DeviceGuard"]
+__all__ = ["parse_device", "device_name", "array_device", "DeviceGuard", "on_input_device"]
 
 _CUDA = re.compile(r"^cuda(?::(\d+))?$")
 
@@ -42,6 +43,12 @@ def parse_device(device: Any) -> tuple[str, int | None]:
     else:
         raise ValueError(f"device must be 'cpu', 'cuda', 'cuda:N', an int or a "
                          f"cupy.cuda.Device, got {device!r}")
+    from ._arrays import gpu_available
+
+    if not gpu_available():
+        raise RuntimeError(
+            f"device={device!r} needs CuPy and a CUDA GPU (pip install 'fp4cache[cuda12]' "
+            "or 'fp4cache[cuda13]'); none is usable here")
     import cupy
 
     count = cupy.cuda.runtime.getDeviceCount()
@@ -84,3 +91,19 @@ class DeviceGuard:
     def __exit__(self, *exc) -> None:
         if self.prev != self.index:
             self._runtime.setDevice(self.prev)
+
+
+def on_input_device(fn):
+    """Decorator of a function whose first argument is its data: a CuPy array there makes
+    that array's GPU current for the call (and the previous one current again after)."""
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        dev = array_device(args[0]) if args and type(args[0]).__module__.startswith(
+            "cupy") else None
+        if dev is None:
+            return fn(*args, **kwargs)
+        with DeviceGuard(dev):
+            return fn(*args, **kwargs)
+
+    return wrapper

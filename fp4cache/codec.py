@@ -7,6 +7,7 @@ from typing import Any
 import numpy as np
 
 from . import _arrays
+from ._device import on_input_device
 from .formats import SCALE_RULES, reciprocal_clamped, resolve_dtype
 from .layout import GROUP
 
@@ -38,6 +39,7 @@ def check_rule(scale_rule: str) -> str:
     return scale_rule
 
 
+@on_input_device
 def quantize(x: Any, scale: float = 1.0, scale_rule: str = "static6"):
     """Quantize ``x`` to NVFP4: packed E2M1 values and one E4M3 scale per 16 values.
 
@@ -86,6 +88,7 @@ def quantize(x: Any, scale: float = 1.0, scale_rule: str = "static6"):
     return data, scales
 
 
+@on_input_device
 def dequantize(data: Any, scales: Any, scale: float = 1.0, dtype: Any = "bfloat16", *,
                out: Any = None):
     """Decode NVFP4 ``data``/``scales`` to ``dtype``: ``fl(fl(e2m1 * sf) * scale)``.

@@ -2,7 +2,7 @@
 //
 // Self-contained on purpose: no CUDA headers, so that NVRTC from a pip-only
 // install (cupy + nvidia-cuda-nvrtc) compiles it.  Every function here mirrors a
-// formula of the numeric contract (NVFP4_SPEC.md, docs/format.md):
+// formula of the numeric contract (docs/format.md):
 //   - element formats: E2M1 (FP4) and E4M3 (FP8) in software, because sm_80 and
 //     sm_90 have no FP4 conversion instruction;
 //   - the group encoder (static6 / 4over6, spec section 2) with the sequential

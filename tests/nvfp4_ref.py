@@ -1,9 +1,9 @@
 """Independent reference of the NVFP4 contract (spec sections 1, 2, 4, 5) for the tests.
 
-Written from ``NVFP4_SPEC.md`` only: nothing here imports ``fp4cache``.  There are two
-group encoders, a scalar one (plain Python loops over NumPy float32 scalars, the spec
+Written from the contract (``docs/format.md``) only: nothing here imports ``fp4cache``.
+There are two group encoders, a scalar one (plain Python loops over NumPy float32 scalars, the spec
 pseudo-code line by line) and a vectorized one (the same steps on ``[N, 16]`` arrays),
-checked against each other in ``test_reference.py``.  Offsets are computed with direct
+checked against each other in ``test_formats.py``.  Offsets are computed with direct
 formulas and with NumPy reshape/transpose forms, never with ``fp4cache.layout``.
 """
 

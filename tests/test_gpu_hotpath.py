@@ -16,15 +16,11 @@ pytestmark = [
 ]
 
 
-@pytest.mark.parametrize("driver", [True, False])
 @pytest.mark.parametrize("n", [1, 64, 128, 129, 1000])
-def test_repeated_stores_and_gathers_match_cpu(n, driver, monkeypatch):
-    """Both launch paths of the prepared decode-step store (driver API, RawKernel)."""
+def test_repeated_stores_and_gathers_match_cpu(n):
+    """The prepared decode-step store and gather against the CPU backend."""
     import cupy
 
-    from fp4cache import _cupy_backend
-
-    monkeypatch.setattr(_cupy_backend, "STORE_DRIVER_LAUNCH", driver)
 
     rng = np.random.default_rng(n)
     nb, T, H, D = 128, 16, 4, 128
@@ -71,15 +67,11 @@ def test_new_signature_is_validated_again():
     assert cupy.array_equal(before, gpu.buffer)
 
 
-@pytest.mark.parametrize("driver", [True, False])
-def test_prepared_store_in_a_cuda_graph(driver, monkeypatch):
-    """The prepared decode-step store (either launch path) captured into a CUDA graph and
+def test_prepared_store_in_a_cuda_graph():
+    """The prepared decode-step store captured into a CUDA graph and
     replayed with new slot and K/V contents writes what the CPU backend writes."""
     import cupy
 
-    from fp4cache import _cupy_backend
-
-    monkeypatch.setattr(_cupy_backend, "STORE_DRIVER_LAUNCH", driver)
     rng = np.random.default_rng(7)
     nb, T, H, D, n = 32, 16, 2, 64, 24
     gpu = PagedKVCache(nb, T, H, D, device="cuda")
@@ -109,17 +101,13 @@ def test_prepared_store_in_a_cuda_graph(driver, monkeypatch):
     assert np.array_equal(gpu.buffer.get(), cpu.buffer)
 
 
-@pytest.mark.parametrize("driver", [True, False])
 @pytest.mark.parametrize("out_dtype", ["bfloat16", "float16", "float32"])
-def test_prepared_gather_any_length_alignment_and_out(driver, out_dtype, monkeypatch):
+def test_prepared_gather_any_length_alignment_and_out(out_dtype):
     """The prepared gather (arguments packed once, one launch per call) for block lists of
     changing length (0 included), allocated outputs and ``out=`` views at 16-byte aligned
     and unaligned offsets (the vectorized and the scalar kernel), against the CPU."""
     import cupy
 
-    from fp4cache import _cupy_backend
-
-    monkeypatch.setattr(_cupy_backend, "GATHER_DRIVER_LAUNCH", driver)
     rng = np.random.default_rng(11)
     nb, T, H, D = 64, 16, 2, 64
     gpu = PagedKVCache(nb, T, H, D, scale_rule="4over6", device="cuda")

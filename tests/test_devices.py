@@ -1,0 +1,359 @@
+"""Each cache owns its device: the ``device=`` forms, the guard around every GPU call, and
+arrays from another GPU.  The multi-GPU tests run only where two GPUs are visible."""
+
+from __future__ import annotations
+
+import threading
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+from fp4cache import PagedKVCache, gpu_available
+from fp4cache._device import DeviceGuard, array_device, parse_device
+
+BF16 = np.dtype(ml_dtypes.bfloat16)
+
+
+def _gpus() -> int:
+    if not gpu_available():
+        return 0
+    import cupy
+
+    return cupy.cuda.runtime.getDeviceCount()
+
+
+needs_gpu = pytest.mark.skipif(not gpu_available(), reason="needs CuPy and a CUDA GPU")
+needs_two = pytest.mark.skipif(_gpus() < 2, reason="needs two CUDA GPUs (run on nvidia-h200-x2)")
+
+
+# -- on any machine ---------------------------------------------------------------------
+@pytest.mark.parametrize("bad", ["gpu", "cuda:", "cuda:x", "cuda:-1", "CUDA", "cuda0", 1.5,
+                                 True, [0]])
+def test_device_forms_refused_with_the_accepted_forms(bad):
+    with pytest.raises(ValueError, match="'cpu', 'cuda', 'cuda:N', an int or a cupy"):
+        parse_device(bad)
+
+
+def test_cpu_device_forms():
+    assert parse_device("cpu") == ("cpu", None)
+    c = PagedKVCache(4, 16, 2, 64, device="cpu")
+    assert c.device == "cpu" and c.device_id is None
+    assert "device='cpu'" in repr(c)
+
+
+@pytest.mark.skipif(gpu_available(), reason="checks the no-GPU error")
+@pytest.mark.parametrize("form", ["cuda", "cuda:0", 0, 3])
+def test_gpu_forms_without_a_gpu_say_so(form):
+    with pytest.raises(RuntimeError, match="needs CuPy and a CUDA GPU"):
+        PagedKVCache(4, 16, 2, 64, device=form)
+
+
+def test_foreign_device_error_names_argument_and_both_devices():
+    """check_device on stand-ins for CuPy arrays (no GPU needed): a k on GPU 1 given to a
+    cache on GPU 0."""
+    from fp4cache import _arrays
+
+    class Mem:
+        def __init__(self, dev):
+            self.device_id = dev
+
+    class FakeCupy:  # is_cupy() looks at the type's module
+        __module__ = "cupy._core.core"
+
+        def __init__(self, dev):
+            self.data = Mem(dev)
+
+    FakeCupy.__module__ = "cupy._core.core"
+    with pytest.raises(ValueError, match=r"k is on GPU 1 \(cuda:1\) but the cache lives on "
+                                         r"GPU 0 \(cuda:0\)"):
+        _arrays.check_device({"slot_mapping": FakeCupy(0), "k": FakeCupy(1)}, FakeCupy(0))
+
+
+# -- one GPU ----------------------------------------------------------------------------
+@pytest.mark.gpu
+@needs_gpu
+@pytest.mark.parametrize("form", ["cuda", "cuda:0", 0, "device"])
+def test_gpu_device_forms(form):
+    import cupy
+
+    if form == "device":
+        form = cupy.cuda.Device(0)
+    with cupy.cuda.Device(0):
+        c = PagedKVCache(4, 16, 2, 64, device=form)
+    assert c.device == "cuda" and c.device_id == 0
+    assert array_device(c.buffer) == 0
+    assert "device='cuda:0'" in repr(c)
+    with pytest.raises(ValueError, match="CuPy sees"):
+        PagedKVCache(4, 16, 2, 64, device=_gpus())
+
+
+@pytest.mark.gpu
+@needs_gpu
+def test_guard_switches_to_the_cache_device_and_back(monkeypatch):
+    """With another device 'current' (getDevice patched to say 1), every public call
+    switches to the cache's device 0 for its work and restores 1 afterwards; results stay
+    right.  What one GPU can show of the multi-GPU guard."""
+    import cupy
+
+    rt = cupy.cuda.runtime
+    real_get, real_set = rt.getDevice, rt.setDevice
+    c = PagedKVCache(8, 16, 2, 64, device="cuda:0")
+    ref = PagedKVCache(8, 16, 2, 64, device="cpu")
+    k = np.random.default_rng(0).standard_normal((20, 2, 64)).astype(BF16)
+    kd, sd = cupy.asarray(k), cupy.arange(20, dtype=cupy.int64)
+    ref.store(np.arange(20), k, k)
+    state = {"cur": 1}
+    calls = []
+
+    def fake_get():
+        return state["cur"]
+
+    def fake_set(d):
+        calls.append(d)
+        state["cur"] = d
+        real_set(0)  # there is one GPU: the real work always runs on 0
+
+    monkeypatch.setattr(rt, "getDevice", fake_get)
+    monkeypatch.setattr(rt, "setDevice", fake_set)
+    from fp4cache import _device
+    from fp4cache import cache as cache_mod
+
+    cache_mod._get_device.cache_clear()
+    try:
+        for step in range(3):  # checked path first, then the prepared hot path
+            calls.clear()
+            c.store(sd, kd, kd)
+            assert calls == [0, 1] and state["cur"] == 1, (step, calls)
+            calls.clear()
+            out = c.gather_dequant(cupy.arange(3, dtype=cupy.int32))
+            assert calls == [0, 1] and state["cur"] == 1, (step, calls)
+        calls.clear()
+        assert c.stats["bad_slots"] == 0
+        c.check()
+        c.reset_counters()
+        assert calls == [0, 1, 0, 1, 0, 1] and state["cur"] == 1
+        with DeviceGuard(0):
+            assert state["cur"] == 0
+        assert state["cur"] == 1
+    finally:
+        monkeypatch.undo()
+        cache_mod._get_device.cache_clear()
+        real_set(real_get())
+    assert _device is not None
+    rk, _ = ref.gather_dequant(np.arange(3))
+    assert np.array_equal(out[0].get().view(np.uint16), rk.view(np.uint16))
+
+
+@pytest.mark.gpu
+@needs_gpu
+def test_bad_strides_odd_addresses_and_aliased_outputs():
+    """Byte strides that are not whole elements are refused; a bf16 view at an odd byte
+    address is stored correctly (copied, never a misaligned 2-byte load); out=(a, a) and
+    outputs at odd addresses are refused; the buffer is untouched by every refusal."""
+    import cupy
+
+    c = PagedKVCache(8, 16, 2, 64, device="cuda")
+    ref = PagedKVCache(8, 16, 2, 64, device="cpu")
+    rng = np.random.default_rng(3)
+    k = rng.standard_normal((5, 2, 64)).astype(BF16)
+    c.store(cupy.arange(5), cupy.asarray(k), cupy.asarray(k))
+    ref.store(np.arange(5), k, k)
+    before = c.buffer.copy()
+    raw = cupy.zeros(5 * 2 * 64 * 2 + 1, cupy.uint8)
+    odd = raw[1:].view(BF16).reshape(5, 2, 64)  # address % 2 == 1
+    with pytest.raises(ValueError, match="out\\[0\\] and out\\[1\\] must not overlap"):
+        a = cupy.empty((16, 2, 64), BF16)
+        c.gather_dequant(cupy.arange(1), out=(a, a))
+    with pytest.raises(ValueError, match="aligned to its itemsize"):
+        c.gather_dequant(cupy.arange(1), out=(odd.reshape(-1)[:16 * 128].reshape(16, 2, 64),
+                                              cupy.empty((16, 2, 64), BF16)))
+    assert cupy.array_equal(before, c.buffer)
+    # odd address: stored through an aligned copy
+    k2 = rng.standard_normal((5, 2, 64)).astype(BF16)
+    odd[...] = cupy.asarray(k2)
+    c.store(cupy.arange(5, 10), odd, odd)
+    ref.store(np.arange(5, 10), k2, k2)
+    assert np.array_equal(c.buffer.get(), ref.buffer)
+    # strides that are not whole elements (a uint8 view reinterpreted)
+    wide = cupy.zeros((5, 2, 64 * 2 + 1), cupy.uint8)
+    bad = cupy.ndarray((5, 2, 64), BF16, wide.data, strides=(wide.strides[0], 129, 2))
+    before = c.buffer.copy()
+    with pytest.raises(ValueError, match="strides that are multiples of its itemsize"):
+        c.store(cupy.arange(5), bad, bad)
+    assert cupy.array_equal(before, c.buffer)
+
+
+@pytest.mark.gpu
+@needs_gpu
+def test_two_threads_share_one_stream():
+    """Two threads storing into one cache (disjoint slots) and gathering on one shared
+    stream: the shared plans and bookkeeping stay right."""
+    import cupy
+
+    nb, T, H, D = 64, 16, 2, 64
+    c = PagedKVCache(nb, T, H, D, device="cuda")
+    ref = PagedKVCache(nb, T, H, D, device="cpu")
+    rng = np.random.default_rng(5)
+    work = []
+    for t in range(2):
+        for step in range(20):
+            slots = np.arange(t * 512 + step * 16, t * 512 + step * 16 + 16)
+            k = rng.standard_normal((16, H, D)).astype(BF16)
+            work.append((t, slots, k))
+            ref.store(slots, k, k)
+    stream = cupy.cuda.Stream(non_blocking=True)
+    errors = []
+
+    def worker(t):
+        try:
+            with cupy.cuda.Device(0), stream:
+                for tt, slots, k in work:
+                    if tt == t:
+                        kd = cupy.asarray(k)
+                        c.store(cupy.asarray(slots), kd, kd)
+                        c.gather_dequant(cupy.arange(4, dtype=cupy.int32))
+        except Exception as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=worker, args=(t,)) for t in range(2)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    stream.synchronize()
+    assert not errors, errors
+    assert np.array_equal(c.buffer.get(), ref.buffer)
+
+
+# -- two GPUs ---------------------------------------------------------------------------
+def _rand(rng, n, H, D):
+    return rng.standard_normal((n, H, D)).astype(BF16)
+
+
+@pytest.mark.gpu
+@needs_two
+def test_every_call_with_the_other_gpu_current():
+    """A cache on GPU 0 used while GPU 1 is current (and the reverse): right results, the
+    current device unchanged afterwards, no error."""
+    import cupy
+
+    from fp4cache import dequantize, quantize
+
+    rng = np.random.default_rng(1)
+    for home, other in ((0, 1), (1, 0)):
+        with cupy.cuda.Device(home):
+            c = PagedKVCache(32, 16, 2, 64, device=f"cuda:{home}")
+            k = cupy.asarray(_rand(rng, 40, 2, 64))
+            slots = cupy.arange(40, dtype=cupy.int64)
+            blocks = cupy.arange(3, dtype=cupy.int32)
+        ref = PagedKVCache(32, 16, 2, 64, device="cpu")
+        ref.store(np.arange(40), k.get(), k.get())
+        with cupy.cuda.Device(other):
+            for _ in range(3):  # checked, then prepared
+                c.store(slots, k, k)
+                out = c.gather_dequant(blocks)
+                assert cupy.cuda.runtime.getDevice() == other
+            c.check()
+            assert c.stats["bad_slots"] == 0
+            data, scales = quantize(k)  # the codec runs where its input lives
+            back = dequantize(data, scales)
+            assert array_device(data) == home and array_device(back) == home
+            assert cupy.cuda.runtime.getDevice() == other
+        rk, rv = ref.gather_dequant(np.arange(3))
+        assert np.array_equal(out[0].get().view(np.uint16), rk.view(np.uint16))
+        assert np.array_equal(c.buffer.get(), ref.buffer)
+
+
+@pytest.mark.gpu
+@needs_two
+def test_foreign_arrays_refused_and_cache_still_works():
+    import cupy
+
+    with cupy.cuda.Device(0):
+        c = PagedKVCache(8, 16, 2, 64, device="cuda:0")
+        k0 = cupy.ones((4, 2, 64), BF16)
+        c.store(cupy.arange(4), k0, k0)
+        before = c.buffer.copy()
+    with cupy.cuda.Device(1):
+        k1 = cupy.ones((4, 2, 64), BF16)
+        s1 = cupy.arange(4)
+    with pytest.raises(ValueError, match=r"k is on GPU 1 \(cuda:1\) but the cache lives on "
+                                         r"GPU 0"):
+        c.store(cupy.arange(4, device=None) if False else s1.get(), k1, k0)
+    with pytest.raises(ValueError, match="on GPU 1"):
+        c.gather_dequant(cupy.arange(2, dtype=cupy.int32).get(),
+                         out=(cupy.empty((32, 2, 64), BF16), k1.reshape(-1)))
+    assert cupy.array_equal(before, c.buffer)
+    c.store(cupy.arange(4, 8), k0, k0)  # still works
+    assert c.stats["bad_slots"] == 0
+
+
+@pytest.mark.gpu
+@needs_two
+def test_one_cache_per_gpu_from_two_threads():
+    """One cache per GPU, each used from its own thread, stores and gathers interleaved,
+    against the CPU backend."""
+    import cupy
+
+    rng = np.random.default_rng(2)
+    nb, T, H, D = 64, 16, 4, 128
+    jobs = {g: [(np.arange(i * 16, i * 16 + 16), _rand(rng, 16, H, D)) for i in range(40)]
+            for g in (0, 1)}
+    caches = {g: PagedKVCache(nb, T, H, D, device=f"cuda:{g}") for g in (0, 1)}
+    refs = {g: PagedKVCache(nb, T, H, D, device="cpu") for g in (0, 1)}
+    for g in (0, 1):
+        for slots, k in jobs[g]:
+            refs[g].store(slots, k, k)
+    errors = []
+
+    def worker(g):
+        try:
+            with cupy.cuda.Device(g):
+                for slots, k in jobs[g]:
+                    kd = cupy.asarray(k)
+                    caches[g].store(cupy.asarray(slots), kd, kd)
+                    caches[g].gather_dequant(cupy.arange(8, dtype=cupy.int32))
+                cupy.cuda.get_current_stream().synchronize()
+        except Exception as e:  # noqa: BLE001
+            errors.append(e)
+
+    threads = [threading.Thread(target=worker, args=(g,)) for g in (0, 1)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    assert not errors, errors
+    for g in (0, 1):
+        assert np.array_equal(caches[g].buffer.get(), refs[g].buffer)
+
+
+@pytest.mark.gpu
+@needs_two
+def test_graph_on_gpu1_while_gpu0_holds_a_cache():
+    import cupy
+
+    c0 = PagedKVCache(16, 16, 2, 64, device="cuda:0")
+    with cupy.cuda.Device(1):
+        c1 = PagedKVCache(16, 16, 2, 64, device="cuda:1")
+        ref = PagedKVCache(16, 16, 2, 64, device="cpu")
+        slots = cupy.arange(24, dtype=cupy.int64)
+        k = cupy.zeros((24, 2, 64), BF16)
+        stream = cupy.cuda.Stream(non_blocking=True)
+        with stream:
+            c1.store(slots, k, k)
+            c1.store(slots, k, k)
+            stream.begin_capture()
+            c1.store(slots, k, k)
+            graph = stream.end_capture()
+            rng = np.random.default_rng(4)
+            for _ in range(50):
+                s_h = rng.permutation(256)[:24]
+                k_h = _rand(rng, 24, 2, 64)
+                slots.set(s_h)
+                k.set(k_h)
+                graph.launch(stream)
+                ref.store(s_h, k_h, k_h)
+                stream.synchronize()
+        assert np.array_equal(c1.buffer.get(), ref.buffer)
+    assert not c0.buffer.any()
