@@ -160,14 +160,14 @@ def test_bad_strides_odd_addresses_and_aliased_outputs():
     c.store(cupy.arange(5), cupy.asarray(k), cupy.asarray(k))
     ref.store(np.arange(5), k, k)
     before = c.buffer.copy()
-    raw = cupy.zeros(5 * 2 * 64 * 2 + 1, cupy.uint8)
-    odd = raw[1:].view(BF16).reshape(5, 2, 64)  # address % 2 == 1
+    raw = cupy.zeros(16 * 2 * 64 * 2 + 1, cupy.uint8)
+    odd_all = raw[1:].view(BF16).reshape(16, 2, 64)  # address % 2 == 1
+    odd = odd_all[:5]
     with pytest.raises(ValueError, match="out\\[0\\] and out\\[1\\] must not overlap"):
         a = cupy.empty((16, 2, 64), BF16)
         c.gather_dequant(cupy.arange(1), out=(a, a))
     with pytest.raises(ValueError, match="aligned to its itemsize"):
-        c.gather_dequant(cupy.arange(1), out=(odd.reshape(-1)[:16 * 128].reshape(16, 2, 64),
-                                              cupy.empty((16, 2, 64), BF16)))
+        c.gather_dequant(cupy.arange(1), out=(odd_all, cupy.empty((16, 2, 64), BF16)))
     assert cupy.array_equal(before, c.buffer)
     # odd address: stored through an aligned copy
     k2 = rng.standard_normal((5, 2, 64)).astype(BF16)
