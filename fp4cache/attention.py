@@ -58,8 +58,8 @@ def decode_attention(cache: PagedKVCache, q: Any, block_tables: Any, seq_lens: A
                 _launch(cache, q, block_tables, seq_lens, out, lse_out, hit)
             return (out, lse_out) if return_lse else out
     a = _check_args(cache, q, block_tables, seq_lens, sm_scale, out, lse_out, return_lse)
-    if check:
-        _check_values(cache, a.block_tables, a.seq_lens)
+    if check or cache.device == "cpu":
+        _check_values(cache, a.block_tables, a.seq_lens, block_ids=check)
     if a.q.shape[0]:
         _launch(cache, a.q, a.block_tables, a.seq_lens, a.out, a.lse, a.sm_scale)
     if (sig is not None and a.q is q and a.block_tables is block_tables
@@ -144,9 +144,10 @@ def _check_args(cache: PagedKVCache, q, block_tables, seq_lens, sm_scale, out, l
     return _Args(q, bt, sl, out, lse, float(scale))
 
 
-def _check_values(cache: PagedKVCache, block_tables, seq_lens) -> None:
-    """Lengths within each row's capacity and block ids inside the pool in the used part
-    of each row (a host synchronization on the GPU)."""
+def _check_values(cache: PagedKVCache, block_tables, seq_lens, *, block_ids: bool) -> None:
+    """Lengths within each row's capacity and (``block_ids``) block ids inside the pool in
+    the used part of each row (a host synchronization on the GPU).  The CPU always checks
+    the lengths; its ``validate=False`` defers only the block ids, as the GPU does."""
     sl = seq_lens.get() if _arrays.is_cupy(seq_lens) else np.asarray(seq_lens)
     T = cache.block_size
     max_blocks = block_tables.shape[1]
@@ -158,6 +159,8 @@ def _check_values(cache: PagedKVCache, block_tables, seq_lens) -> None:
             f"seq_lens[{b}] = {int(sl[b])} is out of range: it must be in [0, {cap}], the "
             f"capacity of row {b} of block_tables (max_blocks {max_blocks} * block_size {T})"
         )
+    if not block_ids:
+        return
     nblk = -(-sl.astype(np.int64) // T)
     width = int(nblk.max()) if sl.size else 0
     if width == 0:
