@@ -48,8 +48,7 @@ def decode_attention(cache: PagedKVCache, q: Any, block_tables: Any, seq_lens: A
         sig = _signature(q, block_tables, seq_lens, sm_scale, out, lse_out, return_lse)
         hit = cache._fast.get(sig) if sig is not None else None
         if hit is not None:
-            import cupy
-
+            cupy = _cupy()
             if out is None:
                 out = cupy.empty(q.shape, dtype=q.dtype)
             if return_lse and lse_out is None:
@@ -197,21 +196,20 @@ def _overlap(a, b) -> bool:
 
 # -- GPU hot path ---------------------------------------------------------------------------
 @functools.cache
-def _cupy_ndarray():
+def _cupy():
     import cupy
 
-    return cupy.ndarray
+    return cupy
 
 
 def _signature(q, block_tables, seq_lens, sm_scale, out, lse_out, return_lse: bool):
     """What the checks above depend on (kinds, shapes, dtypes, strides, devices, the
     scale), or None for arguments that are not all CuPy arrays."""
     try:
-        nd = _cupy_ndarray()
+        cupy = _cupy()
+        nd = cupy.ndarray
         if not (type(q) is nd and type(block_tables) is nd and type(seq_lens) is nd):
             return None
-        import cupy
-
         sig = ("decode_attention", q.shape, q.dtype, q.strides, q.data.device_id,
                block_tables.shape, block_tables.dtype, block_tables.strides,
                block_tables.data.device_id, seq_lens.shape, seq_lens.dtype, seq_lens.strides,

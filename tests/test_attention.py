@@ -488,3 +488,85 @@ def test_good_arguments_pass():
 def test_exported():
     assert callable(fp4cache.PagedKVCache.decode_attention)
     assert fp4cache.attention.MAX_GROUP == 16
+
+
+# -- the GPU front end (any backend: a recording stand-in takes the kernels' place) --------------
+class _RecordingBackend:
+    """Records what the front end hands to the backend's ``decode_attention``."""
+
+    def __init__(self):
+        self.calls = []
+
+    def decode_attention(self, buffer, q, block_tables, seq_lens, out, lse, **kw):
+        self.calls.append(dict(q=q, block_tables=block_tables, seq_lens=seq_lens, out=out,
+                               lse=lse, **kw))
+
+
+@pytest.fixture
+def gpu_cache(monkeypatch):
+    if not fp4cache.gpu_available():
+        pytest.skip("needs a CUDA GPU with CuPy")
+    cache = PagedKVCache(8, 16, 2, 64, device="cuda")
+    backend = _RecordingBackend()
+    monkeypatch.setattr(cache, "_impl", backend)
+    return cache, backend
+
+
+@pytest.mark.gpu
+def test_gpu_hot_path_skips_checks_for_a_known_signature(gpu_cache, monkeypatch):
+    import cupy
+
+    from fp4cache import attention
+
+    cache, backend = gpu_cache
+    q = cupy.zeros((3, 4, 64), dtype=np.float32)
+    bt = cupy.zeros((3, 2), dtype=cupy.int32)
+    sl = cupy.full(3, 5, dtype=cupy.int32)
+    out = cupy.empty((3, 4, 64), dtype=np.float32)
+    lse = cupy.empty((3, 4), dtype=np.float32)
+    first = cache.decode_attention(q, bt, sl, out=out, lse_out=lse, return_lse=True)
+    assert first[0] is out and first[1] is lse
+    checks = []
+    real = attention._check_args
+    monkeypatch.setattr(attention, "_check_args",
+                        lambda *a, **k: checks.append(1) or real(*a, **k))
+    again = cache.decode_attention(q, bt, sl, out=out, lse_out=lse, return_lse=True)
+    assert checks == [] and again[0] is out and again[1] is lse
+    auto = cache.decode_attention(q, bt, sl)  # a new signature (no out=): checked once
+    assert checks == [1] and auto.dtype == np.float32 and auto.shape == (3, 4, 64)
+    cache.decode_attention(q, bt, sl)
+    assert checks == [1]
+    assert len(backend.calls) == 4
+    for call in backend.calls:
+        assert call["q"] is q and call["block_tables"] is bt and call["seq_lens"] is sl
+        assert call["sm_scale"] == float(np.float32(1 / 8))
+        assert call["scratch"] is cache._attn_scratch and call["stats"] is cache._stats
+    assert backend.calls[0]["out"] is out and backend.calls[0]["lse"] is lse
+    assert backend.calls[2]["lse"] is None
+    # A changed signature takes the checked path and is refused there.
+    with pytest.raises(TypeError, match="out must have dtype float32"):
+        cache.decode_attention(q, bt, sl, out=out.astype(np.float16))
+    with pytest.raises(ValueError, match="sm_scale"):
+        cache.decode_attention(q, bt, sl, out=out, sm_scale=-1.0)
+    assert len(backend.calls) == 4
+
+
+@pytest.mark.gpu
+def test_gpu_validate_true_refuses_before_the_backend(gpu_cache):
+    import cupy
+
+    cache, backend = gpu_cache
+    q = cupy.zeros((2, 2, 64), dtype=np.float32)
+    bt = cupy.asarray(np.array([[0, 1], [8, -1]], np.int32))
+    buf = cache.buffer.copy()
+    with pytest.raises(IndexError, match=r"block_tables\[1, 0\] = 8"):
+        cache.decode_attention(q, bt, cupy.asarray([20, 3]), validate=True)
+    with pytest.raises(ValueError, match=r"seq_lens\[0\] = 33"):
+        cache.decode_attention(q, bt, cupy.asarray([33, 3]), validate=True)
+    with pytest.raises(TypeError, match="q must be a CuPy"):
+        cache.decode_attention(np.zeros((2, 2, 64), np.float32), bt, cupy.asarray([1, 1]))
+    assert backend.calls == []
+    assert bool((cache.buffer == buf).all())
+    cache.decode_attention(q, bt, cupy.asarray([20, 0]), validate=True)  # row 1 unused
+    cache.decode_attention(q, bt.get(), [20, 3])  # index arrays from the host are converted
+    assert len(backend.calls) == 2
