@@ -254,19 +254,19 @@ _ATTN_CHUNK_VALUES = 1 << 21
 
 @functools.lru_cache(maxsize=64)
 def _page_byte_order(geom: PageGeometry, side: int) -> tuple[np.ndarray, np.ndarray]:
-    """Byte offsets, inside one page side, of the data ``[T, H, D/2]`` and the scales
-    ``[T, H, D/16]`` of each (token, head) row: ``layout.PageGeometry``'s formulas
+    """Byte offsets, inside one page side, of the data ``[H, T, D/2]`` and the scales
+    ``[H, T, D/16]`` of each (head, token) row: ``layout.PageGeometry``'s formulas
     evaluated once per geometry."""
     T, H = geom.block_size, geom.num_heads
-    t = np.arange(T)[:, None, None]
-    h = np.arange(H)[None, :, None]
+    h = np.arange(H)[:, None, None]
+    t = np.arange(T)[None, :, None]
     data = geom.data_offset(t, h, np.arange(geom.row_data_bytes)[None, None, :])
     scales = geom.scale_offset(t, h, np.arange(geom.scales_per_row)[None, None, :], side=side)
     return data.astype(np.intp), scales.astype(np.intp)
 
 
 def decode_pages(pages: np.ndarray, geom: PageGeometry, side: int, s) -> np.ndarray:
-    """float32 values ``[..., T, H, D]`` of page sides ``pages [..., side_bytes]``.
+    """float32 values ``[..., H, T, D]`` (head-major) of page sides ``pages [..., side_bytes]``.
 
     The same values as :func:`gather_dequant` (the same :func:`decode_groups`), read
     through one offset table per geometry instead of per-element index arrays.
@@ -274,10 +274,10 @@ def decode_pages(pages: np.ndarray, geom: PageGeometry, side: int, s) -> np.ndar
     data_idx, scale_idx = _page_byte_order(geom, side)
     T, H, D = geom.block_size, geom.num_heads, geom.head_dim
     lead = pages.shape[:-1]
-    data = np.take(pages, data_idx, axis=-1)  # [..., T, H, D/2]
-    sf = np.take(pages, scale_idx, axis=-1)  # [..., T, H, S]
-    vals = decode_groups(data.reshape(lead + (T, H, D // GROUP, GROUP // 2)), sf, s)
-    return vals.reshape(lead + (T, H, D))
+    data = np.take(pages, data_idx, axis=-1)  # [..., H, T, D/2]
+    sf = np.take(pages, scale_idx, axis=-1)  # [..., H, T, S]
+    vals = decode_groups(data.reshape(lead + (H, T, D // GROUP, GROUP // 2)), sf, s)
+    return vals.reshape(lead + (H, T, D))
 
 
 def decode_attention(buffer, q, block_tables, seq_lens, out, lse, *, geom: PageGeometry, k_s,
@@ -315,7 +315,7 @@ def decode_attention(buffer, q, block_tables, seq_lens, out, lse, *, geom: PageG
     if bad.any():
         stats[STAT_BAD_BLOCKS] += np.uint64(bad.sum())
     safe = np.where(used & ~bad, ids, 0)
-    q64 = np.asarray(q).astype(np.float64)[order].reshape(B, H, G, D)
+    q64 = np.asarray(q).astype(np.float64)[order].reshape(B, 1, H, G, D)
     m = np.full((B, H, G), -np.inf)
     den = np.zeros((B, H, G))
     acc = np.zeros((B, H, G, D))
@@ -325,24 +325,22 @@ def decode_attention(buffer, q, block_tables, seq_lens, out, lse, *, geom: PageG
             na = int((nblk > j0).sum())  # rows with a live token in page column j0
             j1 = min(NB, j0 + max(1, _ATTN_CHUNK_VALUES // (na * T * H * D)))
             pages = buffer[safe[:na, j0:j1]]  # [na, c, 2, side_bytes]
-            tok = np.arange(j0 * T, j1 * T)
-            live = tok[None, :] < lens[:na, None]  # [na, c*T]
-            k = decode_pages(pages[:, :, 0], geom, 0, k_s)  # [na, c, T, H, D] float32
+            k = decode_pages(pages[:, :, 0], geom, 0, k_s)  # [na, c, H, T, D] float32
             v = decode_pages(pages[:, :, 1], geom, 1, v_s)
             page_bad = bad[:na, j0:j1]
             if page_bad.any():  # what the kernels do: such a page reads as NaN
                 k[page_bad] = np.nan
                 v[page_bad] = np.nan
-            k = k.reshape(na, -1, H, D).transpose(0, 2, 3, 1).astype(np.float64)  # [na,H,D,cT]
-            v = v.reshape(na, -1, H, D).transpose(0, 2, 1, 3)  # [na, H, cT, D]
-            v = np.where(live[:, None, :, None], v, 0).astype(np.float64)
-            s = np.matmul(q64[:na], k) * sm_scale  # [na, H, G, cT]
-            s = np.where(live[:, None, None, :], s, -np.inf)
-            m_new = np.maximum(m[:na], s.max(axis=-1))  # NaN propagates
+            tok = np.arange(j0 * T, j1 * T).reshape(1, -1, 1, 1, T)
+            live = tok < lens[:na, None, None, None, None]  # [na, c, 1, 1, T]
+            s = np.matmul(q64[:na], k.astype(np.float64).swapaxes(-1, -2))  # [na,c,H,G,T]
+            s = np.where(live, s * sm_scale, -np.inf)
+            m_new = np.maximum(m[:na], s.max(axis=(1, 4)))  # NaN propagates
             alpha = np.exp(m[:na] - m_new)  # exp(-inf) = 0 on a row's first chunk
-            p = np.exp(s - m_new[..., None])
-            den[:na] = den[:na] * alpha + p.sum(axis=-1)
-            acc[:na] = acc[:na] * alpha[..., None] + np.matmul(p, v)
+            p = np.exp(s - m_new[:, None, :, :, None])
+            v = np.where(live.swapaxes(-1, -2), v, 0).astype(np.float64)  # [na,c,H,T,D]
+            den[:na] = den[:na] * alpha + p.sum(axis=(1, 4))
+            acc[:na] = acc[:na] * alpha[..., None] + np.matmul(p, v).sum(axis=1)
             m[:na] = m_new
             j0 = j1
         res = acc / den[..., None]

@@ -259,8 +259,9 @@ def test_decoded_pages_are_gather_dequant_values():
         k, v = cache.gather_dequant(ids, dtype="float32")
         pages = cache.buffer[ids]
         g = cache.geometry
-        dk = npb.decode_pages(pages[:, 0], g, 0, cache._k_s).reshape(k.shape)
-        dv = npb.decode_pages(pages[:, 1], g, 1, cache._v_s).reshape(v.shape)
+        # decode_pages is head-major [n, H, T, D]; gather_dequant token-major [n*T, H, D]
+        dk = npb.decode_pages(pages[:, 0], g, 0, cache._k_s).swapaxes(1, 2).reshape(k.shape)
+        dv = npb.decode_pages(pages[:, 1], g, 1, cache._v_s).swapaxes(1, 2).reshape(v.shape)
         assert np.array_equal(dk, k) and np.array_equal(dv, v)
 
 
