@@ -413,6 +413,16 @@ def test_out_overlapping_q_is_refused():
 
 
 # -- errors: each names its parameter and leaves the buffer alone --------------------------------
+class _GpuProducer:
+    """Claims to live on a CUDA device (DLPack device type 2): a CPU cache refuses it."""
+
+    def __dlpack__(self, **kwargs):
+        raise AssertionError("a refused array must not be read")
+
+    def __dlpack_device__(self):
+        return (2, 0)
+
+
 def _good():
     return dict(q=make_q(2, 4, 64), block_tables=np.array([[0, 1, 2], [3, -1, -1]], np.int32),
                 seq_lens=np.array([40, 16], np.int32))
@@ -449,6 +459,10 @@ ERRORS = [
      r"block_tables\[0, 1\] = 24 is out of range.*\[0, 24\)"),
     ("negative block id", dict(seq_lens=np.array([40, 17])), IndexError,
      r"block_tables\[1, 1\] = -1 is out of range"),
+    ("q on a GPU", dict(q=_GpuProducer()), TypeError, "q must be a NumPy"),
+    ("out on a GPU", dict(out=_GpuProducer()), TypeError, "out must be a NumPy"),
+    ("lse_out on a GPU", dict(lse_out=_GpuProducer(), return_lse=True), TypeError,
+     "lse_out must be a NumPy"),
     ("sm_scale zero", dict(sm_scale=0.0), ValueError, "sm_scale must be a positive finite"),
     ("sm_scale nan", dict(sm_scale=float("nan")), ValueError, "sm_scale"),
     ("sm_scale inf", dict(sm_scale=float("inf")), ValueError, "sm_scale"),
