@@ -24,6 +24,8 @@ import math
 import ml_dtypes
 import numpy as np
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 import fp4cache
 from fp4cache import PagedKVCache
@@ -174,6 +176,28 @@ def test_q_dtypes(dtype):
     q = make_q(3, 4, 64, DTYPES[dtype])
     out, _ = run_and_compare(cache, q, tables, lens)
     assert out.dtype == DTYPES[dtype]
+
+
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(data=st.data())
+def test_random_configurations(data):
+    """Layout, swizzle, rule, head_dim, block size, heads, group, dtype and lengths drawn
+    together (the parametrized tests above vary one or two at a time)."""
+    swizzle = data.draw(st.booleans(), "swizzle")
+    head_dim = data.draw(st.sampled_from([64, 128] if swizzle else [16, 48, 64, 128]), "D")
+    block_size = data.draw(st.sampled_from([4, 8, 12] if swizzle else [1, 2, 5, 8]), "T")
+    heads = data.draw(st.integers(1, 3), "H")
+    group = data.draw(st.sampled_from([1, 2, 3, 4, 8, 16]), "group")
+    cache = make_cache(num_blocks=12, block_size=block_size, num_heads=heads,
+                       head_dim=head_dim, swizzle_v_scales=swizzle,
+                       layout=data.draw(st.sampled_from(["HND", "NHD"]), "layout"),
+                       scale_rule=data.draw(st.sampled_from(["static6", "4over6"]), "rule"),
+                       seed=data.draw(st.integers(0, 2**16), "seed"))
+    lens = data.draw(st.lists(st.integers(0, 12 * block_size), min_size=1, max_size=4), "lens")
+    tables, lens = make_tables(cache, lens, seed=data.draw(st.integers(0, 2**16)))
+    dtype = DTYPES[data.draw(st.sampled_from(list(DTYPES)), "dtype")]
+    run_and_compare(cache, make_q(len(lens), heads * group, head_dim, dtype), tables, lens,
+                    sm_scale=data.draw(st.sampled_from([None, 0.05, 1.0]), "sm_scale"))
 
 
 def test_long_sequence_and_sm_scale():
