@@ -46,7 +46,10 @@ def decode_attention(cache: PagedKVCache, q: Any, block_tables: Any, seq_lens: A
         # Hot path of a decode step: arguments whose kind, shape, dtype and strides were
         # fully checked before go straight to the backend.
         sig = _signature(q, block_tables, seq_lens, sm_scale, out, lse_out, return_lse)
-        hit = cache._fast.get(sig) if sig is not None else None
+        try:
+            hit = cache._fast.get(sig) if sig is not None else None
+        except TypeError:  # an unhashable sm_scale just takes the checked path
+            hit = sig = None
         if hit is not None:
             cupy = _cupy()
             if out is None:
@@ -222,7 +225,6 @@ def _signature(q, block_tables, seq_lens, sm_scale, out, lse_out, return_lse: bo
                 sig += (a.shape, a.dtype, a.strides, a.data.device_id)
             else:
                 return None
-        hash(sig)  # an unhashable sm_scale just takes the checked path
         return sig
     except (AttributeError, TypeError):
         return None
