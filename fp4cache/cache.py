@@ -485,7 +485,5 @@ class PagedKVCache:
         channels).  On the GPU the call neither synchronizes (unless validating) nor,
         given ``out`` (and ``lse_out``), allocates.
         """
-        return attention.decode_attention(
-            self, q, block_tables, seq_lens, sm_scale=sm_scale, out=out, lse_out=lse_out,
-            return_lse=return_lse, validate=validate,
-        )
+        return attention.decode_attention(self, q, block_tables, seq_lens, sm_scale, out,
+                                          lse_out, return_lse, validate)
