@@ -9,6 +9,7 @@ functions take validated arguments from the front end (``codec``, ``cache``,
 
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple
 
 import numpy as np
@@ -265,3 +266,108 @@ def longlive_dequantize(values, scale_factors, amax, out, *, num_heads, block_to
         data = np.asarray(vals)[:R].reshape(R, S, GROUP // 2)
         dec = decode_groups(data, sf, gs)
         out[0, i * Tb:(i + 1) * Tb] = float32_to(dec.reshape(Tb, H, D), out.dtype)
+
+
+# -- protocol: decode attention over the paged cache ------------------------------------
+#: Decoded K (or V) values per chunk of pages in :func:`decode_attention` (bounds memory).
+_ATTN_CHUNK_VALUES = 1 << 21
+
+
+@functools.lru_cache(maxsize=64)
+def _page_byte_order(geom: PageGeometry, side: int) -> tuple[np.ndarray, np.ndarray]:
+    """Byte offsets, inside one page side, of the data ``[H, T, D/2]`` and the scales
+    ``[H, T, D/16]`` of each (head, token) row: ``layout.PageGeometry``'s formulas
+    evaluated once per geometry."""
+    T, H = geom.block_size, geom.num_heads
+    h = np.arange(H)[:, None, None]
+    t = np.arange(T)[None, :, None]
+    data = geom.data_offset(t, h, np.arange(geom.row_data_bytes)[None, None, :])
+    scales = geom.scale_offset(t, h, np.arange(geom.scales_per_row)[None, None, :], side=side)
+    return data.astype(np.intp), scales.astype(np.intp)
+
+
+def decode_pages(pages: np.ndarray, geom: PageGeometry, side: int, s) -> np.ndarray:
+    """float32 values ``[..., H, T, D]`` (head-major) of page sides ``pages [..., side_bytes]``.
+
+    The same values as :func:`gather_dequant` (the same :func:`decode_groups`), read
+    through one offset table per geometry instead of per-element index arrays.
+    """
+    data_idx, scale_idx = _page_byte_order(geom, side)
+    T, H, D = geom.block_size, geom.num_heads, geom.head_dim
+    lead = pages.shape[:-1]
+    data = np.take(pages, data_idx, axis=-1)  # [..., H, T, D/2]
+    sf = np.take(pages, scale_idx, axis=-1)  # [..., H, T, S]
+    vals = decode_groups(data.reshape(lead + (H, T, D // GROUP, GROUP // 2)), sf, s)
+    return vals.reshape(lead + (H, T, D))
+
+
+def decode_attention(buffer, q, block_tables, seq_lens, out, lse, *, geom: PageGeometry, k_s,
+                     v_s, sm_scale, stats, scratch=None) -> None:
+    """``softmax(sm_scale * q K^T) V`` over the first ``seq_lens[b]`` tokens of each row.
+
+    Parameters
+    ----------
+    q : (B, Hq, D), query head ``h`` reads KV head ``h // (Hq // H)``.
+    block_tables : (B, max_blocks) int; entries past ``ceil(seq_lens[b] / T)`` are not read.
+    seq_lens : (B,) int; clamped to ``[0, max_blocks * T]`` (the front end refuses others).
+    out : (B, Hq, D), written in its dtype; lse : (B, Hq) float32 or None.
+    scratch : unused (the GPU backend keeps its plans there).
+
+    K and V are the float32 values :func:`gather_dequant` returns; scores, softmax and
+    the weighted sum are computed in float64 (online softmax over chunks of pages, all
+    sequences and heads of a chunk at once), and rounded to ``out.dtype`` at the end.
+    A block id outside the pool in the used part of a row is counted in
+    ``stats[STAT["bad_block_ids"]]`` and reads as NaN (so that row's outputs are NaN); nothing
+    outside the pool is read.  A row of length 0 gives zeros and ``lse = -inf``.
+    """
+    B, Hq, D = q.shape
+    H, T = geom.num_heads, geom.block_size
+    G = Hq // H
+    max_blocks = block_tables.shape[1]
+    lens = np.clip(np.asarray(seq_lens).astype(np.int64), 0, max_blocks * T)
+    nblk = -(-lens // T)
+    # Longest rows first: the rows still active at page column j form a prefix.
+    order = np.argsort(-nblk, kind="stable")
+    lens, nblk = lens[order], nblk[order]
+    NB = int(nblk[0]) if B else 0
+    ids = np.asarray(block_tables)[order, :NB].astype(np.int64)
+    used = np.arange(NB)[None, :] < nblk[:, None]
+    bad = used & ((ids < 0) | (ids >= buffer.shape[0]))
+    if bad.any():
+        stats[STAT["bad_block_ids"]] += np.uint64(bad.sum())
+    safe = np.where(used & ~bad, ids, 0)
+    q64 = np.asarray(q).astype(np.float64)[order].reshape(B, 1, H, G, D)
+    m = np.full((B, H, G), -np.inf)
+    den = np.zeros((B, H, G))
+    acc = np.zeros((B, H, G, D))
+    j0 = 0
+    with np.errstate(invalid="ignore", over="ignore", divide="ignore"):
+        while j0 < NB:
+            na = int((nblk > j0).sum())  # rows with a live token in page column j0
+            j1 = min(NB, j0 + max(1, _ATTN_CHUNK_VALUES // (na * T * H * D)))
+            pages = buffer[safe[:na, j0:j1]]  # [na, c, 2, side_bytes]
+            k = decode_pages(pages[:, :, 0], geom, 0, k_s)  # [na, c, H, T, D] float32
+            v = decode_pages(pages[:, :, 1], geom, 1, v_s)
+            page_bad = bad[:na, j0:j1]
+            if page_bad.any():  # what the kernels do: such a page reads as NaN
+                k[page_bad] = np.nan
+                v[page_bad] = np.nan
+            tok = np.arange(j0 * T, j1 * T).reshape(1, -1, 1, 1, T)
+            live = tok < lens[:na, None, None, None, None]  # [na, c, 1, 1, T]
+            s = np.matmul(q64[:na], k.astype(np.float64).swapaxes(-1, -2))  # [na,c,H,G,T]
+            s = np.where(live, s * sm_scale, -np.inf)
+            m_new = np.maximum(m[:na], s.max(axis=(1, 4)))  # NaN propagates
+            alpha = np.exp(m[:na] - m_new)  # exp(-inf) = 0 on a row's first chunk
+            p = np.exp(s - m_new[:, None, :, :, None])
+            v = np.where(live.swapaxes(-1, -2), v, 0).astype(np.float64)  # [na,c,H,T,D]
+            den[:na] = den[:na] * alpha + p.sum(axis=(1, 4))
+            acc[:na] = acc[:na] * alpha[..., None] + np.matmul(p, v).sum(axis=1)
+            m[:na] = m_new
+            j0 = j1
+        res = acc / den[..., None]
+        res[lens == 0] = 0.0
+        inv = np.empty_like(order)
+        inv[order] = np.arange(B)
+        out[...] = float32_to(res.reshape(B, Hq, D)[inv].astype(np.float32), out.dtype)
+        if lse is not None:
+            lse[...] = (m + np.log(den)).reshape(B, Hq)[inv].astype(np.float32)

@@ -8,7 +8,7 @@ from typing import Any
 
 import numpy as np
 
-from . import _abi, _arrays
+from . import _abi, _arrays, attention
 from ._device import DeviceGuard, parse_device
 from .codec import backend_module, check_rule
 from .formats import reciprocal_clamped, resolve_dtype
@@ -163,6 +163,8 @@ class PagedKVCache:
         else:
             self.buffer = np.zeros((self.num_blocks, 2, geom.side_bytes), dtype=np.uint8)
             self._stats = np.zeros(len(_abi.STAT_NAMES), dtype=np.uint64)
+        # The backend's decode-attention plans and workspace (see fp4cache/attention.py).
+        self._attn_scratch: dict[Any, Any] = {}
 
     # -- properties ---------------------------------------------------------------------
     @property
@@ -503,3 +505,68 @@ class PagedKVCache:
             if sig is not None:
                 plans.put(sig, (dt, run))
         return out_k, out_v
+
+    # -- attention -----------------------------------------------------------------------
+    def decode_attention(self, q: Any, block_tables: Any, seq_lens: Any, *,
+                         sm_scale: float | None = None, out: Any = None, lse_out: Any = None,
+                         return_lse: bool = False, validate: bool | None = None):
+        """Attention of one query token per sequence over its cached K/V pages.
+
+        ``softmax(sm_scale * q K^T) V`` over the first ``seq_lens[b]`` tokens of sequence
+        ``b``, where K and V are exactly the float32 values :meth:`gather_dequant` returns
+        (global scales included), read from the pages without a bf16 copy.
+
+        Parameters
+        ----------
+        q : array, shape (B, Hq, D), bfloat16, float16 or float32
+            One query per sequence.  ``Hq`` is a multiple of ``num_heads`` with
+            ``Hq // num_heads`` in 1..16 (GQA): query head ``h`` reads KV head
+            ``h // (Hq // num_heads)``, as in vLLM and FlashInfer.
+        block_tables : array of int32 or int64, shape (B, max_blocks)
+            vLLM's block table: row ``b`` lists the pages of sequence ``b`` in order.
+            Entries past ``ceil(seq_lens[b] / block_size)`` are ignored (they may be -1).
+        seq_lens : array of int32 or int64, shape (B,)
+            Tokens of each sequence, ``0 <= seq_lens[b] <= max_blocks * block_size``.
+        sm_scale : float, optional
+            Multiplier of the scores, finite and > 0; default ``1/sqrt(D)`` (used in
+            float32).
+        out : array, optional
+            C-contiguous ``(B, Hq, D)`` array of ``q``'s dtype to write the result into.
+        lse_out : array, optional
+            C-contiguous ``(B, Hq)`` float32 array for the log-sum-exp (needs
+            ``return_lse=True``).
+        return_lse : bool, default False
+            Also return ``lse``, the natural log of each softmax denominator.
+        validate : bool, optional
+            Override the cache's ``validate`` for this call.
+
+        Returns
+        -------
+        out : array, shape (B, Hq, D), ``q``'s dtype
+            A sequence of length 0 gives zeros.
+        lse : array of float32, shape (B, Hq)
+            Only with ``return_lse``; ``-inf`` for a sequence of length 0.
+
+        Raises
+        ------
+        TypeError, ValueError
+            Wrong kind, dtype or shape of an argument, a bad ``sm_scale``, or (on the
+            CPU, or when validating) a ``seq_lens`` entry outside ``[0, max_blocks *
+            block_size]``.
+        IndexError
+            (when validating) a block id outside ``[0, num_blocks)`` in the used part of
+            a row; nothing is computed.
+
+        Without validation (the GPU default) a bad block id is counted
+        (``stats["bad_block_ids"]``, :meth:`check` raises) and the outputs of its
+        sequence are NaN; nothing outside the pool is read.  A K group stored as NaN
+        makes the outputs of the query heads that attend to it NaN (a V group: those 16
+        channels).  On the GPU the call neither synchronizes (unless validating) nor,
+        given ``out`` (and ``lse_out``), allocates.
+        """
+        if self._state is None:
+            return attention.decode_attention(self, q, block_tables, seq_lens, sm_scale, out,
+                                              lse_out, return_lse, validate)
+        with DeviceGuard(self.device_id):
+            return attention.decode_attention(self, q, block_tables, seq_lens, sm_scale, out,
+                                              lse_out, return_lse, validate)

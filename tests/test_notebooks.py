@@ -48,7 +48,7 @@ def _read(path: Path):
 def test_notebooks_exist():
     names = [p.name for p in NOTEBOOKS]
     for want in ("01_quickstart.ipynb", "02_accuracy.ipynb", "03_layouts.ipynb",
-                 "04_performance.ipynb"):
+                 "04_performance.ipynb", "05_decode_attention.ipynb"):
         assert want in names, f"notebooks/{want} is missing (found {names})"
 
 

@@ -1,0 +1,232 @@
+"""Decode attention over the NVFP4 pages of a :class:`~fp4cache.PagedKVCache`.
+
+The front end of ``PagedKVCache.decode_attention``: argument checks (the exceptions of
+``docs/errors.md``), the GPU hot path for repeated argument signatures, and the call
+into the backend (``_numpy_backend.decode_attention`` or the CUDA kernels), which both
+compute ``softmax(sm_scale * q K^T) V`` over the values ``gather_dequant`` returns.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from typing import TYPE_CHECKING, Any, NamedTuple
+
+import numpy as np
+
+from . import _arrays
+from .formats import resolve_dtype
+
+if TYPE_CHECKING:
+    from .cache import PagedKVCache
+
+__all__ = ["MAX_GROUP", "decode_attention"]
+
+#: Largest GQA group (query heads per KV head) the kernels serve from one K/V load.
+MAX_GROUP = 16
+
+
+class _Args(NamedTuple):
+    q: Any
+    block_tables: Any
+    seq_lens: Any
+    out: Any
+    lse: Any
+    sm_scale: float
+
+
+def decode_attention(cache: PagedKVCache, q: Any, block_tables: Any, seq_lens: Any,
+                     sm_scale: float | None = None, out: Any = None, lse_out: Any = None,
+                     return_lse: bool = False, validate: bool | None = None):
+    """Implementation of :meth:`PagedKVCache.decode_attention` (see its docstring); the
+    method passes every argument by position (the hot path counts microseconds)."""
+    check = cache.validate if validate is None else bool(validate)
+    return_lse = bool(return_lse)
+    sig = None
+    if not check and cache.device == "cuda":
+        # Hot path of a decode step: arguments whose kind, shape, dtype and strides were
+        # fully checked before go straight to the backend.
+        sig = _signature(q, block_tables, seq_lens, sm_scale, out, lse_out, return_lse)
+        try:
+            hit = cache._state.plans.get(sig) if sig is not None else None
+        except TypeError:  # an unhashable sm_scale just takes the checked path
+            hit = sig = None
+        if hit is not None:
+            cupy = _cupy()
+            if out is None:
+                out = cupy.empty(q.shape, dtype=q.dtype)
+            if return_lse and lse_out is None:
+                lse_out = cupy.empty(q.shape[:2], dtype=np.float32)
+            if q.shape[0]:
+                _launch(cache, q, block_tables, seq_lens, out, lse_out, hit)
+            return (out, lse_out) if return_lse else out
+    a = _check_args(cache, q, block_tables, seq_lens, sm_scale, out, lse_out, return_lse)
+    if check or cache.device == "cpu":
+        _check_values(cache, a.block_tables, a.seq_lens, block_ids=check)
+    if a.q.shape[0]:
+        _launch(cache, a.q, a.block_tables, a.seq_lens, a.out, a.lse, a.sm_scale)
+    if (sig is not None and a.q is q and a.block_tables is block_tables
+            and a.seq_lens is seq_lens and (out is None or a.out is out)
+            and (lse_out is None or a.lse is lse_out)):
+        cache._state.plans.put(sig, a.sm_scale)
+    return (a.out, a.lse) if return_lse else a.out
+
+
+def _launch(cache: PagedKVCache, q, block_tables, seq_lens, out, lse, sm_scale: float) -> None:
+    cache._impl.decode_attention(
+        cache.buffer, q, block_tables, seq_lens, out, lse, geom=cache.geometry,
+        k_s=cache._k_s, v_s=cache._v_s, sm_scale=sm_scale, stats=cache._stats,
+        scratch=cache._attn_scratch,
+    )
+
+
+# -- checks --------------------------------------------------------------------------------
+def _check_args(cache: PagedKVCache, q, block_tables, seq_lens, sm_scale, out, lse_out,
+                return_lse: bool) -> _Args:
+    """Kinds, dtypes, shapes and devices of every argument; touches no values."""
+    be = cache.device
+    H, D = cache.num_heads, cache.head_dim
+    q = _arrays.to_backend(q, be, "q")
+    try:
+        resolve_dtype(q.dtype, name="q.dtype")
+    except TypeError:
+        raise TypeError(f"q must have dtype bfloat16, float16 or float32, got {q.dtype}") from None
+    if q.ndim != 3:
+        raise ValueError(f"q must be 3-D (B, Hq, head_dim), got shape {tuple(q.shape)}")
+    B, Hq, qd = q.shape
+    if qd != D:
+        raise ValueError(f"q.shape[2] must equal the cache's head_dim ({D}), got {qd}")
+    if Hq % H or not 1 <= Hq // H <= MAX_GROUP:
+        raise ValueError(
+            f"q.shape[1] (Hq = {Hq}) must be a multiple of the cache's num_heads ({H}) "
+            f"with Hq // num_heads between 1 and {MAX_GROUP} (query heads per KV head)"
+        )
+    bt = _arrays.to_backend(block_tables, be, "block_tables", allow_convert=True)
+    _check_int_dtype(bt, "block_tables")
+    if bt.ndim != 2:
+        raise ValueError(
+            f"block_tables must be 2-D (B, max_blocks), got shape {tuple(bt.shape)}"
+        )
+    if bt.shape[0] != B:
+        raise ValueError(
+            f"block_tables must have one row per sequence (B = {B}, from q), got {bt.shape[0]}"
+        )
+    sl = _arrays.to_backend(seq_lens, be, "seq_lens", allow_convert=True)
+    _check_int_dtype(sl, "seq_lens")
+    if sl.ndim != 1:
+        raise ValueError(f"seq_lens must be 1-D (B,), got shape {tuple(sl.shape)}")
+    if sl.shape[0] != B:
+        raise ValueError(
+            f"seq_lens must have one entry per sequence (B = {B}, from q), got {sl.shape[0]}"
+        )
+    scale = _arrays.check_scale(1.0 / math.sqrt(D) if sm_scale is None else sm_scale,
+                                "sm_scale")
+    xp = _arrays.array_module(be)
+    # The backends read C-contiguous inputs (the copies are small: no K/V).
+    q = q if q.flags.c_contiguous else xp.ascontiguousarray(q)
+    bt = bt if bt.flags.c_contiguous else xp.ascontiguousarray(bt)
+    sl = sl if sl.flags.c_contiguous else xp.ascontiguousarray(sl)
+    if out is None:
+        out = xp.empty((B, Hq, D), dtype=q.dtype)
+    else:
+        out = _arrays.check_out(out, "out", (B, Hq, D), q.dtype, be)
+        if _overlap(out, q):
+            raise ValueError("out must not overlap q")
+    if lse_out is not None and not return_lse:
+        raise ValueError("lse_out is given but return_lse is False: pass return_lse=True")
+    if not return_lse:
+        lse = None
+    elif lse_out is None:
+        lse = xp.empty((B, Hq), dtype=np.float32)
+    else:
+        lse = _arrays.check_out(lse_out, "lse_out", (B, Hq), np.dtype(np.float32), be)
+        if _overlap(lse, q) or _overlap(lse, out):
+            raise ValueError("lse_out must not overlap q or out")
+    _arrays.check_device({"q": q, "block_tables": bt, "seq_lens": sl, "out": out,
+                          "lse_out": lse}, cache.buffer)
+    return _Args(q, bt, sl, out, lse, float(scale))
+
+
+def _check_values(cache: PagedKVCache, block_tables, seq_lens, *, block_ids: bool) -> None:
+    """Lengths within each row's capacity and (``block_ids``) block ids inside the pool in
+    the used part of each row (a host synchronization on the GPU).  The CPU always checks
+    the lengths; its ``validate=False`` defers only the block ids, as the GPU does."""
+    sl = seq_lens.get() if _arrays.is_cupy(seq_lens) else np.asarray(seq_lens)
+    T = cache.block_size
+    max_blocks = block_tables.shape[1]
+    cap = max_blocks * T
+    wrong = (sl < 0) | (sl > cap)
+    if wrong.any():
+        b = int(wrong.argmax())
+        raise ValueError(
+            f"seq_lens[{b}] = {int(sl[b])} is out of range: it must be in [0, {cap}], the "
+            f"capacity of row {b} of block_tables (max_blocks {max_blocks} * block_size {T})"
+        )
+    if not block_ids:
+        return
+    nblk = -(-sl.astype(np.int64) // T)
+    width = int(nblk.max()) if sl.size else 0
+    if width == 0:
+        return
+    bt = block_tables[:, :width]
+    bt = bt.get() if _arrays.is_cupy(bt) else np.asarray(bt)
+    used = np.arange(width)[None, :] < nblk[:, None]
+    bad = used & ((bt < 0) | (bt >= cache.num_blocks))
+    if bad.any():
+        b, j = np.unravel_index(int(bad.argmax()), bad.shape)
+        raise IndexError(
+            f"block_tables[{b}, {j}] = {int(bt[b, j])} is out of range: block ids must be in "
+            f"[0, {cache.num_blocks}) in the first ceil(seq_lens[b] / block_size) entries of "
+            "each row (later entries are ignored); nothing was computed"
+        )
+
+
+def _check_int_dtype(a, name: str) -> None:
+    if a.dtype not in (np.int32, np.int64):
+        raise TypeError(f"{name} must have dtype int32 or int64, got {a.dtype}")
+
+
+def _address_range(a) -> tuple[int, int]:
+    ptr = a.data.ptr if _arrays.is_cupy(a) else a.__array_interface__["data"][0]
+    return ptr, ptr + a.nbytes
+
+
+def _overlap(a, b) -> bool:
+    """Whether two C-contiguous arrays of one backend share any byte."""
+    a0, a1 = _address_range(a)
+    b0, b1 = _address_range(b)
+    return a0 < b1 and b0 < a1
+
+
+# -- GPU hot path ---------------------------------------------------------------------------
+@functools.cache
+def _cupy():
+    import cupy
+
+    return cupy
+
+
+def _signature(q, block_tables, seq_lens, sm_scale, out, lse_out, return_lse: bool):
+    """What the checks above depend on (kinds, shapes, dtypes, strides, devices, the
+    scale), or None for arguments that are not all CuPy arrays."""
+    cupy = _cupy()
+    nd = cupy.ndarray
+    if type(q) is not nd or type(block_tables) is not nd or type(seq_lens) is not nd:
+        return None
+    if out is None:
+        o = None
+    elif type(out) is nd:
+        o = (out.shape, out.dtype, out.strides, out.data.device_id, out.data.ptr & 15)
+    else:
+        return None
+    if lse_out is None:
+        e = None
+    elif type(lse_out) is nd:
+        e = (lse_out.shape, lse_out.dtype, lse_out.strides, lse_out.data.device_id,
+             lse_out.data.ptr & 15)
+    else:
+        return None
+    return ("decode_attention", q.shape, q.dtype, q.strides, q.data.device_id,
+            q.data.ptr & 15, block_tables.shape, block_tables.dtype, block_tables.strides,
+            block_tables.data.device_id, seq_lens.shape, seq_lens.dtype, seq_lens.strides,
+            seq_lens.data.device_id, type(sm_scale), sm_scale, return_lse, o, e)

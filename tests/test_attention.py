@@ -1,0 +1,611 @@
+"""``PagedKVCache.decode_attention`` on the CPU backend, against a float64 reference.
+
+The reference (``reference`` below) is written plainly: for each sequence and query head,
+a float64 softmax over the float32 K/V values that ``gather_dequant`` returns for the
+sequence's pages, with KV head ``hq // (Hq // H)``.
+
+Tolerances.  The NumPy backend reads the same float32 K/V values and accumulates scores,
+softmax and the weighted sum in float64; it differs from the reference only by float64
+rounding order (relative error ~1e-15 of the row's magnitude), then both are rounded to
+q's dtype.  So each output element must be within ``2 * u * |ref| + 1e-9 * max|ref row|``
+of the float64 reference, where ``u`` is the unit roundoff of q's dtype (2^-8 bf16,
+2^-11 f16, 2^-24 f32): one rounding to the output dtype (at most ``u |ref|``, doubled
+for the float64 -> float32 -> dtype double rounding and the float64 noise at a rounding
+boundary), plus an absolute term far above the float64 noise and far below any real
+error.  For float16 the absolute term also covers its subnormal spacing (2^-24).  ``lse``
+is float32: within ``2^-23 * |ref| + 1e-9``.  A wrong head mapping, a wrong page, a
+missed token or float32 accumulation over long rows all break these bounds.
+"""
+
+from __future__ import annotations
+
+import math
+
+import ml_dtypes
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import fp4cache
+from fp4cache import PagedKVCache
+from fp4cache import _numpy_backend as npb
+
+BF16 = np.dtype(ml_dtypes.bfloat16)
+F16 = np.dtype(np.float16)
+F32 = np.dtype(np.float32)
+UNIT_ROUNDOFF = {BF16: 2.0**-8, F16: 2.0**-11, F32: 2.0**-24}
+DTYPES = {"bfloat16": BF16, "float16": F16, "float32": F32}
+
+
+# -- helpers ---------------------------------------------------------------------------------
+def make_cache(num_blocks=24, block_size=16, num_heads=2, head_dim=64, *, fill=True, seed=0,
+               **kw) -> PagedKVCache:
+    """A CPU cache whose every slot holds random K/V (K with a few outlier channels)."""
+    cache = PagedKVCache(num_blocks, block_size, num_heads, head_dim, device="cpu", **kw)
+    if fill:
+        rng = np.random.default_rng(seed)
+        n = cache.num_slots
+        k = rng.standard_normal((n, num_heads, head_dim), dtype=np.float32)
+        k[:, :, :: max(1, head_dim // 4)] *= 8  # outlier channels
+        v = rng.standard_normal((n, num_heads, head_dim), dtype=np.float32)
+        cache.store(rng.permutation(n), k, v)
+    return cache
+
+
+def make_tables(cache, seq_lens, *, max_blocks=None, seed=1, pad=-1):
+    """Random distinct pages for each sequence; unused entries are ``pad``."""
+    rng = np.random.default_rng(seed)
+    T = cache.block_size
+    need = [-(-int(n) // T) for n in seq_lens]
+    width = max(need + [1]) if max_blocks is None else max_blocks
+    tables = np.full((len(seq_lens), width), pad, dtype=np.int32)
+    for b, nb in enumerate(need):
+        tables[b, :nb] = rng.choice(cache.num_blocks, size=nb, replace=nb > cache.num_blocks)
+    return tables, np.asarray(seq_lens, dtype=np.int32)
+
+
+def make_q(B, Hq, D, dtype=F32, seed=2):
+    q = np.random.default_rng(seed).standard_normal((B, Hq, D), dtype=np.float32)
+    return q.astype(dtype)
+
+
+def reference(cache, q, block_tables, seq_lens, sm_scale=None):
+    """float64 softmax(sm_scale q.K^T) V over gather_dequant's float32 values."""
+    B, Hq, D = q.shape
+    H, T = cache.num_heads, cache.block_size
+    group = Hq // H
+    scale = 1.0 / math.sqrt(D) if sm_scale is None else sm_scale
+    scale = float(np.float32(scale))  # the cache uses sm_scale in float32
+    out = np.zeros((B, Hq, D))
+    lse = np.full((B, Hq), -np.inf)
+    for b in range(B):
+        n = int(seq_lens[b])
+        if n == 0:
+            continue
+        pages = np.asarray(block_tables[b, : -(-n // T)])
+        k, v = cache.gather_dequant(pages, dtype="float32")
+        k = k[:n].astype(np.float64)
+        v = v[:n].astype(np.float64)
+        for hq in range(Hq):
+            h = hq // group
+            scores = scale * (k[:, h, :] @ q[b, hq].astype(np.float64))
+            top = scores.max()
+            w = np.exp(scores - top)
+            out[b, hq] = (w @ v[:, h, :]) / w.sum()
+            lse[b, hq] = top + np.log(w.sum())
+    return out, lse
+
+
+def assert_close(got, want, dtype):
+    """The module docstring's bound: element-wise, rows of (B, Hq)."""
+    assert got.dtype == dtype
+    got = got.astype(np.float64)
+    row = np.abs(want).max(axis=-1, keepdims=True)
+    tol = 2 * UNIT_ROUNDOFF[dtype] * np.abs(want) + 1e-9 * row
+    if dtype == F16:
+        tol = tol + 2.0**-24
+    err = np.abs(got - want)
+    assert np.all(err <= tol), (
+        f"max error {err.max():.3g} at {np.unravel_index(np.argmax(err - tol), err.shape)}, "
+        f"tolerance there {tol.flat[np.argmax(err - tol)]:.3g}"
+    )
+
+
+def assert_lse_close(got, want):
+    assert got.dtype == np.float32
+    fin = np.isfinite(want)
+    assert np.array_equal(np.isneginf(got), np.isneginf(want))
+    np.testing.assert_allclose(got[fin], want[fin], rtol=2.0**-23, atol=1e-9)
+
+
+def run_and_compare(cache, q, tables, lens, **kw):
+    buf = cache.buffer.copy()
+    out, lse = cache.decode_attention(q, tables, lens, return_lse=True, **kw)
+    ref_out, ref_lse = reference(cache, q, tables, lens, kw.get("sm_scale"))
+    assert out.shape == q.shape and lse.shape == q.shape[:2]
+    assert_close(out, ref_out, q.dtype)
+    assert_lse_close(lse, ref_lse)
+    assert np.array_equal(cache.buffer, buf), "decode_attention changed the cache buffer"
+    return out, lse
+
+
+# -- the values ---------------------------------------------------------------------------------
+@pytest.mark.parametrize("layout", ["HND", "NHD"])
+@pytest.mark.parametrize("swizzle", [True, False])
+@pytest.mark.parametrize("rule", ["static6", "4over6"])
+def test_layouts_swizzle_rules(layout, swizzle, rule):
+    cache = make_cache(layout=layout, swizzle_v_scales=swizzle, scale_rule=rule,
+                       k_scale=0.02, v_scale=0.5)
+    lens = [1, 15, 16, 17, 100, 0, 64]
+    tables, lens = make_tables(cache, lens)
+    run_and_compare(cache, make_q(len(lens), 8, 64), tables, lens)
+
+
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+@pytest.mark.parametrize("layout", ["HND", "NHD"])
+def test_head_dims(head_dim, layout):
+    cache = make_cache(num_blocks=10, block_size=8, num_heads=2, head_dim=head_dim,
+                       layout=layout)
+    tables, lens = make_tables(cache, [3, 8, 41, 80])
+    run_and_compare(cache, make_q(4, 4, head_dim), tables, lens)
+
+
+@pytest.mark.parametrize("block_size,swizzle", [(1, False), (3, False), (4, True), (5, False),
+                                                (8, True), (32, True), (64, True)])
+def test_block_sizes(block_size, swizzle):
+    cache = make_cache(num_blocks=max(4, 256 // block_size), block_size=block_size,
+                       swizzle_v_scales=swizzle)
+    lens = [1, block_size - 1, block_size, block_size + 1, 3 * block_size + 2, 200]
+    lens = [n for n in lens if n > 0]
+    tables, lens = make_tables(cache, lens)
+    run_and_compare(cache, make_q(len(lens), 4, 64), tables, lens)
+
+
+@pytest.mark.parametrize("group", [1, 2, 4, 8, 16])
+def test_group_sizes(group):
+    cache = make_cache(num_heads=3)
+    tables, lens = make_tables(cache, [37, 5, 130])
+    run_and_compare(cache, make_q(3, 3 * group, 64), tables, lens)
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16", "float32"])
+def test_q_dtypes(dtype):
+    cache = make_cache()
+    tables, lens = make_tables(cache, [50, 1, 16])
+    q = make_q(3, 4, 64, DTYPES[dtype])
+    out, _ = run_and_compare(cache, q, tables, lens)
+    assert out.dtype == DTYPES[dtype]
+
+
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(data=st.data())
+def test_random_configurations(data):
+    """Layout, swizzle, rule, head_dim, block size, heads, group, dtype and lengths drawn
+    together (the parametrized tests above vary one or two at a time)."""
+    swizzle = data.draw(st.booleans(), "swizzle")
+    head_dim = data.draw(st.sampled_from([64, 128] if swizzle else [16, 48, 64, 128]), "D")
+    block_size = data.draw(st.sampled_from([4, 8, 12] if swizzle else [1, 2, 5, 8]), "T")
+    heads = data.draw(st.integers(1, 3), "H")
+    group = data.draw(st.sampled_from([1, 2, 3, 4, 8, 16]), "group")
+    cache = make_cache(num_blocks=12, block_size=block_size, num_heads=heads,
+                       head_dim=head_dim, swizzle_v_scales=swizzle,
+                       layout=data.draw(st.sampled_from(["HND", "NHD"]), "layout"),
+                       scale_rule=data.draw(st.sampled_from(["static6", "4over6"]), "rule"),
+                       seed=data.draw(st.integers(0, 2**16), "seed"))
+    lens = data.draw(st.lists(st.integers(0, 12 * block_size), min_size=1, max_size=4), "lens")
+    tables, lens = make_tables(cache, lens, seed=data.draw(st.integers(0, 2**16)))
+    dtype = DTYPES[data.draw(st.sampled_from(list(DTYPES)), "dtype")]
+    run_and_compare(cache, make_q(len(lens), heads * group, head_dim, dtype), tables, lens,
+                    sm_scale=data.draw(st.sampled_from([None, 0.05, 1.0]), "sm_scale"))
+
+
+def test_long_sequence_and_sm_scale():
+    """8,192 tokens: float32 accumulation of the sums over the row would miss the bound."""
+    cache = make_cache(num_blocks=520, block_size=16, num_heads=2, head_dim=64)
+    tables, lens = make_tables(cache, [8192, 8000, 3])
+    q = make_q(3, 4, 64) * 3  # peaky softmax: a few tokens dominate
+    run_and_compare(cache, q, tables, lens, sm_scale=0.3)
+
+
+def test_many_chunks_of_pages(monkeypatch):
+    """The backend's online softmax merges chunks of pages: force one page per chunk."""
+    monkeypatch.setattr(npb, "_ATTN_CHUNK_VALUES", 1)
+    cache = make_cache(num_blocks=12, block_size=4)
+    tables, lens = make_tables(cache, [45, 4, 0, 13, 1])
+    run_and_compare(cache, make_q(5, 4, 64, BF16), tables, lens)
+
+
+def test_default_sm_scale_is_rsqrt_head_dim():
+    cache = make_cache(head_dim=128)
+    tables, lens = make_tables(cache, [70, 9])
+    q = make_q(2, 2, 128)
+    default = cache.decode_attention(q, tables, lens)
+    explicit = cache.decode_attention(q, tables, lens, sm_scale=1 / math.sqrt(128))
+    other = cache.decode_attention(q, tables, lens, sm_scale=0.5)
+    assert np.array_equal(default, explicit)
+    assert not np.allclose(default, other)
+
+
+def test_length_zero_gives_zeros_and_minus_inf():
+    cache = make_cache()
+    tables = np.full((3, 2), -1, np.int32)
+    tables[1, 0] = 4
+    lens = np.array([0, 7, 0])
+    out, lse = cache.decode_attention(make_q(3, 2, 64), tables, lens, return_lse=True)
+    assert np.all(out[[0, 2]] == 0) and np.all(np.isneginf(lse[[0, 2]]))
+    assert np.all(np.isfinite(out[1])) and np.all(np.isfinite(lse[1]))
+    empty = cache.decode_attention(np.zeros((0, 2, 64), np.float32), np.zeros((0, 3), np.int32),
+                                   np.zeros(0, np.int32), return_lse=True)
+    assert empty[0].shape == (0, 2, 64) and empty[1].shape == (0, 2)
+
+
+def test_length_one_is_that_tokens_value():
+    """One token: the softmax weight is 1, so out is that token's V (rounded to q's dtype)."""
+    cache = make_cache()
+    q = make_q(1, 4, 64)
+    out, lse = cache.decode_attention(q, np.array([[5]]), np.array([1]), return_lse=True)
+    k, v = cache.gather_dequant(np.array([5]), dtype="float32")
+    G = 2
+    for hq in range(4):
+        assert np.array_equal(out[0, hq], v[0, hq // G])
+        score = np.float32(1 / 8) * (k[0, hq // G].astype(np.float64) @ q[0, hq])
+        assert lse[0, hq] == pytest.approx(score, rel=1e-6)
+
+
+def test_gqa_maps_query_head_to_h_div_group():
+    """V of KV head h is the constant h+1, so out[hq] names the KV head it read.  With
+    h % H instead of h // group, query heads 1, 2, 3, 5... would read another KV head."""
+    H, group, T = 3, 4, 16
+    cache = make_cache(num_blocks=4, block_size=T, num_heads=H, fill=False)
+    rng = np.random.default_rng(0)
+    k = rng.standard_normal((4 * T, H, 64), dtype=np.float32)
+    v = np.broadcast_to(np.arange(1, H + 1, dtype=np.float32)[None, :, None], k.shape).copy()
+    cache.store(np.arange(4 * T), k, v)
+    _, v_hat = cache.gather_dequant(np.arange(4), dtype="float32")
+    per_head = v_hat[0, :, 0]
+    assert np.all(v_hat == per_head[None, :, None]), "V did not decode to one value per head"
+    assert len(set(per_head.tolist())) == H
+    out = cache.decode_attention(make_q(2, H * group, 64), np.array([[0, 1, 2], [3, 2, -1]]),
+                                 np.array([40, 20]))
+    for hq in range(H * group):
+        np.testing.assert_allclose(out[:, hq], per_head[hq // group], rtol=1e-6)
+        if hq // group != hq % H:
+            assert not np.allclose(out[:, hq], per_head[hq % H])
+
+
+def test_decoded_pages_are_gather_dequant_values():
+    """The backend's page decoder returns exactly gather_dequant's float32 values."""
+    for layout, swizzle in (("HND", True), ("NHD", True), ("HND", False), ("NHD", False)):
+        cache = make_cache(num_blocks=5, block_size=8, num_heads=3, head_dim=128,
+                           layout=layout, swizzle_v_scales=swizzle, scale_rule="4over6")
+        ids = np.array([3, 0, 4, 4])
+        k, v = cache.gather_dequant(ids, dtype="float32")
+        pages = cache.buffer[ids]
+        g = cache.geometry
+        # decode_pages is head-major [n, H, T, D]; gather_dequant token-major [n*T, H, D]
+        dk = npb.decode_pages(pages[:, 0], g, 0, cache._k_s).swapaxes(1, 2).reshape(k.shape)
+        dv = npb.decode_pages(pages[:, 1], g, 1, cache._v_s).swapaxes(1, 2).reshape(v.shape)
+        assert np.array_equal(dk, k) and np.array_equal(dv, v)
+
+
+def test_ignored_entries_shared_pages_and_validate_true():
+    """Entries past ceil(len / T) are never read (-1 or huge); pages may repeat across
+    rows (a shared prompt prefix); validate=True gives the same result."""
+    cache = make_cache(block_size=8)
+    tables = np.array([[3, 7, 1, -1, -1], [3, 7, 2, 10**6, -5], [3, 7, 1, 9, 9]],
+                      dtype=np.int64)
+    lens = np.array([20, 17, 24])
+    out, _ = run_and_compare(cache, make_q(3, 4, 64), tables, lens)
+    again = cache.decode_attention(make_q(3, 4, 64), tables, lens, validate=True)
+    assert np.array_equal(out, again)
+    # Rows 0 and 2 share their first 20 tokens: the row of length 20 sees exactly those.
+    same = cache.decode_attention(make_q(3, 4, 64)[[0, 0]], tables[[0, 2]], np.array([20, 20]))
+    assert np.array_equal(same[0], same[1])
+
+
+def test_tokens_past_seq_len_in_the_last_page_are_not_read():
+    """A NaN stored in slot 5 of the last page does not reach a sequence of length 5."""
+    cache = make_cache(num_blocks=4, block_size=8)
+    kv = np.full((1, 2, 64), np.nan, np.float32)
+    cache.store(np.array([2 * 8 + 5]), kv, kv)
+    out = cache.decode_attention(make_q(2, 2, 64), np.array([[1, 2], [1, 2]]),
+                                 np.array([13, 14]))
+    assert np.all(np.isfinite(out[0])) and np.all(np.isnan(out[1]))
+
+
+def test_nan_groups_propagate():
+    """A K group stored as NaN: every output of the query heads of its KV head is NaN in
+    the sequences that attend to that token; a V group: those 16 channels only."""
+    H, group, T = 2, 2, 8
+    cache = make_cache(num_blocks=6, block_size=T, num_heads=H)
+    k = np.ones((2, H, 64), np.float32)
+    v = np.ones((2, H, 64), np.float32)
+    k[0, 1, 3] = np.nan  # token in slot 9 (page 1): K of head 1, group 0
+    v[1, 0, 40] = np.inf  # token in slot 34 (page 4): V of head 0, group 2
+    cache.store(np.array([9, 34]), k, v)
+    assert cache.nonfinite_groups == (1, 1)
+    tables = np.array([[1, 2], [4, 5], [2, 3]])
+    out, lse = cache.decode_attention(make_q(3, H * group, 64), tables, np.array([16, 16, 16]),
+                                      return_lse=True)
+    nan = np.isnan(out)
+    # sequence 0 reads page 1: query heads 2, 3 (KV head 1) all NaN, heads 0, 1 finite
+    assert nan[0, 2:].all() and not nan[0, :2].any() and np.isnan(lse[0, 2:]).all()
+    # sequence 1 reads page 4: query heads 0, 1, channels 32..47 NaN, nothing else
+    want = np.zeros((H * group, 64), bool)
+    want[:2, 32:48] = True
+    assert np.array_equal(nan[1], want) and np.isfinite(lse[1]).all()
+    assert not nan[2].any()
+
+
+def test_bad_block_ids_deferred_like_the_gpu():
+    """validate=False on the CPU does what the kernels do: the sequence with a bad page
+    gives NaN everywhere, the others are exact, the ids are counted and check() raises."""
+    cache = make_cache(num_blocks=8, block_size=8)
+    tables = np.array([[1, 2, 3], [4, 99, -1], [5, -3, 6], [7, 0, -1]], np.int32)
+    lens = np.array([24, 12, 20, 3])  # row 3 never reaches its entry -1 at column 2
+    q = make_q(4, 4, 64)
+    buf = cache.buffer.copy()
+    out, lse = cache.decode_attention(q, tables, lens, return_lse=True, validate=False)
+    assert np.isnan(out[1]).all() and np.isnan(out[2]).all() and np.isnan(lse[1:3]).all()
+    good = [0, 3]
+    ref_out, ref_lse = reference(cache, q[good], tables[good], lens[good])
+    assert_close(out[good], ref_out, F32)
+    assert_lse_close(lse[good], ref_lse)
+    assert cache.stats["bad_block_ids"] == 2
+    with pytest.raises(IndexError, match="2 block id"):
+        cache.check()
+    cache.check()  # the counter was reset
+    assert np.array_equal(cache.buffer, buf)
+
+
+class _Producer:
+    """A foreign array that offers only the DLPack protocol."""
+
+    def __init__(self, a):
+        self._a = a
+
+    def __dlpack__(self, **kwargs):
+        return self._a.__dlpack__(**kwargs)
+
+    def __dlpack_device__(self):
+        return self._a.__dlpack_device__()
+
+
+def test_dlpack_and_non_contiguous_inputs():
+    cache = make_cache()
+    tables, lens = make_tables(cache, [33, 2, 64])
+    q = make_q(3, 4, 64)
+    want = cache.decode_attention(q, tables, lens)
+    got = cache.decode_attention(_Producer(q), _Producer(tables), _Producer(lens))
+    assert np.array_equal(got, want)
+    wide = np.zeros((3, 8, 64), np.float32)
+    wide[:, ::2] = q
+    wide_tables = np.zeros((3, 2 * tables.shape[1]), np.int32)
+    wide_tables[:, ::2] = tables
+    got = cache.decode_attention(wide[:, ::2], wide_tables[:, ::2], [33, 2, 64])
+    assert np.array_equal(got, want)
+
+
+# -- out= ---------------------------------------------------------------------------------------
+def test_out_and_lse_out_are_written_and_returned():
+    cache = make_cache()
+    tables, lens = make_tables(cache, [40, 0])
+    q = make_q(2, 4, 64, BF16)
+    want_out, want_lse = cache.decode_attention(q, tables, lens, return_lse=True)
+    out = np.full((2, 4, 64), 7, BF16)
+    lse = np.full((2, 4), 7, np.float32)
+    got = cache.decode_attention(q, tables, lens, out=out, lse_out=lse, return_lse=True)
+    assert got[0] is out and got[1] is lse
+    assert np.array_equal(out.view(np.uint16), want_out.view(np.uint16))
+    assert np.array_equal(lse, want_lse)
+    out2 = np.empty((2, 4, 64), BF16)
+    assert cache.decode_attention(q, tables, lens, out=out2) is out2
+
+
+@pytest.mark.parametrize("kwargs,exc,pattern", [
+    (dict(out=np.empty((2, 4, 32), BF16)), ValueError, r"out must have shape \(2, 4, 64\)"),
+    (dict(out=np.empty((2, 4, 64), np.float32)), TypeError, "out must have dtype bfloat16"),
+    (dict(out=np.empty((2, 4, 128), BF16)[..., ::2]), ValueError, "out must be C-contiguous"),
+    (dict(out=[[0.0]]), ValueError, "out must have shape"),
+    (dict(lse_out=np.empty((2, 4), np.float32)), ValueError, "lse_out .*return_lse"),
+    (dict(lse_out=np.empty((2, 4), np.float64), return_lse=True), TypeError,
+     "lse_out must have dtype float32"),
+    (dict(lse_out=np.empty((4, 2), np.float32), return_lse=True), ValueError,
+     r"lse_out must have shape \(2, 4\)"),
+])
+def test_out_checks(kwargs, exc, pattern):
+    cache = make_cache()
+    tables, lens = make_tables(cache, [40, 3])
+    buf = cache.buffer.copy()
+    with pytest.raises(exc, match=pattern):
+        cache.decode_attention(make_q(2, 4, 64, BF16), tables, lens, **kwargs)
+    assert np.array_equal(cache.buffer, buf)
+
+
+def test_out_overlapping_q_is_refused():
+    cache = make_cache()
+    tables, lens = make_tables(cache, [40, 3])
+    q = make_q(2, 4, 64)
+    with pytest.raises(ValueError, match="out must not overlap q"):
+        cache.decode_attention(q, tables, lens, out=q)
+    lse = np.empty(8, np.float32)
+    with pytest.raises(ValueError, match="lse_out must not overlap"):
+        cache.decode_attention(q, tables, lens, out=q.copy(), lse_out=q.reshape(-1)[:8]
+                               .reshape(2, 4), return_lse=True)
+    cache.decode_attention(q, tables, lens, lse_out=lse.reshape(2, 4), return_lse=True)
+
+
+# -- errors: each names its parameter and leaves the buffer alone --------------------------------
+class _GpuProducer:
+    """Claims to live on a CUDA device (DLPack device type 2): a CPU cache refuses it."""
+
+    def __dlpack__(self, **kwargs):
+        raise AssertionError("a refused array must not be read")
+
+    def __dlpack_device__(self):
+        return (2, 0)
+
+
+def _good():
+    return dict(q=make_q(2, 4, 64), block_tables=np.array([[0, 1, 2], [3, -1, -1]], np.int32),
+                seq_lens=np.array([40, 16], np.int32))
+
+
+ERRORS = [
+    ("q int32", dict(q=np.zeros((2, 4, 64), np.int32)), TypeError,
+     "q must have dtype bfloat16, float16 or float32, got int32"),
+    ("q float64", dict(q=np.zeros((2, 4, 64))), TypeError, "q must have dtype .* float64"),
+    ("q 2-D", dict(q=np.zeros((2, 64), np.float32)), ValueError, r"q must be 3-D"),
+    ("q head_dim", dict(q=np.zeros((2, 4, 128), np.float32)), ValueError,
+     r"q.shape\[2\] must equal the cache's head_dim \(64\), got 128"),
+    ("Hq not a multiple", dict(q=np.zeros((2, 3, 64), np.float32)), ValueError,
+     r"Hq = 3.*num_heads \(2\)"),
+    ("group 32", dict(q=np.zeros((2, 64, 64), np.float32)), ValueError,
+     r"Hq = 64.*num_heads \(2\).*between 1 and 16"),
+    ("block_tables float", dict(block_tables=np.zeros((2, 3))), TypeError,
+     "block_tables must have dtype int32 or int64, got float64"),
+    ("block_tables 1-D", dict(block_tables=np.zeros(3, np.int32)), ValueError,
+     "block_tables must be 2-D"),
+    ("block_tables rows", dict(block_tables=np.zeros((3, 3), np.int32)), ValueError,
+     r"block_tables must have one row per sequence \(B = 2"),
+    ("seq_lens float", dict(seq_lens=np.array([1.0, 2.0])), TypeError,
+     "seq_lens must have dtype int32 or int64"),
+    ("seq_lens 2-D", dict(seq_lens=np.zeros((2, 1), np.int32)), ValueError,
+     "seq_lens must be 1-D"),
+    ("seq_lens length", dict(seq_lens=np.zeros(3, np.int32)), ValueError,
+     r"seq_lens must have one entry per sequence \(B = 2"),
+    ("seq_lens negative", dict(seq_lens=np.array([40, -1])), ValueError,
+     r"seq_lens\[1\] = -1 is out of range: it must be in \[0, 48\]"),
+    ("seq_lens past capacity", dict(seq_lens=np.array([49, 16])), ValueError,
+     r"seq_lens\[0\] = 49 .*\[0, 48\].*max_blocks 3 \* block_size 16"),
+    ("bad block id", dict(block_tables=np.array([[0, 24, 2], [3, -1, -1]])), IndexError,
+     r"block_tables\[0, 1\] = 24 is out of range.*\[0, 24\)"),
+    ("negative block id", dict(seq_lens=np.array([40, 17])), IndexError,
+     r"block_tables\[1, 1\] = -1 is out of range"),
+    ("q on a GPU", dict(q=_GpuProducer()), TypeError, "q must be a NumPy"),
+    ("out on a GPU", dict(out=_GpuProducer()), TypeError, "out must be a NumPy"),
+    ("lse_out on a GPU", dict(lse_out=_GpuProducer(), return_lse=True), TypeError,
+     "lse_out must be a NumPy"),
+    ("sm_scale zero", dict(sm_scale=0.0), ValueError, "sm_scale must be a positive finite"),
+    ("sm_scale nan", dict(sm_scale=float("nan")), ValueError, "sm_scale"),
+    ("sm_scale inf", dict(sm_scale=float("inf")), ValueError, "sm_scale"),
+    ("sm_scale negative", dict(sm_scale=-0.1), ValueError, "sm_scale"),
+    ("sm_scale text", dict(sm_scale="big"), TypeError, "sm_scale"),
+    ("sm_scale bool", dict(sm_scale=True), TypeError, "sm_scale"),
+]
+
+
+@pytest.mark.parametrize("case,override,exc,pattern", ERRORS, ids=[e[0] for e in ERRORS])
+def test_errors(case, override, exc, pattern):
+    cache = make_cache()
+    buf = cache.buffer.copy()
+    stats = cache.stats
+    args = {**_good(), **override}
+    with pytest.raises(exc, match=pattern):
+        cache.decode_attention(args.pop("q"), args.pop("block_tables"), args.pop("seq_lens"),
+                               **args)
+    assert np.array_equal(cache.buffer, buf)
+    assert cache.stats == stats
+
+
+def test_seq_lens_are_checked_on_the_cpu_even_without_validation():
+    cache = make_cache()
+    g = _good()
+    with pytest.raises(ValueError, match=r"seq_lens\[0\] = 100"):
+        cache.decode_attention(g["q"], g["block_tables"], np.array([100, 1]), validate=False)
+
+
+def test_good_arguments_pass():
+    """The baseline of the error table is a valid call."""
+    cache = make_cache()
+    g = _good()
+    out = cache.decode_attention(g["q"], g["block_tables"], g["seq_lens"])
+    assert np.isfinite(out).all()
+
+
+def test_exported():
+    assert callable(fp4cache.PagedKVCache.decode_attention)
+    assert fp4cache.attention.MAX_GROUP == 16
+
+
+# -- the GPU front end (any backend: a recording stand-in takes the kernels' place) --------------
+class _RecordingBackend:
+    """Records what the front end hands to the backend's ``decode_attention``."""
+
+    def __init__(self):
+        self.calls = []
+
+    def decode_attention(self, buffer, q, block_tables, seq_lens, out, lse, **kw):
+        self.calls.append(dict(q=q, block_tables=block_tables, seq_lens=seq_lens, out=out,
+                               lse=lse, **kw))
+
+
+@pytest.fixture
+def gpu_cache(monkeypatch):
+    if not fp4cache.gpu_available():
+        pytest.skip("needs a CUDA GPU with CuPy")
+    cache = PagedKVCache(8, 16, 2, 64, device="cuda")
+    backend = _RecordingBackend()
+    monkeypatch.setattr(cache, "_impl", backend)
+    return cache, backend
+
+
+@pytest.mark.gpu
+def test_gpu_hot_path_skips_checks_for_a_known_signature(gpu_cache, monkeypatch):
+    import cupy
+
+    from fp4cache import attention
+
+    cache, backend = gpu_cache
+    q = cupy.zeros((3, 4, 64), dtype=np.float32)
+    bt = cupy.zeros((3, 2), dtype=cupy.int32)
+    sl = cupy.full(3, 5, dtype=cupy.int32)
+    out = cupy.empty((3, 4, 64), dtype=np.float32)
+    lse = cupy.empty((3, 4), dtype=np.float32)
+    first = cache.decode_attention(q, bt, sl, out=out, lse_out=lse, return_lse=True)
+    assert first[0] is out and first[1] is lse
+    checks = []
+    real = attention._check_args
+    monkeypatch.setattr(attention, "_check_args",
+                        lambda *a, **k: checks.append(1) or real(*a, **k))
+    again = cache.decode_attention(q, bt, sl, out=out, lse_out=lse, return_lse=True)
+    assert checks == [] and again[0] is out and again[1] is lse
+    auto = cache.decode_attention(q, bt, sl)  # a new signature (no out=): checked once
+    assert checks == [1] and auto.dtype == np.float32 and auto.shape == (3, 4, 64)
+    cache.decode_attention(q, bt, sl)
+    assert checks == [1]
+    assert len(backend.calls) == 4
+    for call in backend.calls:
+        assert call["q"] is q and call["block_tables"] is bt and call["seq_lens"] is sl
+        assert call["sm_scale"] == float(np.float32(1 / 8))
+        assert call["scratch"] is cache._attn_scratch and call["stats"] is cache._stats
+    assert backend.calls[0]["out"] is out and backend.calls[0]["lse"] is lse
+    assert backend.calls[2]["lse"] is None
+    # A changed signature takes the checked path and is refused there.
+    with pytest.raises(TypeError, match="out must have dtype float32"):
+        cache.decode_attention(q, bt, sl, out=out.astype(np.float16))
+    with pytest.raises(ValueError, match="sm_scale"):
+        cache.decode_attention(q, bt, sl, out=out, sm_scale=-1.0)
+    assert len(backend.calls) == 4
+
+
+@pytest.mark.gpu
+def test_gpu_validate_true_refuses_before_the_backend(gpu_cache):
+    import cupy
+
+    cache, backend = gpu_cache
+    q = cupy.zeros((2, 2, 64), dtype=np.float32)
+    bt = cupy.asarray(np.array([[0, 1], [8, -1]], np.int32))
+    buf = cache.buffer.copy()
+    with pytest.raises(IndexError, match=r"block_tables\[1, 0\] = 8"):
+        cache.decode_attention(q, bt, cupy.asarray([20, 3]), validate=True)
+    with pytest.raises(ValueError, match=r"seq_lens\[0\] = 33"):
+        cache.decode_attention(q, bt, cupy.asarray([33, 3]), validate=True)
+    with pytest.raises(TypeError, match="q must be a CuPy"):
+        cache.decode_attention(np.zeros((2, 2, 64), np.float32), bt, cupy.asarray([1, 1]))
+    assert backend.calls == []
+    assert bool((cache.buffer == buf).all())
+    cache.decode_attention(q, bt, cupy.asarray([20, 0]), validate=True)  # row 1 unused
+    cache.decode_attention(q, bt.get(), [20, 3])  # index arrays from the host are converted
+    assert len(backend.calls) == 2
