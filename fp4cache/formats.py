@@ -10,6 +10,8 @@ from __future__ import annotations
 import ml_dtypes
 import numpy as np
 
+from . import _abi
+
 __all__ = [
     "E2M1_VALUES",
     "E4M3_NAN",
@@ -43,7 +45,7 @@ FLT_MAX = np.float32(np.finfo(np.float32).max)
 C6 = np.float32(1.0) / np.float32(6.0)
 C4 = np.float32(0.25)
 #: ``static6`` always scales the group max to 6; ``4over6`` also tries 4 and keeps the better.
-SCALE_RULES: tuple[str, ...] = ("static6", "4over6")
+SCALE_RULES: tuple[str, ...] = tuple(_abi.RULES)
 
 _F32 = np.float32
 

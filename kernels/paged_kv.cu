@@ -215,7 +215,7 @@ FP4C_DEVICE void store_write(const Encoded16* ek, const Encoded16* ev, const Sto
 // loads of every item are issued first, then its groups encoded, and only then is it
 // decided whether and where the item goes: the slot, duplicate and claim lookups overlap
 // the loads and the arithmetic (a skipped or losing token's encoding is simply not
-// written).  Measured: the claim-path store 100.5 -> 96.8 us (bench/KERNEL_NOTES.md, v24).
+// written).
 template <typename T, int RULE, typename SlotT, bool VEC, int NH>
 FP4C_DEVICE void store_impl(const void* __restrict__ slots, const void* __restrict__ k,
                             const void* __restrict__ v, const StoreParams& P) {
