@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import warnings
 from typing import Any
 
 import numpy as np
@@ -93,11 +94,13 @@ class PagedKVCache:
         stream; ``None``: the GPU when one is usable, else the CPU.
     validate : bool, optional
         Check slot ids and block ids on the host before each call, raising
-        ``IndexError`` before anything is written.  The CPU backend always validates
-        (a per-call ``validate=False`` there reproduces the GPU's deferred behaviour,
-        for tests).  On the GPU the default is ``False``: no host synchronization on the
-        hot path; out-of-range ids are skipped by the kernels (nothing outside the pool
-        is read or written), counted on the device, and :meth:`check` raises for them.
+        ``IndexError`` before anything is written.  On the GPU the default is ``False``:
+        no host synchronization on the hot path; out-of-range ids are skipped by the
+        kernels (nothing outside the pool is read or written), counted on the device,
+        and :meth:`check` raises for them.  The CPU backend always validates (it has no
+        synchronization to save): ``validate=False`` here has no effect there and warns
+        (``UserWarning``); a per-call ``validate=False`` of :meth:`store` or
+        :meth:`gather_dequant` reproduces the GPU's deferred behaviour, for tests.
 
     Attributes
     ----------
@@ -133,6 +136,10 @@ class PagedKVCache:
         self.device = device
         self.geometry = geom
         self.num_blocks = int(num_blocks)
+        if device == "cpu" and validate is not None and not validate:
+            warnings.warn("PagedKVCache(validate=False) has no effect on the CPU backend: it "
+                          "always checks slot and block ids on the host, before writing",
+                          UserWarning, stacklevel=2)
         self.validate = True if device == "cpu" else bool(validate)
         xp = _arrays.array_module(self.device)
         self.buffer = xp.zeros((self.num_blocks, 2, geom.side_bytes), dtype=np.uint8)
