@@ -10,6 +10,7 @@ allocates outputs):
 * ``gather_dequant(buffer, blocks, out_k, out_v, *, geom, k_s, v_s, stats)``
 * ``store_launcher(...)`` / ``gather_launcher(...)``: prepared launches for the
   front end's hot path (GPU only; ``None`` where not available)
+* ``abs_max(x)``: ``max |x|`` as a float32 host number (NaN for non-finite data)
 * ``longlive_quantize(x, rule, values_out, sf_out, amax_out)``
 * ``longlive_dequantize(value_ptrs, sf_ptrs, amax_ptrs, out, *, num_heads,
   block_token_size, inv_denom)`` (three device ``uint64`` pointer tables)

@@ -114,6 +114,15 @@ class PagedKVCache:
     -----
     Kernels run on CuPy's current stream; calls on one stream are ordered.  Use events
     to order a ``store`` on one stream before a ``gather_dequant`` on another.
+
+    Examples
+    --------
+    >>> import numpy as np, fp4cache
+    >>> k = np.linspace(-1, 1, 32 * 2 * 64, dtype=np.float32).reshape(32, 2, 64)
+    >>> cache = fp4cache.PagedKVCache(4, 16, 2, 64, k_scale=fp4cache.calibrate_scale(k),
+    ...                               v_scale=fp4cache.calibrate_scale(k), device="cpu")
+    >>> cache.buffer.shape, cache.bytes_per_token, round(cache.compression_ratio, 2)
+    ((4, 2, 1152), 144, 3.56)
     """
 
     def __init__(self, num_blocks: int, block_size: int, num_heads: int, head_dim: int, *,
@@ -214,6 +223,18 @@ class PagedKVCache:
         reads the counters (a host synchronization) and, if any is set, clears those two
         counters and raises.  The non-finite counters are kept (see
         :meth:`reset_counters`).
+
+        Examples
+        --------
+        >>> import numpy as np, fp4cache
+        >>> cache = fp4cache.PagedKVCache(2, 16, 1, 64, device="cpu")
+        >>> k = np.ones((1, 1, 64), np.float32)
+        >>> cache.store(np.array([40]), k, k, validate=False)   # skipped and counted
+        >>> cache.check()
+        Traceback (most recent call last):
+        ...
+        IndexError: 1 token(s) had a slot_mapping entry >= num_slots (32) and were not ...
+        >>> cache.check()                                       # the counters were cleared
         """
         st = self.stats
         if st["bad_slots"] or st["bad_block_ids"]:
@@ -225,7 +246,20 @@ class PagedKVCache:
             )
 
     def reset_counters(self) -> None:
-        """Zero every device-side counter (non-finite groups, bad slots, bad block ids)."""
+        """Zero every device-side counter (non-finite groups, bad slots, bad block ids).
+
+        Examples
+        --------
+        >>> import numpy as np, fp4cache
+        >>> cache = fp4cache.PagedKVCache(2, 16, 1, 64, device="cpu")
+        >>> k = np.full((1, 1, 64), np.nan, np.float32)
+        >>> cache.store(np.array([0]), k, k)
+        >>> cache.nonfinite_groups                  # 4 groups of 16 in K, 4 in V
+        (4, 4)
+        >>> cache.reset_counters()
+        >>> cache.nonfinite_groups
+        (0, 0)
+        """
         self._stats[...] = 0
 
     def _remember(self, sig: tuple, value: Any) -> None:
@@ -273,6 +307,16 @@ class PagedKVCache:
             ``unique_slots=True``; the buffer is untouched.
         IndexError
             (when validating) a slot is ``>= num_slots``; nothing is written.
+
+        Examples
+        --------
+        >>> import numpy as np, fp4cache
+        >>> cache = fp4cache.PagedKVCache(4, 16, 1, 64, device="cpu")
+        >>> k = np.full((3, 1, 64), 6.0, np.float32)     # exact in NVFP4 with scale 1.0
+        >>> cache.store(np.array([17, -1, 18]), k, -k)   # page 1 rows 1 and 2; -1 skipped
+        >>> kk, vv = cache.gather_dequant([1], dtype="float32")
+        >>> kk[1:3, 0, :2].tolist(), vv[1, 0, 0].item(), bool(kk[0].any())
+        ([[6.0, 6.0], [6.0, 6.0]], -6.0, False)
         """
         check = self.validate if validate is None else validate
         unique_slots = bool(unique_slots)
@@ -368,6 +412,18 @@ class PagedKVCache:
 
         On the GPU this neither allocates (given ``out``) nor synchronizes (unless
         validating), so it can be captured in a CUDA graph.
+
+        Examples
+        --------
+        >>> import numpy as np, fp4cache
+        >>> cache = fp4cache.PagedKVCache(4, 16, 2, 64, device="cpu")
+        >>> cache.store(np.arange(16, 32), np.full((16, 2, 64), 6.0, np.float32),
+        ...             np.zeros((16, 2, 64), np.float32))
+        >>> k, v = cache.gather_dequant(np.array([1, 1, 0]))  # bfloat16, (3*16, 2, 64)
+        >>> k.shape, str(k.dtype), float(k[:32].min()), float(k[32:].max())
+        ((48, 2, 64), 'bfloat16', 6.0, 0.0)
+        >>> cache.gather_dequant([])[0].shape                # an empty gather
+        (0, 2, 64)
         """
         check = self.validate if validate is None else validate
         sig = None

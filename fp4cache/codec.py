@@ -140,6 +140,16 @@ def dequantize(data: Any, scales: Any, scale: float = 1.0, dtype: Any = "bfloat1
     Returns
     -------
     ndarray, shape (..., D)
+
+    Examples
+    --------
+    >>> import numpy as np, fp4cache
+    >>> data, scales = fp4cache.quantize(np.array([[6.0, -0.5] * 8], np.float32))
+    >>> fp4cache.dequantize(data, scales, dtype="float32")[0, :4].tolist()
+    [6.0, -0.5, 6.0, -0.5]
+    >>> out = np.empty((1, 16), np.float16)
+    >>> fp4cache.dequantize(data, scales, out=out) is out    # out's dtype is used
+    True
     """
     backend = _arrays.backend_of(data)
     data = _arrays.to_backend(data, backend, "data")

@@ -245,16 +245,16 @@ def dequantize(values: Sequence[Any], scale_factors: Sequence[Any] | None = None
     >>> import numpy as np
     >>> from fp4cache import longlive
     >>> rng = np.random.default_rng(0)
-    >>> blocks = [longlive.quantize_block(rng.standard_normal((16, 2, 64)).astype(np.float32),
+    >>> blocks = [longlive.quantize_block(rng.standard_normal((32, 8, 64)).astype(np.float32),
     ...                                   "static6") for _ in range(3)]
-    >>> longlive.dequantize(blocks, num_heads=2, block_token_size=16).shape  # e4m3_max 448
-    (1, 48, 2, 64)
+    >>> longlive.dequantize(blocks, num_heads=8, block_token_size=32).shape  # e4m3_max 448
+    (1, 96, 8, 64)
     >>> vals, sfs, ams = zip(*blocks)                  # LongLive's form: say e4m3_max
-    >>> y = longlive.dequantize(vals, sfs, ams, 2, 16, e4m3_max=448.0)
-    >>> longlive.dequantize(vals, sfs, ams, num_heads=4, block_token_size=16)
+    >>> y = longlive.dequantize(vals, sfs, ams, 8, 32, e4m3_max=448.0)
+    >>> longlive.dequantize(vals, sfs, ams, num_heads=4, block_token_size=32)
     Traceback (most recent call last):
     ...
-    ValueError: num_heads=4 and block_token_size=16 do not match the blocks: ...
+    ValueError: num_heads=4 and block_token_size=32 do not match the blocks: ...
     """
     if scale_factors is None and amax is None and _all_blocks(values):
         vals, sfs, ams = zip(*values)
