@@ -49,9 +49,9 @@ def calibrate_scale(x: Any, scale_rule: str = "static6") -> float:
 
     Notes
     -----
-    On the GPU this is one reduction kernel on CuPy's current stream followed by a
-    4-byte copy to the host, so it synchronizes with that stream: call it once, at
-    calibration time, not per decode step.
+    On the GPU this is one reduction kernel on CuPy's current stream (a non-contiguous
+    ``x`` is copied first) followed by a 4-byte copy to the host, so it synchronizes with
+    that stream: call it once, at calibration time, not per decode step.
 
     There is no ``k_scale="auto"`` on :class:`fp4cache.PagedKVCache`: a cache's scale
     must be fixed before its first store (every stored byte depends on it), so "auto"

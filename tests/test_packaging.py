@@ -96,12 +96,14 @@ def test_wheel_installs_and_ships_kernels(tmp_path):
 def test_public_api_and_version():
     import fp4cache
 
-    for name in ("quantize", "dequantize", "PagedKVCache", "PageGeometry", "longlive",
-                 "formats", "layout", "gpu_available", "__version__"):
+    for name in ("quantize", "dequantize", "calibrate_scale", "PagedKVCache", "PageGeometry",
+                 "longlive", "formats", "layout", "gpu_available", "__version__"):
         assert hasattr(fp4cache, name), name
         assert name in fp4cache.__all__, name
     assert callable(fp4cache.longlive.quantize_block)
     assert callable(fp4cache.longlive.dequantize)
+    assert fp4cache.longlive.LongLiveBlock in (type(fp4cache.longlive.quantize_block(
+        __import__("numpy").ones((1, 1, 64), "float32"))),)
     try:
         import tomllib
     except ImportError:  # Python 3.10
