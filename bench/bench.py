@@ -48,24 +48,28 @@ SIZES: dict[str, dict[str, Any]] = {
     "gpu": dict(
         N=65536, H=8, D=128, T=16, pool_pages=16384, gather_pages=4096, rot=3,
         ll_seed=dict(H=24, D=128, Tb=7040, nb=4), ll_small=dict(H=24, D=128, Tb=128, nb=256),
+        ll_list=dict(H=8, D=128, Tb=256, counts=(4, 256, 2048), reps=10),
         decode_tokens=(1, 16, 64, 256), decode_pages=(1, 4, 16, 64), copy_bytes=2 << 30,
         reps=25, host_calls=2000, ll_check_values=1 << 22,
     ),
     "gpu_quick": dict(
         N=16384, H=8, D=128, T=16, pool_pages=4096, gather_pages=1024, rot=3,
         ll_seed=dict(H=24, D=128, Tb=7040, nb=4), ll_small=dict(H=24, D=128, Tb=128, nb=64),
+        ll_list=dict(H=8, D=128, Tb=256, counts=(4, 256, 2048), reps=5),
         decode_tokens=(1, 64), decode_pages=(1, 16), copy_bytes=1 << 30,
         reps=10, host_calls=500, ll_check_values=1 << 22,
     ),
     "cpu": dict(
         N=512, H=2, D=128, T=16, pool_pages=128, gather_pages=32, rot=3,
         ll_seed=dict(H=4, D=128, Tb=64, nb=4), ll_small=dict(H=8, D=128, Tb=16, nb=8),
+        ll_list=dict(H=2, D=128, Tb=16, counts=(4, 16), reps=3),
         decode_tokens=(1, 16, 64), decode_pages=(1, 4), copy_bytes=64 << 20,
         reps=5, host_calls=200, ll_check_values=1 << 20,
     ),
     "cpu_quick": dict(
         N=256, H=2, D=128, T=16, pool_pages=64, gather_pages=16, rot=2,
         ll_seed=dict(H=4, D=128, Tb=64, nb=2), ll_small=dict(H=8, D=128, Tb=16, nb=4),
+        ll_list=dict(H=2, D=128, Tb=16, counts=(4,), reps=2),
         decode_tokens=(1, 64), decode_pages=(1, 4), copy_bytes=16 << 20,
         reps=3, host_calls=50, ll_check_values=1 << 20,
     ),
@@ -630,6 +634,105 @@ class Bench:
             self.attempt(f"LongLive {label}", self._longlive_case, label, c["H"], c["D"],
                          c["Tb"], c["nb"])
 
+    def sec_longlive_list(self) -> None:
+        """The list API's cost per call as the block count grows (issue 14)."""
+        c = self.sz["ll_list"]
+        for nb in c["counts"]:
+            self.attempt(f"LongLive list API x{nb}", self._longlive_list_case, c["H"], c["D"],
+                         c["Tb"], nb, c["reps"])
+
+    def _longlive_list_case(self, H: int, D: int, Tb: int, nb: int, reps: int) -> None:
+        """``longlive.dequantize`` (list API), ``dequantize_pool`` and the seed kernel's
+        host protocol at ``nb`` blocks of ``Tb`` tokens x ``H`` heads.
+
+        The seed's protocol (per call: read every block's pointers, three synchronous
+        ``cudaMemcpy`` of the pointer tables, allocate the output, one launch) is timed
+        with fp4cache's decode kernel, since the seed itself is a torch extension.
+        """
+        from fp4cache import _cupy_backend as cb
+        from fp4cache import layout, longlive
+
+        env, xp = self.env, self.env.xp
+        S = D // 16
+        R, Rp = Tb * H, layout.longlive_padded_rows(Tb, H)
+        NB = 2 * nb  # two rotation sets of nb blocks
+        values = env.random_bytes((NB, Rp, D // 2), 0, 256, 41)
+        sf = env.random_bytes((NB, Rp * S), 0x30, 0x59, 42)
+        if Rp > R:
+            values[:, R:] = 0
+            pad = layout.blocked_scale_offset(np.arange(R, Rp)[:, None], np.arange(S)[None, :],
+                                              S).ravel()
+            sf[:, env.asarray(pad)] = 0
+        amax = env.asarray(np.random.default_rng(43).uniform(1, 8, NB).astype(np.float32))
+        sets = [list(range(i * nb, (i + 1) * nb)) for i in range(2)]
+        ids = [env.asarray(np.array(st, dtype=np.int32)) for st in sets]
+        outs = [xp.empty((1, nb * Tb, H, D), dtype=BF16) for _ in sets]
+        lists = [([values[i] for i in st], [sf[i] for i in st], [amax[i:i + 1] for i in st])
+                 for st in sets]
+        nbytes = nb * (R * (D // 2 + S) + 4) + nb * Tb * H * D * 2
+        case = f"LongLive list API H={H} Tb={Tb} x{nb}"
+        self.log(f"   {case}: {nb * R * (D // 2 + S) / 2**20:.1f} MiB in, "
+                 f"{nb * Tb * H * D * 2 / 2**20:.1f} MiB out per call")
+        if env.gpu:  # the first call of a list: checks, pointer tables, one copy
+            firsts = []
+            for _ in range(3):
+                longlive._LIST_FAST.clear()
+                cb._ll_tables.clear()
+                env.sync()
+                t0 = time.perf_counter()
+                longlive.dequantize(*lists[0], H, Tb)
+                env.sync()
+                firsts.append(time.perf_counter() - t0)
+            self.add(Row("longlive", case, "fp4cache dequantize (list), first call",
+                         time_s=float(np.median(firsts)),
+                         note="host + device, synchronized: checks, pointer tables, copy"))
+        row_list = self.timed("longlive", case, "fp4cache dequantize (list)",
+                              [_bind(longlive.dequantize, *lst, H, Tb) for lst in lists],
+                              nbytes, batch=4, reps=reps,
+                              note="hot path: same block arrays as a checked call"
+                              if env.gpu else "")
+        self.timed("longlive", case, "fp4cache dequantize_pool",
+                   [_bind(longlive.dequantize_pool, values, sf, amax, ids[i], H, Tb,
+                          out=outs[i]) for i in range(2)],
+                   nbytes + nb * 4, batch=4, reps=reps)
+        if env.gpu:
+            cp = env.cp
+            inv = longlive.inverse_global_denominator()
+            h2d = cp.cuda.runtime.memcpyHostToDevice
+
+            def seed_protocol(lst):
+                tabs = []
+                for group in lst:  # make_device_pointer_tensor, three times
+                    host = np.array([a.data.ptr for a in group], dtype=np.uint64)
+                    dev = cp.empty(len(group), dtype=np.uint64)
+                    cp.cuda.runtime.memcpy(dev.data.ptr, host.ctypes.data, host.nbytes, h2d)
+                    tabs.append(dev)
+                out = cp.empty((1, len(lst[0]) * Tb, H, D), dtype=BF16)
+                cb.longlive_dequantize(*tabs, out, num_heads=H, block_token_size=Tb,
+                                       inv_denom=inv)
+                return out
+
+            seed = self.timed("longlive", case, "seed host protocol, fp4cache kernel",
+                              [_bind(seed_protocol, lst) for lst in lists], nbytes, batch=4,
+                              reps=reps, note="3 synchronous pointer-table copies per call")
+            if seed is not None and row_list is not None and row_list.time_s:
+                sp = seed.time_s / row_list.time_s
+                seed.extra["fp4cache_speedup"] = sp
+                self.log(f"     list API is {sp:.2f}x faster than the seed's host protocol")
+            ref = longlive.dequantize(*lists[0], H, Tb)
+            same = float(cp.mean(_same_bf16(seed_protocol(lists[0]), ref)))
+            self.checks.append(dict(check=f"{case}: seed protocol vs list API", same=same))
+            n = 200 if nb <= 256 else 50
+            t = env.host_per_call(_bind(longlive.dequantize, *lists[0], H, Tb), n)
+            self.add(Row("host", "host time per call",
+                         f"fp4cache LongLive dequantize (list) {nb} blocks", time_s=t,
+                         extra=dict(calls=n)))
+            t = env.host_per_call(_bind(seed_protocol, lists[0]), n)
+            self.add(Row("host", "host time per call",
+                         f"seed host protocol {nb} blocks", time_s=t, extra=dict(calls=n)))
+        del values, sf, amax, outs, lists
+        env.free()
+
     def sec_decode(self) -> None:
         env, sz = self.env, self.sz
         H, D, T, P = sz["H"], sz["D"], sz["T"], sz["pool_pages"]
@@ -974,20 +1077,38 @@ class Bench:
 
     def run(self) -> None:
         a = self.args
+        only = set(a.only.split(",")) if a.only else None
+        unknown = (only or set()) - set(SECTIONS)
+        if unknown:
+            raise SystemExit(f"--only: unknown section(s) {sorted(unknown)}; choose from "
+                             f"{', '.join(SECTIONS)}")
+
+        def want(key: str) -> bool:
+            return only is None or key in only
+
         self.section("device and versions", self.sec_info)
-        self.section("copy bandwidth (ceiling)", self.sec_copy)
-        self.section("setup: inputs and page pools", self.sec_setup)
-        self.section("sanity: bit-exact vs NumPy backend", self.sec_sanity)
-        self.section("fp4cache store / gather, large", self.sec_fp4_large)
-        self.section("fp4cache LongLive decode", self.sec_longlive)
-        self.section("decode-step sizes", self.sec_decode)
-        self.section("host time per call", self.sec_host)
-        if not a.no_torch:
+        for key, title, fn in (
+                ("copy", "copy bandwidth (ceiling)", self.sec_copy),
+                ("setup", "setup: inputs and page pools", self.sec_setup),
+                ("sanity", "sanity: bit-exact vs NumPy backend", self.sec_sanity),
+                ("large", "fp4cache store / gather, large", self.sec_fp4_large),
+                ("longlive", "fp4cache LongLive decode", self.sec_longlive),
+                ("longlive-list", "LongLive list API by block count", self.sec_longlive_list),
+                ("decode", "decode-step sizes", self.sec_decode),
+                ("host", "host time per call", self.sec_host)):
+            if want(key):
+                self.section(title, fn)
+        if not a.no_torch and want("torch"):
             self.section("torch eager", lambda: self.sec_torch("eager"), need_s=20)
             if not a.no_compile:
                 self.section("torch.compile", lambda: self.sec_torch("compile"),
                              need_s=a.compile_need_s)
         self.write_json()
+
+
+#: Section keys for ``--only`` (the device/version section always runs).
+SECTIONS = ("copy", "setup", "sanity", "large", "longlive", "longlive-list", "decode", "host",
+            "torch")
 
 
 def _bind(fn, *args, **kw):
@@ -1137,6 +1258,9 @@ def main(argv=None) -> int:
     p.add_argument("--quick", action="store_true", help="smaller sizes and fewer repetitions")
     p.add_argument("--out", help="write all numbers to this JSON file (rewritten per section)")
     p.add_argument("--no-torch", action="store_true", help="skip the PyTorch comparison")
+    p.add_argument("--only", metavar="KEYS",
+                   help="comma-separated sections to run: " + ", ".join(SECTIONS)
+                   + " (setup is needed by sanity, large, decode, host and torch)")
     p.add_argument("--no-compile", action="store_true", help="skip torch.compile")
     p.add_argument("--budget-s", type=float, default=420.0,
                    help="wall-clock budget: later sections are skipped past it (default 420)")

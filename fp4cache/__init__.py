@@ -5,13 +5,14 @@ float32 global scale: 72 bytes per (token, head) for ``head_dim=128`` instead of
 bfloat16.  The byte layouts match vLLM's ``reshape_and_cache_nvfp4`` (paged cache) and
 LongLive's ``dequantize_kv_cache_fp4`` (blocked cache).
 
-Main entry points: :class:`PagedKVCache`, :func:`quantize`, :func:`dequantize` and the
-:mod:`fp4cache.longlive` module.
+Main entry points: :class:`PagedKVCache`, :func:`quantize`, :func:`dequantize`,
+:func:`calibrate_scale` and the :mod:`fp4cache.longlive` module.
 """
 
 from . import formats, layout, longlive
 from ._arrays import gpu_available
 from .cache import PagedKVCache
+from .calibrate import calibrate_scale
 from .codec import dequantize, quantize
 from .layout import PageGeometry
 
@@ -22,6 +23,7 @@ __all__ = [
     "PageGeometry",
     "quantize",
     "dequantize",
+    "calibrate_scale",
     "gpu_available",
     "formats",
     "layout",

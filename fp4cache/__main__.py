@@ -1,35 +1,95 @@
 """``python -m fp4cache``: store synthetic K/V in an NVFP4 cache, gather them back, report.
 
 Prints bytes per token, compression against bf16, reconstruction error (relative RMSE
-and SNR) for ``static6`` and ``4over6``, and store / gather throughput, on the GPU when
-one is usable (CuPy), else on the CPU (NumPy backend).
+and SNR) for ``static6`` and ``4over6``, and store / gather speed, on the GPU when one is
+usable (CuPy), else on the CPU (NumPy backend, the bit-exact reference: slow on purpose).
 """
 
 from __future__ import annotations
 
 import argparse
+import sys
 import time
 
 import ml_dtypes
 import numpy as np
 
-from . import PagedKVCache, gpu_available
+from . import PagedKVCache, calibrate_scale, gpu_available
+from .codec import backend_module
+
+DESCRIPTION = (
+    "Store synthetic K/V in an NVFP4 paged KV cache, gather them back and report bytes per "
+    "token, compression, reconstruction error (static6 vs 4over6) and store/gather speed: "
+    "GB/s on the GPU (CuPy), tokens/s on the CPU (the NumPy reference backend)."
+)
+
+
+def _positive(text: str) -> int:
+    try:
+        n = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text!r}") from None
+    if n <= 0:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {n}")
+    return n
+
+
+def _non_negative(text: str) -> int:
+    try:
+        n = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 0, got {text!r}") from None
+    if n < 0:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 0, got {n}")
+    return n
+
+
+def _prog() -> str:
+    """``fp4cache`` for the console script, ``python -m fp4cache`` otherwise."""
+    name = sys.argv[0].replace("\\", "/").rsplit("/", 1)[-1] if sys.argv else ""
+    return "fp4cache" if name in ("fp4cache", "fp4cache.exe") else "python -m fp4cache"
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog=_prog(), description=DESCRIPTION)
+    p.add_argument("--tokens", type=_positive, default=None,
+                   help="tokens to store (default: 65536 on the GPU, 4096 on the CPU)")
+    p.add_argument("--heads", type=_positive, default=8, help="KV heads (default 8)")
+    p.add_argument("--head-dim", type=_positive, default=128,
+                   help="head_dim: a multiple of 16, of 64 unless --no-swizzle (default 128)")
+    p.add_argument("--block-size", type=_positive, default=16,
+                   help="tokens per page: a multiple of 4 unless --no-swizzle (default 16)")
+    p.add_argument("--layout", choices=("HND", "NHD"), default="HND",
+                   help="row order in a page: head-major HND (vLLM's NVFP4 default) or "
+                        "token-major NHD (default HND)")
+    p.add_argument("--rule", choices=("static6", "4over6", "both"), default="both",
+                   help="block-scale rule: static6 (vLLM), 4over6 (tries 4 and 6, keeps the "
+                        "smaller error), or both (default)")
+    p.add_argument("--no-swizzle", action="store_true",
+                   help="store V scales linearly instead of trtllm-gen's swizzled order")
+    p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
+                   help="cuda: CuPy kernels (error if no GPU is usable); cpu: NumPy "
+                        "backend; auto: the GPU if one is usable (default)")
+    p.add_argument("--reps", type=_positive, default=None,
+                   help="timed repetitions (default 20 on the GPU, 3 on the CPU)")
+    p.add_argument("--seed", type=_non_negative, default=0,
+                   help="seed of the synthetic K/V and slot permutation (default 0)")
+    return p
 
 
 def _parse(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="fp4cache", description=__doc__.splitlines()[0])
-    p.add_argument("--tokens", type=int, default=None,
-                   help="tokens to store (default: 65536 on GPU, 4096 on CPU)")
-    p.add_argument("--heads", type=int, default=8, help="KV heads (default 8)")
-    p.add_argument("--head-dim", type=int, default=128, help="head_dim (default 128)")
-    p.add_argument("--block-size", type=int, default=16, help="tokens per page (default 16)")
-    p.add_argument("--layout", choices=("HND", "NHD"), default="HND")
-    p.add_argument("--rule", choices=("static6", "4over6", "both"), default="both")
-    p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
-    p.add_argument("--reps", type=int, default=None,
-                   help="timed repetitions (default 20 GPU, 3 CPU)")
-    p.add_argument("--seed", type=int, default=0)
-    return p.parse_args(argv)
+    p = _parser()
+    args = p.parse_args(argv)
+    swz = not args.no_swizzle
+    if args.head_dim % 16:
+        p.error(f"argument --head-dim: must be a multiple of 16, got {args.head_dim}")
+    if swz and args.head_dim % 64:
+        p.error(f"argument --head-dim: must be a multiple of 64 with swizzled V scales, got "
+                f"{args.head_dim} (or pass --no-swizzle)")
+    if swz and args.block_size % 4:
+        p.error(f"argument --block-size: must be a multiple of 4 with swizzled V scales, got "
+                f"{args.block_size} (or pass --no-swizzle)")
+    return args
 
 
 def _synthetic_kv(rng, n, h, d):
@@ -48,13 +108,47 @@ def _err(ref: np.ndarray, got: np.ndarray) -> tuple[float, float]:
     return float(np.sqrt(noise / power)), float(10 * np.log10(power / noise))
 
 
+def _progress(msg: str) -> None:
+    print(f"... {msg}", flush=True)
+
+
+def _table(rows, gpu: bool) -> list[str]:
+    unit = "GB/s" if gpu else "tok/s"
+    head = ("rule", "K rRMSE", "K dB", "V rRMSE", "V dB", "store ms", f"store {unit}",
+            "gather ms", f"gather {unit}")
+    lines = ["| " + " | ".join(head) + " |", "|" + "|".join("---" for _ in head) + "|"]
+    for rule, ke, ve, t, sbw, gbw, s_tps, g_tps in rows:
+        speed = (f"{sbw / 1e9:.1f}", f"{gbw / 1e9:.1f}") if gpu else (f"{s_tps:.3g}",
+                                                                      f"{g_tps:.3g}")
+        cells = (rule, f"{ke[0]:.4f}", f"{ke[1]:.2f}", f"{ve[0]:.4f}", f"{ve[1]:.2f}",
+                 f"{t['store'] * 1e3:.3f}", speed[0], f"{t['gather'] * 1e3:.3f}", speed[1])
+        lines.append("| " + " | ".join(cells) + " |")
+    return lines
+
+
 def main(argv=None) -> int:
     args = _parse(argv)
+    if args.device == "cuda":
+        try:
+            backend_module("cuda")  # the library's own check and its one-line message
+        except RuntimeError as e:
+            print(f"{_prog()}: error: {e}", file=sys.stderr)
+            return 1
     device = ("cuda" if gpu_available() else "cpu") if args.device == "auto" else args.device
+    try:
+        return _run(args, device)
+    except (RuntimeError, MemoryError) as e:  # a GPU that fails mid-run, an oversized pool
+        print(f"{_prog()}: error: {type(e).__name__}: {e}", file=sys.stderr)
+        return 1
+
+
+def _run(args, device: str) -> int:
     gpu = device == "cuda"
     n = args.tokens or (65536 if gpu else 4096)
     reps = args.reps or (20 if gpu else 3)
     H, D, T = args.heads, args.head_dim, args.block_size
+    swz = not args.no_swizzle
+    _progress(f"generating {n} tokens of synthetic bf16 K/V (seed {args.seed})")
     rng = np.random.default_rng(args.seed)
     k_np, v_np = _synthetic_kv(rng, n, H, D)
     num_blocks = -(-n // T)
@@ -72,7 +166,8 @@ def main(argv=None) -> int:
             cp.cuda.get_current_stream().synchronize()
     else:
         xp = np
-        where = "CPU (NumPy backend; no usable GPU)" if args.device == "auto" else "CPU"
+        where = ("CPU (NumPy reference backend; no usable GPU)" if args.device == "auto"
+                 else "CPU (NumPy reference backend)")
 
         def sync():
             pass
@@ -86,12 +181,22 @@ def main(argv=None) -> int:
     rules = ("static6", "4over6") if args.rule == "both" else (args.rule,)
     rows = []
     for rule in rules:
+        k_scale, v_scale = calibrate_scale(k, rule), calibrate_scale(v, rule)
         cache = PagedKVCache(num_blocks, T, H, D, layout=args.layout, scale_rule=rule,
+                             k_scale=k_scale, v_scale=v_scale, swizzle_v_scales=swz,
                              device=device)
+        if rule == rules[0]:
+            print(f"bytes per token (K+V, all heads): {cache.bytes_per_token} NVFP4 vs "
+                  f"{2 * H * D * 2} bf16 vs {2 * H * D} fp8 -> {cache.compression_ratio:.2f}x "
+                  "smaller than bf16")
+            print(f"pool: {cache.nbytes / 2**20:.1f} MiB for {num_blocks * T} token slots")
+        _progress(f"{rule}: scales calibrated (k_scale {k_scale:.4g}, v_scale {v_scale:.4g}); "
+                  "first store and gather" + (" (compiles the kernels)" if gpu else ""))
         cache.store(slots, k, v)
         k_out, v_out = cache.gather_dequant(blocks)
         sync()
         times = {}
+
         def run_store(c=cache):
             c.store(slots, k, v)
 
@@ -99,6 +204,7 @@ def main(argv=None) -> int:
             c.gather_dequant(blocks, out=o)
 
         for label, fn in (("store", run_store), ("gather", run_gather)):
+            _progress(f"{rule}: timing {label}, {reps} repetition(s)")
             sync()
             t0 = time.perf_counter()
             for _ in range(reps):
@@ -116,22 +222,19 @@ def main(argv=None) -> int:
         store_bw = (bf16_bytes + nvfp4_bytes + slots_np.nbytes) / times["store"]
         gather_bw = (num_blocks * cache.geometry.page_bytes + 2 * num_blocks * T * H * D * 2
                      + blocks_np.nbytes) / times["gather"]
-        rows.append((rule, k_err, v_err, times, store_bw, gather_bw, n / times["store"]))
-        if rule == rules[0]:
-            print(f"bytes per token (K+V, all heads): {cache.bytes_per_token} NVFP4 vs "
-                  f"{2 * H * D * 2} bf16 vs {2 * H * D} fp8 -> {cache.compression_ratio:.2f}x "
-                  "smaller than bf16")
-            print(f"pool: {cache.nbytes / 2**20:.1f} MiB for {num_blocks * T} token slots")
+        rows.append((rule, k_err, v_err, times, store_bw, gather_bw, n / times["store"],
+                     num_blocks * T / times["gather"]))
 
     print()
-    print("| rule | K rel. RMSE | K SNR (dB) | V rel. RMSE | V SNR (dB) | store (ms) | "
-          "store GB/s | gather (ms) | gather GB/s | tokens/s stored |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
-    for rule, ke, ve, t, sbw, gbw, tps in rows:
-        print(f"| {rule} | {ke[0]:.4f} | {ke[1]:.2f} | {ve[0]:.4f} | {ve[1]:.2f} | "
-              f"{t['store'] * 1e3:.3f} | {sbw / 1e9:.1f} | {t['gather'] * 1e3:.3f} | "
-              f"{gbw / 1e9:.1f} | {tps:.3g} |")
-    print("\nGB/s count bytes read + written once (bf16 K/V, NVFP4 pages, index arrays).")
+    for line in _table(rows, gpu):
+        print(line)
+    if gpu:
+        print("\nGB/s count bytes read + written once (bf16 K/V, NVFP4 pages, index arrays).")
+    else:
+        print("\ntok/s: tokens stored / gathered per second on the CPU by the NumPy "
+              "backend,\nthe bit-exact reference (not a serving path; GB/s mean nothing "
+              "there).")
+    print("rRMSE: relative RMSE; dB: SNR.  Scales from fp4cache.calibrate_scale(k or v).")
     return 0
 
 

@@ -69,8 +69,12 @@ def to_backend(a: Any, backend: str, name: str, *, allow_convert: bool = False):
     Arrays from other libraries come in through DLPack (zero copy).  An array on the
     other backend is refused with ``TypeError`` unless ``allow_convert`` is set (the
     small index arrays are converted; K/V and outputs never are, so that no hidden
-    host-device copy lands on a hot path).
+    host-device copy lands on a hot path).  With ``allow_convert`` an empty list, tuple or range
+    is an empty int64 index array, as ``np.asarray([], dtype=int)`` would be.
     """
+    if allow_convert and isinstance(a, (list, tuple, range)) and len(a) == 0:
+        # An empty id list is an empty index array (np.asarray([]) would be float64).
+        a = np.zeros(0, dtype=np.int64)
     where = backend_of(a)
     if where != backend and not (allow_convert or isinstance(a, (list, tuple, range))):
         raise TypeError(

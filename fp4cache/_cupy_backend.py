@@ -6,6 +6,7 @@ arrays' device current, see :mod:`fp4cache._device`):
 
 * ``quantize(x, s, g, rule, data_out, scales_out)``, ``dequantize(data, scales, s, out)``
 * ``longlive_quantize(...)``, ``longlive_dequantize(...)`` (see their docstrings)
+* ``abs_max(x)``: ``max |x|`` as a float32 host number (NaN for non-finite data)
 
 The paged cache keeps its GPU resources in a :class:`CacheState` (page pool, counters,
 encode table, duplicate-slot claim table and its launch plans), created by and owned by
@@ -41,6 +42,7 @@ __all__ = [
     "gather_dequant",
     "quantize",
     "dequantize",
+    "abs_max",
     "longlive_quantize",
     "longlive_dequantize",
     "longlive_pointer_tables",
@@ -404,13 +406,10 @@ def _num_sms() -> int:
 _SMS: dict[int, int] = {}
 
 
-def longlive_quantize(x, rule, values_out, sf_out, amax_out) -> None:
-    """Quantize one block ``x [Tb, H, D]`` into the blocked layout (amax on the device)."""
-    Tb, H, D = x.shape
-    x = _contig(x)
-    G = D // GROUP
-    R = Tb * H
-    Rp = values_out.shape[0]
+def _amax_into(x, amax_out) -> bool:
+    """Queue ``amax_out[0] = max |x|`` (NaN if ``x`` holds a NaN or an infinity) for a
+    C-contiguous bf16/f16/f32 ``x``: a memset and one reduction kernel.  Returns whether
+    the vector kernel variant was used (``x`` 16-byte aligned)."""
     dt = _dtype_name(x.dtype, "x")
     stream = cupy.cuda.get_current_stream()
     cupy.cuda.runtime.memsetAsync(amax_out.data.ptr, 0, 4, stream.ptr)
@@ -420,9 +419,31 @@ def longlive_quantize(x, rule, values_out, sf_out, amax_out) -> None:
         chunks = max(1, n // 8)
         grid = min((chunks + _THREADS - 1) // _THREADS, 8 * _num_sms())
         _kernel(K.ll_amax_spec(dt, vec))((grid,), (_THREADS,), (x, amax_out, _U64(n)))
+    return vec
+
+
+def abs_max(x) -> np.float32:
+    """``max |x|`` in float32 (NaN if ``x`` holds a NaN or an infinity; 0 if empty).
+
+    One reduction kernel on the current stream, then a 4-byte device-to-host copy: this
+    synchronizes with the stream (the result is a host number)."""
+    amax = cupy.empty((1,), dtype=np.float32)
+    _amax_into(_contig(x), amax)
+    return np.float32(amax.get()[0])
+
+
+def longlive_quantize(x, rule, values_out, sf_out, amax_out) -> None:
+    """Quantize one block ``x [Tb, H, D]`` into the blocked layout (amax on the device)."""
+    Tb, H, D = x.shape
+    x = _contig(x)
+    G = D // GROUP
+    R = Tb * H
+    Rp = values_out.shape[0]
+    dt = _dtype_name(x.dtype, "x")
     total = Rp * G
-    if total >= _MAX_THREADS:
+    if total >= _MAX_THREADS:  # checked before any work is queued
         raise ValueError(f"LongLive block too large: {Rp} rows x {G} groups")
+    vec = _amax_into(x, amax_out)
     vec_q = vec and _aligned(values_out.data.ptr, to=8)
     fg = fastdiv(G)
     _kernel(K.ll_quantize_spec(dt, rule, vec_q))(_blocks(total), (_THREADS,), (

@@ -21,6 +21,7 @@ from .formats import (
     E2M1_VALUES,
     E4M3_NAN,
     FLT_MAX,
+    RULE_E4M3_MAX,
     e2m1_encode,
     e4m3_decode,
     e4m3_encode,
@@ -219,12 +220,22 @@ def gather_dequant(buffer, blocks, out_k, out_v, *, geom: PageGeometry, k_s, v_s
 # -- protocol: LongLive blocked layout ----------------------------------------------------
 def longlive_scalars(amax, rule: str):
     """``(s, g)`` of a LongLive block from its float32 ``amax`` (spec section 3)."""
-    M = _F32(256.0) if rule == "4over6" else _F32(448.0)
+    M = _F32(RULE_E4M3_MAX[rule])
     six_m = _F32(6.0) * M
     with np.errstate(divide="ignore", over="ignore", invalid="ignore"):
         g = np.minimum(six_m / _F32(amax), FLT_MAX)
         s = _F32(amax) * (_ONE / six_m)
     return _F32(s), _F32(g)
+
+
+def abs_max(x) -> np.float32:
+    """``max |x|`` in float32 (NaN when ``x`` holds a NaN or an infinity; 0 if empty)."""
+    x32 = np.asarray(x, dtype=_F32)
+    if x32.size == 0:
+        return _ZERO
+    if not np.isfinite(x32).all():
+        return _F32(np.nan)
+    return _F32(np.abs(x32).max())
 
 
 def longlive_quantize(x, rule, values_out, sf_out, amax_out) -> None:
@@ -233,8 +244,8 @@ def longlive_quantize(x, rule, values_out, sf_out, amax_out) -> None:
     S = D // GROUP
     R = Tb * H
     x32 = np.asarray(x, dtype=_F32)
-    finite = bool(np.isfinite(x32).all())
-    amax = _F32(np.abs(x32).max()) if finite else _F32(np.nan)
+    amax = abs_max(x32)
+    finite = bool(np.isfinite(amax))
     amax_out[...] = amax
     values_out[...] = 0
     sf_out[...] = 0

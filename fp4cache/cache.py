@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import warnings
 from typing import Any
 
 import numpy as np
@@ -97,7 +98,9 @@ class PagedKVCache:
         Block-scale rule used by :meth:`store`.
     k_scale, v_scale : float
         Global dequantization multipliers (vLLM's ``k_scale``/``v_scale``), finite and
-        positive.  Calibrated checkpoints use ``amax / (6 * 448)``.
+        positive.  Calibrated checkpoints use ``amax / (6 * 448)``, what
+        :func:`fp4cache.calibrate_scale` computes; with 1.0, data far from unit magnitude
+        under- or overflows the E4M3 block scales.
     swizzle_v_scales : bool
         Store V scales in trtllm-gen's swizzled order (what vLLM writes).  Needs
         ``block_size % 4 == 0`` and ``head_dim % 64 == 0``.
@@ -109,11 +112,13 @@ class PagedKVCache:
         current device unchanged.
     validate : bool, optional
         Check slot ids and block ids on the host before each call, raising
-        ``IndexError`` before anything is written.  The CPU backend always validates
-        (a per-call ``validate=False`` there reproduces the GPU's deferred behaviour,
-        for tests).  On the GPU the default is ``False``: no host synchronization on the
-        hot path; out-of-range ids are skipped by the kernels (nothing outside the pool
-        is read or written), counted on the device, and :meth:`check` raises for them.
+        ``IndexError`` before anything is written.  On the GPU the default is ``False``:
+        no host synchronization on the hot path; out-of-range ids are skipped by the
+        kernels (nothing outside the pool is read or written), counted on the device,
+        and :meth:`check` raises for them.  The CPU backend always validates (it has no
+        synchronization to save): ``validate=False`` here has no effect there and warns
+        (``UserWarning``); a per-call ``validate=False`` of :meth:`store` or
+        :meth:`gather_dequant` reproduces the GPU's deferred behaviour, for tests.
 
     Attributes
     ----------
@@ -129,6 +134,15 @@ class PagedKVCache:
     -----
     Kernels run on CuPy's current stream; calls on one stream are ordered.  Use events
     to order a ``store`` on one stream before a ``gather_dequant`` on another.
+
+    Examples
+    --------
+    >>> import numpy as np, fp4cache
+    >>> k = np.linspace(-1, 1, 32 * 2 * 64, dtype=np.float32).reshape(32, 2, 64)
+    >>> cache = fp4cache.PagedKVCache(4, 16, 2, 64, k_scale=fp4cache.calibrate_scale(k),
+    ...                               v_scale=fp4cache.calibrate_scale(k), device="cpu")
+    >>> cache.buffer.shape, cache.bytes_per_token, round(cache.compression_ratio, 2)
+    ((4, 2, 1152), 144, 3.56)
     """
 
     def __init__(self, num_blocks: int, block_size: int, num_heads: int, head_dim: int, *,
@@ -153,6 +167,10 @@ class PagedKVCache:
         self.device_id = index
         self.geometry = geom
         self.num_blocks = int(num_blocks)
+        if kind == "cpu" and validate is not None and not validate:
+            warnings.warn("PagedKVCache(validate=False) has no effect on the CPU backend: it "
+                          "always checks slot and block ids on the host, before writing",
+                          UserWarning, stacklevel=2)
         self.validate = True if kind == "cpu" else bool(validate)
         self._state = None  # GPU: pool, counters, tables and launch plans (CacheState)
         if kind == "cuda":
@@ -261,6 +279,18 @@ class PagedKVCache:
         reads the counters (a host synchronization) and, if any is set, clears those two
         counters and raises.  The non-finite counters are kept (see
         :meth:`reset_counters`).
+
+        Examples
+        --------
+        >>> import numpy as np, fp4cache
+        >>> cache = fp4cache.PagedKVCache(2, 16, 1, 64, device="cpu")
+        >>> k = np.ones((1, 1, 64), np.float32)
+        >>> cache.store(np.array([40]), k, k, validate=False)   # skipped and counted
+        >>> cache.check()
+        Traceback (most recent call last):
+        ...
+        IndexError: 1 token(s) had a slot_mapping entry >= num_slots (32) and were not ...
+        >>> cache.check()                                       # the counters were cleared
         """
         st = self.stats
         if st["bad_slots"] or st["bad_block_ids"]:
@@ -274,7 +304,20 @@ class PagedKVCache:
             )
 
     def reset_counters(self) -> None:
-        """Zero every device-side counter (see :attr:`stats`)."""
+        """Zero every device-side counter (see :attr:`stats`).
+
+        Examples
+        --------
+        >>> import numpy as np, fp4cache
+        >>> cache = fp4cache.PagedKVCache(2, 16, 1, 64, device="cpu")
+        >>> k = np.full((1, 1, 64), np.nan, np.float32)
+        >>> cache.store(np.array([0]), k, k)
+        >>> cache.nonfinite_groups                  # 4 groups of 16 in K, 4 in V
+        (4, 4)
+        >>> cache.reset_counters()
+        >>> cache.nonfinite_groups
+        (0, 0)
+        """
         with self._guard():
             self._stats[...] = 0
 
@@ -319,6 +362,16 @@ class PagedKVCache:
             repeated slot with ``unique_slots=True``; the buffer is untouched.
         IndexError
             (when validating) a slot is ``>= num_slots``; nothing is written.
+
+        Examples
+        --------
+        >>> import numpy as np, fp4cache
+        >>> cache = fp4cache.PagedKVCache(4, 16, 1, 64, device="cpu")
+        >>> k = np.full((3, 1, 64), 6.0, np.float32)     # exact in NVFP4 with scale 1.0
+        >>> cache.store(np.array([17, -1, 18]), k, -k)   # page 1 rows 1 and 2; -1 skipped
+        >>> kk, vv = cache.gather_dequant([1], dtype="float32")
+        >>> kk[1:3, 0, :2].tolist(), vv[1, 0, 0].item(), bool(kk[0].any())
+        ([[6.0, 6.0], [6.0, 6.0]], -6.0, False)
         """
         check = self.validate if validate is None else validate
         st = self._state
@@ -425,6 +478,18 @@ class PagedKVCache:
 
         On the GPU this neither allocates (given ``out``) nor synchronizes (unless
         validating), so it can be captured in a CUDA graph.
+
+        Examples
+        --------
+        >>> import numpy as np, fp4cache
+        >>> cache = fp4cache.PagedKVCache(4, 16, 2, 64, device="cpu")
+        >>> cache.store(np.arange(16, 32), np.full((16, 2, 64), 6.0, np.float32),
+        ...             np.zeros((16, 2, 64), np.float32))
+        >>> k, v = cache.gather_dequant(np.array([1, 1, 0]))  # bfloat16, (3*16, 2, 64)
+        >>> k.shape, str(k.dtype), float(k[:32].min()), float(k[32:].max())
+        ((48, 2, 64), 'bfloat16', 6.0, 0.0)
+        >>> cache.gather_dequant([])[0].shape                # an empty gather
+        (0, 2, 64)
         """
         check = self.validate if validate is None else validate
         st = self._state

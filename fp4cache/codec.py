@@ -40,7 +40,7 @@ def check_rule(scale_rule: str) -> str:
 
 
 @on_input_device
-def quantize(x: Any, scale: float = 1.0, scale_rule: str = "static6"):
+def quantize(x: Any, scale: float = 1.0, scale_rule: str = "static6", *, out: Any = None):
     """Quantize ``x`` to NVFP4: packed E2M1 values and one E4M3 scale per 16 values.
 
     Parameters
@@ -54,6 +54,10 @@ def quantize(x: Any, scale: float = 1.0, scale_rule: str = "static6"):
     scale_rule : {"static6", "4over6"}
         ``"static6"`` maps each group's max to 6; ``"4over6"`` also tries 4 and keeps
         the candidate with the smaller squared error (ties keep 6).
+    out : tuple of two arrays, optional
+        ``(data, scales)`` to write into: C-contiguous, on the same backend as ``x``,
+        ``data`` uint8 of shape ``(..., D/2)``, ``scales`` uint8 (or ``float8_e4m3fn``)
+        of shape ``(..., D/16)``.  Checked before anything is written; returned.
 
     Returns
     -------
@@ -63,7 +67,22 @@ def quantize(x: Any, scale: float = 1.0, scale_rule: str = "static6"):
         E4M3 block-scale bytes (``scales.view(ml_dtypes.float8_e4m3fn)`` on NumPy).
         A group with a NaN or infinity gets scale 0x7F (NaN) and zero data.
 
-    Runs on the GPU (CuPy's current stream) when ``x`` is a CuPy array.
+    Runs on the GPU (CuPy's current stream) when ``x`` is a CuPy array.  With
+    ``k_scale = 1.0`` data of very small or very large magnitude under- or overflows the
+    E4M3 block scales: pass ``scale=fp4cache.calibrate_scale(x)``.
+
+    Examples
+    --------
+    >>> import numpy as np, fp4cache
+    >>> x = np.array([[0.0, 1.0, -2.0, 3.0] * 4], np.float32)    # one group of 16
+    >>> data, scales = fp4cache.quantize(x, scale=0.25)
+    >>> data.shape, scales.shape, data.dtype
+    ((1, 8), (1, 1), dtype('uint8'))
+    >>> fp4cache.dequantize(data, scales, scale=0.25, dtype="float32").tolist()[0][:4]
+    [0.0, 1.0, -2.0, 3.0]
+    >>> buf = (np.empty((1, 8), np.uint8), np.empty((1, 1), np.uint8))
+    >>> fp4cache.quantize(x, scale=0.25, out=buf)[0] is buf[0]
+    True
     """
     backend = _arrays.backend_of(x)
     x = _arrays.to_backend(x, backend, "x")
@@ -76,16 +95,32 @@ def quantize(x: Any, scale: float = 1.0, scale_rule: str = "static6"):
     s = _arrays.check_scale(scale, "scale")
     check_rule(scale_rule)
     xp = _arrays.array_module(backend)
-    lead = x.shape[:-1]
-    data = xp.empty(lead + (d // 2,), dtype=np.uint8)
-    scales = xp.empty(lead + (d // GROUP,), dtype=np.uint8)
+    lead = tuple(x.shape[:-1])
+    if out is None:
+        data = xp.empty(lead + (d // 2,), dtype=np.uint8)
+        scales = xp.empty(lead + (d // GROUP,), dtype=np.uint8)
+        result = data, scales
+    else:
+        data, scales, result = _check_quantize_out(out, lead, d, backend)
     rows = xp.ascontiguousarray(x).reshape(-1, d)
     if rows.shape[0]:
         backend_module(backend).quantize(
             rows, s, reciprocal_clamped(s), scale_rule,
             data.reshape(-1, d // 2), scales.reshape(-1, d // GROUP),
         )
-    return data, scales
+    return result
+
+
+def _check_quantize_out(out, lead: tuple, d: int, backend: str):
+    """``(data, scales as uint8, the caller's pair)`` of a checked ``quantize`` ``out``."""
+    if not isinstance(out, (tuple, list)) or len(out) != 2:
+        raise TypeError(f"out must be a tuple (data, scales), got {type(out).__name__}")
+    data = _arrays.check_out(out[0], "out[0]", lead + (d // 2,), np.dtype(np.uint8), backend)
+    sc = _arrays.to_backend(out[1], backend, "out[1]")
+    scales = _arrays.as_scale_bytes(sc, "out[1]")
+    scales = _arrays.check_out(scales, "out[1]", lead + (d // GROUP,), np.dtype(np.uint8),
+                               backend)
+    return data, scales, (out[0], out[1])
 
 
 @on_input_device
@@ -108,6 +143,16 @@ def dequantize(data: Any, scales: Any, scale: float = 1.0, dtype: Any = "bfloat1
     Returns
     -------
     ndarray, shape (..., D)
+
+    Examples
+    --------
+    >>> import numpy as np, fp4cache
+    >>> data, scales = fp4cache.quantize(np.array([[6.0, -0.5] * 8], np.float32))
+    >>> fp4cache.dequantize(data, scales, dtype="float32")[0, :4].tolist()
+    [6.0, -0.5, 6.0, -0.5]
+    >>> out = np.empty((1, 16), np.float16)
+    >>> fp4cache.dequantize(data, scales, out=out) is out    # out's dtype is used
+    True
     """
     backend = _arrays.backend_of(data)
     data = _arrays.to_backend(data, backend, "data")

@@ -46,6 +46,10 @@ C6 = np.float32(1.0) / np.float32(6.0)
 C4 = np.float32(0.25)
 #: ``static6`` always scales the group max to 6; ``4over6`` also tries 4 and keeps the better.
 SCALE_RULES: tuple[str, ...] = tuple(_abi.RULES)
+#: ``M`` of each rule (spec section 3): the largest block scale a calibrated global scale
+#: aims at, ``6 * M`` the largest value.  4over6 uses 256 so that its 4-candidate (1.5x
+#: the 6-candidate) stays below 448; it is also LongLive's ``e4m3_max`` default.
+RULE_E4M3_MAX: dict[str, float] = {"static6": 448.0, "4over6": 256.0}
 
 _F32 = np.float32
 

@@ -6,25 +6,57 @@ zero), ``Rp*D/16`` E4M3 scale bytes in the 128x4 tile order of
 :func:`fp4cache.layout.blocked_scale_offset`, and one float32 ``amax``.  This is what
 LongLive's ``dequantize_kv_cache_fp4`` reads; :func:`dequantize` has the same arguments
 and result, for any ``D`` that is a multiple of 64.
+
+Which maximum belongs to which rule: a block quantized with ``"4over6"`` (the default
+here, LongLive's own convention) is read with ``e4m3_max=256``, LongLive's reader
+default; a ``"static6"`` block with ``e4m3_max=448``.  Read with the wrong one, every
+value is off by 448/256 (relative RMSE about 0.76) and nothing in the arrays says so:
+:func:`quantize_block` therefore returns a :class:`LongLiveBlock`, which unpacks like the
+three arrays but remembers its rule, and :func:`dequantize` takes a list of such blocks
+and picks (or checks) ``e4m3_max`` itself.
 """
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Sequence
-from typing import Any
+from itertools import chain
+from operator import attrgetter
+from typing import Any, NamedTuple
 
 import numpy as np
 
 from . import _arrays
 from .codec import backend_module, check_rule
-from .formats import resolve_dtype
+from .formats import RULE_E4M3_MAX, resolve_dtype
 from .layout import GROUP, longlive_padded_rows
 
-__all__ = ["quantize_block", "dequantize", "dequantize_pool", "inverse_global_denominator"]
+__all__ = ["LongLiveBlock", "quantize_block", "dequantize", "dequantize_pool",
+           "inverse_global_denominator"]
+
+#: LongLive's reader defaults: ``e2m1_max = 6`` and ``e4m3_max = 256`` (the 4over6 rule).
+LONGLIVE_E2M1_MAX = 6.0
+LONGLIVE_E4M3_MAX = RULE_E4M3_MAX["4over6"]
+
+#: Largest block: the GPU kernels number groups with 32-bit thread ids.
+_MAX_GROUPS = 2**31 - 1
 
 
-def inverse_global_denominator(e2m1_max: float = 6.0, e4m3_max: float = 256.0) -> np.float32:
-    """``fl(1 / fl(e2m1_max * e4m3_max))`` in float32 (LongLive's global-scale divisor)."""
+def inverse_global_denominator(e2m1_max: float = LONGLIVE_E2M1_MAX,
+                               e4m3_max: float = LONGLIVE_E4M3_MAX) -> np.float32:
+    """``fl(1 / fl(e2m1_max * e4m3_max))`` in float32 (LongLive's global-scale divisor).
+
+    The defaults (6, 256) are LongLive's, those of blocks quantized with ``"4over6"``;
+    ``"static6"`` blocks use ``e4m3_max=448``.
+
+    Examples
+    --------
+    >>> from fp4cache import longlive
+    >>> float(longlive.inverse_global_denominator()) == float(np.float32(1 / 1536))
+    True
+    >>> float(longlive.inverse_global_denominator(e4m3_max=448.0)) * 2688
+    1.0000000...
+    """
     for name, val in (("e2m1_max", e2m1_max), ("e4m3_max", e4m3_max)):
         _arrays.check_scale(val, name)
     return np.float32(1.0) / (np.float32(e2m1_max) * np.float32(e4m3_max))
@@ -36,26 +68,95 @@ def _check_head_dim(d: int, name: str) -> None:
                          f"got {d}")
 
 
-def quantize_block(x: Any, scale_rule: str = "4over6"):
+class _BlockArrays(NamedTuple):
+    values: Any
+    scale_factors: Any
+    amax: Any
+
+
+class LongLiveBlock(_BlockArrays):
+    """One quantized LongLive block: ``(values, scale_factors, amax)`` plus its rule.
+
+    A tuple of the three arrays (``values, sf, amax = block`` works, and so does
+    ``zip(*blocks)``), with two attributes: ``scale_rule`` and ``e4m3_max`` (256 for
+    ``"4over6"``, 448 for ``"static6"``), the maximum :func:`dequantize` must use.  Pass
+    the blocks themselves to :func:`dequantize` and the rule cannot be lost; once split
+    into plain arrays, the caller must pass the right ``e4m3_max``.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> from fp4cache import longlive
+    >>> block = longlive.quantize_block(np.ones((2, 1, 64), np.float32), "static6")
+    >>> block.scale_rule, block.e4m3_max, len(block)
+    ('static6', 448.0, 3)
+    >>> values, scale_factors, amax = block
+    >>> values.shape, scale_factors.shape, amax.tolist()
+    ((128, 32), (512,), [1.0])
+    """
+
+    def __new__(cls, values: Any, scale_factors: Any, amax: Any, scale_rule: str):
+        self = super().__new__(cls, values, scale_factors, amax)
+        self.scale_rule = check_rule(scale_rule)
+        return self
+
+    def __getnewargs__(self):
+        return (*self, self.scale_rule)
+
+    @property
+    def e4m3_max(self) -> float:
+        """The ``e4m3_max`` to read this block with (256 for 4over6, 448 for static6)."""
+        return RULE_E4M3_MAX[self.scale_rule]
+
+    def __repr__(self) -> str:
+        v = self.values
+        return (f"LongLiveBlock(values={type(v).__module__.split('.')[0]} "
+                f"{v.dtype}{tuple(v.shape)}, scale_rule={self.scale_rule!r}, "
+                f"e4m3_max={self.e4m3_max:g})")
+
+
+def quantize_block(x: Any, scale_rule: str = "4over6") -> LongLiveBlock:
     """Quantize one cache block ``x [Tb, H, D]`` with a per-block amax.
 
     Parameters
     ----------
     x : ndarray, shape (Tb, H, D), bfloat16, float16 or float32
-        NumPy or CuPy array; ``D`` a multiple of 64.
-    scale_rule : {"4over6", "static6"}
-        ``"4over6"`` uses ``e4m3_max = 256`` (read back with the default
-        ``e4m3_max=256.0``); ``"static6"`` uses 448 (read back with ``e4m3_max=448.0``).
+        NumPy or CuPy array (or any DLPack producer); ``D`` a multiple of 64.
+    scale_rule : {"4over6", "static6"}, default "4over6"
+        ``"4over6"`` (the default, because it is LongLive's own convention: its writer
+        uses it and its reader defaults to ``e4m3_max=256``) uses ``M = 256``;
+        ``"static6"`` uses ``M = 448`` and must be read back with ``e4m3_max=448``.
+        (:func:`fp4cache.quantize` and :class:`fp4cache.PagedKVCache` default to
+        ``"static6"``, vLLM's rule.)
 
     Returns
     -------
-    values : uint8, shape (Rp, D/2)
-    scale_factors : uint8, shape (Rp*D/16,)
-        E4M3 bytes in the 128x4 blocked order.
-    amax : float32, shape (1,)
-        ``max |x|`` over the block (NaN if the block holds a NaN or infinity, in which
-        case every scale is NaN and the block decodes to NaN).
+    LongLiveBlock
+        The tuple ``(values, scale_factors, amax)`` with ``scale_rule`` and
+        ``e4m3_max`` attributes:
+
+        * values : uint8, shape (Rp, D/2)
+        * scale_factors : uint8, shape (Rp*D/16,), E4M3 bytes in the 128x4 blocked order
+        * amax : float32, shape (1,), ``max |x|`` over the block (NaN if the block holds a
+          NaN or an infinity, in which case every scale is NaN and the block decodes to
+          NaN)
+
+    Every argument is checked before any GPU work is queued.  On the GPU the result
+    stays on the device (the amax is computed there; no host synchronization).
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> from fp4cache import longlive
+    >>> x = np.linspace(-3, 3, 4 * 2 * 64, dtype=np.float32).reshape(4, 2, 64)
+    >>> block = longlive.quantize_block(x)          # 4over6, read with e4m3_max=256
+    >>> block.values.shape, block.amax.tolist(), block.e4m3_max
+    ((128, 32), [3.0], 256.0)
+    >>> y = longlive.dequantize([block], num_heads=2, block_token_size=4, dtype="float32")
+    >>> y.shape, bool(np.abs(y[0] - x).max() <= 0.25)
+    ((1, 4, 2, 64), True)
     """
+    check_rule(scale_rule)
     backend = _arrays.backend_of(x)
     x = _arrays.to_backend(x, backend, "x")
     _arrays.check_values(x, "x", (None, None, None))
@@ -63,92 +164,261 @@ def quantize_block(x: Any, scale_rule: str = "4over6"):
     if Tb == 0 or H == 0:
         raise ValueError(f"x must have at least one token and one head, got shape {x.shape}")
     _check_head_dim(D, "x.shape[2] (head_dim)")
-    check_rule(scale_rule)
-    xp = _arrays.array_module(backend)
     Rp = longlive_padded_rows(Tb, H)
+    if Rp * (D // GROUP) >= _MAX_GROUPS:
+        raise ValueError(f"x is too large for one LongLive block: {Rp} padded rows x "
+                         f"{D // GROUP} groups must stay below 2**31 - 1")
+    impl = backend_module(backend)
+    xp = _arrays.array_module(backend)
     values = xp.empty((Rp, D // 2), dtype=np.uint8)
     sf = xp.empty((Rp * (D // GROUP),), dtype=np.uint8)
     amax = xp.empty((1,), dtype=np.float32)
-    backend_module(backend).longlive_quantize(xp.ascontiguousarray(x), scale_rule, values, sf,
-                                              amax)
-    return values, sf, amax
+    impl.longlive_quantize(xp.ascontiguousarray(x), scale_rule, values, sf, amax)
+    return LongLiveBlock(values, sf, amax, scale_rule)
 
 
-def dequantize(values: Sequence[Any], scale_factors: Sequence[Any], amax: Sequence[Any],
-               num_heads: int, block_token_size: int, dtype: Any = "bfloat16",
-               e2m1_max: float = 6.0, e4m3_max: float = 256.0):
+def _resolve_e4m3_max(e4m3_max, rules: set) -> float:
+    """``e4m3_max`` of a call: the blocks' rule's, checked against an explicit one."""
+    if len(rules) > 1:
+        raise ValueError("the blocks were quantized with different scale rules "
+                         f"({', '.join(sorted(rules))}); decode each rule's blocks in its "
+                         "own call")
+    if not rules:
+        return LONGLIVE_E4M3_MAX if e4m3_max is None else e4m3_max
+    rule = next(iter(rules))
+    want = RULE_E4M3_MAX[rule]
+    if e4m3_max is not None and float(e4m3_max) != want:
+        raise ValueError(f"e4m3_max={e4m3_max!r} does not match the blocks: they were "
+                         f"quantized with scale_rule={rule!r}, which is read with "
+                         f"e4m3_max={want:g} (leave e4m3_max out to use it)")
+    return want
+
+
+def dequantize(values: Sequence[Any], scale_factors: Sequence[Any] | None = None,
+               amax: Sequence[Any] | None = None, num_heads: int | None = None,
+               block_token_size: int | None = None, dtype: Any = "bfloat16",
+               e2m1_max: float = LONGLIVE_E2M1_MAX, e4m3_max: float | None = None):
     """Decode LongLive cache blocks, like LongLive's ``dequantize_kv_cache_fp4``.
+
+    Two forms: LongLive's, ``dequantize(values, scale_factors, amax, num_heads,
+    block_token_size, ...)`` with three lists of per-block arrays, and
+    ``dequantize(blocks, num_heads=..., block_token_size=...)`` with a list of the
+    :class:`LongLiveBlock` that :func:`quantize_block` returns, which also carry their
+    rule.
 
     Parameters
     ----------
-    values : sequence of uint8 arrays, each (Rp, D/2)
+    values : sequence of uint8 arrays, each (Rp, D/2); or a sequence of LongLiveBlock
     scale_factors : sequence of uint8/float8_e4m3fn arrays, each with Rp*D/16 bytes
+        Omitted (None) when ``values`` holds LongLiveBlock.
     amax : sequence of float32 arrays, each (1,)
+        Omitted (None) when ``values`` holds LongLiveBlock.
     num_heads, block_token_size : int
-        ``H`` and ``Tb``.
+        ``H`` and ``Tb``.  ``Rp`` must be ``Tb*H`` rounded up to 128: a mismatch with the
+        arrays is a ``ValueError`` (only the product can be checked: 8 heads x 32 tokens
+        and 4 heads x 64 tokens have the same rows).
     dtype : {"bfloat16", "float16", "float32"}
-    e2m1_max, e4m3_max : float
-        The global scale is ``amax * fl(1/fl(e2m1_max*e4m3_max))``.
+    e2m1_max : float, default 6.0
+    e4m3_max : float, optional
+        The global scale is ``amax * fl(1/fl(e2m1_max*e4m3_max))``.  Default: the blocks'
+        own (LongLiveBlock input), else 256, LongLive's default, right for blocks
+        quantized with ``"4over6"``; pass 448 for ``"static6"`` blocks.  A value that
+        contradicts LongLiveBlock input is a ``ValueError``.
 
     Returns
     -------
     ndarray, shape (1, len(values)*Tb, H, D)
         ``x = fl(fl(e2m1 * sf) * fl(amax * inv))`` rounded to ``dtype``.
 
+    Notes
+    -----
     On the GPU the per-block pointers go through one small host-to-device copy, made
-    once per distinct list of blocks (the device tables are cached by content);
-    :func:`dequantize_pool` needs none.
+    once per distinct list of blocks (the device tables are cached by content); then
+    the call is one kernel launch.  A call with the same block arrays (the same
+    objects, in the same order) and arguments as an earlier checked call skips the
+    checks: its cost no longer grows with the per-array checks (an in-place
+    ``a.shape = ...`` of a block array is not seen then; it cannot change the bytes
+    read).  :func:`dequantize_pool` needs no pointer tables at all.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> from fp4cache import longlive
+    >>> rng = np.random.default_rng(0)
+    >>> blocks = [longlive.quantize_block(rng.standard_normal((32, 8, 64)).astype(np.float32),
+    ...                                   "static6") for _ in range(3)]
+    >>> longlive.dequantize(blocks, num_heads=8, block_token_size=32).shape  # e4m3_max 448
+    (1, 96, 8, 64)
+    >>> vals, sfs, ams = zip(*blocks)                  # LongLive's form: say e4m3_max
+    >>> y = longlive.dequantize(vals, sfs, ams, 8, 32, e4m3_max=448.0)
+    >>> longlive.dequantize(vals, sfs, ams, num_heads=4, block_token_size=32)
+    Traceback (most recent call last):
+    ...
+    ValueError: num_heads=4 and block_token_size=32 do not match the blocks: ...
     """
-    key = None
-    if all(isinstance(x, (list, tuple)) for x in (values, scale_factors, amax)):
-        key = _signature("list", (*values, *scale_factors, *amax), num_heads,
-                         block_token_size, dtype, e2m1_max, e4m3_max, None, len(values),
-                         len(scale_factors))
-    hit = _FAST.get(key) if key is not None else None
-    if hit is not None:  # same arrays as a validated earlier call: launch straight away
-        run, shape, dt = hit
-        out = _arrays.array_module("cuda").empty(shape, dtype=dt)
+    if scale_factors is None and amax is None and _all_blocks(values):
+        vals, sfs, ams = zip(*values)
+        e4m3_max = _resolve_e4m3_max(e4m3_max, set(map(_RULE_OF, values)))
+    elif scale_factors is None or amax is None:
+        if scale_factors is None and amax is None:
+            raise TypeError("values must be a non-empty list of LongLiveBlock (what "
+                            "quantize_block returns) when scale_factors and amax are omitted")
+        raise TypeError("pass both scale_factors and amax, or neither (with a list of "
+                        "LongLiveBlock as values)")
+    else:
+        vals, sfs, ams = values, scale_factors, amax
+        if e4m3_max is None:
+            e4m3_max = LONGLIVE_E4M3_MAX
+    args = (num_heads, block_token_size, dtype, e2m1_max, e4m3_max)
+    hit = _list_hit(vals, sfs, ams, args)
+    if hit is not None:  # the same arrays as a checked earlier call: launch at once
+        run, shape, dt, xp = hit
+        out = xp.empty(shape, dtype=dt)
         run(out)
         return out
-    if not isinstance(values, (list, tuple)) or not values:
+    if not isinstance(vals, (list, tuple)) or not vals:
         raise ValueError("values must be a non-empty list of per-block arrays")
-    if not (len(values) == len(scale_factors) == len(amax)):
+    if not isinstance(sfs, (list, tuple)) or not isinstance(ams, (list, tuple)):
+        raise TypeError("scale_factors and amax must be lists of per-block arrays, got "
+                        f"{type(sfs).__name__} and {type(ams).__name__}")
+    if not (len(vals) == len(sfs) == len(ams)):
         raise ValueError(
             "values, scale_factors and amax must have the same length, got "
-            f"{len(values)}, {len(scale_factors)}, {len(amax)}"
+            f"{len(vals)}, {len(sfs)}, {len(ams)}"
         )
+    if num_heads is None or block_token_size is None:
+        raise TypeError("dequantize needs num_heads and block_token_size")
     H, Tb = _check_counts(num_heads, block_token_size)
     dt = resolve_dtype(dtype)
     inv = inverse_global_denominator(e2m1_max, e4m3_max)
-    backend = _arrays.backend_of(values[0])
-    vals = [_arrays.to_backend(a, backend, f"values[{i}]") for i, a in enumerate(values)]
-    sfs = [_arrays.as_scale_bytes(_arrays.to_backend(a, backend, name), name)
-           for name, a in ((f"scale_factors[{i}]", a) for i, a in enumerate(scale_factors))]
-    ams = [_arrays.to_backend(a, backend, f"amax[{i}]") for i, a in enumerate(amax)]
-    Rp, D = _check_block_arrays(vals, sfs, ams, H, Tb)
+    backend = _arrays.backend_of(vals[0])
+    checked, plain = _intake(vals, sfs, ams, backend)
+    Rp, D = _check_block_arrays(*checked, H, Tb)
     xp = _arrays.array_module(backend)
-    out = xp.empty((1, len(vals) * Tb, H, D), dtype=dt)
     impl = backend_module(backend)
+    if backend == "cuda":  # everything is checked before the GPU sees any work
+        _check_gpu_blocks(*checked)
+    out = xp.empty((1, len(vals) * Tb, H, D), dtype=dt)
     if backend == "cpu":
-        impl.longlive_dequantize(vals, sfs, ams, out, num_heads=H, block_token_size=Tb,
+        impl.longlive_dequantize(*checked, out, num_heads=H, block_token_size=Tb,
                                  inv_denom=inv)
-    else:
-        for name, group in (("values", vals), ("scale_factors", sfs), ("amax", ams)):
-            for i, a in enumerate(group):
-                if not a.flags.c_contiguous:
-                    raise ValueError(f"{name}[{i}] must be C-contiguous")
-        # The three pointer tables: one small host-to-device copy, skipped when the same
-        # blocks were decoded recently (the device tables are cached by content).
-        run = impl.longlive_list_launcher(vals, sfs, ams, D, out.dtype, True, num_heads=H,
-                                          block_token_size=Tb, inv_denom=inv)
-        run(out)
-        _remember(key, (run, out.shape, out.dtype))
+        return out
+    # The three pointer tables: one small host-to-device copy, skipped when the same
+    # blocks were decoded recently (the device tables are cached by content).
+    run = impl.longlive_list_launcher(*checked, D, out.dtype, True, num_heads=H,
+                                      block_token_size=Tb, inv_denom=inv)
+    run(out)
+    if plain:  # the checked arrays are the caller's own objects
+        _list_remember(vals, sfs, ams, args, (run, out.shape, out.dtype, xp))
     return out
+
+
+def _all_blocks(values) -> bool:
+    return type(values) in _SEQ and bool(values) and set(map(type, values)) == {LongLiveBlock}
+
+
+_RULE_OF = attrgetter("scale_rule")
+
+
+_U8 = np.dtype(np.uint8)
+_F32 = np.dtype(np.float32)
+
+
+def _intake(vals, sfs, ams, backend):
+    """``((vals, sfs, ams), plain)``: the per-block arrays as arrays of ``backend``, scale
+    bytes as uint8; ``plain`` when they are the caller's own objects (every one already a
+    plain array of that backend, the scale bytes uint8)."""
+    nd = _arrays.array_module(backend).ndarray
+    if all(type(a) is nd for a in chain(vals, sfs, ams)) and \
+            set(map(attrgetter("dtype"), sfs)) == {_U8}:
+        return (list(vals), list(sfs), list(ams)), True
+    vals = [_arrays.to_backend(a, backend, f"values[{i}]") for i, a in enumerate(vals)]
+    sfs = [_arrays.as_scale_bytes(_arrays.to_backend(a, backend, f"scale_factors[{i}]"),
+                                  f"scale_factors[{i}]") for i, a in enumerate(sfs)]
+    ams = [_arrays.to_backend(a, backend, f"amax[{i}]") for i, a in enumerate(ams)]
+    return (vals, sfs, ams), False
+
+
+def _first(group, bad) -> int:
+    return next(i for i, a in enumerate(group) if bad(a))
+
+
+def _check_gpu_blocks(vals, sfs, ams) -> None:
+    """One GPU for every block, and C-contiguous values and scale bytes."""
+    dev = vals[0].data.device_id
+    for name, group in (("values", vals), ("scale_factors", sfs), ("amax", ams)):
+        if set(map(attrgetter("data.device_id"), group)) != {dev}:
+            i = _first(group, lambda a: a.data.device_id != dev)
+            raise ValueError(f"{name}[{i}] is on GPU {group[i].data.device_id} but "
+                             f"values[0] is on GPU {dev}: all blocks must be on one GPU")
+    for name, group in (("values", vals), ("scale_factors", sfs)):
+        if not all(map(attrgetter("flags.c_contiguous"), group)):
+            i = _first(group, lambda a: not a.flags.c_contiguous)
+            raise ValueError(f"{name}[{i}] must be C-contiguous")
+
+
+# -- the list API's hot path ----------------------------------------------------------
+# A checked GPU call of ``dequantize`` is remembered by the identity of its block arrays
+# (``id`` of each, in order) and its scalar arguments.  Identity is safe because every
+# entry holds a weak reference to each of its arrays whose callback drops the entry
+# when the array dies, before its id can be reused; a CuPy array's data pointer, dtype
+# and size never change.  A hit costs three ``map(id, ...)`` and one dictionary lookup.
+_LIST_FAST: dict = {}
+_LIST_FAST_MAX = 32
+
+
+def _list_key(vals, sfs, ams, args: tuple):
+    try:
+        key = (tuple(map(id, vals)), tuple(map(id, sfs)), tuple(map(id, ams)),
+               tuple((type(a), a) for a in args))
+        hash(key)
+        return key
+    except TypeError:  # an unhashable argument (a dtype object, say): no fast path
+        return None
+
+
+def _list_hit(vals, sfs, ams, args: tuple):
+    """The prepared launch of an earlier checked call with these arrays, or None."""
+    if not _LIST_FAST or type(vals) not in _SEQ or type(sfs) not in _SEQ \
+            or type(ams) not in _SEQ:
+        return None
+    key = _list_key(vals, sfs, ams, args)
+    entry = _LIST_FAST.get(key) if key is not None else None
+    if entry is None or entry[0] != _current_device():
+        return None
+    return entry[2]
+
+
+_SEQ = (list, tuple)
+
+
+def _current_device() -> int:
+    import cupy
+
+    return cupy.cuda.runtime.getDevice()
+
+
+def _list_remember(vals, sfs, ams, args, launch) -> None:
+    key = _list_key(vals, sfs, ams, args)
+    if key is None:
+        return
+    if len(_LIST_FAST) >= _LIST_FAST_MAX:
+        _LIST_FAST.clear()
+
+    def drop(_ref, key=key):
+        _LIST_FAST.pop(key, None)
+
+    try:
+        refs = [weakref.ref(a, drop) for a in chain(vals, sfs, ams)]
+    except TypeError:  # an array type without weak references: no fast path
+        return
+    _LIST_FAST[key] = (_current_device(), refs, launch)
 
 
 def dequantize_pool(values: Any, scale_factors: Any, amax: Any, block_ids: Any,
                     num_heads: int, block_token_size: int, dtype: Any = "bfloat16",
-                    e2m1_max: float = 6.0, e4m3_max: float = 256.0, *, out: Any = None):
+                    e2m1_max: float = LONGLIVE_E2M1_MAX, e4m3_max: float = LONGLIVE_E4M3_MAX,
+                    *, out: Any = None):
     """Decode blocks ``block_ids`` of a pool of LongLive blocks.
 
     Parameters
@@ -160,11 +430,36 @@ def dequantize_pool(values: Any, scale_factors: Any, amax: Any, block_ids: Any,
         Blocks to decode, in output order, in ``[0, N)``.  The CPU raises
         ``IndexError`` for an id outside it; the GPU reads nothing for such an id and
         writes NaN for its tokens (no host synchronization).
+    num_heads, block_token_size : int
+        ``H`` and ``Tb``; ``Tb*H`` rounded up to 128 must be ``Rp`` (``ValueError``).
+    dtype : {"bfloat16", "float16", "float32"}
+        Ignored when ``out`` is given.
+    e2m1_max : float, default 6.0
+    e4m3_max : float, default 256.0
+        256 (LongLive's default) for blocks quantized with ``"4over6"``, 448 for
+        ``"static6"``: a stacked pool no longer knows its rule, so say it here.
     out : ndarray, optional
         ``(1, n*Tb, H, D)`` output.
 
     On the GPU this is one kernel launch: no host synchronization, and with ``out`` no
     allocation, so it can be captured in a CUDA graph.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> from fp4cache import longlive
+    >>> rng = np.random.default_rng(1)
+    >>> blocks = [longlive.quantize_block(rng.standard_normal((8, 2, 64)).astype(np.float32))
+    ...           for _ in range(4)]                       # 4over6: e4m3_max=256
+    >>> values, scale_factors, amax = (np.stack(a) for a in zip(*blocks))
+    >>> values.shape, scale_factors.shape, amax.shape
+    ((4, 128, 32), (4, 512), (4, 1))
+    >>> y = longlive.dequantize_pool(values, scale_factors, amax, np.array([3, 0]), 2, 8)
+    >>> y.shape
+    (1, 16, 2, 64)
+    >>> bool((y[0, :8] == longlive.dequantize([blocks[3]], num_heads=2,
+    ...                                        block_token_size=8)[0]).all())
+    True
     """
     key = _signature("pool", (values, scale_factors, amax, block_ids), num_heads,
                      block_token_size, dtype, e2m1_max, e4m3_max, out)
@@ -181,8 +476,6 @@ def dequantize_pool(values: Any, scale_factors: Any, amax: Any, block_ids: Any,
     scale_factors = _arrays.as_scale_bytes(
         _arrays.to_backend(scale_factors, backend, "scale_factors"), "scale_factors")
     amax = _arrays.to_backend(amax, backend, "amax")
-    ids = _arrays.to_backend(block_ids, backend, "block_ids", allow_convert=True)
-    _arrays.check_index_array(ids, "block_ids")
     if values.ndim != 3:
         raise ValueError(f"values must be 3-D (N, Rp, D/2), got shape {values.shape}")
     N = values.shape[0]
@@ -190,16 +483,26 @@ def dequantize_pool(values: Any, scale_factors: Any, amax: Any, block_ids: Any,
         raise ValueError(f"scale_factors must be 2-D (N={N}, Rp*D/16), got {scale_factors.shape}")
     if amax.dtype != np.float32 or amax.size != N:
         raise ValueError(f"amax must be float32 with N={N} entries, got {amax.dtype} {amax.shape}")
+    if N == 0:
+        raise ValueError("values must hold at least one block (N >= 1), got shape "
+                         f"{tuple(values.shape)}")
     Rp, D = _check_block_arrays([values[0]], [scale_factors[0]], [amax.reshape(N, 1)[0]], H, Tb)
     inv = inverse_global_denominator(e2m1_max, e4m3_max)
+    dt = resolve_dtype(dtype) if out is None else resolve_dtype(out.dtype, name="out.dtype")
+    if backend == "cuda":
+        for name, a in (("values", values), ("scale_factors", scale_factors), ("amax", amax)):
+            if not a.flags.c_contiguous:
+                raise ValueError(f"{name} must be C-contiguous")
+    # Checked last because a list or NumPy ids array is copied to the GPU here.
+    ids = _arrays.to_backend(block_ids, backend, "block_ids", allow_convert=True)
+    _arrays.check_index_array(ids, "block_ids")
     n = ids.shape[0]
     shape = (1, n * Tb, H, D)
     xp = _arrays.array_module(backend)
     if out is None:
-        out = xp.empty(shape, dtype=resolve_dtype(dtype))
+        out = xp.empty(shape, dtype=dt)
     else:
-        out = _arrays.check_out(out, "out", shape, resolve_dtype(out.dtype, name="out.dtype"),
-                                backend)
+        out = _arrays.check_out(out, "out", shape, dt, backend)
     if n == 0:
         return out
     impl = backend_module(backend)
@@ -212,9 +515,6 @@ def dequantize_pool(values: Any, scale_factors: Any, amax: Any, block_ids: Any,
                                  [amax.reshape(N, 1)[i] for i in idl], out, num_heads=H,
                                  block_token_size=Tb, inv_denom=inv)
         return out
-    for name, a in (("values", values), ("scale_factors", scale_factors), ("amax", amax)):
-        if not a.flags.c_contiguous:
-            raise ValueError(f"{name} must be C-contiguous")
     run = impl.longlive_pool_launcher(values, scale_factors, amax, ids, D, out.dtype,
                                       out.data.ptr % 16 == 0, num_heads=H,
                                       block_token_size=Tb, inv_denom=inv)
@@ -272,27 +572,35 @@ def _check_counts(num_heads, block_token_size):
 
 
 def _check_block_arrays(vals, sfs, ams, H, Tb):
+    """``(Rp, D)`` of equally shaped blocks whose rows match ``Tb*H`` (padded to 128)."""
     v0 = vals[0]
     if v0.ndim != 2:
-        raise ValueError(f"values[0] must be 2-D (Rp, D/2), got shape {v0.shape}")
+        raise ValueError(f"values[0] must be 2-D (Rp, D/2), got shape {tuple(v0.shape)}")
     Rp, half = v0.shape
     D = 2 * half
     _check_head_dim(D, "head_dim (2*values[0].shape[1])")
-    if Rp % 128 or Rp < Tb * H:
+    want = longlive_padded_rows(Tb, H)
+    if Rp != want:
         raise ValueError(
-            f"values rows must be a multiple of 128 and >= block_token_size*num_heads "
-            f"({Tb * H}), got {Rp}"
+            f"num_heads={H} and block_token_size={Tb} do not match the blocks: "
+            f"values[0] has Rp = {Rp} rows, but block_token_size*num_heads = {Tb * H} rows "
+            f"pad to {want} (Rp is Tb*H rounded up to a multiple of 128)"
         )
     S = D // GROUP
-    for i, (v, sf, am) in enumerate(zip(vals, sfs, ams)):
-        if v.dtype != np.uint8:
-            raise TypeError(f"values[{i}] must have dtype uint8, got {v.dtype}")
-        if tuple(v.shape) != (Rp, half):
-            raise ValueError(f"values[{i}] must have shape {(Rp, half)}, got {tuple(v.shape)}")
-        if sf.size != Rp * S:
-            raise ValueError(f"scale_factors[{i}] must hold Rp*D/16 = {Rp * S} bytes, "
-                             f"got {sf.size}")
-        if am.dtype != np.float32 or am.size < 1:
-            raise TypeError(f"amax[{i}] must be a float32 array with one element, got "
-                            f"{am.dtype} {tuple(am.shape)}")
+    checks = (
+        ("values", vals, "dtype", {_U8}, TypeError, "must have dtype uint8"),
+        ("values", vals, "shape", {(Rp, half)}, ValueError, f"must have shape {(Rp, half)}"),
+        ("scale_factors", sfs, "size", {Rp * S}, ValueError,
+         f"must hold Rp*D/16 = {Rp * S} bytes"),
+        ("amax", ams, "dtype", {_F32}, TypeError, "must be a float32 array with one element"),
+    )
+    for name, group, attr, ok, exc, what in checks:
+        if not set(map(attrgetter(attr), group)) <= ok:
+            i = _first(group, lambda a, attr=attr, ok=ok: getattr(a, attr) not in ok)
+            got = group[i]
+            raise exc(f"{name}[{i}] {what}, got {got.dtype} {tuple(got.shape)}")
+    if min(map(attrgetter("size"), ams)) < 1:
+        i = _first(ams, lambda a: a.size < 1)
+        raise ValueError(f"amax[{i}] must be a float32 array with one element, got an empty "
+                         f"array of shape {tuple(ams[i].shape)}")
     return Rp, D

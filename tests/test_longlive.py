@@ -212,3 +212,125 @@ def test_quantize_block_non_contiguous_input():
         np.testing.assert_array_equal(a, b)
     for a, b in zip(got, ref_quantize_block(np.ascontiguousarray(x), "4over6")):
         np.testing.assert_array_equal(a, b)
+
+
+# -- the rule travels with the block (issue 14) ---------------------------------------
+def test_quantize_block_returns_a_block_that_knows_its_rule():
+    import pickle
+
+    x = np.random.default_rng(10).standard_normal((4, 2, 64)).astype(F32)
+    for rule, m in (("4over6", 256.0), ("static6", 448.0)):
+        block = longlive.quantize_block(x, rule)
+        assert isinstance(block, longlive.LongLiveBlock) and isinstance(block, tuple)
+        assert block.scale_rule == rule and block.e4m3_max == m
+        values, sf, amax = block  # still unpacks like the three arrays
+        assert values is block.values and sf is block.scale_factors and amax is block.amax
+        assert f"scale_rule={rule!r}" in repr(block) and f"e4m3_max={m:g}" in repr(block)
+        back = pickle.loads(pickle.dumps(block))
+        assert back.scale_rule == rule
+        for a, b in zip(back, block):
+            np.testing.assert_array_equal(a, b)
+    assert longlive.quantize_block(x).scale_rule == "4over6"  # LongLive's convention
+
+
+def test_dequantize_takes_blocks_and_their_rule():
+    rng = np.random.default_rng(11)
+    Tb, H, D = 8, 4, 64
+    xs = [rng.standard_normal((Tb, H, D)).astype(F32) * 9 for _ in range(3)]
+    s6 = [longlive.quantize_block(x, "static6") for x in xs]
+    s46 = [longlive.quantize_block(x, "4over6") for x in xs]
+    got = longlive.dequantize(s6, num_heads=H, block_token_size=Tb, dtype="float32")
+    want = ref_dequantize(*zip(*s6), H, Tb, "float32", e4m3_max=448.0)
+    assert_same_values(got, want)
+    rel = np.sqrt(np.mean((got[0] - np.concatenate(xs)) ** 2) / np.mean(np.concatenate(xs) ** 2))
+    assert rel < 0.12
+    # the same call with the matching maximum spelled out is the same; a wrong one is loud
+    assert_same_values(longlive.dequantize(s6, num_heads=H, block_token_size=Tb,
+                                           dtype="float32", e4m3_max=448), want)
+    with pytest.raises(ValueError, match=r"e4m3_max=256.*static6.*448"):
+        longlive.dequantize(s6, num_heads=H, block_token_size=Tb, e4m3_max=256.0)
+    got46 = longlive.dequantize(s46, None, None, H, Tb, "float32")
+    assert_same_values(got46, ref_dequantize(*zip(*s46), H, Tb, "float32"))
+    with pytest.raises(ValueError, match="different scale rules"):
+        longlive.dequantize([s6[0], s46[1]], num_heads=H, block_token_size=Tb)
+    with pytest.raises(TypeError, match="LongLiveBlock"):
+        longlive.dequantize([b.values for b in s6], num_heads=H, block_token_size=Tb)
+    with pytest.raises(TypeError, match="both scale_factors and amax"):
+        longlive.dequantize([b.values for b in s6], [b.scale_factors for b in s6],
+                            num_heads=H, block_token_size=Tb)
+    with pytest.raises(TypeError, match="num_heads and block_token_size"):
+        longlive.dequantize(s6)
+    # plain arrays keep LongLive's default (256): the caller owns the rule then
+    plain = longlive.dequantize(*zip(*s46), H, Tb, dtype="float32")
+    assert_same_values(plain, got46)
+
+
+@pytest.mark.parametrize("H, Tb, bad_H, bad_Tb", [
+    (8, 32, 4, 32),    # the issue's case: 256 rows read as 128
+    (8, 32, 8, 16),
+    (8, 32, 8, 64),    # more rows than the arrays hold
+    (3, 5, 3, 50),     # 15 -> 128 rows vs 150 -> 256
+])
+def test_dequantize_refuses_heads_tokens_that_do_not_match_the_rows(H, Tb, bad_H, bad_Tb):
+    rng = np.random.default_rng(12)
+    blocks = [longlive.quantize_block(rng.standard_normal((Tb, H, 128)).astype(F32))
+              for _ in range(2)]
+    vals, sfs, ams = (list(t) for t in zip(*blocks))
+    pattern = rf"num_heads={bad_H} and block_token_size={bad_Tb} do not match.*Rp = "
+    with pytest.raises(ValueError, match=pattern):
+        longlive.dequantize(vals, sfs, ams, bad_H, bad_Tb)
+    with pytest.raises(ValueError, match=pattern):
+        longlive.dequantize(blocks, num_heads=bad_H, block_token_size=bad_Tb)
+    with pytest.raises(ValueError, match=pattern):
+        longlive.dequantize_pool(np.stack(vals), np.stack(sfs), np.stack(ams), [0, 1],
+                                 bad_H, bad_Tb)
+    assert longlive.dequantize(vals, sfs, ams, H, Tb).shape == (1, 2 * Tb, H, 128)
+
+
+@pytest.mark.parametrize("bad, exc, match", [
+    (lambda x: (x, "6over4"), ValueError, "scale_rule"),
+    (lambda x: (x[..., :48], "4over6"), ValueError, "head_dim"),
+    (lambda x: (x[:0], "4over6"), ValueError, "at least one token"),
+    (lambda x: (x.astype(np.float64), "4over6"), TypeError, "x must have dtype"),
+    (lambda x: (x[0], "4over6"), ValueError, "3-D"),
+])
+def test_quantize_block_checks_everything_before_any_work(bad, exc, match, monkeypatch):
+    from fp4cache import _numpy_backend
+
+    def no_work(*a, **k):
+        raise AssertionError("the backend was called before the arguments were checked")
+
+    monkeypatch.setattr(_numpy_backend, "longlive_quantize", no_work)
+    monkeypatch.setattr(np, "ascontiguousarray", no_work)
+    x = np.ones((4, 2, 64), F32)
+    with pytest.raises(exc, match=match):
+        longlive.quantize_block(*bad(x))
+
+
+def test_list_fast_path_entries_die_with_their_arrays(monkeypatch):
+    """The hot path's entries are keyed by array identity; an entry must disappear as
+    soon as any of its arrays dies (before its id could be reused)."""
+    import gc
+
+    monkeypatch.setattr(longlive, "_current_device", lambda: 0)
+    monkeypatch.setattr(longlive, "_LIST_FAST", {})
+    vals = [np.zeros((128, 32), np.uint8) for _ in range(3)]
+    sfs = [np.zeros(512, np.uint8) for _ in range(3)]
+    ams = [np.ones(1, F32) for _ in range(3)]
+    args = (2, 8, "bfloat16", 6.0, 256.0)
+    launch = ("run", (1, 24, 2, 64), np.float32, np)
+    longlive._list_remember(vals, sfs, ams, args, launch)
+    assert longlive._list_hit(vals, sfs, ams, args) is launch
+    assert longlive._list_hit(tuple(vals), sfs, ams, args) is launch  # same objects
+    assert longlive._list_hit(vals[::-1], sfs, ams, args) is None     # another order
+    assert longlive._list_hit(vals, sfs, ams, (2, 8, "float16", 6.0, 256.0)) is None
+    assert longlive._list_hit(vals, sfs, ams, (2.0, 8, "bfloat16", 6.0, 256.0)) is None
+    assert longlive._list_hit(vals, sfs, ams, (True, 8, "bfloat16", 6.0, 256.0)) is None
+    monkeypatch.setattr(longlive, "_current_device", lambda: 1)
+    assert longlive._list_hit(vals, sfs, ams, args) is None           # another GPU
+    monkeypatch.setattr(longlive, "_current_device", lambda: 0)
+    copy = [a.copy() for a in vals]
+    assert longlive._list_hit(copy, sfs, ams, args) is None           # equal, not same
+    del sfs[1]  # the list drops it, but the array lives on in nothing else: it dies
+    gc.collect()
+    assert longlive._LIST_FAST == {}

@@ -96,15 +96,86 @@ def test_wheel_installs_and_ships_kernels(tmp_path):
 def test_public_api_and_version():
     import fp4cache
 
-    for name in ("quantize", "dequantize", "PagedKVCache", "PageGeometry", "longlive",
-                 "formats", "layout", "gpu_available", "__version__"):
+    for name in ("quantize", "dequantize", "calibrate_scale", "PagedKVCache", "PageGeometry",
+                 "longlive", "formats", "layout", "gpu_available", "__version__"):
         assert hasattr(fp4cache, name), name
         assert name in fp4cache.__all__, name
     assert callable(fp4cache.longlive.quantize_block)
     assert callable(fp4cache.longlive.dequantize)
+    import numpy as np
+
+    block = fp4cache.longlive.quantize_block(np.ones((1, 1, 64), np.float32))
+    assert type(block) is fp4cache.longlive.LongLiveBlock
     try:
         import tomllib
     except ImportError:  # Python 3.10
         pytest.skip("tomllib needs Python 3.11")
     meta = tomllib.loads((REPO / "pyproject.toml").read_text())
     assert fp4cache.__version__ == meta["project"]["version"]
+
+
+#: sha256 of the official Apache License 2.0 text (apache.org/licenses/LICENSE-2.0.txt).
+APACHE_2_SHA256 = "cfc7749b96f63bd31c3c42b5c471bf756814053e847c10f3eb003417bc523d30"
+
+
+def test_license_is_the_official_apache_2_text():
+    text = (REPO / "LICENSE").read_bytes()
+    assert hashlib.sha256(text).hexdigest() == APACHE_2_SHA256
+    try:
+        import tomllib
+    except ImportError:  # Python 3.10
+        pytest.skip("tomllib needs Python 3.11")
+    meta = tomllib.loads((REPO / "pyproject.toml").read_text())
+    assert meta["project"]["license"] == "Apache-2.0"
+
+
+def _repo_files(folder: str) -> set[str]:
+    return {str(p.relative_to(REPO)) for p in (REPO / folder).rglob("*")
+            if p.is_file() and "__pycache__" not in p.parts and p.suffix != ".pyc"
+            and ".ipynb_checkpoints" not in p.parts}
+
+
+def test_sdist_is_complete(tmp_path):
+    """The sdist holds what its tests need (notebooks, docs), the LICENSE, and no CI or
+    build debris; the notebook and doc tests can run from an unpacked sdist."""
+    pytest.importorskip("hatchling", reason="hatchling (the build backend) is not installed")
+    import tarfile
+
+    out = subprocess.run([sys.executable, "-m", "hatchling", "build", "-t", "sdist", "-d",
+                          str(tmp_path)], cwd=REPO, capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    (sdist,) = tmp_path.glob("fp4cache-*.tar.gz")
+    with tarfile.open(sdist) as tar:
+        names = {n.split("/", 1)[1] for n in tar.getnames() if "/" in n}
+        lic = tar.extractfile(next(m for m in tar.getmembers()
+                                   if m.name.endswith("/LICENSE"))).read()
+    assert hashlib.sha256(lic).hexdigest() == APACHE_2_SHA256
+    for f in ("LICENSE", "README.md", "pyproject.toml", "PKG-INFO"):
+        assert f in names, f
+    for folder in ("fp4cache", "kernels", "tests", "notebooks", "docs"):
+        want = _repo_files(folder)
+        assert want, folder
+        missing = want - names
+        assert not missing, f"sdist lacks {sorted(missing)}"
+    for n in ("notebooks/01_quickstart.ipynb", "docs/format.md", "tests/test_notebooks.py"):
+        assert n in names, n
+    assert not any(n.startswith((".ci/", ".git/", ".venv")) or "__pycache__" in n
+                   for n in names), sorted(names)
+
+
+def test_notebook_tests_skip_without_their_extra():
+    """With only the ``test`` extra, the notebook tests skip (with a reason), not fail."""
+    code = (
+        "import sys\n"
+        "for m in ('nbclient', 'nbformat', 'ipykernel', 'matplotlib'): sys.modules[m] = None\n"
+        "import pytest\n"
+        "sys.exit(pytest.main(['-q', '-rs', '-p', 'no:cacheprovider', "
+        "'tests/test_notebooks.py', '-k', 'stored_clean or executes']))\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    env["PYTHONPATH"] = str(REPO)
+    r = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True,
+                       text=True, timeout=120)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "failed" not in r.stdout and "skipped" in r.stdout, r.stdout
+    assert "the notebook tests need nbclient, nbformat, ipykernel, matplotlib" in r.stdout
