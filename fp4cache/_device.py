@@ -94,13 +94,16 @@ class DeviceGuard:
 
 
 def on_input_device(fn):
-    """Decorator of a function whose first argument is its data: a CuPy array there makes
+    """Decorator of a function whose first argument is its data (an array, or a list of
+    arrays or of tuples of arrays, whose first one is looked at): a CuPy array there makes
     that array's GPU current for the call (and the previous one current again after)."""
 
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
-        dev = array_device(args[0]) if args and type(args[0]).__module__.startswith(
-            "cupy") else None
+        a = args[0] if args else None
+        while isinstance(a, (list, tuple)) and a:
+            a = a[0]
+        dev = array_device(a) if type(a).__module__.startswith("cupy") else None
         if dev is None:
             return fn(*args, **kwargs)
         with DeviceGuard(dev):

@@ -27,6 +27,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from . import _arrays
+from ._device import on_input_device
 from .codec import backend_module, check_rule
 from .formats import RULE_E4M3_MAX, resolve_dtype
 from .layout import GROUP, longlive_padded_rows
@@ -115,6 +116,7 @@ class LongLiveBlock(_BlockArrays):
                 f"e4m3_max={self.e4m3_max:g})")
 
 
+@on_input_device
 def quantize_block(x: Any, scale_rule: str = "4over6") -> LongLiveBlock:
     """Quantize one cache block ``x [Tb, H, D]`` with a per-block amax.
 
@@ -194,6 +196,7 @@ def _resolve_e4m3_max(e4m3_max, rules: set) -> float:
     return want
 
 
+@on_input_device
 def dequantize(values: Sequence[Any], scale_factors: Sequence[Any] | None = None,
                amax: Sequence[Any] | None = None, num_heads: int | None = None,
                block_token_size: int | None = None, dtype: Any = "bfloat16",
@@ -415,6 +418,7 @@ def _list_remember(vals, sfs, ams, args, launch) -> None:
     _LIST_FAST[key] = (_current_device(), refs, launch)
 
 
+@on_input_device
 def dequantize_pool(values: Any, scale_factors: Any, amax: Any, block_ids: Any,
                     num_heads: int, block_token_size: int, dtype: Any = "bfloat16",
                     e2m1_max: float = LONGLIVE_E2M1_MAX, e4m3_max: float = LONGLIVE_E4M3_MAX,
