@@ -180,6 +180,7 @@ def _run(args, device: str) -> int:
 
     rules = ("static6", "4over6") if args.rule == "both" else (args.rule,)
     rows = []
+    counted = []
     for rule in rules:
         k_scale, v_scale = calibrate_scale(k, rule), calibrate_scale(v, rule)
         cache = PagedKVCache(num_blocks, T, H, D, layout=args.layout, scale_rule=rule,
@@ -224,6 +225,10 @@ def _run(args, device: str) -> int:
                      + blocks_np.nbytes) / times["gather"]
         rows.append((rule, k_err, v_err, times, store_bw, gather_bw, n / times["store"],
                      num_blocks * T / times["gather"]))
+        st = cache.stats
+        counted.append(f"{rule}: " + ", ".join(
+            f"{what} {st['k_' + what + '_groups']}/{st['v_' + what + '_groups']}"
+            for what in ("saturated", "underflow", "nonfinite")))
 
     print()
     for line in _table(rows, gpu):
@@ -235,6 +240,10 @@ def _run(args, device: str) -> int:
               "backend,\nthe bit-exact reference (not a serving path; GB/s mean nothing "
               "there).")
     print("rRMSE: relative RMSE; dB: SNR.  Scales from fp4cache.calibrate_scale(k or v).")
+    print("groups of 16 (K/V) whose block scale saturated at 448, underflowed (zero or "
+          "subnormal),\nor that held NaN/Inf (cache.stats; all 0 with calibrated scales):")
+    for line in counted:
+        print(f"  {line}")
     return 0
 
 

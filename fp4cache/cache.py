@@ -322,7 +322,15 @@ class PagedKVCache:
             self._stats[...] = 0
 
     def __repr__(self) -> str:
+        """Sizes and settings, plus the counters of groups stored badly so far (saturated
+        or underflowed scales, NaN/Inf), where any is nonzero (reads the counters back:
+        synchronizes on the GPU)."""
         g = self.geometry
+        st = self.stats
+        flagged = [f"{what} groups (k, v) = ({st['k_' + what + '_groups']}, "
+                   f"{st['v_' + what + '_groups']})"
+                   for what in ("saturated", "underflow", "nonfinite")
+                   if st["k_" + what + "_groups"] or st["v_" + what + "_groups"]]
         return (
             f"PagedKVCache(num_blocks={self.num_blocks}, block_size={g.block_size}, "
             f"num_heads={g.num_heads}, head_dim={g.head_dim}, layout={g.layout!r}, "
@@ -331,6 +339,7 @@ class PagedKVCache:
             f"device={self.device if self.device_id is None else f'cuda:{self.device_id}'!r})"
             f"  # {self.bytes_per_token} B/token, "
             f"{self.compression_ratio:.2f}x vs bf16, pool {self.nbytes / 2**20:.1f} MiB"
+            + "".join(f"; {f}" for f in flagged)
         )
 
     # -- store ---------------------------------------------------------------------------
