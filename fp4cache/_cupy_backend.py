@@ -22,7 +22,6 @@ kernel variants.
 
 from __future__ import annotations
 
-from collections import OrderedDict
 from collections.abc import Callable
 from functools import cache, lru_cache
 
@@ -479,26 +478,11 @@ def _table_plan(value_ptrs, sf_ptrs, amax_ptrs, D, out_dtype, out_aligned, num_h
     return run
 
 
-# Device pointer tables of the list API, keyed by (device, the blocks' pointers): a
-# decode loop that passes the same blocks again reuses them (no host-to-device copy).
-# The key is the table's whole content, so a hit is always right.
-_ll_tables: OrderedDict = OrderedDict()
-_LL_TABLES_MAX = 64
-
-
 def longlive_pointer_tables(vals, sfs, ams):
-    """uint64 ``[3, n]`` device array of the blocks' pointers (cached by content)."""
-    ptrs = tuple(tuple(a.data.ptr for a in group) for group in (vals, sfs, ams))
-    key = (cupy.cuda.runtime.getDevice(), ptrs)
-    tab = _ll_tables.get(key)
-    if tab is None:
-        tab = cupy.asarray(np.array(ptrs, dtype=np.uint64))
-        _ll_tables[key] = tab
-        if len(_ll_tables) > _LL_TABLES_MAX:
-            _ll_tables.popitem(last=False)
-    else:
-        _ll_tables.move_to_end(key)
-    return tab
+    """uint64 ``[3, n]`` device array of the blocks' pointers (one small host-to-device
+    copy; the plan that uses it owns it, see :func:`longlive_list_launcher`)."""
+    ptrs = [[a.data.ptr for a in group] for group in (vals, sfs, ams)]
+    return cupy.asarray(np.array(ptrs, dtype=np.uint64))
 
 
 def longlive_list_launcher(vals, sfs, ams, D, out_dtype, out_aligned, *, num_heads,

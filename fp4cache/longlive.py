@@ -236,10 +236,10 @@ def dequantize(values: Sequence[Any], scale_factors: Sequence[Any] | None = None
     Notes
     -----
     On the GPU the per-block pointers go through one small host-to-device copy, made
-    once per distinct list of blocks (the device tables are cached by content); then
-    the call is one kernel launch.  A call with the same block arrays (the same
-    objects, in the same order) and arguments as an earlier checked call skips the
-    checks: its cost no longer grows with the per-array checks (an in-place
+    once per distinct list of blocks; then the call is one kernel launch.  A call with
+    the same block arrays (the same objects, in the same order) and arguments as an
+    earlier checked call skips the checks and reuses its launch and pointer tables,
+    which live as long as those arrays: its cost no longer grows with the per-array checks (an in-place
     ``a.shape = ...`` of a block array is not seen then; it cannot change the bytes
     read).  :func:`dequantize_pool` needs no pointer tables at all.
 
@@ -306,8 +306,8 @@ def dequantize(values: Sequence[Any], scale_factors: Sequence[Any] | None = None
         impl.longlive_dequantize(*checked, out, num_heads=H, block_token_size=Tb,
                                  inv_denom=inv)
         return out
-    # The three pointer tables: one small host-to-device copy, skipped when the same
-    # blocks were decoded recently (the device tables are cached by content).
+    # The three pointer tables: one small host-to-device copy, owned by the launch (kept
+    # below, for as long as the block arrays live).
     run = impl.longlive_list_launcher(*checked, D, out.dtype, True, num_heads=H,
                                       block_token_size=Tb, inv_denom=inv)
     run(out)
