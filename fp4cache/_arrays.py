@@ -29,6 +29,7 @@ __all__ = [
     "check_out",
     "check_device",
     "check_strides",
+    "aligned",
 ]
 
 
@@ -177,6 +178,23 @@ def check_out(out, name: str, shape: tuple[int, ...], dtype, backend: str):
         raise ValueError(f"{name} must be aligned to its itemsize ({out.itemsize} bytes), got "
                          f"address {out.data.ptr:#x} (a view at an odd byte offset)")
     return out
+
+
+def aligned(a, name: str):
+    """A CuPy array whose address is a multiple of its itemsize: ``a`` itself, or (a
+    C-contiguous view at an odd byte offset of another buffer) a copy made byte by byte,
+    so that no kernel, CuPy's copy included, makes a misaligned load.  Other misaligned
+    views are refused with ``ValueError``."""
+    if not is_cupy(a) or a.data.ptr % a.itemsize == 0:
+        return a
+    if not a.flags.c_contiguous:
+        raise ValueError(f"{name} must be aligned to its itemsize ({a.itemsize} bytes) or "
+                         f"C-contiguous, got address {a.data.ptr:#x} and strides "
+                         f"{tuple(a.strides)}")
+    import cupy
+
+    raw = cupy.ndarray((a.nbytes,), dtype=np.uint8, memptr=a.data)
+    return raw.copy().view(a.dtype).reshape(a.shape)
 
 
 def check_strides(a, name: str):

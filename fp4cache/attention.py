@@ -122,7 +122,9 @@ def _check_args(cache: PagedKVCache, q, block_tables, seq_lens, sm_scale, out, l
     scale = _arrays.check_scale(1.0 / math.sqrt(D) if sm_scale is None else sm_scale,
                                 "sm_scale")
     xp = _arrays.array_module(be)
-    # The backends read C-contiguous inputs (the copies are small: no K/V).
+    # The backends read C-contiguous inputs (the copies are small: no K/V), q at its
+    # alignment.
+    q = _arrays.aligned(q, "q")
     q = q if q.flags.c_contiguous else xp.ascontiguousarray(q)
     bt = bt if bt.flags.c_contiguous else xp.ascontiguousarray(bt)
     sl = sl if sl.flags.c_contiguous else xp.ascontiguousarray(sl)

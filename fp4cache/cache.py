@@ -448,9 +448,11 @@ class PagedKVCache:
             return
         # the kernels read the last axis contiguously, 2-byte values at their alignment
         # and slot ids in order
-        if k.strides[-1] != k.itemsize or k.data.ptr % k.itemsize:
+        k = _arrays.aligned(k, "k")
+        v = _arrays.aligned(v, "v")
+        if k.strides[-1] != k.itemsize:
             k = k.copy()
-        if v.strides[-1] != v.itemsize or v.data.ptr % v.itemsize:
+        if v.strides[-1] != v.itemsize:
             v = v.copy()
         if not slots.flags.c_contiguous:
             slots = slots.copy()
