@@ -239,8 +239,9 @@ def dequantize(values: Sequence[Any], scale_factors: Sequence[Any] | None = None
     once per distinct list of blocks; then the call is one kernel launch.  A call with
     the same block arrays (the same objects, in the same order) and arguments as an
     earlier checked call skips the checks and reuses its launch and pointer tables,
-    which live as long as those arrays: its cost no longer grows with the per-array checks (an in-place
-    ``a.shape = ...`` of a block array is not seen then; it cannot change the bytes
+    which live as long as those arrays: its cost no longer grows with the per-array
+    checks (an in-place ``a.shape = ...`` of a block array is not seen then; it cannot
+    change the bytes
     read).  :func:`dequantize_pool` needs no pointer tables at all.
 
     Examples
