@@ -241,8 +241,7 @@ def dequantize(values: Sequence[Any], scale_factors: Sequence[Any] | None = None
     earlier checked call skips the checks and reuses its launch and pointer tables,
     which live as long as those arrays: its cost no longer grows with the per-array
     checks (an in-place ``a.shape = ...`` of a block array is not seen then; it cannot
-    change the bytes
-    read).  :func:`dequantize_pool` needs no pointer tables at all.
+    change the bytes read).  :func:`dequantize_pool` needs no pointer tables at all.
 
     Examples
     --------
