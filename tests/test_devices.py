@@ -28,7 +28,7 @@ needs_two = pytest.mark.skipif(_gpus() < 2, reason="needs two CUDA GPUs (run on 
 
 
 # -- on any machine ---------------------------------------------------------------------
-@pytest.mark.parametrize("bad", ["gpu", "cuda:", "cuda:x", "cuda:-1", "CUDA", "cuda0", 1.5,
+@pytest.mark.parametrize("bad", ["tpu", "cuda:", "cuda:x", "cuda:-1", "CUDA", "cuda0", 1.5,
                                  True, [0]])
 def test_device_forms_refused_with_the_accepted_forms(bad):
     with pytest.raises(ValueError, match="'cpu', 'cuda', 'cuda:N', an int or a cupy"):
