@@ -44,6 +44,7 @@ __all__ = [
     "ll_quantize_spec",
     "ll_decode_spec",
     "ll_decode_wide_spec",
+    "decode_attention_spec",
 ]
 
 #: Options of every compile: C++17, no FMA contraction (bit-exact float32 arithmetic).
@@ -161,6 +162,20 @@ def ll_decode_wide_spec(dtype: str) -> Spec:
                 f"fp4cache_longlive_decode_wide_{dtype}", (VALUE_TYPES[dtype],))
 
 
+#: head_dim values of the decode-attention kernels (register tiles are sized at compile time).
+ATTN_HEAD_DIMS = (64, 128, 256)
+
+
+def decode_attention_spec(dtype: str, head_dim: int, wide: bool) -> Spec:
+    """Fused paged decode attention over NVFP4 pages, ``dtype`` q/out (bf16/f16/f32);
+    ``wide``: query groups of 9..16 heads per KV head (else 1..8)."""
+    if head_dim not in ATTN_HEAD_DIMS:
+        raise ValueError(f"head_dim must be one of {ATTN_HEAD_DIMS}, got {head_dim}")
+    return Spec("decode_attention.cu", "FP4C_ATTN_KERNEL",
+                f"fp4cache_decode_attn_{dtype}_d{head_dim}_{'g16' if wide else 'g8'}",
+                (VALUE_TYPES[dtype], str(head_dim), "true" if wide else "false"))
+
+
 def all_specs() -> list[Spec]:
     """Every specialization the backend can ask for."""
     specs: list[Spec] = []
@@ -177,6 +192,8 @@ def all_specs() -> list[Spec]:
             specs.append(ll_amax_spec(dt, vec))
     specs += [claim_spec(ix) for ix in INDEX_TYPES]
     specs += [ll_decode_wide_spec(dt) for dt in ("bf16", "f16")]
+    specs += [decode_attention_spec(dt, d, w) for dt in VALUE_TYPES for d in ATTN_HEAD_DIMS
+              for w in (False, True)]
     return specs
 
 
@@ -222,6 +239,8 @@ TUNING: dict[str, int] = {
                                  # (packed float max, sm_86+; 1 below)
     "FP4C_PACK_EARLY": 1,        # 4over6: pack each candidate's codes as soon as possible
     "FP4C_E4M3_CVT": 1,          # sm_89+: scale bytes by the E4M3 conversion instruction
+    "FP4C_ATTN_WARPS": 4,        # warps per CTA of the decode attention
+    "FP4C_ATTN_MAX_SPLITS": 128,  # most KV splits per (sequence, KV head) of the attention
 }
 
 #: Extra ``NAME=VALUE`` macro definitions (tuning experiments, see

@@ -175,10 +175,8 @@ FP4C_DEVICE StoreDest store_dest(i64 slot, const StoreItem& it, const StoreParam
   d.ksoff = (u64)P.data_bytes + (u64)row * G + g;
   d.vsoff = d.ksoff;
   if (P.swizzle) {
-    // Q = G/4; g / Q as (g * ceil(2^20/Q)) >> 20 (exact for g < 4Q, Q < 512)
-    const u32 gq = (g * P.swz_m) >> 20;
-    const u32 ts = (t & ~3u) + gq;
-    const u32 ss = (g - gq * (G >> 2)) * 4 + (t & 3u);
+    u32 ts, ss;
+    v_scale_swizzle(t, g, v_scale_group_quarter(g, P.swz_m), G >> 2, ts, ss);
     d.vsoff = (u64)P.data_bytes + (u64)row_index(ts, it.h, P.H, Tn, P.nhd) * G + ss;
   }
   return d;
@@ -412,10 +410,8 @@ FP4C_DEVICE void gather_impl(
     const u64 ksoff = (u64)data_bytes + (u64)row * G + g;
     u64 vsoff = ksoff;
     if (swizzle) {
-      // q = G/4; g / q as (g * ceil(2^20/q)) >> 20 (exact for g < 4q, q < 512)
-      const u32 gq = (g * swz_m) >> 20;
-      const u32 ts = (t & ~3u) + gq;
-      const u32 ss = (g - gq * (G >> 2)) * 4 + (t & 3u);
+      u32 ts, ss;
+      v_scale_swizzle(t, g, v_scale_group_quarter(g, swz_m), G >> 2, ts, ss);
       vsoff = (u64)data_bytes + (u64)row_index(ts, h, H, Tn, nhd) * G + ss;
     }
     ksf[j] = ldg_u8(kside + ksoff);
