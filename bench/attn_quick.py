@@ -1,5 +1,6 @@
 """Quick timing of the fused decode attention (development check; the benchmark is
 bench/attention_bench.py)."""
+import os
 import sys
 import time
 
@@ -32,6 +33,10 @@ def main():
     cp.cuda.Device().synchronize()
     plan = next(iter(scratch.values()))
     print("grid", plan.grid, "regs", plan.fn.num_regs, "smem", plan.fn.shared_size_bytes)
+    if os.environ.get("ATTN_QUICK_ONCE"):
+        call()
+        cp.cuda.Device().synchronize()
+        return
     e0, e1 = cp.cuda.Event(), cp.cuda.Event()
     ts = []
     for _ in range(10):

@@ -140,7 +140,7 @@ def _make_plan(buffer, q, block_tables, seq_lens, geom: PageGeometry, k_s, v_s, 
     for name, dt in (("block_tables", bt), ("seq_lens", sl)):
         if dt not in (np.dtype(np.int32), np.dtype(np.int64)):
             raise ValueError(f"{name}.dtype must be int32 or int64, got {dt}")
-    fn = K.get_kernel(K.decode_attention_spec(_dtype_name(q.dtype), D, group > 8))
+    fn = K.get_kernel(K.decode_attention_spec(_dtype_name(q.dtype), D, group > 8, T % 16 == 0))
     sp = split_plan(B, H, max_blocks * T, _resident_ctas(fn))
     nsplit, split_len = sp
     ws_o = cupy.empty(B * H * nsplit * group * D if nsplit > 1 else 1, dtype=np.float32)

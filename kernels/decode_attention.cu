@@ -48,13 +48,15 @@
 // stats[3] (once per used block-table entry and call, as gather_dequant counts its pages).
 #include "fp4_common.cuh"
 
-#if !defined(FP4C_ATTN_WARPS) || !defined(FP4C_ATTN_MAX_SPLITS)
+#if !defined(FP4C_ATTN_WARPS) || !defined(FP4C_ATTN_MAX_SPLITS) || \
+    !defined(FP4C_ATTN_STAGES_TUNING) || !defined(FP4C_ATTN_MIN_CTAS_D128)
 #error "fp4cache attention tuning macros missing: build with fp4cache._kernels.build_source"
 #endif
 
 #define FP4C_ATTN_THREADS (32 * FP4C_ATTN_WARPS)
 // minimum resident CTAs per SM (register budget) by head_dim
-#define FP4C_ATTN_MINB(D) ((D) == 64 ? 4 : (D) == 128 ? 3 : 1)
+#define FP4C_ATTN_MINB(D, FAST) \
+  ((D) == 64 ? 4 : (D) == 128 ? ((FAST) ? FP4C_ATTN_MIN_CTAS_D128 : 3) : 1)
 #define FP4C_NEG_INF __uint_as_float(0xFF800000u)
 
 // Every argument that stays the same from call to call, passed by value as one struct
@@ -113,6 +115,29 @@ FP4C_DEVICE u32 ldg_u32(const u8* p) {
   return r;
 }
 
+// cp.async (sm_80+): global -> shared without registers; src_size 0 fills zeros and
+// reads nothing.
+FP4C_DEVICE u32 smem_u32(const void* p) {
+  u32 a;
+  asm("{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }" : "=r"(a) : "l"(p));
+  return a;
+}
+template <int N>
+FP4C_DEVICE void cp_async(u32 dst, const void* src, u32 src_size) {
+  if constexpr (N == 16) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(dst), "l"(src),
+                 "r"(src_size) : "memory");
+  } else {
+    asm volatile("cp.async.ca.shared.global [%0], [%1], %2, %3;" ::"r"(dst), "l"(src), "n"(N),
+                 "r"(src_size) : "memory");
+  }
+}
+FP4C_DEVICE void cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
+template <int N>
+FP4C_DEVICE void cp_async_wait() {
+  asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory");
+}
+
 // D = A * B + C, m16n8k16, f16 inputs, f32 accumulators
 FP4C_DEVICE void mma_f16(float* d, u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1) {
   asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, "
@@ -139,6 +164,15 @@ FP4C_DEVICE u32 e2m1_pair(u32 x, int p) {
   const u32 y = x << (4 * p);
   return (y & 0x80008000u) | ((y >> 3) & 0x0E000E00u);
 }
+// All four pairs of x (the same values as e2m1_pair(x, p), p = 0..3), sharing the shifts:
+// the masks are applied before the final shift.
+FP4C_DEVICE void e2m1_pairs(u32 x, u32* r) {
+  const u32 z = x >> 3;
+  r[0] = (x & 0x80008000u) | (z & 0x0E000E00u);
+  r[1] = ((x & 0x08000800u) | (z & 0x00E000E0u)) << 4;
+  r[2] = ((x & 0x00800080u) | (z & 0x000E000Eu)) << 8;
+  r[3] = (((x << 3) & 0x00400040u) | (x & 0x00070007u)) << 9;
+}
 // f16 pair (sf_a * 2^7, sf_b * 2^7) of the E4M3 bytes in the low bytes of each half of
 // x = 0x00BB00AA (any sign; 0x7F / 0xFF give NaN).  (b & 0x7F) << 7 is the f16 of
 // |sf| * 2^-8 (E4M3 and f16 subnormals line up), the multiply by 2^15 is exact.
@@ -158,9 +192,12 @@ extern "C" __global__ void fp4cache_attn_dequant_table(float* out) {
   const u32 code = i >> 8, byte = i & 255u;
   const u32 x = code * 0x11111111u;
   const u32 sf = e4m3_pair_x128(byte * 0x00010001u);
+  u32 e[4];
+  e2m1_pairs(x, e);
 #pragma unroll
   for (int p = 0; p < 4; ++p) {
-    const u32 v = hmul2(e2m1_pair(x, p), sf);
+    if (e[p] != e2m1_pair(x, p)) e[p] = 0xFFFFFFFFu;  // the two forms must agree (NaN)
+    const u32 v = hmul2(e[p], sf);
     out[(p * 2 + 0) * 4096 + i] = f16_bits_to_float(v & 0xFFFFu);
     out[(p * 2 + 1) * 4096 + i] = f16_bits_to_float(v >> 16);
   }
@@ -343,6 +380,127 @@ FP4C_DEVICE void load_tile(const SeqCtx& S, u32 tile, TileRaw<D>& R) {
   }
 }
 
+// ---------------------------------------------------------------------------------------
+// Shared-memory tile ring (block_size % 16 == 0): each warp copies its next tiles with
+// cp.async into FP4C_ATTN_STAGES(D) stages while it computes the current one, so that
+// several tiles per warp are in flight without holding registers.  A stage is the tile's
+// 16 rows of this head as in the page: [K data 16 x D/2 | K scales 16 x S | V data |
+// V scales] (the V-scale swizzle stays inside each 4-row block, so the 16 rows hold
+// every scale of the tile's tokens).
+// ---------------------------------------------------------------------------------------
+#define FP4C_ATTN_STAGES(D) ((D) == 256 ? 2 : FP4C_ATTN_STAGES_TUNING)
+
+template <int D>
+struct Stage {
+  static constexpr int KD = 0, KS = 8 * D, VD = 9 * D, VS = 17 * D, kBytes = 18 * D;
+  static constexpr int kChunks = D / 64;  // 16-byte data chunks per lane and side
+};
+
+// This lane's page-relative source offsets for a tile starting at row 0 of its page:
+// data chunks lane + 32 k of the 16 x D/2 block, and scale row lane % 16 (K for lanes
+// 0..15, V for 16..31; side_bytes included).
+template <int D>
+struct CopyOffs {
+  u32 d[Stage<D>::kChunks];
+  u32 sc;
+};
+
+template <int D>
+FP4C_DEVICE CopyOffs<D> copy_offsets(const SeqCtx& S) {
+  const u32 lane = threadIdx.x & 31u;
+  CopyOffs<D> C;
+#pragma unroll
+  for (int k = 0; k < Stage<D>::kChunks; ++k) {
+    const u32 q = lane + 32u * k, row = q / (D / 32), col = q % (D / 32);
+    C.d[k] = (S.h * S.row_h + row * S.row_t) * (D / 2) + col * 16u;
+  }
+  const u32 row = lane & 15u;
+  C.sc = (lane >= 16u ? (u32)S.side_bytes : 0u) + (u32)S.data_bytes +
+         (S.h * S.row_h + row * S.row_t) * (D / 16);
+  return C;
+}
+
+// Issue the copies of the tile starting at `tile` (page id `id`) into stage `st`.
+template <int D>
+FP4C_DEVICE void issue_tile(const SeqCtx& S, const CopyOffs<D>& C, u32 tile, i64 id, u8* st,
+                            u32& bad) {
+  const u32 lane = threadIdx.x & 31u;
+  const u32 t0 = tile - fdiv(tile, S.fT) * S.fT.d;  // row of the tile's first token
+  const bool ok = id >= 0 && id < S.num_blocks;
+  if (!ok) {
+    bad = 1u;
+    if (t0 == 0u && lane == 0u && S.count_bad) atomicAdd((unsigned long long*)S.stats + 3, 1ull);
+  }
+  const u32 n = ok ? 16u : 0u;
+  const u8* page = S.buffer + (ok ? id : 0) * S.page_bytes;
+  const u8* dsrc = page + (u64)(t0 * S.row_t) * (D / 2);
+  const u32 sdst = smem_u32(st);
+#pragma unroll
+  for (int k = 0; k < Stage<D>::kChunks; ++k) {
+    const u32 q = lane + 32u * k;
+    cp_async<16>(sdst + Stage<D>::KD + q * 16u, dsrc + C.d[k], n);
+    cp_async<16>(sdst + Stage<D>::VD + q * 16u, dsrc + S.side_bytes + C.d[k], n);
+  }
+  constexpr int SB = D / 16;  // scale bytes per row
+  const u32 row = lane & 15u;
+  cp_async<SB>(sdst + (lane >= 16u ? Stage<D>::VS : Stage<D>::KS) + row * SB,
+               page + (u64)(t0 * S.row_t) * SB + C.sc, ok ? (u32)SB : 0u);
+}
+
+// The lane's registers of the tile in stage `st` (the same contents as load_tile).
+template <int D>
+FP4C_DEVICE void read_tile(const SeqCtx& S, const u8* st, u32 tile, TileRaw<D>& R) {
+  using A = AttnDims<D>;
+  const u32 lane = threadIdx.x & 31u, g = lane >> 2, c = lane & 3u;
+  const u32 kt0 = 4u * (g >> 1) + (g & 1u);
+  R.bad = 0u;
+#pragma unroll
+  for (int q = 0; q < 2; ++q) {
+    const u32 row = kt0 + 2u * q;
+    const u8* p = st + Stage<D>::KD + row * (D / 2) + c * (D / 8);
+#pragma unroll
+    for (int w = 0; w < A::KW; w += 2) {
+      const U32x2 a = *(const U32x2*)(p + 4 * w);
+      R.k[q][w] = a.x;
+      R.k[q][w + 1] = a.y;
+    }
+    const u8* sp = st + Stage<D>::KS + row * A::G + c * A::KG;
+    R.ks[q] = A::KG == 1 ? (u32)*sp : A::KG == 2 ? (u32)*(const u16*)sp : *(const u32*)sp;
+  }
+#pragma unroll
+  for (int e = 0; e < 4; ++e) {
+    const u8* p = st + Stage<D>::VD + (4u * c + e) * (D / 2) + g * (D / 16);
+    if constexpr (A::VW == 1) {
+      R.v[e][0] = *(const u32*)p;
+    } else {
+#pragma unroll
+      for (int w = 0; w < A::VW; w += 2) {
+        const U32x2 a = *(const U32x2*)(p + 4 * w);
+        R.v[e][w] = a.x;
+        R.v[e][w + 1] = a.y;
+      }
+    }
+  }
+  const u32 nval = tile + 16u <= S.len ? 4u
+                   : (S.len > tile + 4u * c ? min(S.len - (tile + 4u * c), 4u) : 0u);
+  const u32 keep = nval >= 4u ? 0xFFFFFFFFu : (1u << (8u * nval)) - 1u;
+#pragma unroll
+  for (int j = 0; j < A::VG; ++j) {
+    const u32 grp = D == 64 ? g >> 1 : g * A::VG + j;
+    u32 x;
+    if (S.swizzle) {
+      u32 ts, gs;
+      v_scale_swizzle(4u * c, grp, grp / (A::G / 4), A::G / 4, ts, gs);
+      x = *(const u32*)(st + Stage<D>::VS + ts * A::G + gs);
+    } else {
+      const u8* sp = st + Stage<D>::VS + (4u * c) * A::G + grp;
+      x = (u32)sp[0] | ((u32)sp[A::G] << 8) | ((u32)sp[2 * A::G] << 16) |
+          ((u32)sp[3 * A::G] << 24);
+    }
+    R.vs[j] = x & keep;
+  }
+}
+
 // d index of the lo (half 0) or hi (half 1) value of K pair p of word w of chunk c
 template <int D>
 FP4C_DEVICE u32 k_pair_d(u32 c, int w, int p, int half) {
@@ -355,7 +513,7 @@ FP4C_DEVICE u32 k_pair_d(u32 c, int w, int p, int half) {
 // WIDE: groups of 9..16 query heads (accumulator rows g and g+8); else rows 0..7 only.
 // SPLIT: float32 q as f16 hi + lo: group <= 8 puts the lo parts in rows 8..15 of A and
 // adds the two accumulator rows; WIDE runs a second MMA with the lo parts.
-template <typename T, int D, bool WIDE>
+template <typename T, int D, bool WIDE, bool FAST>
 FP4C_DEVICE void decode_attn_impl(const void* __restrict__ q, const void* __restrict__ tables,
                                   const void* __restrict__ seq_lens, void* __restrict__ out,
                                   float* __restrict__ lse, const AttnParams& P) {
@@ -366,10 +524,16 @@ FP4C_DEVICE void decode_attn_impl(const void* __restrict__ q, const void* __rest
   const u32 split = blockIdx.x, h = blockIdx.y, b = blockIdx.z;
   const u32 H = P.H, group = P.group, nsplit = P.nsplit;
 
-  __shared__ float s_o[16][D];                    // merged O of the CTA (then the result)
+  // the tile ring (during the tile loop) and, after it, s_o and s_w share one buffer
+  constexpr int kStages = FP4C_ATTN_STAGES(D);
+  constexpr int kRing = FAST ? FP4C_ATTN_WARPS * kStages * Stage<D>::kBytes : 0;
+  constexpr int kEpi = 16 * D * 4 + 16 * FP4C_ATTN_MAX_SPLITS * 4;
+  __shared__ __align__(16) u8 s_raw[kRing > kEpi ? kRing : kEpi];
+  float(*s_o)[D] = reinterpret_cast<float(*)[D]>(s_raw);  // merged O (then the result)
+  float(*s_w)[FP4C_ATTN_MAX_SPLITS] =
+      reinterpret_cast<float(*)[FP4C_ATTN_MAX_SPLITS]>(s_raw + 16 * D * 4);  // merge weights
   __shared__ float s_m[FP4C_ATTN_WARPS][16], s_l[FP4C_ATTN_WARPS][16];
   __shared__ float s_M[16], s_L[16];
-  __shared__ float s_w[16][FP4C_ATTN_MAX_SPLITS];  // merge weights of the splits
   __shared__ u32 s_flag;
 
   // sequence length, clamped to the row's capacity
@@ -477,6 +641,8 @@ FP4C_DEVICE void decode_attn_impl(const void* __restrict__ q, const void* __rest
     for (int i = 0; i < A::NT; ++i) o[i][0] = o[i][1] = o[i][2] = o[i][3] = 0.0f;
     u32 bad = 0u;
 
+    constexpr u32 kStep = 16u * FP4C_ATTN_WARPS;
+    constexpr bool kPipe = D < 256;
     auto compute = [&](const TileRaw<D>& R, u32 tile) {
       // S = Q K^T: n8 tile q <-> K token kt0 + 2q of this lane's column g
       float s[2][4];
@@ -503,8 +669,10 @@ FP4C_DEVICE void decode_attn_impl(const void* __restrict__ q, const void* __rest
         for (int w = 0; w < A::KW; ++w) {
           const u32 x = R.k[qq][w];
           const u32 sf = sfk[w >> 1];
-          const u32 b0 = hmul2(e2m1_pair(x, 0), sf), b1 = hmul2(e2m1_pair(x, 1), sf);
-          const u32 b2 = hmul2(e2m1_pair(x, 2), sf), b3 = hmul2(e2m1_pair(x, 3), sf);
+          u32 e[4];
+          e2m1_pairs(x, e);
+          const u32 b0 = hmul2(e[0], sf), b1 = hmul2(e[1], sf);
+          const u32 b2 = hmul2(e[2], sf), b3 = hmul2(e[3], sf);
           const u32* a0 = qa[2 * w];
           const u32* a1 = qa[2 * w + 1];
           if (WIDE || SPLIT) {
@@ -550,15 +718,20 @@ FP4C_DEVICE void decode_attn_impl(const void* __restrict__ q, const void* __rest
         tmax = f_max(tmax, __shfl_xor_sync(0xFFFFFFFFu, tmax, 2));
         const float mn = f_max(m[r], tmax);
         const float alpha = a_ex2(f_sub(m[r], mn));
+        // no row of the warp has a new maximum: alpha = 1 everywhere, skip the rescale
+        // (bit-pattern compare: NaN maxima never appear, f_max drops NaN)
+        const bool same = __all_sync(0xFFFFFFFFu, __float_as_uint(mn) == __float_as_uint(m[r]));
         m[r] = mn;
         float p[4];
 #pragma unroll
         for (int e = 0; e < 4; ++e) p[e] = a_ex2(f_sub(x[e], mn));
         l[r] = a_fma(l[r], alpha, f_add(f_add(p[0], p[1]), f_add(p[2], p[3])));
+        if (!same) {
 #pragma unroll
-        for (int i = 0; i < A::NT; ++i) {
-          o[i][2 * r] = f_mul(o[i][2 * r], alpha);
-          o[i][2 * r + 1] = f_mul(o[i][2 * r + 1], alpha);
+          for (int i = 0; i < A::NT; ++i) {
+            o[i][2 * r] = f_mul(o[i][2 * r], alpha);
+            o[i][2 * r + 1] = f_mul(o[i][2 * r + 1], alpha);
+          }
         }
         pa[r][0] = pack2(f16_t(), p[0], p[1]);
         pa[r][1] = pack2(f16_t(), p[2], p[3]);
@@ -574,11 +747,14 @@ FP4C_DEVICE void decode_attn_impl(const void* __restrict__ q, const void* __rest
           const u32 sel = hh ? 0x7632u : 0x5410u;
           const u32 xab = __byte_perm(R.v[0][w], R.v[1][w], sel);
           const u32 xcd = __byte_perm(R.v[2][w], R.v[3][w], sel);
+          u32 eab[4], ecd[4];
+          e2m1_pairs(xab, eab);
+          e2m1_pairs(xcd, ecd);
 #pragma unroll
           for (int pp = 0; pp < 4; ++pp) {
             const int i = 8 * w + 4 * hh + pp;
-            const u32 b0 = hmul2(e2m1_pair(xab, pp), sab);
-            const u32 b1 = hmul2(e2m1_pair(xcd, pp), scd);
+            const u32 b0 = hmul2(eab[pp], sab);
+            const u32 b1 = hmul2(ecd[pp], scd);
             if (WIDE) {
               mma_f16(o[i], pa[0][0], pa[1][0], pa[0][1], pa[1][1], b0, b1);
             } else {
@@ -590,10 +766,39 @@ FP4C_DEVICE void decode_attn_impl(const void* __restrict__ q, const void* __rest
       bad |= R.bad;
     };
 
-    constexpr u32 kStep = 16u * FP4C_ATTN_WARPS;
-    constexpr bool kPipe = D < 256;
+    // Tiles in one page: lane offsets once, the next tile's page id one tile ahead.
     u32 t0 = s0 + 16u * warp;
-    if (!kPipe) {
+    if constexpr (FAST) {
+      // cp.async ring: kStages - 1 tiles in flight while one is computed
+      const CopyOffs<D> C = copy_offsets<D>(S);
+      u8* ring = s_raw + warp * (kStages * Stage<D>::kBytes);
+      u32 tile_issue = t0;
+      i64 id_next = t0 < s1 ? load_id(S, fdiv(t0, S.fT)) : 0;
+      auto issue = [&](int st) {
+        if (tile_issue < s1) {
+          const i64 id = id_next;
+          const u32 tn = tile_issue + kStep;
+          if (tn < s1) id_next = load_id(S, fdiv(tn, S.fT));  // one tile ahead
+          issue_tile<D>(S, C, tile_issue, id, ring + st * Stage<D>::kBytes, bad);
+        }
+        cp_async_commit();
+        tile_issue += kStep;
+      };
+#pragma unroll
+      for (int st = 0; st < kStages - 1; ++st) issue(st);
+      int st = 0;
+      for (u32 tile = t0; tile < s1; tile += kStep) {
+        issue(st == 0 ? kStages - 1 : st - 1);
+        cp_async_wait<kStages - 1>();
+        __syncwarp();  // every lane's copies of this stage have landed
+        TileRaw<D> R;
+        read_tile<D>(S, ring + st * Stage<D>::kBytes, tile, R);
+        __syncwarp();  // every lane has read the stage before it is refilled
+        compute(R, tile);
+        st = st == kStages - 1 ? 0 : st + 1;
+      }
+      cp_async_wait<0>();
+    } else if (!kPipe) {
       // D = 256: one tile of registers (a second one would spill)
       for (; t0 < s1; t0 += kStep) {
         TileRaw<D> ra;
@@ -767,10 +972,11 @@ FP4C_DEVICE void decode_attn_impl(const void* __restrict__ q, const void* __rest
       const void *__restrict__ seq_lens, void *__restrict__ out, float *__restrict__ lse, \
       const AttnParams params
 
-// NAME, q/out value type, head_dim, WIDE (groups of 9..16 query heads)
-#define FP4C_ATTN_KERNEL(NAME, T, D, WIDE)                                                  \
-  extern "C" __global__ void __launch_bounds__(FP4C_ATTN_THREADS, FP4C_ATTN_MINB(D)) NAME(FP4C_ATTN_PARAMS) { \
-    decode_attn_impl<T, D, WIDE>(q, tables, seq_lens, out, lse, params);                   \
+// NAME, q/out value type, head_dim, WIDE (groups of 9..16 query heads), FAST (block_size
+// a multiple of 16: every tile lies in one page)
+#define FP4C_ATTN_KERNEL(NAME, T, D, WIDE, FAST)                                            \
+  extern "C" __global__ void __launch_bounds__(FP4C_ATTN_THREADS, FP4C_ATTN_MINB(D, FAST)) NAME(FP4C_ATTN_PARAMS) { \
+    decode_attn_impl<T, D, WIDE, FAST>(q, tables, seq_lens, out, lse, params);             \
   }
 
 #ifdef FP4C_INSTANTIATIONS
