@@ -155,6 +155,13 @@ FP4C_DEVICE void mma_f16_top(float* d, u32 a0, u32 a2, u32 b0, u32 b1) {
       : "r"(a0), "r"(0u), "r"(a2), "r"(0u), "r"(b0), "r"(b1), "f"(0.0f));
 }
 
+// Transpose of an 8x8 b16 matrix held one register per lane (lane/4 = row, pairs of columns)
+FP4C_DEVICE u32 movmatrix_trans(u32 a) {
+  u32 d;
+  asm("movmatrix.sync.aligned.m8n8.trans.b16 %0, %1;" : "=r"(d) : "r"(a));
+  return d;
+}
+
 // ---------------------------------------------------------------------------------------
 // NVFP4 -> f16 pairs
 // ---------------------------------------------------------------------------------------
@@ -215,6 +222,7 @@ struct AttnDims {
   static constexpr int KG = D / 64;   // K scale bytes per lane and token
   static constexpr int VW = D / 64;   // words of V codes per lane and token
   static constexpr int NT = D / 8;    // n8 tiles of P.V
+  static constexpr int D16 = D / 16;  // m16 tiles of O^T = V^T P^T
   static constexpr int VG = D == 256 ? 2 : 1;  // V scale groups per lane
 };
 
@@ -527,11 +535,12 @@ FP4C_DEVICE void decode_attn_impl(const void* __restrict__ q, const void* __rest
   // the tile ring (during the tile loop) and, after it, s_o and s_w share one buffer
   constexpr int kStages = FP4C_ATTN_STAGES(D);
   constexpr int kRing = FAST ? FP4C_ATTN_WARPS * kStages * Stage<D>::kBytes : 0;
-  constexpr int kEpi = 16 * D * 4 + 16 * FP4C_ATTN_MAX_SPLITS * 4;
+  constexpr int kEpi = 16 * (D + 1) * 4 + 16 * FP4C_ATTN_MAX_SPLITS * 4;
   __shared__ __align__(16) u8 s_raw[kRing > kEpi ? kRing : kEpi];
-  float(*s_o)[D] = reinterpret_cast<float(*)[D]>(s_raw);  // merged O (then the result)
+  // merged O (then the result); rows padded by one float against bank conflicts
+  float(*s_o)[D + 1] = reinterpret_cast<float(*)[D + 1]>(s_raw);
   float(*s_w)[FP4C_ATTN_MAX_SPLITS] =
-      reinterpret_cast<float(*)[FP4C_ATTN_MAX_SPLITS]>(s_raw + 16 * D * 4);  // merge weights
+      reinterpret_cast<float(*)[FP4C_ATTN_MAX_SPLITS]>(s_raw + 16 * (D + 1) * 4);  // weights
   __shared__ float s_m[FP4C_ATTN_WARPS][16], s_l[FP4C_ATTN_WARPS][16];
   __shared__ float s_M[16], s_L[16];
   __shared__ u32 s_flag;
@@ -630,20 +639,34 @@ FP4C_DEVICE void decode_attn_impl(const void* __restrict__ q, const void* __rest
     S.count_bad = h == 0u ? 1u : 0u;
 
     // ---- the tiles of this warp ------------------------------------------------------
+    // TRANS (groups of 1..8): S^T = K Q^T and O^T = V^T P^T, the tokens and head_dim on
+    // the MMA's m16 side and the query heads on its n8 side (nothing padded); lane (g, c)
+    // tracks heads 2c and 2c+1.  Else (9..16 heads) S = Q K^T, O = P V with two rows.
+    constexpr bool TRANS = !WIDE;
+    float mt[2] = {FP4C_NEG_INF, FP4C_NEG_INF}, lt[2] = {0.0f, 0.0f};
+    float oT[TRANS ? A::D16 : 1][4];
+#pragma unroll
+    for (int i = 0; i < (TRANS ? A::D16 : 1); ++i) oT[i][0] = oT[i][1] = oT[i][2] = oT[i][3] = 0.0f;
+    float rscT[2] = {0.0f, 0.0f};
+    if constexpr (TRANS) {
+      rscT[0] = __shfl_sync(0xFFFFFFFFu, rsc[0], 8u * c);       // head 2c lives in lanes g = 2c
+      rscT[1] = __shfl_sync(0xFFFFFFFFu, rsc[0], 8u * c + 4u);  // head 2c + 1
+    }
     float m[NR], l[NR];
-    float o[A::NT][4];
+    float o[TRANS ? 1 : A::NT][4];
 #pragma unroll
     for (int r = 0; r < NR; ++r) {
       m[r] = FP4C_NEG_INF;
       l[r] = 0.0f;
     }
 #pragma unroll
-    for (int i = 0; i < A::NT; ++i) o[i][0] = o[i][1] = o[i][2] = o[i][3] = 0.0f;
+    for (int i = 0; i < (TRANS ? 1 : A::NT); ++i) o[i][0] = o[i][1] = o[i][2] = o[i][3] = 0.0f;
     u32 bad = 0u;
 
     constexpr u32 kStep = 16u * FP4C_ATTN_WARPS;
     constexpr bool kPipe = D < 256;
     auto compute = [&](const TileRaw<D>& R, u32 tile) {
+      if constexpr (!TRANS) {
       // S = Q K^T: n8 tile q <-> K token kt0 + 2q of this lane's column g
       float s[2][4];
 #pragma unroll
@@ -764,9 +787,109 @@ FP4C_DEVICE void decode_attn_impl(const void* __restrict__ q, const void* __rest
         }
       }
       bad |= R.bad;
+      }
     };
 
     // Tiles in one page: lane offsets once, the next tile's page id one tile ahead.
+    auto computeT = [&](const TileRaw<D>& R, u32 tile) {
+      // S^T = K Q^T: A rows g, g+8 = tokens kt0, kt0 + 2; B = q of head g (qa[.][0], [2])
+      float sT[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+      u32 sfk[2][A::KG];
+#pragma unroll
+      for (int qq = 0; qq < 2; ++qq) {
+        const u32 ks = R.ks[qq];
+#pragma unroll
+        for (int k = 0; k < A::KG; k += 2) {
+          const u32 two = A::KG == 1 ? (ks & 0xFFu) * 0x00010001u
+                                     : __byte_perm(ks, 0u, 0x4140u + 0x0202u * (k >> 1));
+          const u32 sf = e4m3_pair_x128(two);
+          if (A::KG == 1) {
+            sfk[qq][0] = sf;
+          } else {
+            sfk[qq][k] = __byte_perm(sf, 0u, 0x1010u);
+            sfk[qq][k + 1] = __byte_perm(sf, 0u, 0x3232u);
+          }
+        }
+      }
+#pragma unroll
+      for (int w = 0; w < A::KW; ++w) {
+        u32 e0[4], e1[4];
+        e2m1_pairs(R.k[0][w], e0);
+        e2m1_pairs(R.k[1][w], e1);
+        const u32 sf0 = sfk[0][w >> 1], sf1 = sfk[1][w >> 1];
+#pragma unroll
+        for (int h2 = 0; h2 < 2; ++h2) {
+          const int j = 2 * w + h2, p0 = 2 * h2;
+          const u32 a0 = hmul2(e0[p0], sf0), a1 = hmul2(e1[p0], sf1);
+          const u32 a2 = hmul2(e0[p0 + 1], sf0), a3 = hmul2(e1[p0 + 1], sf1);
+          mma_f16(sT, a0, a1, a2, a3, qa[j][0], qa[j][2]);
+          if constexpr (SPLIT) mma_f16(sT, a0, a1, a2, a3, qa[j][1], qa[j][3]);
+        }
+      }
+      // online softmax per head (k = 0, 1: head 2c + k) over the tokens kt0, kt0 + 2 of
+      // the 8 lanes g
+      const u32 kt0 = 4u * (g >> 1) + (g & 1u);
+      const bool va = tile + kt0 < len, vb = tile + kt0 + 2u < len;
+      float pp[2][2], alpha[2];
+      bool moved = false;
+#pragma unroll
+      for (int k = 0; k < 2; ++k) {
+        const float x0 = va ? f_mul(sT[k], rscT[k]) : FP4C_NEG_INF;
+        const float x1 = vb ? f_mul(sT[2 + k], rscT[k]) : FP4C_NEG_INF;
+        float tmax = f_max(x0, x1);
+        tmax = f_max(tmax, __shfl_xor_sync(0xFFFFFFFFu, tmax, 4));
+        tmax = f_max(tmax, __shfl_xor_sync(0xFFFFFFFFu, tmax, 8));
+        tmax = f_max(tmax, __shfl_xor_sync(0xFFFFFFFFu, tmax, 16));
+        const float mn = f_max(mt[k], tmax);
+        alpha[k] = a_ex2(f_sub(mt[k], mn));
+        moved |= __float_as_uint(mn) != __float_as_uint(mt[k]);
+        mt[k] = mn;
+        pp[k][0] = a_ex2(f_sub(x0, mn));
+        pp[k][1] = a_ex2(f_sub(x1, mn));
+        lt[k] = a_fma(lt[k], alpha[k], f_add(pp[k][0], pp[k][1]));
+      }
+      if (__any_sync(0xFFFFFFFFu, moved)) {
+#pragma unroll
+        for (int i = 0; i < A::D16; ++i) {
+          oT[i][0] = f_mul(oT[i][0], alpha[0]);
+          oT[i][1] = f_mul(oT[i][1], alpha[1]);
+          oT[i][2] = f_mul(oT[i][2], alpha[0]);
+          oT[i][3] = f_mul(oT[i][3], alpha[1]);
+        }
+      }
+      // P^T as the B operand: rows (tokens g, g+8) x heads (2c, 2c+1), transposed
+      const u32 pb0 = movmatrix_trans(pack2(f16_t(), pp[0][0], pp[1][0]));
+      const u32 pb1 = movmatrix_trans(pack2(f16_t(), pp[0][1], pp[1][1]));
+      // O^T += V^T P^T: m-tile i = 4w + 2hh + k, rows g / g+8 = pairs 2k / 2k+1
+#pragma unroll
+      for (int w = 0; w < A::VW; ++w) {
+        const u32 vs = R.vs[D == 256 ? (w >> 1) : 0];
+        const u32 sab = e4m3_pair_x128(__byte_perm(vs, 0u, 0x4140u));
+        const u32 scd = e4m3_pair_x128(__byte_perm(vs, 0u, 0x4342u));
+#pragma unroll
+        for (int hh = 0; hh < 2; ++hh) {
+          const u32 sel = hh ? 0x7632u : 0x5410u;
+          u32 eab[4], ecd[4];
+          e2m1_pairs(__byte_perm(R.v[0][w], R.v[1][w], sel), eab);
+          e2m1_pairs(__byte_perm(R.v[2][w], R.v[3][w], sel), ecd);
+#pragma unroll
+          for (int k = 0; k < 2; ++k) {
+            const int i = 4 * w + 2 * hh + k;
+            mma_f16(oT[i], hmul2(eab[2 * k], sab), hmul2(eab[2 * k + 1], sab),
+                    hmul2(ecd[2 * k], scd), hmul2(ecd[2 * k + 1], scd), pb0, pb1);
+          }
+        }
+      }
+      bad |= R.bad;
+    };
+    auto tile_step = [&](const TileRaw<D>& R, u32 tile) {
+      if constexpr (TRANS) {
+        computeT(R, tile);
+      } else {
+        compute(R, tile);
+      }
+    };
+
     u32 t0 = s0 + 16u * warp;
     if constexpr (FAST) {
       // cp.async ring: kStages - 1 tiles in flight while one is computed
@@ -794,7 +917,7 @@ FP4C_DEVICE void decode_attn_impl(const void* __restrict__ q, const void* __rest
         TileRaw<D> R;
         read_tile<D>(S, ring + st * Stage<D>::kBytes, tile, R);
         __syncwarp();  // every lane has read the stage before it is refilled
-        compute(R, tile);
+        tile_step(R, tile);
         st = st == kStages - 1 ? 0 : st + 1;
       }
       cp_async_wait<0>();
@@ -803,7 +926,7 @@ FP4C_DEVICE void decode_attn_impl(const void* __restrict__ q, const void* __rest
       for (; t0 < s1; t0 += kStep) {
         TileRaw<D> ra;
         load_tile<D>(S, t0, ra);
-        compute(ra, t0);
+        tile_step(ra, t0);
       }
     } else if (t0 < s1) {
       // the next tile's loads are in flight while this one is computed
@@ -812,59 +935,100 @@ FP4C_DEVICE void decode_attn_impl(const void* __restrict__ q, const void* __rest
       while (true) {
         const u32 t1 = t0 + kStep;
         if (t1 < s1) load_tile<D>(S, t1, rb);
-        compute(ra, t0);
+        tile_step(ra, t0);
         if (t1 >= s1) break;
         const u32 t2 = t1 + kStep;
         if (t2 < s1) load_tile<D>(S, t2, ra);
-        compute(rb, t1);
+        tile_step(rb, t1);
         if (t2 >= s1) break;
         t0 = t2;
       }
     }
 
     // ---- merge the warps of the CTA in shared memory ---------------------------------
+    if constexpr (TRANS) {
 #pragma unroll
-    for (int r = 0; r < NR; ++r) {
-      l[r] = f_add(l[r], __shfl_xor_sync(0xFFFFFFFFu, l[r], 1));
-      l[r] = f_add(l[r], __shfl_xor_sync(0xFFFFFFFFu, l[r], 2));
-      if (c == 0u) {
-        s_m[warp][g + 8 * r] = m[r];
-        s_l[warp][g + 8 * r] = l[r];
+      for (int k = 0; k < 2; ++k) {
+        lt[k] = f_add(lt[k], __shfl_xor_sync(0xFFFFFFFFu, lt[k], 4));
+        lt[k] = f_add(lt[k], __shfl_xor_sync(0xFFFFFFFFu, lt[k], 8));
+        lt[k] = f_add(lt[k], __shfl_xor_sync(0xFFFFFFFFu, lt[k], 16));
+        if (g == 0u) {
+          s_m[warp][2 * c + k] = mt[k];
+          s_l[warp][2 * c + k] = lt[k];
+        }
+      }
+    } else {
+#pragma unroll
+      for (int r = 0; r < NR; ++r) {
+        l[r] = f_add(l[r], __shfl_xor_sync(0xFFFFFFFFu, l[r], 1));
+        l[r] = f_add(l[r], __shfl_xor_sync(0xFFFFFFFFu, l[r], 2));
+        if (c == 0u) {
+          s_m[warp][g + 8 * r] = m[r];
+          s_l[warp][g + 8 * r] = l[r];
+        }
       }
     }
     bad = __any_sync(0xFFFFFFFFu, bad != 0u) ? 1u : 0u;
     if (threadIdx.x == 0) s_flag = 0u;
     __syncthreads();
     if (bad && lane == 0) atomicOr(&s_flag, 1u);
-    float f[NR];
+    if constexpr (TRANS) {
+      float f[2];
 #pragma unroll
-    for (int r = 0; r < NR; ++r) {
-      const u32 row = g + 8 * r;
-      float M = FP4C_NEG_INF;
+      for (int k = 0; k < 2; ++k) {
+        float M = FP4C_NEG_INF;
 #pragma unroll
-      for (int w = 0; w < FP4C_ATTN_WARPS; ++w) M = f_max(M, s_m[w][row]);
-      f[r] = is_neg_inf(m[r]) ? 0.0f : a_ex2(f_sub(m[r], M));
-    }
+        for (int w = 0; w < FP4C_ATTN_WARPS; ++w) M = f_max(M, s_m[w][2 * c + k]);
+        f[k] = is_neg_inf(mt[k]) ? 0.0f : a_ex2(f_sub(mt[k], M));
+      }
 #pragma unroll
-    for (int w = 0; w < FP4C_ATTN_WARPS; ++w) {
-      if (warp == (u32)w) {
+      for (int w = 0; w < FP4C_ATTN_WARPS; ++w) {
+        if (warp == (u32)w) {
 #pragma unroll
-        for (int i = 0; i < A::NT; ++i) {
-          const int ww = i >> 3, hh = (i >> 2) & 1, pp = i & 3;
-          const u32 off = 8 * ww + 4 * hh + 3 - pp;
+          for (int i = 0; i < A::D16; ++i) {
+            const int ww = i >> 2, hh = (i >> 1) & 1, k = i & 1;
+            const u32 d = g * (D / 8) + 8 * ww + 4 * hh + 3 - 2 * k;  // row g; g+8: d - 1
 #pragma unroll
-          for (int r = 0; r < NR; ++r) {
-#pragma unroll
-            for (int cc = 0; cc < 2; ++cc) {
-              const u32 d = (2 * c + cc) * (D / 8) + off;
-              float* dst = &s_o[g + 8 * r][d];
-              const float v = f_mul(o[i][2 * r + cc], f[r]);
+            for (int e = 0; e < 4; ++e) {
+              float* dst = &s_o[2 * c + (e & 1)][d - (e >> 1)];
+              const float v = f_mul(oT[i][e], f[e & 1]);
               *dst = w == 0 ? v : f_add(*dst, v);
             }
           }
         }
+        __syncthreads();
       }
-      __syncthreads();
+    } else {
+      float f[NR];
+#pragma unroll
+      for (int r = 0; r < NR; ++r) {
+        const u32 row = g + 8 * r;
+        float M = FP4C_NEG_INF;
+#pragma unroll
+        for (int w = 0; w < FP4C_ATTN_WARPS; ++w) M = f_max(M, s_m[w][row]);
+        f[r] = is_neg_inf(m[r]) ? 0.0f : a_ex2(f_sub(m[r], M));
+      }
+#pragma unroll
+      for (int w = 0; w < FP4C_ATTN_WARPS; ++w) {
+        if (warp == (u32)w) {
+#pragma unroll
+          for (int i = 0; i < (TRANS ? 1 : A::NT); ++i) {
+            const int ww = i >> 3, hh = (i >> 2) & 1, pp = i & 3;
+            const u32 off = 8 * ww + 4 * hh + 3 - pp;
+#pragma unroll
+            for (int r = 0; r < NR; ++r) {
+#pragma unroll
+              for (int cc = 0; cc < 2; ++cc) {
+                const u32 d = (2 * c + cc) * (D / 8) + off;
+                float* dst = &s_o[g + 8 * r][d];
+                const float v = f_mul(o[i][2 * r + cc], f[r]);
+                *dst = w == 0 ? v : f_add(*dst, v);
+              }
+            }
+          }
+        }
+        __syncthreads();
+      }
     }
     if (threadIdx.x < group) {
       const u32 row = threadIdx.x;
