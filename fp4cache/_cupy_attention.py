@@ -21,6 +21,7 @@ import cupy
 import numpy as np
 
 from . import _kernels as K
+from . import _pdl
 from .layout import PageGeometry
 
 __all__ = ["decode_attention", "split_plan", "dequant_table", "bytes_read",
@@ -109,10 +110,11 @@ def _resident_ctas(fn) -> int:
 
 class _AttnPlan(NamedTuple):
     fn: Any
-    grid: tuple[int, int, int]
+    grid: tuple[int, int, int]  # (nsplit, H, B); launched as one dimension, split fastest
     block: tuple[int]
     params: Any  # np.void of ATTN_PARAMS_DTYPE
-    keep: tuple  # the device arrays the params point to (workspace, counters, ...)
+    launch: Any  # prepared cuLaunchKernelEx launch (arguments packed once), or None
+    keep: tuple  # the device arrays and objects the params point to
 
 
 def _make_plan(buffer, q, block_tables, seq_lens, geom: PageGeometry, k_s, v_s, sm_scale,
@@ -158,15 +160,23 @@ def _make_plan(buffer, q, block_tables, seq_lens, geom: PageGeometry, k_s, v_s, 
                        np.float32(float(np.float32(v_s)) * 128.0)),
                       dtype=ATTN_PARAMS_DTYPE)
     threads = 32 * K.tuning("FP4C_ATTN_WARPS")
-    return _AttnPlan(fn, (nsplit, H, B), (threads,), params[()],
-                     (ws_o, ws_ml, counters, buffer, stats))
+    launch = None
+    if ATTN_DRIVER_LAUNCH:
+        launch = _pdl.launcher(fn, nsplit * H * B, threads, params.copy(), 5, pdl=False)
+    return _AttnPlan(fn, (nsplit, H, B), (threads,), params[()], launch,
+                     (ws_o, ws_ml, counters, buffer, stats, geom))
 
 
-def _plan_key(buffer, q, block_tables, seq_lens, geom, k_s, v_s, sm_scale, stats) -> tuple:
-    return ("decode_attention", cupy.cuda.runtime.getDevice(),
-            cupy.cuda.get_current_stream().ptr, buffer.data.ptr, buffer.shape[0], geom,
-            q.shape, q.dtype.str if q.dtype.name != "bfloat16" else "bfloat16",
-            block_tables.shape[1], block_tables.dtype.str, seq_lens.dtype.str,
+#: Launch through cuLaunchKernelEx with the arguments packed once (less host time than a
+#: RawKernel call with a struct argument); RawKernel where the driver entry is missing.
+ATTN_DRIVER_LAUNCH = True
+
+
+def _plan_key(buffer, q, block_tables, seq_lens, geom, k_s, v_s, sm_scale, stats,
+              stream_ptr) -> tuple:
+    # id(geom): the plan keeps geom alive, so the id is not reused while the key exists
+    return (buffer.data.device_id, stream_ptr, buffer.data.ptr, buffer.shape[0], id(geom),
+            q.shape, q.dtype, block_tables.shape[1], block_tables.dtype, seq_lens.dtype,
             float(k_s), float(v_s), float(sm_scale), stats.data.ptr)
 
 
@@ -194,14 +204,21 @@ def decode_attention(buffer, q, block_tables, seq_lens, out, lse, *, geom: PageG
         Owned by the cache: prepared launches and workspaces, keyed by signature, device
         and stream.
     """
-    key = _plan_key(buffer, q, block_tables, seq_lens, geom, k_s, v_s, sm_scale, stats)
+    stream_ptr = cupy.cuda.get_current_stream().ptr
+    key = _plan_key(buffer, q, block_tables, seq_lens, geom, k_s, v_s, sm_scale, stats,
+                    stream_ptr)
     plan = scratch.get(key)
     if plan is None:
         if q.shape[0] == 0:
             return
         plan = _make_plan(buffer, q, block_tables, seq_lens, geom, k_s, v_s, sm_scale, stats)
         scratch[key] = plan
-    plan.fn(plan.grid, plan.block,
+    if plan.launch is not None:
+        plan.launch(stream_ptr, (q.data.ptr, block_tables.data.ptr, seq_lens.data.ptr,
+                                 out.data.ptr, 0 if lse is None else lse.data.ptr))
+        return
+    nsplit, H, B = plan.grid
+    plan.fn((nsplit * H * B,), plan.block,
             (q, block_tables, seq_lens, out, lse if lse is not None else np.uint64(0),
              plan.params))
 

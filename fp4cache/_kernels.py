@@ -245,7 +245,7 @@ TUNING: dict[str, int] = {
     "FP4C_E4M3_CVT": 1,          # sm_89+: scale bytes by the E4M3 conversion instruction
     "FP4C_ATTN_WARPS": 4,        # warps per CTA of the decode attention
     "FP4C_ATTN_MAX_SPLITS": 128,  # most KV splits per (sequence, KV head) of the attention
-    "FP4C_ATTN_STAGES_TUNING": 4,  # attention cp.async ring stages per warp (D 64, 128)
+    "FP4C_ATTN_STAGES_TUNING": 3,  # attention cp.async ring stages per warp (D 64, 128)
     "FP4C_ATTN_MIN_CTAS_D128": 4,  # attention __launch_bounds__ min CTAs/SM (D 128, T%16 0)
 }
 

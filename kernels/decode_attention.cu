@@ -529,8 +529,10 @@ FP4C_DEVICE void decode_attn_impl(const void* __restrict__ q, const void* __rest
   constexpr bool SPLIT = T::kBytes == 4;
   constexpr int NR = WIDE ? 2 : 1;  // accumulator rows per lane
   const u32 lane = threadIdx.x & 31u, warp = threadIdx.x >> 5, g = lane >> 2, c = lane & 3u;
-  const u32 split = blockIdx.x, h = blockIdx.y, b = blockIdx.z;
+  // one-dimensional grid of nsplit * H * B CTAs, split fastest
   const u32 H = P.H, group = P.group, nsplit = P.nsplit;
+  const u32 bh = blockIdx.x / nsplit, split = blockIdx.x - bh * nsplit;
+  const u32 b = bh / H, h = bh - b * H;
 
   // the tile ring (during the tile loop) and, after it, s_o and s_w share one buffer
   constexpr int kStages = FP4C_ATTN_STAGES(D);
