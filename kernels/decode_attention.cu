@@ -15,22 +15,29 @@
 // hold tokens.  No host synchronization, no allocation.
 //
 // Tensor cores: mma.sync.m16n8k16 with f16 inputs and f32 accumulation.
-//   S = Q K^T: A = the group's query heads (m16 rows, zero-padded past the group size;
-//              loaded once), B = a 16-token K tile (two n8 tiles), k = head_dim;
-//   O += P V:  A = P straight from S's accumulator registers (the C layout of two n8
-//              tiles is the A layout of one k16 step), B = the V tile, n = head_dim.
+//   Groups of 1..8 query heads per KV head (kernels _g8), transposed so that nothing is
+//   padded: S^T = K Q^T (A = a 16-token K tile, m16 = tokens; B = the group's q, n8 =
+//   heads, loaded once) and O^T += V^T P^T (A = the V tile, m16 = 16 d values; B = P^T,
+//   taken from S^T's accumulator registers by two movmatrix.trans).
+//   Groups of 9..16 (_g16): S = Q K^T (A = q, 16 rows), O += P V (A = P straight from S's
+//   accumulator: the C layout of two n8 tiles is the A layout of one k16 step).
 // A dot product over d does not change when d is permuted in both q and K, the token
 // order inside a tile is free as long as S, P and V agree, and the output's d order is
-// undone when it is written.  So every thread loads CONTIGUOUS bytes straight from the
-// pages into registers (no shared memory for K/V):
+// undone when it is written.  So every lane reads CONTIGUOUS bytes of the page rows:
 //   K: lane (g = lane/4, c = lane%4) holds K of the tile's tokens kt0 = 4(g/2) + g%2 and
-//      kt0 + 2 (the n index g of the two n8 tiles), bytes c*D/8 .. (c+1)*D/8 - 1 of each
-//      token's row (D/4 values, D/64 scale groups).  Each 32-bit word of 8 codes makes
-//      two k-steps; q's A fragment is permuted the same way once.
-//   V: lane (g, c) holds tokens 4c .. 4c+3 (the k index of the P.V step: logical tokens
-//      2c, 2c+1, 2c+8, 2c+9, which is also where S's accumulator puts them) and bytes
-//      g*D/16 .. (g+1)*D/16 - 1 of each (D/8 values).  With swizzled V scales the 4 scale
-//      bytes of tokens 4c .. 4c+3 of one group are contiguous (one 32-bit load).
+//      kt0 + 2, bytes c*D/8 .. (c+1)*D/8 - 1 of each token's row (D/4 values, D/64 scale
+//      groups).  Each 32-bit word of 8 codes makes two k-steps; q's fragment is permuted
+//      the same way once.
+//   V: lane (g, c) holds tokens 4c .. 4c+3 (logical tokens 2c, 2c+1, 2c+8, 2c+9 of the
+//      P.V step, which is also where S's accumulator puts them) and bytes g*D/16 ..
+//      (g+1)*D/16 - 1 of each (D/8 values).  With swizzled V scales the 4 scale bytes of
+//      tokens 4c .. 4c+3 of one group are contiguous (one 32-bit load).
+// Loads: with block_size % 16 == 0 every tile lies in one page and each warp streams its
+// tiles through a cp.async ring in shared memory (FP4C_ATTN_STAGES stages: the tile's 16
+// rows of this head as in the page), then reads its lane's bytes from there; other block
+// sizes (_anyT kernels) look up each token's page and load into registers one tile
+// ahead.  Layout (HND / NHD), V-scale swizzle and the index widths of block_tables and
+// seq_lens are run-time parameters (row strides and flags in AttnParams).
 // E2M1 -> fp16 without tables: with the codes of a word at nibbles n and n + 4 moved to
 // bits 12..15 of each half, (x & 0x80008000) | ((x >> 3) & 0x0E000E00) is an f16 pair
 // whose values are e2m1 * 2^-14 (code 1 is the subnormal 2^-15); one f16x2 multiply by
