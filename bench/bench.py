@@ -76,8 +76,11 @@ SIZES: dict[str, dict[str, Any]] = {
 }
 
 TARGETS = {
-    "store static6": 0.85, "store 4over6": 0.80, "gather static6": 0.85, "gather 4over6": 0.80,
+    "store static6": 0.85, "store 4over6": 0.40, "gather static6": 0.85, "gather 4over6": 0.85,
     "longlive": 0.85, "vs_compile": 3.0, "host_ratio": 2.0,
+    # 4over6's exact float32 error sums make its store arithmetic-bound (issue 13): at least
+    # 40 % of copy and at most 2.2x the static6 store time
+    "store 4over6 vs static6": 2.2,
 }
 
 _SPIN_SRC = r"""
@@ -561,8 +564,19 @@ class Bench:
                 continue
             # the default: slots unique, as a serving engine builds them
             calls = [_bind(cache.store, s["slots"], s["k"], s["v"]) for s in self.sets]
-            self.timed("store", f"store {N} tok {rule}", "fp4cache", calls, store_bytes,
-                       batch=2 * len(calls), frac_target=TARGETS[f"store {rule}"])
+            row = self.timed("store", f"store {N} tok {rule}", "fp4cache", calls, store_bytes,
+                             batch=2 * len(calls), frac_target=TARGETS[f"store {rule}"])
+            if rule == "4over6" and row is not None and row.time_s:
+                ref = next((r for r in self.rows if r.case == f"store {N} tok static6"
+                            and r.impl == "fp4cache" and r.time_s), None)
+                if ref is not None:
+                    ratio = row.time_s / ref.time_s
+                    lim = TARGETS["store 4over6 vs static6"]
+                    row.extra["vs_static6"] = ratio
+                    row.target += f", <= {lim}x static6 time ({ratio:.2f}x)"
+                    row.met = bool(row.met) and ratio <= lim
+                    self.log(f"     4over6 / static6 store time {ratio:.2f}x "
+                             f"(target <= {lim}x): {_mark(ratio <= lim)}")
             calls = [_bind(cache.store, s["slots"], s["k"], s["v"], unique_slots=False)
                      for s in self.sets]
             self.timed("store", f"store {N} tok {rule}", "fp4cache unique_slots=False", calls,
@@ -1019,7 +1033,9 @@ class Bench:
             return
         sp = row.time_s / ref.time_s
         row.extra["fp4cache_speedup"] = sp
-        if row.impl == "torch.compile":
+        if row.impl == "torch.compile" and not case.startswith("gather"):
+            # the store only: Inductor's gather already runs at 39 % of copy, so 3x would
+            # exceed HBM (issue 13); the gather's target is its fraction of copy alone
             row.target = f"fp4cache >= {TARGETS['vs_compile']:.0f}x"
             row.met = sp >= TARGETS["vs_compile"]
         self.log(f"     fp4cache is {sp:.2f}x faster than {row.impl}")

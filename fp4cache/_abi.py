@@ -69,6 +69,20 @@ STRUCTS: dict[str, tuple[tuple, ...]] = {
         ("nhd", "u32"), ("swizzle", "u32"), ("swz_m", "u32"),
         ("k_s", "float"), ("v_s", "float"),
     ),
+    # kernels/decode_attention.cu, every non-pointer argument of the decode attention
+    "AttnParams": (
+        ("buffer", "u64"), ("ws_o", "u64"), ("ws_ml", "u64"),  # u8 pool, f32 partial O, (m, l)
+        ("counters", "u64"), ("stats", "u64"),  # u32 merge tickets [B*H], u64 counters
+        ("num_blocks", "i64"), ("side_bytes", "i64"), ("data_bytes", "i64"),
+        ("H", "u32"), ("group", "u32"),  # KV heads, query heads per KV head
+        ("T", "u32"), ("t_m", "u32"), ("t_s", "u32"),  # tokens per page (FastDiv)
+        ("max_blocks", "u32"), ("split_len", "u32"), ("nsplit", "u32"),
+        ("row_h", "u32"), ("row_t", "u32"),  # row of (t, h) in a side: h*row_h + t*row_t
+        ("swizzle", "u32"), ("tile_in_page", "u32"),  # V scales swizzled; T % 16 == 0
+        ("bt64", "u32"), ("sl64", "u32"),  # int64 block tables / sequence lengths
+        ("qk_scale", "float"),  # sm_scale * k_scale * 2^7 * log2(e)
+        ("out_scale", "float"),  # v_scale * 2^7
+    ),
     # kernels/longlive.cu, where the blocks of a LongLive decode come from
     "LLSource": (
         ("value_ptrs", "u64"), ("sf_ptrs", "u64"), ("amax_ptrs", "u64"), ("ids", "u64"),

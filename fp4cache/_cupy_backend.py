@@ -6,6 +6,8 @@ arrays' device current, see :mod:`fp4cache._device`):
 
 * ``quantize(x, s, g, rule, data_out, scales_out)``, ``dequantize(data, scales, s, out)``
 * ``longlive_quantize(...)``, ``longlive_dequantize(...)`` (see their docstrings)
+* ``decode_attention(buffer, q, block_tables, seq_lens, out, lse, *, geom, k_s, v_s,
+  sm_scale, stats, scratch)`` (:mod:`fp4cache._cupy_attention`)
 * ``abs_max(x)``: ``max |x|`` as a float32 host number (NaN for non-finite data)
 
 The paged cache keeps its GPU resources in a :class:`CacheState` (page pool, counters,
@@ -31,6 +33,7 @@ import numpy as np
 
 from . import _abi
 from . import _kernels as K
+from ._cupy_attention import decode_attention
 from .layout import GROUP, PageGeometry
 
 __all__ = [
@@ -39,6 +42,7 @@ __all__ = [
     "gather_plan",
     "store",
     "gather_dequant",
+    "decode_attention",
     "quantize",
     "dequantize",
     "abs_max",

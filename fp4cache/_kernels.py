@@ -49,6 +49,7 @@ __all__ = [
     "ll_quantize_spec",
     "ll_decode_spec",
     "ll_decode_wide_spec",
+    "decode_attention_spec",
 ]
 
 #: Options of every compile: C++17, no FMA contraction (bit-exact float32 arithmetic).
@@ -81,6 +82,10 @@ TUNING: tuple[tuple[str, int], ...] = tuple(sorted((
     ("FP4C_ABSMAX16", 2),          # group max on 16-bit pairs: 1 bf16 (integer), 2 also f16
                                    # (packed float max, sm_86+; 1 below)
     ("FP4C_E4M3_CVT", 1),          # sm_89+: scale bytes by the E4M3 conversion instruction
+    ("FP4C_ATTN_WARPS", 4),        # warps per CTA of the decode attention
+    ("FP4C_ATTN_MAX_SPLITS", 128),  # most KV splits per (sequence, KV head) of the attention
+    ("FP4C_ATTN_STAGES_TUNING", 3),  # attention cp.async ring stages per warp (D 64, 128)
+    ("FP4C_ATTN_MIN_CTAS_D128", 4),  # attention __launch_bounds__ min CTAs/SM (D 128, T%16 0)
 )))
 
 _INCLUDE = re.compile(r'^\s*#\s*include\s+"([^"]+)"\s*$')
@@ -212,6 +217,24 @@ def ll_decode_wide_spec(dtype: str) -> Spec:
                 f"fp4cache_longlive_decode_wide_{dtype}", (VALUE_TYPES[dtype],))
 
 
+#: head_dim values of the decode-attention kernels (register tiles are sized at compile time).
+ATTN_HEAD_DIMS = (64, 128, 256)
+
+
+def decode_attention_spec(dtype: str, head_dim: int, wide: bool, paged16: bool = True) -> Spec:
+    """Fused paged decode attention over NVFP4 pages, ``dtype`` q/out (bf16/f16/f32);
+    ``wide``: query groups of 9..16 heads per KV head (else 1..8); ``paged16``: the
+    block size is a multiple of 16 (every 16-token tile lies in one page; else the
+    ``_anyT`` kernel finds each token's page)."""
+    if head_dim not in ATTN_HEAD_DIMS:
+        raise ValueError(f"head_dim must be one of {ATTN_HEAD_DIMS}, got {head_dim}")
+    name = (f"fp4cache_decode_attn_{dtype}_d{head_dim}_{'g16' if wide else 'g8'}"
+            f"{'' if paged16 else '_anyT'}")
+    return Spec("decode_attention.cu", "FP4C_ATTN_KERNEL", name,
+                (VALUE_TYPES[dtype], str(head_dim), "true" if wide else "false",
+                 "true" if paged16 else "false"))
+
+
 def all_specs() -> list[Spec]:
     """Every specialization the backend can launch (and no other)."""
     specs: list[Spec] = []
@@ -232,6 +255,8 @@ def all_specs() -> list[Spec]:
     specs += [claim_spec(ix) for ix in INDEX_TYPES]
     specs += [clear_spec(ix) for ix in INDEX_TYPES]
     specs += [ll_decode_wide_spec(dt) for dt in ("bf16", "f16")]
+    specs += [decode_attention_spec(dt, d, w, p) for dt in VALUE_TYPES for d in ATTN_HEAD_DIMS
+              for w in (False, True) for p in (True, False)]
     return specs
 
 

@@ -1,0 +1,230 @@
+"""CuPy backend of ``PagedKVCache.decode_attention``: the fused NVFP4 paged decode-attention
+kernel of ``kernels/decode_attention.cu``, launched on CuPy's current stream.
+
+The front end validates the arguments and calls :func:`decode_attention`.  Everything a
+launch needs that does not change from call to call (the kernel, the grid, the packed
+``AttnParams`` struct, the split-KV workspace and the merge tickets) is prepared once per
+signature and kept in the ``scratch`` dictionary that the cache owns; a call with a
+known signature is one dictionary lookup and one ``RawKernel`` launch, no allocation and
+no synchronization, so it can be captured in a CUDA graph.
+
+Split-KV: each (sequence, KV head) is cut into ``nsplit`` splits of ``split_len`` tokens,
+chosen on the host from the shapes only (batch, KV heads, block-table capacity), never
+from the sequence lengths (no device-to-host copy): :func:`split_plan`.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import cupy
+import numpy as np
+
+from . import _abi
+from . import _kernels as K
+from .layout import PageGeometry
+
+__all__ = ["decode_attention", "split_plan", "dequant_table", "bytes_read",
+           "ATTN_PARAMS_DTYPE", "SPLIT_TOKENS", "MIN_SPLIT_TOKENS"]
+
+_U32, _I64, _F32 = np.uint32, np.int64, np.float32
+_LOG2E = 1.4426950408889634
+
+#: numpy twin of ``struct AttnParams`` (generated from :mod:`fp4cache._abi`).
+ATTN_PARAMS_DTYPE = _abi.struct_dtype("AttnParams")
+
+#: Tokens per split when the batch alone fills the GPU (each warp then walks
+#: SPLIT_TOKENS / (16 * warps) tiles); shorter splits only to fill the GPU, never below
+#: MIN_SPLIT_TOKENS.
+SPLIT_TOKENS = 2048
+MIN_SPLIT_TOKENS = 256
+
+_DTYPES = {np.dtype(np.float32): "f32", np.dtype(np.float16): "f16"}
+
+
+def _dtype_name(dtype) -> str:
+    dt = np.dtype(dtype)
+    if dt.name == "bfloat16":
+        return "bf16"
+    name = _DTYPES.get(dt)
+    if name is None:
+        raise ValueError(f"q.dtype must be bfloat16, float16 or float32, got {dt}")
+    return name
+
+
+def _fastdiv(d: int) -> tuple[int, int, int]:
+    s = (d - 1).bit_length()
+    m = ((1 << 32) * ((1 << s) - d)) // d + 1
+    return d, m & 0xFFFFFFFF, s
+
+
+class SplitPlan(NamedTuple):
+    nsplit: int
+    split_len: int
+
+
+def split_plan(batch: int, kv_heads: int, capacity: int, resident_ctas: int,
+               spec: K.Spec | None = None) -> SplitPlan:
+    """Splits per (sequence, KV head) for ``capacity = max_blocks * block_size`` tokens.
+
+    Splits of :data:`SPLIT_TOKENS`; if that leaves fewer CTAs than ``resident_ctas`` (one
+    full wave), shorter ones (down to :data:`MIN_SPLIT_TOKENS`) until the wave is full; at
+    most ``FP4C_ATTN_MAX_SPLITS``; ``split_len`` a multiple of the CTA's 16-token tiles.
+    """
+    tune = dict(K.TUNING if spec is None else spec.tuning)
+    step = 16 * tune["FP4C_ATTN_WARPS"]
+    cap = max(int(capacity), 1)
+    n = -(-cap // SPLIT_TOKENS)
+    if batch * kv_heads * n < resident_ctas:
+        n = max(n, min(-(-resident_ctas // max(1, batch * kv_heads)),
+                       -(-cap // MIN_SPLIT_TOKENS)))
+    n = max(1, min(n, tune["FP4C_ATTN_MAX_SPLITS"]))
+    per = -(-cap // n)
+    split_len = -(-per // step) * step
+    return SplitPlan(-(-cap // split_len), split_len)
+
+
+_SMS: dict[int, int] = {}
+
+
+def _resident_ctas(fn, spec: K.Spec) -> int:
+    """CTAs of ``fn`` that fit on the whole device at once (registers, shared memory)."""
+    dev = cupy.cuda.runtime.getDevice()
+    sms = _SMS.get(dev)
+    if sms is None:
+        sms = int(cupy.cuda.Device(dev).attributes["MultiProcessorCount"])
+        _SMS[dev] = sms
+    threads = 32 * spec.tune("FP4C_ATTN_WARPS")
+    regs = max(1, int(fn.num_regs))
+    by_regs = 65536 // (threads * (-(-regs // 8) * 8))
+    smem = int(fn.shared_size_bytes) + 1024
+    by_smem = (227 * 1024) // smem
+    return sms * max(1, min(by_regs, by_smem, 2048 // threads, 32))
+
+
+class _AttnPlan(NamedTuple):
+    fn: Any
+    grid: tuple[int, int, int]  # (nsplit, H, B); launched as one dimension, split fastest
+    block: tuple[int]
+    params: Any  # np.void of ATTN_PARAMS_DTYPE
+    keep: tuple  # the device arrays and objects the params point to
+
+
+def _make_plan(buffer, q, block_tables, seq_lens, geom: PageGeometry, k_s, v_s, sm_scale,
+               stats) -> _AttnPlan:
+    B, Hq, D = q.shape
+    H, T = geom.num_heads, geom.block_size
+    if D != geom.head_dim:
+        raise ValueError(f"q.shape[2] must be head_dim={geom.head_dim}, got {D}")
+    if D not in K.ATTN_HEAD_DIMS:
+        raise ValueError(f"decode_attention supports head_dim in {K.ATTN_HEAD_DIMS}, got {D}")
+    if Hq % H:
+        raise ValueError(f"q.shape[1] = {Hq} must be a multiple of num_heads = {H}")
+    group = Hq // H
+    if not 1 <= group <= 16:
+        raise ValueError(f"query heads per KV head must be 1..16, got {group}")
+    if B > 65535 or H > 65535:
+        raise ValueError(f"batch and num_heads must be <= 65535, got {B} and {H}")
+    max_blocks = int(block_tables.shape[1])
+    if max_blocks * T >= 2**31:
+        raise ValueError(f"block_tables row capacity {max_blocks * T} tokens must be < 2**31")
+    if buffer.data.ptr % 16:
+        raise ValueError("the page pool must be 16-byte aligned")
+    bt = np.dtype(block_tables.dtype)
+    sl = np.dtype(seq_lens.dtype)
+    for name, dt in (("block_tables", bt), ("seq_lens", sl)):
+        if dt not in (np.dtype(np.int32), np.dtype(np.int64)):
+            raise ValueError(f"{name}.dtype must be int32 or int64, got {dt}")
+    spec = K.decode_attention_spec(_dtype_name(q.dtype), D, group > 8, T % 16 == 0)
+    fn = K.get_kernel(spec)
+    sp = split_plan(B, H, max_blocks * T, _resident_ctas(fn, spec), spec)
+    nsplit, split_len = sp
+    ws_o = cupy.empty(B * H * nsplit * group * D if nsplit > 1 else 1, dtype=np.float32)
+    ws_ml = cupy.empty(B * H * nsplit * 16 * 2 if nsplit > 1 else 1, dtype=np.float32)
+    counters = cupy.zeros(max(1, B * H), dtype=np.uint32)
+    td, tm, ts = _fastdiv(T)
+    hnd = geom.layout == "HND"
+    qk = np.float32(float(sm_scale) * float(np.float32(k_s)) * 128.0 * _LOG2E)
+    p = np.zeros((), dtype=ATTN_PARAMS_DTYPE)
+    for name, value in (
+            ("buffer", buffer.data.ptr), ("ws_o", ws_o.data.ptr), ("ws_ml", ws_ml.data.ptr),
+            ("counters", counters.data.ptr), ("stats", stats.data.ptr),
+            ("num_blocks", buffer.shape[0]), ("side_bytes", geom.side_bytes),
+            ("data_bytes", geom.data_bytes), ("H", H), ("group", group), ("T", td),
+            ("t_m", tm), ("t_s", ts), ("max_blocks", max_blocks), ("split_len", split_len),
+            ("nsplit", nsplit), ("row_h", T if hnd else 1), ("row_t", 1 if hnd else H),
+            ("swizzle", 1 if geom.swizzle_v_scales else 0),
+            ("tile_in_page", 1 if T % 16 == 0 else 0), ("bt64", 1 if bt.itemsize == 8 else 0),
+            ("sl64", 1 if sl.itemsize == 8 else 0), ("qk_scale", qk),
+            ("out_scale", np.float32(float(np.float32(v_s)) * 128.0))):
+        p[name] = value
+    threads = 32 * spec.tune("FP4C_ATTN_WARPS")
+    return _AttnPlan(fn, (nsplit, H, B), (threads,), p[()],
+                     (ws_o, ws_ml, counters, buffer, stats, geom))
+
+
+def _plan_key(buffer, q, block_tables, seq_lens, geom, k_s, v_s, sm_scale, stats,
+              stream_ptr) -> tuple:
+    # id(geom): the plan keeps geom alive, so the id is not reused while the key exists
+    return (buffer.data.device_id, stream_ptr, buffer.data.ptr, buffer.shape[0], id(geom),
+            q.shape, q.dtype, block_tables.shape[1], block_tables.dtype, seq_lens.dtype,
+            float(k_s), float(v_s), float(sm_scale), stats.data.ptr)
+
+
+def decode_attention(buffer, q, block_tables, seq_lens, out, lse, *, geom: PageGeometry, k_s,
+                     v_s, sm_scale, stats, scratch: dict) -> None:
+    """Paged decode attention over the NVFP4 page pool ``buffer`` (see the module doc).
+
+    Parameters
+    ----------
+    buffer : cupy.ndarray, uint8, (num_blocks, 2, geom.side_bytes)
+        The page pool.
+    q : cupy.ndarray, (B, Hq, D), bfloat16 / float16 / float32, C-contiguous
+        Queries; ``Hq = group * num_heads``, ``group`` in 1..16; query head ``h`` reads
+        KV head ``h // group``.
+    block_tables : cupy.ndarray, int32 or int64, (B, max_blocks), C-contiguous
+    seq_lens : cupy.ndarray, int32 or int64, (B,)
+        Clamped to ``[0, max_blocks * block_size]`` on the device.
+    out : cupy.ndarray, (B, Hq, D), q's dtype, C-contiguous (written)
+    lse : cupy.ndarray, float32, (B, Hq), or None
+        Natural log of the softmax denominator (``-inf`` for an empty sequence).
+    geom, k_s, v_s, sm_scale, stats
+        Page geometry, global K/V scales, score scale, the cache's counters (index 3
+        counts bad block ids among the used entries, once per entry and call).
+    scratch : dict
+        Owned by the cache: prepared launches and workspaces, keyed by signature, device
+        and stream.
+    """
+    stream_ptr = cupy.cuda.get_current_stream().ptr
+    key = _plan_key(buffer, q, block_tables, seq_lens, geom, k_s, v_s, sm_scale, stats,
+                    stream_ptr)
+    plan = scratch.get(key)
+    if plan is None:
+        if q.shape[0] == 0:
+            return
+        plan = _make_plan(buffer, q, block_tables, seq_lens, geom, k_s, v_s, sm_scale, stats)
+        scratch[key] = plan
+    nsplit, H, B = plan.grid
+    plan.fn((nsplit * H * B,), plan.block,
+            (q, block_tables, seq_lens, out, lse if lse is not None else np.uint64(0),
+             plan.params))
+
+
+def dequant_table() -> np.ndarray:
+    """The kernel's E2M1 x E4M3 decode for every code, scale byte and pair position
+    (``fp4cache_attn_dequant_table``), as float32 ``[4 pairs, 2 halves, 16 codes, 256
+    bytes]`` (a test hook)."""
+    spec = K.decode_attention_spec("bf16", 128, False)
+    mod = cupy.RawModule(code=K.build_source(spec.file, [spec]), options=K.NVRTC_OPTIONS)
+    fn = mod.get_function("fp4cache_attn_dequant_table")
+    out = cupy.empty(8 * 4096, dtype=np.float32)
+    fn((16,), (256,), (out,))
+    return out.get().reshape(4, 2, 16, 256)
+
+
+def bytes_read(geom: PageGeometry, seq_lens) -> int:
+    """NVFP4 page bytes the kernel reads for ``seq_lens`` (K and V of every used token and
+    KV head; the benchmark's byte count)."""
+    n = int(np.sum(np.asarray(seq_lens, dtype=np.int64)))
+    return n * geom.bytes_per_token
+

@@ -1,0 +1,1147 @@
+// fp4cache: fused paged decode attention that reads the NVFP4 pages directly
+// (vLLM layout, spec section 4), sm_80+ (mma.sync), no CUDA headers.
+//
+//   out[b, h] = softmax(sm_scale * q[b, h] . K^T) . V   over the first seq_lens[b] tokens
+//
+// with K, V the values gather_dequant returns (E2M1 code * E4M3 scale * global scale).
+//
+// Work split (flash-decoding): one CTA of FP4C_ATTN_WARPS warps per (split, KV head,
+// sequence).  A split is split_len consecutive tokens (a multiple of 16 * warps); warp w
+// of the CTA walks the 16-token tiles w, w + warps, ... of its split with its own online
+// softmax state (m, l, O).  The CTA merges its warps in shared memory; with one split
+// that is the result, otherwise it writes a partial (m, l, O) to the workspace and the
+// last CTA of the (sequence, KV head) to finish (an atomic ticket in `counters`, reset
+// by that CTA so that CUDA-graph replays work) merges the partials of the splits that
+// hold tokens.  No host synchronization, no allocation.
+//
+// Tensor cores: mma.sync.m16n8k16 with f16 inputs and f32 accumulation.
+//   Groups of 1..8 query heads per KV head (kernels _g8), transposed so that nothing is
+//   padded: S^T = K Q^T (A = a 16-token K tile, m16 = tokens; B = the group's q, n8 =
+//   heads, loaded once) and O^T += V^T P^T (A = the V tile, m16 = 16 d values; B = P^T,
+//   taken from S^T's accumulator registers by two movmatrix.trans).
+//   Groups of 9..16 (_g16): S = Q K^T (A = q, 16 rows), O += P V (A = P straight from S's
+//   accumulator: the C layout of two n8 tiles is the A layout of one k16 step).
+// A dot product over d does not change when d is permuted in both q and K, the token
+// order inside a tile is free as long as S, P and V agree, and the output's d order is
+// undone when it is written.  So every lane reads CONTIGUOUS bytes of the page rows:
+//   K: lane (g = lane/4, c = lane%4) holds K of the tile's tokens kt0 = 4(g/2) + g%2 and
+//      kt0 + 2, bytes c*D/8 .. (c+1)*D/8 - 1 of each token's row (D/4 values, D/64 scale
+//      groups).  Each 32-bit word of 8 codes makes two k-steps; q's fragment is permuted
+//      the same way once.
+//   V: lane (g, c) holds tokens 4c .. 4c+3 (logical tokens 2c, 2c+1, 2c+8, 2c+9 of the
+//      P.V step, which is also where S's accumulator puts them) and bytes g*D/16 ..
+//      (g+1)*D/16 - 1 of each (D/8 values).  With swizzled V scales the 4 scale bytes of
+//      tokens 4c .. 4c+3 of one group are contiguous (one 32-bit load).
+// Loads: with block_size % 16 == 0 every tile lies in one page and each warp streams its
+// tiles through a cp.async ring in shared memory (FP4C_ATTN_STAGES stages: the tile's 16
+// rows of this head as in the page), then reads its lane's bytes from there; other block
+// sizes (_anyT kernels) look up each token's page and load into registers one tile
+// ahead.  Layout (HND / NHD), V-scale swizzle and the index widths of block_tables and
+// seq_lens are run-time parameters (row strides and flags in AttnParams).
+// E2M1 -> fp16 without tables: with the codes of a word at nibbles n and n + 4 moved to
+// bits 12..15 of each half, (x & 0x80008000) | ((x >> 3) & 0x0E000E00) is an f16 pair
+// whose values are e2m1 * 2^-14 (code 1 is the subnormal 2^-15); one f16x2 multiply by
+// (sf * 2^7) gives e2m1 * sf * 2^-7, exact (at most 6 significant bits, >= 2^-17).  The
+// 2^7 and the global scales are folded into the score scale (K) and the final rescale (V).
+// Scale byte 0x7F decodes to NaN, so a group stored as NaN makes what attends it NaN.
+//
+// q is converted to f16 once per row with a power-of-two scale (max |q| lands in
+// [2^14, 2^15)), exact for bf16 inputs whose components are within 2^29 of the row's
+// largest; float32 q is split into f16 hi + lo parts (two MMAs), error ~2^-22.
+//
+// Bad block ids (outside [0, num_blocks)) among the pages a sequence uses: nothing is
+// read from them, the CTA's partial gets l = NaN (so the outputs of that (sequence, KV
+// head) are NaN) and the CTA of KV head 0 that holds the page's first token adds 1 to
+// stats[3] (once per used block-table entry and call, as gather_dequant counts its pages).
+#include "fp4_common.cuh"
+
+#if !defined(FP4C_ATTN_WARPS) || !defined(FP4C_ATTN_MAX_SPLITS) || \
+    !defined(FP4C_ATTN_STAGES_TUNING) || !defined(FP4C_ATTN_MIN_CTAS_D128)
+#error "fp4cache attention tuning macros missing: build with fp4cache._kernels.build_source"
+#endif
+
+#define FP4C_ATTN_THREADS (32 * FP4C_ATTN_WARPS)
+// minimum resident CTAs per SM (register budget) by head_dim
+#define FP4C_ATTN_MINB(D, FAST) \
+  ((D) == 64 ? 4 : (D) == 128 ? ((FAST) ? FP4C_ATTN_MIN_CTAS_D128 : 3) : 1)
+#define FP4C_NEG_INF __uint_as_float(0xFF800000u)
+
+// Every argument that stays the same from call to call, passed by value as one struct
+// (host twin: fp4cache._cupy_attention.ATTN_PARAMS_DTYPE, same field order, align=True).
+// AttnParams (every non-pointer argument) is generated from fp4cache/_abi.py.
+
+// ---------------------------------------------------------------------------------------
+// Small PTX helpers (no .ftz anywhere: CuPy compiles with -ftz=true)
+// ---------------------------------------------------------------------------------------
+// x == -inf on the bit pattern (a float compare would be .ftz under CuPy's flags)
+FP4C_DEVICE bool is_neg_inf(float x) { return __float_as_uint(x) == 0xFF800000u; }
+FP4C_DEVICE float a_ex2(float x) {  // 2^x, approximate (2 ulp); ex2(-inf) = 0
+  float r;
+  asm("ex2.approx.f32 %0, %1;" : "=f"(r) : "f"(x));
+  return r;
+}
+FP4C_DEVICE float a_lg2(float x) {
+  float r;
+  asm("lg2.approx.f32 %0, %1;" : "=f"(r) : "f"(x));
+  return r;
+}
+// fused multiply-add for the attention arithmetic (tolerance-based, not bit-exact)
+FP4C_DEVICE float a_fma(float a, float b, float c) {
+  float r;
+  asm("fma.rn.f32 %0, %1, %2, %3;" : "=f"(r) : "f"(a), "f"(b), "f"(c));
+  return r;
+}
+FP4C_DEVICE u32 hmul2(u32 a, u32 b) {
+  u32 r;
+  asm("mul.rn.f16x2 %0, %1, %2;" : "=r"(r) : "r"(a), "r"(b));
+  return r;
+}
+FP4C_DEVICE float ldcg_f32(const float* p) {  // L2 only: data other CTAs of this grid wrote
+  float r;
+  asm volatile("ld.global.cg.f32 %0, [%1];" : "=f"(r) : "l"(p));
+  return r;
+}
+FP4C_DEVICE u32 ldg_u16(const u8* p) {
+  unsigned short r;
+  asm("ld.global.nc.u16 %0, [%1];" : "=h"(r) : "l"(p));
+  return r;
+}
+FP4C_DEVICE u32 ldg_u32(const u8* p) {
+  u32 r;
+  asm("ld.global.nc.u32 %0, [%1];" : "=r"(r) : "l"(p));
+  return r;
+}
+
+// cp.async (sm_80+): global -> shared without registers; src_size 0 fills zeros and
+// reads nothing.
+FP4C_DEVICE u32 smem_u32(const void* p) {
+  u32 a;
+  asm("{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }" : "=r"(a) : "l"(p));
+  return a;
+}
+template <int N>
+FP4C_DEVICE void cp_async(u32 dst, const void* src, u32 src_size) {
+  if constexpr (N == 16) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(dst), "l"(src),
+                 "r"(src_size) : "memory");
+  } else {
+    asm volatile("cp.async.ca.shared.global [%0], [%1], %2, %3;" ::"r"(dst), "l"(src), "n"(N),
+                 "r"(src_size) : "memory");
+  }
+}
+FP4C_DEVICE void cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
+template <int N>
+FP4C_DEVICE void cp_async_wait() {
+  asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory");
+}
+
+// D = A * B + C, m16n8k16, f16 inputs, f32 accumulators
+FP4C_DEVICE void mma_f16(float* d, u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1) {
+  asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, "
+      "{%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+// The same with only the first accumulator row (rows 8..15 of A are zero): the other two
+// results are discarded.
+FP4C_DEVICE void mma_f16_top(float* d, u32 a0, u32 a2, u32 b0, u32 b1) {
+  float x, y;
+  asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, "
+      "{%4, %5, %6, %7}, {%8, %9}, {%0, %1, %10, %10};"
+      : "+f"(d[0]), "+f"(d[1]), "=f"(x), "=f"(y)
+      : "r"(a0), "r"(0u), "r"(a2), "r"(0u), "r"(b0), "r"(b1), "f"(0.0f));
+}
+
+// Transpose of an 8x8 b16 matrix held one register per lane (lane/4 = row, pairs of columns)
+FP4C_DEVICE u32 movmatrix_trans(u32 a) {
+  u32 d;
+  asm("movmatrix.sync.aligned.m8n8.trans.b16 %0, %1;" : "=r"(d) : "r"(a));
+  return d;
+}
+
+// ---------------------------------------------------------------------------------------
+// NVFP4 -> f16 pairs
+// ---------------------------------------------------------------------------------------
+// Pair p (0..3) of a word x of 8 codes: f16 pair (lo, hi) = codes at nibbles 3 - p and
+// 7 - p, as e2m1 * 2^-14.
+FP4C_DEVICE u32 e2m1_pair(u32 x, int p) {
+  const u32 y = x << (4 * p);
+  return (y & 0x80008000u) | ((y >> 3) & 0x0E000E00u);
+}
+// All four pairs of x (the same values as e2m1_pair(x, p), p = 0..3), sharing the shifts:
+// the masks are applied before the final shift.
+FP4C_DEVICE void e2m1_pairs(u32 x, u32* r) {
+  const u32 z = x >> 3;
+  r[0] = (x & 0x80008000u) | (z & 0x0E000E00u);
+  r[1] = ((x & 0x08000800u) | (z & 0x00E000E0u)) << 4;
+  r[2] = ((x & 0x00800080u) | (z & 0x000E000Eu)) << 8;
+  r[3] = (((x << 3) & 0x00400040u) | (x & 0x00070007u)) << 9;
+}
+// f16 pair (sf_a * 2^7, sf_b * 2^7) of the E4M3 bytes in the low bytes of each half of
+// x = 0x00BB00AA (any sign; 0x7F / 0xFF give NaN).  (b & 0x7F) << 7 is the f16 of
+// |sf| * 2^-8 (E4M3 and f16 subnormals line up), the multiply by 2^15 is exact.
+FP4C_DEVICE u32 e4m3_pair_x128(u32 x) {
+  const u32 mag = x & 0x007F007Fu;
+  const u32 nan = (mag + 0x00010001u) & 0x00800080u;  // bit 7 set where mag == 0x7F
+  const u32 h = (mag << 7) | ((x & 0x00800080u) << 8) | (nan * 0xF8u);  // exp all ones
+  return hmul2(h, 0x78007800u);
+}
+
+// Host-checked table of the decode (tests/test_gpu_attention.py): out[(p*2 + half)*4096 +
+// code*256 + byte] = the f32 value of half `half` of pair p of the word holding `code` in
+// every nibble, times the scale pair of `byte`: e2m1(code) * e4m3(byte) * 2^-7 exactly.
+extern "C" __global__ void fp4cache_attn_dequant_table(float* out) {
+  const u32 i = blockIdx.x * blockDim.x + threadIdx.x;
+  if (i >= 4096u) return;
+  const u32 code = i >> 8, byte = i & 255u;
+  const u32 x = code * 0x11111111u;
+  const u32 sf = e4m3_pair_x128(byte * 0x00010001u);
+  u32 e[4];
+  e2m1_pairs(x, e);
+#pragma unroll
+  for (int p = 0; p < 4; ++p) {
+    if (e[p] != e2m1_pair(x, p)) e[p] = 0xFFFFFFFFu;  // the two forms must agree (NaN)
+    const u32 v = hmul2(e[p], sf);
+    out[(p * 2 + 0) * 4096 + i] = f16_bits_to_float(v & 0xFFFFu);
+    out[(p * 2 + 1) * 4096 + i] = f16_bits_to_float(v >> 16);
+  }
+}
+
+// ---------------------------------------------------------------------------------------
+// Geometry of one head_dim
+// ---------------------------------------------------------------------------------------
+template <int D>
+struct AttnDims {
+  static_assert(D == 64 || D == 128 || D == 256, "head_dim 64, 128 or 256");
+  static constexpr int G = D / 16;    // scales per row
+  static constexpr int KS = D / 16;   // k-steps of Q.K
+  static constexpr int KW = D / 32;   // words of K codes per lane and token
+  static constexpr int KG = D / 64;   // K scale bytes per lane and token
+  static constexpr int VW = D / 64;   // words of V codes per lane and token
+  static constexpr int NT = D / 8;    // n8 tiles of P.V
+  static constexpr int D16 = D / 16;  // m16 tiles of O^T = V^T P^T
+  static constexpr int VG = D == 256 ? 2 : 1;  // V scale groups per lane
+};
+
+// Raw registers of one 16-token tile for one lane.
+template <int D>
+struct TileRaw {
+  u32 k[2][AttnDims<D>::KW];  // K codes of tokens kt0, kt0 + 2
+  u32 ks[2];                  // their K scale bytes (KG bytes each)
+  u32 v[4][AttnDims<D>::VW];  // V codes of tokens 4c .. 4c + 3
+  u32 vs[AttnDims<D>::VG];    // V scale bytes: byte e = token 4c + e (0 past the length)
+  u32 bad;                    // a used page id was out of range
+};
+
+struct SeqCtx {
+  const u8* buffer;
+  const void* table;  // this sequence's row of block_tables
+  u64* stats;
+  i64 num_blocks, page_bytes, side_bytes, data_bytes;
+  FastDiv fT;
+  u32 len, h, row_h, row_t, swizzle, tile_in_page, bt64, count_bad;
+};
+
+FP4C_DEVICE i64 load_id(const SeqCtx& S, u32 e) {
+  return S.bt64 ? ((const i64*)S.table)[e] : (i64)((const int*)S.table)[e];
+}
+
+// Where the tile's tokens live when a tile never crosses a page (T % 16 == 0): its page
+// id and the row of its first token, read once per tile.
+struct TilePage {
+  i64 id;
+  u32 t0;
+};
+
+// Page (K side) and row of token i < len; ok = false for a bad id (then `page` is the
+// pool's first page, never read).
+FP4C_DEVICE const u8* token_page(const SeqCtx& S, u32 i, u32 tile, const TilePage& tp, u32& t,
+                                 bool& ok) {
+  i64 id;
+  if (S.tile_in_page) {
+    t = tp.t0 + (i - tile);
+    id = tp.id;
+  } else {
+    const u32 pe = fdiv(i, S.fT);
+    t = i - pe * S.fT.d;
+    id = load_id(S, pe);
+  }
+  ok = id >= 0 && id < S.num_blocks;
+  return S.buffer + (ok ? id : 0) * S.page_bytes;
+}
+
+template <int D>
+FP4C_DEVICE void load_tile(const SeqCtx& S, u32 tile, TileRaw<D>& R) {
+  using A = AttnDims<D>;
+  const u32 lane = threadIdx.x & 31u, g = lane >> 2, c = lane & 3u;
+  R.bad = 0u;
+  TilePage tp{0, 0u};
+  if (S.tile_in_page) {
+    const u32 pe = fdiv(tile, S.fT);
+    tp.id = load_id(S, pe);
+    tp.t0 = tile - pe * S.fT.d;
+  }
+  // K: tokens kt0, kt0 + 2, bytes c*D/8 of the row
+  const u32 kt0 = 4u * (g >> 1) + (g & 1u);
+#pragma unroll
+  for (int q = 0; q < 2; ++q) {
+    const u32 i = tile + kt0 + 2u * q;
+#pragma unroll
+    for (int w = 0; w < A::KW; ++w) R.k[q][w] = 0u;
+    R.ks[q] = 0u;
+    if (i < S.len) {
+      u32 t;
+      bool ok;
+      const u8* page = token_page(S, i, tile, tp, t, ok);
+      if (ok) {
+        const u32 row = S.h * S.row_h + t * S.row_t;
+        const u8* p = page + (u64)row * (D / 2) + c * (D / 8);
+        if constexpr (A::KW == 2) {
+          const U32x2 a = ldg8(p);
+          R.k[q][0] = a.x;
+          R.k[q][1] = a.y;
+        } else {
+#pragma unroll
+          for (int w4 = 0; w4 < A::KW / 4; ++w4) {
+            const U32x4 a = ldg16(p + 16 * w4);
+            R.k[q][4 * w4] = a.x;
+            R.k[q][4 * w4 + 1] = a.y;
+            R.k[q][4 * w4 + 2] = a.z;
+            R.k[q][4 * w4 + 3] = a.w;
+          }
+        }
+        const u8* sp = page + S.data_bytes + (u64)row * A::G + c * A::KG;
+        R.ks[q] = A::KG == 1 ? ldg_u8(sp) : A::KG == 2 ? ldg_u16(sp) : ldg_u32(sp);
+      } else {
+        R.bad = 1u;
+        if (t == 0u && c == 0u && S.count_bad) atomicAdd((unsigned long long*)S.stats + FP4C_STAT_BAD_BLOCK_IDS, 1ull);
+      }
+    }
+  }
+  // V: tokens 4c .. 4c+3, bytes g*D/16 of the row
+  u32 t0 = 0u;
+  const u8* vpage0 = S.buffer;
+  bool ok0 = false;
+#pragma unroll
+  for (int e = 0; e < 4; ++e) {
+    const u32 i = tile + 4u * c + e;
+#pragma unroll
+    for (int w = 0; w < A::VW; ++w) R.v[e][w] = 0u;
+    if (e == 0) {
+#pragma unroll
+      for (int j = 0; j < A::VG; ++j) R.vs[j] = 0u;
+    }
+    if (i < S.len) {
+      u32 t;
+      bool ok;
+      const u8* vside = token_page(S, i, tile, tp, t, ok) + S.side_bytes;
+      if (e == 0) {
+        t0 = t;
+        vpage0 = vside;
+        ok0 = ok;
+      }
+      if (ok) {
+        const u32 row = S.h * S.row_h + t * S.row_t;
+        const u8* p = vside + (u64)row * (D / 2) + g * (D / 16);
+        if constexpr (A::VW == 1) {
+          R.v[e][0] = ldg_u32(p);
+        } else if constexpr (A::VW == 2) {
+          const U32x2 a = ldg8(p);
+          R.v[e][0] = a.x;
+          R.v[e][1] = a.y;
+        } else {
+          const U32x4 a = ldg16(p);
+          R.v[e][0] = a.x;
+          R.v[e][1] = a.y;
+          R.v[e][2] = a.z;
+          R.v[e][3] = a.w;
+        }
+        if (!S.swizzle) {
+          const u8* sp = vside + S.data_bytes + (u64)row * A::G;
+#pragma unroll
+          for (int j = 0; j < A::VG; ++j) {
+            const u32 grp = D == 64 ? g >> 1 : g * A::VG + j;
+            R.vs[j] |= ldg_u8(sp + grp) << (8 * e);
+          }
+        }
+      } else {
+        R.bad = 1u;
+      }
+    }
+  }
+  if (S.swizzle && ok0) {
+    // tokens 4c .. 4c+3 share a page (T % 4 == 0, tiles start at multiples of 16) and
+    // t0 % 4 == 0: their 4 scale bytes of one group are contiguous
+    const u32 nval = min(S.len - (tile + 4u * c), 4u);  // >= 1 since token 4c is used
+    const u32 keep = nval >= 4u ? 0xFFFFFFFFu : (1u << (8u * nval)) - 1u;
+#pragma unroll
+    for (int j = 0; j < A::VG; ++j) {
+      const u32 grp = D == 64 ? g >> 1 : g * A::VG + j;
+      u32 ts, gs;
+      v_scale_swizzle(t0, grp, grp / (A::G / 4), A::G / 4, ts, gs);
+      const u8* sp = vpage0 + S.data_bytes + (u64)(S.h * S.row_h + ts * S.row_t) * A::G + gs;
+      R.vs[j] = ldg_u32(sp) & keep;
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------------------
+// Shared-memory tile ring (block_size % 16 == 0): each warp copies its next tiles with
+// cp.async into FP4C_ATTN_STAGES(D) stages while it computes the current one, so that
+// several tiles per warp are in flight without holding registers.  A stage is the tile's
+// 16 rows of this head as in the page: [K data 16 x D/2 | K scales 16 x S | V data |
+// V scales] (the V-scale swizzle stays inside each 4-row block, so the 16 rows hold
+// every scale of the tile's tokens).
+// ---------------------------------------------------------------------------------------
+#define FP4C_ATTN_STAGES(D) ((D) == 256 ? 2 : FP4C_ATTN_STAGES_TUNING)
+
+template <int D>
+struct Stage {
+  static constexpr int KD = 0, KS = 8 * D, VD = 9 * D, VS = 17 * D, kBytes = 18 * D;
+  static constexpr int kChunks = D / 64;  // 16-byte data chunks per lane and side
+};
+
+// This lane's page-relative source offsets for a tile starting at row 0 of its page:
+// data chunks lane + 32 k of the 16 x D/2 block, and scale row lane % 16 (K for lanes
+// 0..15, V for 16..31; side_bytes included).
+template <int D>
+struct CopyOffs {
+  u32 d[Stage<D>::kChunks];
+  u32 sc;
+};
+
+template <int D>
+FP4C_DEVICE CopyOffs<D> copy_offsets(const SeqCtx& S) {
+  const u32 lane = threadIdx.x & 31u;
+  CopyOffs<D> C;
+#pragma unroll
+  for (int k = 0; k < Stage<D>::kChunks; ++k) {
+    const u32 q = lane + 32u * k, row = q / (D / 32), col = q % (D / 32);
+    C.d[k] = (S.h * S.row_h + row * S.row_t) * (D / 2) + col * 16u;
+  }
+  const u32 row = lane & 15u;
+  C.sc = (lane >= 16u ? (u32)S.side_bytes : 0u) + (u32)S.data_bytes +
+         (S.h * S.row_h + row * S.row_t) * (D / 16);
+  return C;
+}
+
+// Issue the copies of the tile starting at `tile` (page id `id`) into stage `st`.
+template <int D>
+FP4C_DEVICE void issue_tile(const SeqCtx& S, const CopyOffs<D>& C, u32 tile, i64 id, u8* st,
+                            u32& bad) {
+  const u32 lane = threadIdx.x & 31u;
+  const u32 t0 = tile - fdiv(tile, S.fT) * S.fT.d;  // row of the tile's first token
+  const bool ok = id >= 0 && id < S.num_blocks;
+  if (!ok) {
+    bad = 1u;
+    if (t0 == 0u && lane == 0u && S.count_bad) atomicAdd((unsigned long long*)S.stats + FP4C_STAT_BAD_BLOCK_IDS, 1ull);
+  }
+  const u32 n = ok ? 16u : 0u;
+  const u8* page = S.buffer + (ok ? id : 0) * S.page_bytes;
+  const u8* dsrc = page + (u64)(t0 * S.row_t) * (D / 2);
+  const u32 sdst = smem_u32(st);
+#pragma unroll
+  for (int k = 0; k < Stage<D>::kChunks; ++k) {
+    const u32 q = lane + 32u * k;
+    cp_async<16>(sdst + Stage<D>::KD + q * 16u, dsrc + C.d[k], n);
+    cp_async<16>(sdst + Stage<D>::VD + q * 16u, dsrc + S.side_bytes + C.d[k], n);
+  }
+  constexpr int SB = D / 16;  // scale bytes per row
+  const u32 row = lane & 15u;
+  cp_async<SB>(sdst + (lane >= 16u ? Stage<D>::VS : Stage<D>::KS) + row * SB,
+               page + (u64)(t0 * S.row_t) * SB + C.sc, ok ? (u32)SB : 0u);
+}
+
+// The lane's registers of the tile in stage `st` (the same contents as load_tile).
+template <int D>
+FP4C_DEVICE void read_tile(const SeqCtx& S, const u8* st, u32 tile, TileRaw<D>& R) {
+  using A = AttnDims<D>;
+  const u32 lane = threadIdx.x & 31u, g = lane >> 2, c = lane & 3u;
+  const u32 kt0 = 4u * (g >> 1) + (g & 1u);
+  R.bad = 0u;
+#pragma unroll
+  for (int q = 0; q < 2; ++q) {
+    const u32 row = kt0 + 2u * q;
+    const u8* p = st + Stage<D>::KD + row * (D / 2) + c * (D / 8);
+#pragma unroll
+    for (int w = 0; w < A::KW; w += 2) {
+      const U32x2 a = *(const U32x2*)(p + 4 * w);
+      R.k[q][w] = a.x;
+      R.k[q][w + 1] = a.y;
+    }
+    const u8* sp = st + Stage<D>::KS + row * A::G + c * A::KG;
+    R.ks[q] = A::KG == 1 ? (u32)*sp : A::KG == 2 ? (u32)*(const u16*)sp : *(const u32*)sp;
+  }
+#pragma unroll
+  for (int e = 0; e < 4; ++e) {
+    const u8* p = st + Stage<D>::VD + (4u * c + e) * (D / 2) + g * (D / 16);
+    if constexpr (A::VW == 1) {
+      R.v[e][0] = *(const u32*)p;
+    } else {
+#pragma unroll
+      for (int w = 0; w < A::VW; w += 2) {
+        const U32x2 a = *(const U32x2*)(p + 4 * w);
+        R.v[e][w] = a.x;
+        R.v[e][w + 1] = a.y;
+      }
+    }
+  }
+  const u32 nval = tile + 16u <= S.len ? 4u
+                   : (S.len > tile + 4u * c ? min(S.len - (tile + 4u * c), 4u) : 0u);
+  const u32 keep = nval >= 4u ? 0xFFFFFFFFu : (1u << (8u * nval)) - 1u;
+#pragma unroll
+  for (int j = 0; j < A::VG; ++j) {
+    const u32 grp = D == 64 ? g >> 1 : g * A::VG + j;
+    u32 x;
+    if (S.swizzle) {
+      u32 ts, gs;
+      v_scale_swizzle(4u * c, grp, grp / (A::G / 4), A::G / 4, ts, gs);
+      x = *(const u32*)(st + Stage<D>::VS + ts * A::G + gs);
+    } else {
+      const u8* sp = st + Stage<D>::VS + (4u * c) * A::G + grp;
+      x = (u32)sp[0] | ((u32)sp[A::G] << 8) | ((u32)sp[2 * A::G] << 16) |
+          ((u32)sp[3 * A::G] << 24);
+    }
+    R.vs[j] = x & keep;
+  }
+}
+
+// d index of the lo (half 0) or hi (half 1) value of K pair p of word w of chunk c
+template <int D>
+FP4C_DEVICE u32 k_pair_d(u32 c, int w, int p, int half) {
+  return c * (D / 4) + 8 * w + (half ? 7 : 3) - p;
+}
+
+// ---------------------------------------------------------------------------------------
+// The kernel
+// ---------------------------------------------------------------------------------------
+// WIDE: groups of 9..16 query heads (accumulator rows g and g+8); else rows 0..7 only.
+// SPLIT: float32 q as f16 hi + lo: group <= 8 puts the lo parts in rows 8..15 of A and
+// adds the two accumulator rows; WIDE runs a second MMA with the lo parts.
+template <typename T, int D, bool WIDE, bool FAST>
+FP4C_DEVICE void decode_attn_impl(const void* __restrict__ q, const void* __restrict__ tables,
+                                  const void* __restrict__ seq_lens, void* __restrict__ out,
+                                  float* __restrict__ lse, const AttnParams& P) {
+  using A = AttnDims<D>;
+  constexpr bool SPLIT = T::kBytes == 4;
+  constexpr int NR = WIDE ? 2 : 1;  // accumulator rows per lane
+  const u32 lane = threadIdx.x & 31u, warp = threadIdx.x >> 5, g = lane >> 2, c = lane & 3u;
+  // one-dimensional grid of nsplit * H * B CTAs, split fastest
+  const u32 H = P.H, group = P.group, nsplit = P.nsplit;
+  const u32 bh = blockIdx.x / nsplit, split = blockIdx.x - bh * nsplit;
+  const u32 b = bh / H, h = bh - b * H;
+
+  // the tile ring (during the tile loop) and, after it, s_o and s_w share one buffer
+  constexpr int kStages = FP4C_ATTN_STAGES(D);
+  constexpr int kRing = FAST ? FP4C_ATTN_WARPS * kStages * Stage<D>::kBytes : 0;
+  constexpr int kEpi = 16 * (D + 1) * 4 + 16 * FP4C_ATTN_MAX_SPLITS * 4;
+  __shared__ __align__(16) u8 s_raw[kRing > kEpi ? kRing : kEpi];
+  // merged O (then the result); rows padded by one float against bank conflicts
+  float(*s_o)[D + 1] = reinterpret_cast<float(*)[D + 1]>(s_raw);
+  float(*s_w)[FP4C_ATTN_MAX_SPLITS] =
+      reinterpret_cast<float(*)[FP4C_ATTN_MAX_SPLITS]>(s_raw + 16 * (D + 1) * 4);  // weights
+  __shared__ float s_m[FP4C_ATTN_WARPS][16], s_l[FP4C_ATTN_WARPS][16];
+  __shared__ float s_M[16], s_L[16];
+  __shared__ u32 s_flag;
+
+  // sequence length, clamped to the row's capacity
+  i64 len64 = P.sl64 ? ((const i64*)seq_lens)[b] : (i64)((const int*)seq_lens)[b];
+  const i64 cap = (i64)P.max_blocks * P.T;
+  len64 = len64 < 0 ? 0 : (len64 > cap ? cap : len64);
+  const u32 len = (u32)len64;
+  const u32 s0 = split * P.split_len;
+  const u32 s1 = min(s0 + P.split_len, len);
+  const u32 qrow0 = (b * (H * group) + h * group);  // first query head of the group
+  const u32 pidx = (b * H + h) * nsplit + split;
+
+  if (s0 < len) {
+    // ---- Q fragments: power-of-two scale per row, f16 (hi, lo) ---------------------
+    float rsc[NR];  // score scale of each accumulator row (log2 domain)
+    u32 qa[A::KS][4];
+    u32 ql[WIDE && SPLIT ? A::KS : 1][4];  // WIDE float32 q: the lo parts (second MMA)
+    {
+      constexpr int rows = SPLIT && !WIDE ? 1 : NR;  // rows 8..15 hold lo parts if SPLIT
+      float qscale[2] = {1.0f, 1.0f};
+#pragma unroll
+      for (int r = 0; r < rows; ++r) {
+        const u32 row = g + 8u * r;
+        float mx = 0.0f;
+        if (row < group) {
+          const char* src = (const char*)q + (u64)(qrow0 + row) * D * T::kBytes;
+#pragma unroll 8
+          for (int k = 0; k < D / 4; ++k)
+            mx = f_max(mx, f_abs(load_one(T(), src + (c * (D / 4) + k) * T::kBytes)));
+        }
+        mx = f_max(mx, __shfl_xor_sync(0xFFFFFFFFu, mx, 1));
+        mx = f_max(mx, __shfl_xor_sync(0xFFFFFFFFu, mx, 2));
+        int e = 0;
+        const u32 mb = __float_as_uint(mx);
+        if (mb != 0u && mb < 0x7F800000u) {
+          e = (int)(mb >> 23) - 127 - 14;  // mx * 2^-e in [2^14, 2^15) (normal mx)
+          e = max(-100, min(100, e));
+        }
+        qscale[r] = __uint_as_float((u32)(127 - e) << 23);
+        rsc[r] = f_mul(P.qk_scale, __uint_as_float((u32)(127 + e) << 23));
+      }
+#pragma unroll
+      for (int j = 0; j < A::KS; ++j) {
+        const int w = j >> 1, p0 = 2 * (j & 1);
+#pragma unroll
+        for (int f = 0; f < 4; ++f) {
+          qa[j][f] = 0u;
+          if constexpr (WIDE && SPLIT) ql[j][f] = 0u;
+        }
+#pragma unroll
+        for (int r = 0; r < rows; ++r) {
+          const u32 row = g + 8u * r;
+          if (row >= group) continue;
+          const char* src = (const char*)q + (u64)(qrow0 + row) * D * T::kBytes;
+#pragma unroll
+          for (int pp = 0; pp < 2; ++pp) {
+            const float lo = f_mul(
+                load_one(T(), src + k_pair_d<D>(c, w, p0 + pp, 0) * T::kBytes), qscale[r]);
+            const float hi = f_mul(
+                load_one(T(), src + k_pair_d<D>(c, w, p0 + pp, 1) * T::kBytes), qscale[r]);
+            const u32 h2 = pack2(f16_t(), lo, hi);
+            qa[j][2 * pp + r] = h2;  // a0a1 (pp 0, row g), a2a3 (row g+8), a4a5, a6a7
+            if constexpr (SPLIT) {
+              const u32 l2 = pack2(f16_t(), f_sub(lo, lo_of(f16_t(), h2)),
+                                   f_sub(hi, hi_of(f16_t(), h2)));
+              if constexpr (WIDE) {
+                ql[j][2 * pp + r] = l2;
+              } else {
+                qa[j][2 * pp + 1] = l2;  // lo parts in rows 8..15
+              }
+            }
+          }
+        }
+      }
+    }
+
+    SeqCtx S;
+    S.buffer = (const u8*)P.buffer;
+    S.table = P.bt64 ? (const void*)((const i64*)tables + (u64)b * P.max_blocks)
+                     : (const void*)((const int*)tables + (u64)b * P.max_blocks);
+    S.stats = (u64*)P.stats;
+    S.num_blocks = P.num_blocks;
+    S.page_bytes = 2 * P.side_bytes;
+    S.side_bytes = P.side_bytes;
+    S.data_bytes = P.data_bytes;
+    S.fT = FastDiv{P.T, P.t_m, P.t_s};
+    S.len = len;
+    S.h = h;
+    S.row_h = P.row_h;
+    S.row_t = P.row_t;
+    S.swizzle = P.swizzle;
+    S.tile_in_page = P.tile_in_page;
+    S.bt64 = P.bt64;
+    S.count_bad = h == 0u ? 1u : 0u;
+
+    // ---- the tiles of this warp ------------------------------------------------------
+    // TRANS (groups of 1..8): S^T = K Q^T and O^T = V^T P^T, the tokens and head_dim on
+    // the MMA's m16 side and the query heads on its n8 side (nothing padded); lane (g, c)
+    // tracks heads 2c and 2c+1.  Else (9..16 heads) S = Q K^T, O = P V with two rows.
+    constexpr bool TRANS = !WIDE;
+    float mt[2] = {FP4C_NEG_INF, FP4C_NEG_INF}, lt[2] = {0.0f, 0.0f};
+    float oT[TRANS ? A::D16 : 1][4];
+#pragma unroll
+    for (int i = 0; i < (TRANS ? A::D16 : 1); ++i) oT[i][0] = oT[i][1] = oT[i][2] = oT[i][3] = 0.0f;
+    float rscT[2] = {0.0f, 0.0f};
+    if constexpr (TRANS) {
+      rscT[0] = __shfl_sync(0xFFFFFFFFu, rsc[0], 8u * c);       // head 2c lives in lanes g = 2c
+      rscT[1] = __shfl_sync(0xFFFFFFFFu, rsc[0], 8u * c + 4u);  // head 2c + 1
+    }
+    float m[NR], l[NR];
+    float o[TRANS ? 1 : A::NT][4];
+#pragma unroll
+    for (int r = 0; r < NR; ++r) {
+      m[r] = FP4C_NEG_INF;
+      l[r] = 0.0f;
+    }
+#pragma unroll
+    for (int i = 0; i < (TRANS ? 1 : A::NT); ++i) o[i][0] = o[i][1] = o[i][2] = o[i][3] = 0.0f;
+    u32 bad = 0u;
+
+    constexpr u32 kStep = 16u * FP4C_ATTN_WARPS;
+    constexpr bool kPipe = D < 256;
+    auto compute = [&](const TileRaw<D>& R, u32 tile) {
+      if constexpr (!TRANS) {
+      // S = Q K^T: n8 tile q <-> K token kt0 + 2q of this lane's column g
+      float s[2][4];
+#pragma unroll
+      for (int qq = 0; qq < 2; ++qq) {
+        s[qq][0] = s[qq][1] = s[qq][2] = s[qq][3] = 0.0f;
+        u32 sfk[A::KG];
+        {
+          const u32 ks = R.ks[qq];
+#pragma unroll
+          for (int k = 0; k < A::KG; k += 2) {
+            const u32 two = A::KG == 1 ? (ks & 0xFFu) * 0x00010001u
+                                       : __byte_perm(ks, 0u, 0x4140u + 0x0202u * (k >> 1) * 1u);
+            const u32 sf = e4m3_pair_x128(two);
+            if (A::KG == 1) {
+              sfk[0] = sf;
+            } else {
+              sfk[k] = __byte_perm(sf, 0u, 0x1010u);
+              sfk[k + 1] = __byte_perm(sf, 0u, 0x3232u);
+            }
+          }
+        }
+#pragma unroll
+        for (int w = 0; w < A::KW; ++w) {
+          const u32 x = R.k[qq][w];
+          const u32 sf = sfk[w >> 1];
+          u32 e[4];
+          e2m1_pairs(x, e);
+          const u32 b0 = hmul2(e[0], sf), b1 = hmul2(e[1], sf);
+          const u32 b2 = hmul2(e[2], sf), b3 = hmul2(e[3], sf);
+          const u32* a0 = qa[2 * w];
+          const u32* a1 = qa[2 * w + 1];
+          if (WIDE || SPLIT) {
+            mma_f16(s[qq], a0[0], a0[1], a0[2], a0[3], b0, b1);
+            mma_f16(s[qq], a1[0], a1[1], a1[2], a1[3], b2, b3);
+          } else {
+            mma_f16_top(s[qq], a0[0], a0[2], b0, b1);
+            mma_f16_top(s[qq], a1[0], a1[2], b2, b3);
+          }
+          if constexpr (WIDE && SPLIT) {
+            const u32* l0 = ql[2 * w];
+            const u32* l1 = ql[2 * w + 1];
+            mma_f16(s[qq], l0[0], l0[1], l0[2], l0[3], b0, b1);
+            mma_f16(s[qq], l1[0], l1[1], l1[2], l1[3], b2, b3);
+          }
+        }
+      }
+      // online softmax per accumulator row; lane's tokens 4c + e, e = 0..3, are
+      // s[0][0], s[0][1], s[1][0], s[1][1] (row g) and s[.][2], s[.][3] (row g+8)
+      const u32 tok0 = tile + 4u * c;
+      u32 pa[2][2];  // P as A fragments: [row][k half]
+#pragma unroll
+      for (int r = 0; r < NR; ++r) {
+        float x[4];
+        if (SPLIT && !WIDE) {
+          x[0] = f_add(s[0][0], s[0][2]);
+          x[1] = f_add(s[0][1], s[0][3]);
+          x[2] = f_add(s[1][0], s[1][2]);
+          x[3] = f_add(s[1][1], s[1][3]);
+        } else {
+          x[0] = s[0][2 * r];
+          x[1] = s[0][2 * r + 1];
+          x[2] = s[1][2 * r];
+          x[3] = s[1][2 * r + 1];
+        }
+        float tmax = FP4C_NEG_INF;
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          x[e] = tok0 + e < len ? f_mul(x[e], rsc[r]) : FP4C_NEG_INF;
+          tmax = f_max(tmax, x[e]);
+        }
+        tmax = f_max(tmax, __shfl_xor_sync(0xFFFFFFFFu, tmax, 1));
+        tmax = f_max(tmax, __shfl_xor_sync(0xFFFFFFFFu, tmax, 2));
+        const float mn = f_max(m[r], tmax);
+        const float alpha = a_ex2(f_sub(m[r], mn));
+        // no row of the warp has a new maximum: alpha = 1 everywhere, skip the rescale
+        // (bit-pattern compare: NaN maxima never appear, f_max drops NaN)
+        const bool same = __all_sync(0xFFFFFFFFu, __float_as_uint(mn) == __float_as_uint(m[r]));
+        m[r] = mn;
+        float p[4];
+#pragma unroll
+        for (int e = 0; e < 4; ++e) p[e] = a_ex2(f_sub(x[e], mn));
+        l[r] = a_fma(l[r], alpha, f_add(f_add(p[0], p[1]), f_add(p[2], p[3])));
+        if (!same) {
+#pragma unroll
+          for (int i = 0; i < A::NT; ++i) {
+            o[i][2 * r] = f_mul(o[i][2 * r], alpha);
+            o[i][2 * r + 1] = f_mul(o[i][2 * r + 1], alpha);
+          }
+        }
+        pa[r][0] = pack2(f16_t(), p[0], p[1]);
+        pa[r][1] = pack2(f16_t(), p[2], p[3]);
+      }
+      // O += P V
+#pragma unroll
+      for (int w = 0; w < A::VW; ++w) {
+        const u32 vs = R.vs[D == 256 ? (w >> 1) : 0];
+        const u32 sab = e4m3_pair_x128(__byte_perm(vs, 0u, 0x4140u));
+        const u32 scd = e4m3_pair_x128(__byte_perm(vs, 0u, 0x4342u));
+#pragma unroll
+        for (int hh = 0; hh < 2; ++hh) {
+          const u32 sel = hh ? 0x7632u : 0x5410u;
+          const u32 xab = __byte_perm(R.v[0][w], R.v[1][w], sel);
+          const u32 xcd = __byte_perm(R.v[2][w], R.v[3][w], sel);
+          u32 eab[4], ecd[4];
+          e2m1_pairs(xab, eab);
+          e2m1_pairs(xcd, ecd);
+#pragma unroll
+          for (int pp = 0; pp < 4; ++pp) {
+            const int i = 8 * w + 4 * hh + pp;
+            const u32 b0 = hmul2(eab[pp], sab);
+            const u32 b1 = hmul2(ecd[pp], scd);
+            if (WIDE) {
+              mma_f16(o[i], pa[0][0], pa[1][0], pa[0][1], pa[1][1], b0, b1);
+            } else {
+              mma_f16_top(o[i], pa[0][0], pa[0][1], b0, b1);
+            }
+          }
+        }
+      }
+      bad |= R.bad;
+      }
+    };
+
+    // Tiles in one page: lane offsets once, the next tile's page id one tile ahead.
+    auto computeT = [&](const TileRaw<D>& R, u32 tile) {
+      // S^T = K Q^T: A rows g, g+8 = tokens kt0, kt0 + 2; B = q of head g (qa[.][0], [2])
+      float sT[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+      u32 sfk[2][A::KG];
+#pragma unroll
+      for (int qq = 0; qq < 2; ++qq) {
+        const u32 ks = R.ks[qq];
+#pragma unroll
+        for (int k = 0; k < A::KG; k += 2) {
+          const u32 two = A::KG == 1 ? (ks & 0xFFu) * 0x00010001u
+                                     : __byte_perm(ks, 0u, 0x4140u + 0x0202u * (k >> 1));
+          const u32 sf = e4m3_pair_x128(two);
+          if (A::KG == 1) {
+            sfk[qq][0] = sf;
+          } else {
+            sfk[qq][k] = __byte_perm(sf, 0u, 0x1010u);
+            sfk[qq][k + 1] = __byte_perm(sf, 0u, 0x3232u);
+          }
+        }
+      }
+#pragma unroll
+      for (int w = 0; w < A::KW; ++w) {
+        u32 e0[4], e1[4];
+        e2m1_pairs(R.k[0][w], e0);
+        e2m1_pairs(R.k[1][w], e1);
+        const u32 sf0 = sfk[0][w >> 1], sf1 = sfk[1][w >> 1];
+#pragma unroll
+        for (int h2 = 0; h2 < 2; ++h2) {
+          const int j = 2 * w + h2, p0 = 2 * h2;
+          const u32 a0 = hmul2(e0[p0], sf0), a1 = hmul2(e1[p0], sf1);
+          const u32 a2 = hmul2(e0[p0 + 1], sf0), a3 = hmul2(e1[p0 + 1], sf1);
+          mma_f16(sT, a0, a1, a2, a3, qa[j][0], qa[j][2]);
+          if constexpr (SPLIT) mma_f16(sT, a0, a1, a2, a3, qa[j][1], qa[j][3]);
+        }
+      }
+      // online softmax per head (k = 0, 1: head 2c + k) over the tokens kt0, kt0 + 2 of
+      // the 8 lanes g
+      const u32 kt0 = 4u * (g >> 1) + (g & 1u);
+      const bool va = tile + kt0 < len, vb = tile + kt0 + 2u < len;
+      float pp[2][2], alpha[2];
+      bool moved = false;
+#pragma unroll
+      for (int k = 0; k < 2; ++k) {
+        const float x0 = va ? f_mul(sT[k], rscT[k]) : FP4C_NEG_INF;
+        const float x1 = vb ? f_mul(sT[2 + k], rscT[k]) : FP4C_NEG_INF;
+        float tmax = f_max(x0, x1);
+        tmax = f_max(tmax, __shfl_xor_sync(0xFFFFFFFFu, tmax, 4));
+        tmax = f_max(tmax, __shfl_xor_sync(0xFFFFFFFFu, tmax, 8));
+        tmax = f_max(tmax, __shfl_xor_sync(0xFFFFFFFFu, tmax, 16));
+        const float mn = f_max(mt[k], tmax);
+        alpha[k] = a_ex2(f_sub(mt[k], mn));
+        moved |= __float_as_uint(mn) != __float_as_uint(mt[k]);
+        mt[k] = mn;
+        pp[k][0] = a_ex2(f_sub(x0, mn));
+        pp[k][1] = a_ex2(f_sub(x1, mn));
+        lt[k] = a_fma(lt[k], alpha[k], f_add(pp[k][0], pp[k][1]));
+      }
+      if (__any_sync(0xFFFFFFFFu, moved)) {
+#pragma unroll
+        for (int i = 0; i < A::D16; ++i) {
+          oT[i][0] = f_mul(oT[i][0], alpha[0]);
+          oT[i][1] = f_mul(oT[i][1], alpha[1]);
+          oT[i][2] = f_mul(oT[i][2], alpha[0]);
+          oT[i][3] = f_mul(oT[i][3], alpha[1]);
+        }
+      }
+      // P^T as the B operand: rows (tokens g, g+8) x heads (2c, 2c+1), transposed
+      const u32 pb0 = movmatrix_trans(pack2(f16_t(), pp[0][0], pp[1][0]));
+      const u32 pb1 = movmatrix_trans(pack2(f16_t(), pp[0][1], pp[1][1]));
+      // O^T += V^T P^T: m-tile i = 4w + 2hh + k, rows g / g+8 = pairs 2k / 2k+1
+#pragma unroll
+      for (int w = 0; w < A::VW; ++w) {
+        const u32 vs = R.vs[D == 256 ? (w >> 1) : 0];
+        const u32 sab = e4m3_pair_x128(__byte_perm(vs, 0u, 0x4140u));
+        const u32 scd = e4m3_pair_x128(__byte_perm(vs, 0u, 0x4342u));
+#pragma unroll
+        for (int hh = 0; hh < 2; ++hh) {
+          const u32 sel = hh ? 0x7632u : 0x5410u;
+          u32 eab[4], ecd[4];
+          e2m1_pairs(__byte_perm(R.v[0][w], R.v[1][w], sel), eab);
+          e2m1_pairs(__byte_perm(R.v[2][w], R.v[3][w], sel), ecd);
+#pragma unroll
+          for (int k = 0; k < 2; ++k) {
+            const int i = 4 * w + 2 * hh + k;
+            mma_f16(oT[i], hmul2(eab[2 * k], sab), hmul2(eab[2 * k + 1], sab),
+                    hmul2(ecd[2 * k], scd), hmul2(ecd[2 * k + 1], scd), pb0, pb1);
+          }
+        }
+      }
+      bad |= R.bad;
+    };
+    auto tile_step = [&](const TileRaw<D>& R, u32 tile) {
+      if constexpr (TRANS) {
+        computeT(R, tile);
+      } else {
+        compute(R, tile);
+      }
+    };
+
+    u32 t0 = s0 + 16u * warp;
+    if constexpr (FAST) {
+      // cp.async ring: kStages - 1 tiles in flight while one is computed
+      const CopyOffs<D> C = copy_offsets<D>(S);
+      u8* ring = s_raw + warp * (kStages * Stage<D>::kBytes);
+      u32 tile_issue = t0;
+      i64 id_next = t0 < s1 ? load_id(S, fdiv(t0, S.fT)) : 0;
+      auto issue = [&](int st) {
+        if (tile_issue < s1) {
+          const i64 id = id_next;
+          const u32 tn = tile_issue + kStep;
+          if (tn < s1) id_next = load_id(S, fdiv(tn, S.fT));  // one tile ahead
+          issue_tile<D>(S, C, tile_issue, id, ring + st * Stage<D>::kBytes, bad);
+        }
+        cp_async_commit();
+        tile_issue += kStep;
+      };
+#pragma unroll
+      for (int st = 0; st < kStages - 1; ++st) issue(st);
+      int st = 0;
+      for (u32 tile = t0; tile < s1; tile += kStep) {
+        issue(st == 0 ? kStages - 1 : st - 1);
+        cp_async_wait<kStages - 1>();
+        __syncwarp();  // every lane's copies of this stage have landed
+        TileRaw<D> R;
+        read_tile<D>(S, ring + st * Stage<D>::kBytes, tile, R);
+        __syncwarp();  // every lane has read the stage before it is refilled
+        tile_step(R, tile);
+        st = st == kStages - 1 ? 0 : st + 1;
+      }
+      cp_async_wait<0>();
+    } else if (!kPipe) {
+      // D = 256: one tile of registers (a second one would spill)
+      for (; t0 < s1; t0 += kStep) {
+        TileRaw<D> ra;
+        load_tile<D>(S, t0, ra);
+        tile_step(ra, t0);
+      }
+    } else if (t0 < s1) {
+      // the next tile's loads are in flight while this one is computed
+      TileRaw<D> ra, rb;
+      load_tile<D>(S, t0, ra);
+      while (true) {
+        const u32 t1 = t0 + kStep;
+        if (t1 < s1) load_tile<D>(S, t1, rb);
+        tile_step(ra, t0);
+        if (t1 >= s1) break;
+        const u32 t2 = t1 + kStep;
+        if (t2 < s1) load_tile<D>(S, t2, ra);
+        tile_step(rb, t1);
+        if (t2 >= s1) break;
+        t0 = t2;
+      }
+    }
+
+    // ---- merge the warps of the CTA in shared memory ---------------------------------
+    if constexpr (TRANS) {
+#pragma unroll
+      for (int k = 0; k < 2; ++k) {
+        lt[k] = f_add(lt[k], __shfl_xor_sync(0xFFFFFFFFu, lt[k], 4));
+        lt[k] = f_add(lt[k], __shfl_xor_sync(0xFFFFFFFFu, lt[k], 8));
+        lt[k] = f_add(lt[k], __shfl_xor_sync(0xFFFFFFFFu, lt[k], 16));
+        if (g == 0u) {
+          s_m[warp][2 * c + k] = mt[k];
+          s_l[warp][2 * c + k] = lt[k];
+        }
+      }
+    } else {
+#pragma unroll
+      for (int r = 0; r < NR; ++r) {
+        l[r] = f_add(l[r], __shfl_xor_sync(0xFFFFFFFFu, l[r], 1));
+        l[r] = f_add(l[r], __shfl_xor_sync(0xFFFFFFFFu, l[r], 2));
+        if (c == 0u) {
+          s_m[warp][g + 8 * r] = m[r];
+          s_l[warp][g + 8 * r] = l[r];
+        }
+      }
+    }
+    bad = __any_sync(0xFFFFFFFFu, bad != 0u) ? 1u : 0u;
+    if (threadIdx.x == 0) s_flag = 0u;
+    __syncthreads();
+    if (bad && lane == 0) atomicOr(&s_flag, 1u);
+    if constexpr (TRANS) {
+      float f[2];
+#pragma unroll
+      for (int k = 0; k < 2; ++k) {
+        float M = FP4C_NEG_INF;
+#pragma unroll
+        for (int w = 0; w < FP4C_ATTN_WARPS; ++w) M = f_max(M, s_m[w][2 * c + k]);
+        f[k] = is_neg_inf(mt[k]) ? 0.0f : a_ex2(f_sub(mt[k], M));
+      }
+#pragma unroll
+      for (int w = 0; w < FP4C_ATTN_WARPS; ++w) {
+        if (warp == (u32)w) {
+#pragma unroll
+          for (int i = 0; i < A::D16; ++i) {
+            const int ww = i >> 2, hh = (i >> 1) & 1, k = i & 1;
+            const u32 d = g * (D / 8) + 8 * ww + 4 * hh + 3 - 2 * k;  // row g; g+8: d - 1
+#pragma unroll
+            for (int e = 0; e < 4; ++e) {
+              float* dst = &s_o[2 * c + (e & 1)][d - (e >> 1)];
+              const float v = f_mul(oT[i][e], f[e & 1]);
+              *dst = w == 0 ? v : f_add(*dst, v);
+            }
+          }
+        }
+        __syncthreads();
+      }
+    } else {
+      float f[NR];
+#pragma unroll
+      for (int r = 0; r < NR; ++r) {
+        const u32 row = g + 8 * r;
+        float M = FP4C_NEG_INF;
+#pragma unroll
+        for (int w = 0; w < FP4C_ATTN_WARPS; ++w) M = f_max(M, s_m[w][row]);
+        f[r] = is_neg_inf(m[r]) ? 0.0f : a_ex2(f_sub(m[r], M));
+      }
+#pragma unroll
+      for (int w = 0; w < FP4C_ATTN_WARPS; ++w) {
+        if (warp == (u32)w) {
+#pragma unroll
+          for (int i = 0; i < (TRANS ? 1 : A::NT); ++i) {
+            const int ww = i >> 3, hh = (i >> 2) & 1, pp = i & 3;
+            const u32 off = 8 * ww + 4 * hh + 3 - pp;
+#pragma unroll
+            for (int r = 0; r < NR; ++r) {
+#pragma unroll
+              for (int cc = 0; cc < 2; ++cc) {
+                const u32 d = (2 * c + cc) * (D / 8) + off;
+                float* dst = &s_o[g + 8 * r][d];
+                const float v = f_mul(o[i][2 * r + cc], f[r]);
+                *dst = w == 0 ? v : f_add(*dst, v);
+              }
+            }
+          }
+        }
+        __syncthreads();
+      }
+    }
+    if (threadIdx.x < group) {
+      const u32 row = threadIdx.x;
+      float M = FP4C_NEG_INF;
+#pragma unroll
+      for (int w = 0; w < FP4C_ATTN_WARPS; ++w) M = f_max(M, s_m[w][row]);
+      float L = 0.0f;
+#pragma unroll
+      for (int w = 0; w < FP4C_ATTN_WARPS; ++w) {
+        const float mw = s_m[w][row];
+        const float fw = is_neg_inf(mw) ? 0.0f : a_ex2(f_sub(mw, M));
+        L = a_fma(s_l[w][row], fw, L);
+      }
+      if (s_flag) L = FP4C_NAN;
+      s_M[row] = M;
+      s_L[row] = L;
+    }
+    __syncthreads();
+    if (nsplit > 1u) {
+      float* wo = (float*)P.ws_o + (u64)pidx * group * D;
+      for (u32 k = threadIdx.x; k < group * D; k += FP4C_ATTN_THREADS) wo[k] = s_o[k / D][k % D];
+      if (threadIdx.x < group) {
+        float* wm = (float*)P.ws_ml + ((u64)pidx * 16 + threadIdx.x) * 2;
+        wm[0] = s_M[threadIdx.x];
+        wm[1] = s_L[threadIdx.x];
+      }
+    }
+  }
+
+  // ---- finish: one split writes the result; else the last CTA merges the partials -----
+  if (nsplit > 1u) {
+    __threadfence();
+    __syncthreads();
+    if (threadIdx.x == 0) {
+      u32* cnt = (u32*)P.counters + (b * H + h);
+      const u32 prev = atomicAdd(cnt, 1u);
+      s_flag = prev == nsplit - 1u ? 1u : 0u;
+      if (s_flag) *cnt = 0u;  // every CTA of this (b, h) has taken its ticket
+    }
+    __syncthreads();
+    if (!s_flag) return;
+    __threadfence();
+    const u32 used = len == 0u ? 0u : (len + P.split_len - 1u) / P.split_len;
+    const u32 base = (b * H + h) * nsplit;
+    // per row: M = max of the splits' m, weights 2^(m_s - M), L = sum l_s * weight
+    for (u32 row = warp; row < group; row += FP4C_ATTN_WARPS) {
+      float M = FP4C_NEG_INF;
+      for (u32 s = lane; s < used; s += 32u)
+        M = f_max(M, ldcg_f32((const float*)P.ws_ml + ((u64)(base + s) * 16 + row) * 2));
+#pragma unroll
+      for (int k = 16; k >= 1; k >>= 1) M = f_max(M, __shfl_xor_sync(0xFFFFFFFFu, M, k));
+      float L = 0.0f;
+      for (u32 s = lane; s < used; s += 32u) {
+        const float* wm = (const float*)P.ws_ml + ((u64)(base + s) * 16 + row) * 2;
+        const float ms = ldcg_f32(wm);
+        const float ws = is_neg_inf(ms) ? 0.0f : a_ex2(f_sub(ms, M));
+        s_w[row][s] = ws;
+        L = a_fma(ldcg_f32(wm + 1), ws, L);
+      }
+#pragma unroll
+      for (int k = 16; k >= 1; k >>= 1) L = f_add(L, __shfl_xor_sync(0xFFFFFFFFu, L, k));
+      if (lane == 0) {
+        s_M[row] = M;
+        s_L[row] = L;
+      }
+    }
+    __syncthreads();
+    for (u32 k = threadIdx.x; k < group * D; k += FP4C_ATTN_THREADS) {
+      const u32 row = k / D;
+      float acc = 0.0f;
+      const float* src = (const float*)P.ws_o + (u64)base * group * D + k;
+#pragma unroll 4
+      for (u32 s = 0; s < used; ++s)
+        acc = a_fma(ldcg_f32(src + (u64)s * group * D), s_w[row][s], acc);
+      s_o[row][k % D] = acc;
+    }
+    __syncthreads();
+  } else if (s0 >= len) {
+    // len == 0 with one split: nothing was computed
+    if (threadIdx.x < 16) {
+      s_M[threadIdx.x] = FP4C_NEG_INF;
+      s_L[threadIdx.x] = 0.0f;
+    }
+    __syncthreads();
+  }
+  // write out (and lse)
+  for (u32 k = threadIdx.x; k < group * D; k += FP4C_ATTN_THREADS) {
+    const u32 row = k / D, d = k % D;
+    const float L = s_L[row];
+    float v = 0.0f;
+    if (len != 0u) v = f_mul(f_div(s_o[row][d], L), P.out_scale);
+    store_one(T(), (char*)out + ((u64)(qrow0 + row) * D + d) * T::kBytes, v);
+  }
+  if (lse != nullptr && threadIdx.x < group) {
+    const u32 row = threadIdx.x;
+    const float L = s_L[row];
+    // natural log of the denominator: (M + log2 L) * ln 2 (M is in the log2 domain)
+    lse[qrow0 + row] = len == 0u ? FP4C_NEG_INF
+                                 : f_mul(f_add(s_M[row], a_lg2(L)), 0.69314718055994531f);
+  }
+}
+
+#define FP4C_ATTN_PARAMS                                                                  \
+  const void *__restrict__ q, const void *__restrict__ tables,                           \
+      const void *__restrict__ seq_lens, void *__restrict__ out, float *__restrict__ lse, \
+      const AttnParams params
+
+// NAME, q/out value type, head_dim, WIDE (groups of 9..16 query heads), FAST (block_size
+// a multiple of 16: every tile lies in one page)
+#define FP4C_ATTN_KERNEL(NAME, T, D, WIDE, FAST)                                            \
+  extern "C" __global__ void __launch_bounds__(FP4C_ATTN_THREADS, FP4C_ATTN_MINB(D, FAST)) NAME(FP4C_ATTN_PARAMS) { \
+    decode_attn_impl<T, D, WIDE, FAST>(q, tables, seq_lens, out, lse, params);             \
+  }
+
+#ifdef FP4C_INSTANTIATIONS
+FP4C_INSTANTIATIONS
+#endif
