@@ -351,8 +351,8 @@ def test_graph_on_gpu1_while_gpu0_holds_a_cache():
             for _ in range(50):
                 s_h = rng.permutation(256)[:24]
                 k_h = _rand(rng, 24, 2, 64)
-                slots.set(s_h)
-                k.set(k_h)
+                slots.set(s_h, stream=stream)
+                k.set(k_h, stream=stream)
                 graph.launch(stream)
                 ref.store(s_h, k_h, k_h)
                 stream.synchronize()

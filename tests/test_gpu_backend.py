@@ -557,9 +557,9 @@ def test_claim_table_across_calls_graph_replays_and_freed_caches():
         v = make_values(rng, (n, H, D), BF16)
         cpu.store(slots, k, v, unique_slots=False)
         with stream:
-            dev[0].set(slots)
-            dev[1].set(k)
-            dev[2].set(v)
+            dev[0].set(slots, stream=stream)
+            dev[1].set(k, stream=stream)
+            dev[2].set(v, stream=stream)
             if call % 3 == 2:
                 gpu.store(*dev, unique_slots=False)  # eager, between replays
             else:

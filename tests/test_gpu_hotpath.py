@@ -92,9 +92,9 @@ def test_prepared_store_in_a_cuda_graph():
             s_h = rng.permutation(nb * T)[:n]
             k_h = rng.standard_normal((n, H, D)).astype(ml_dtypes.bfloat16)
             v_h = rng.standard_normal((n, H, D)).astype(ml_dtypes.bfloat16)
-            slots.set(s_h)
-            k.set(k_h)
-            v.set(v_h)
+            slots.set(s_h, stream=stream)
+            k.set(k_h, stream=stream)
+            v.set(v_h, stream=stream)
             graph.launch(stream)
             cpu.store(s_h, k_h, v_h)
         stream.synchronize()
@@ -162,7 +162,7 @@ def test_prepared_gather_in_a_cuda_graph():
         graph = stream.end_capture()
         for _ in range(3):
             b = rng.integers(0, nb, n).astype(np.int32)
-            blocks.set(b)
+            blocks.set(b, stream=stream)
             graph.launch(stream)
             stream.synchronize()
             k_ref, _ = cpu.gather_dequant(b)
