@@ -24,7 +24,7 @@ from . import _abi
 from . import _kernels as K
 from .layout import PageGeometry
 
-__all__ = ["decode_attention", "split_plan", "dequant_table", "bytes_read",
+__all__ = ["decode_attention", "attention_runner", "split_plan", "dequant_table", "bytes_read",
            "ATTN_PARAMS_DTYPE", "SPLIT_TOKENS", "MIN_SPLIT_TOKENS"]
 
 _U32, _I64, _F32 = np.uint32, np.int64, np.float32
@@ -195,19 +195,33 @@ def decode_attention(buffer, q, block_tables, seq_lens, out, lse, *, geom: PageG
         Owned by the cache: prepared launches and workspaces, keyed by signature, device
         and stream.
     """
+    if q.shape[0] == 0:
+        return
+    attention_runner(buffer, q, block_tables, seq_lens, geom=geom, k_s=k_s, v_s=v_s,
+                     sm_scale=sm_scale, stats=stats, scratch=scratch)(
+        q, block_tables, seq_lens, out, lse)
+
+
+def attention_runner(buffer, q, block_tables, seq_lens, *, geom: PageGeometry, k_s, v_s,
+                     sm_scale, stats, scratch: dict):
+    """``run(q, block_tables, seq_lens, out, lse)``: :func:`decode_attention` for arrays
+    like these (shapes, dtypes) on the current stream, prepared once (the front end keeps
+    it for its hot path: one launch, nothing else)."""
     stream_ptr = cupy.cuda.get_current_stream().ptr
     key = _plan_key(buffer, q, block_tables, seq_lens, geom, k_s, v_s, sm_scale, stats,
                     stream_ptr)
     plan = scratch.get(key)
     if plan is None:
-        if q.shape[0] == 0:
-            return
         plan = _make_plan(buffer, q, block_tables, seq_lens, geom, k_s, v_s, sm_scale, stats)
         scratch[key] = plan
     nsplit, H, B = plan.grid
-    plan.fn((nsplit * H * B,), plan.block,
-            (q, block_tables, seq_lens, out, lse if lse is not None else np.uint64(0),
-             plan.params))
+    fn, grid, block, params, zero = plan.fn, (nsplit * H * B,), plan.block, plan.params, \
+        np.uint64(0)
+
+    def run(q, block_tables, seq_lens, out, lse, _keep=plan):
+        fn(grid, block, (q, block_tables, seq_lens, out, zero if lse is None else lse, params))
+
+    return run
 
 
 def dequant_table() -> np.ndarray:

@@ -33,7 +33,7 @@ import numpy as np
 
 from . import _abi
 from . import _kernels as K
-from ._cupy_attention import decode_attention
+from ._cupy_attention import attention_runner, decode_attention
 from .layout import GROUP, PageGeometry
 
 __all__ = [
@@ -43,6 +43,7 @@ __all__ = [
     "store",
     "gather_dequant",
     "decode_attention",
+    "attention_runner",
     "quantize",
     "dequantize",
     "abs_max",

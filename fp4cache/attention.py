@@ -51,24 +51,31 @@ def decode_attention(cache: PagedKVCache, q: Any, block_tables: Any, seq_lens: A
             hit = cache._state.plans.get(sig) if sig is not None else None
         except TypeError:  # an unhashable sm_scale just takes the checked path
             hit = sig = None
-        if hit is not None:
-            cupy = _cupy()
+        if hit is not None:  # the prepared launch of a checked call like this one
             if out is None:
-                out = cupy.empty(q.shape, dtype=q.dtype)
+                out = _cupy().empty(q.shape, dtype=q.dtype)
             if return_lse and lse_out is None:
-                lse_out = cupy.empty(q.shape[:2], dtype=np.float32)
+                lse_out = _cupy().empty(q.shape[:2], dtype=np.float32)
             if q.shape[0]:
-                _launch(cache, q, block_tables, seq_lens, out, lse_out, hit)
+                hit(q, block_tables, seq_lens, out, lse_out)
             return (out, lse_out) if return_lse else out
     a = _check_args(cache, q, block_tables, seq_lens, sm_scale, out, lse_out, return_lse)
     if check or cache.device == "cpu":
         _check_values(cache, a.block_tables, a.seq_lens, block_ids=check)
-    if a.q.shape[0]:
-        _launch(cache, a.q, a.block_tables, a.seq_lens, a.out, a.lse, a.sm_scale)
+    if cache.device == "cpu":
+        if a.q.shape[0]:
+            _launch(cache, a.q, a.block_tables, a.seq_lens, a.out, a.lse, a.sm_scale)
+        return (a.out, a.lse) if return_lse else a.out
+    if not a.q.shape[0]:
+        return (a.out, a.lse) if return_lse else a.out
+    run = cache._impl.attention_runner(
+        cache.buffer, a.q, a.block_tables, a.seq_lens, geom=cache.geometry, k_s=cache._k_s,
+        v_s=cache._v_s, sm_scale=a.sm_scale, stats=cache._stats, scratch=cache._attn_scratch)
+    run(a.q, a.block_tables, a.seq_lens, a.out, a.lse)
     if (sig is not None and a.q is q and a.block_tables is block_tables
             and a.seq_lens is seq_lens and (out is None or a.out is out)
             and (lse_out is None or a.lse is lse_out)):
-        cache._state.plans.put(sig, a.sm_scale)
+        cache._state.plans.put(sig, run)
     return (a.out, a.lse) if return_lse else a.out
 
 
@@ -231,4 +238,5 @@ def _signature(q, block_tables, seq_lens, sm_scale, out, lse_out, return_lse: bo
     return ("decode_attention", q.shape, q.dtype, q.strides, q.data.device_id,
             q.data.ptr & 15, block_tables.shape, block_tables.dtype, block_tables.strides,
             block_tables.data.device_id, seq_lens.shape, seq_lens.dtype, seq_lens.strides,
-            seq_lens.data.device_id, type(sm_scale), sm_scale, return_lse, o, e)
+            seq_lens.data.device_id, type(sm_scale), sm_scale, return_lse, o, e,
+            cupy.cuda.get_current_stream().ptr)  # the prepared launch's workspace: per stream

@@ -640,7 +640,7 @@ class PagedKVCache:
         channels).  On the GPU the call neither synchronizes (unless validating) nor,
         given ``out`` (and ``lse_out``), allocates.
         """
-        if self._state is None:
+        if self._state is None or _get_device()() == self.device_id:
             return attention.decode_attention(self, q, block_tables, seq_lens, sm_scale, out,
                                               lse_out, return_lse, validate)
         with DeviceGuard(self.device_id):

@@ -540,6 +540,14 @@ class _RecordingBackend:
         self.calls.append(dict(q=q, block_tables=block_tables, seq_lens=seq_lens, out=out,
                                lse=lse, **kw))
 
+    def attention_runner(self, buffer, q, block_tables, seq_lens, **kw):
+        """The prepared form the GPU front end uses: each run is recorded as a call."""
+
+        def run(q, block_tables, seq_lens, out, lse):
+            self.decode_attention(buffer, q, block_tables, seq_lens, out, lse, **kw)
+
+        return run
+
 
 @pytest.fixture
 def gpu_cache(monkeypatch):
