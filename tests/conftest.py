@@ -25,6 +25,20 @@ def gpu_available() -> bool:
 
 requires_gpu = pytest.mark.skipif(not gpu_available(), reason="needs a CUDA GPU with CuPy")
 
+class DLPackProducer:
+    """A foreign array that offers only the DLPack protocol (what PyTorch or JAX hand
+    over): the tests' stand-in for arrays of another library."""
+
+    def __init__(self, a):
+        self._a = a
+
+    def __dlpack__(self, **kwargs):
+        return self._a.__dlpack__(**kwargs)
+
+    def __dlpack_device__(self):
+        return self._a.__dlpack_device__()
+
+
 #: Parametrize over backends: ``@pytest.mark.parametrize("device", DEVICES)``.
 DEVICES = ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, requires_gpu])]
 

@@ -24,6 +24,7 @@ import math
 import ml_dtypes
 import numpy as np
 import pytest
+from conftest import DLPackProducer
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -359,25 +360,12 @@ def test_bad_block_ids_deferred_like_the_gpu():
     assert np.array_equal(cache.buffer, buf)
 
 
-class _Producer:
-    """A foreign array that offers only the DLPack protocol."""
-
-    def __init__(self, a):
-        self._a = a
-
-    def __dlpack__(self, **kwargs):
-        return self._a.__dlpack__(**kwargs)
-
-    def __dlpack_device__(self):
-        return self._a.__dlpack_device__()
-
-
 def test_dlpack_and_non_contiguous_inputs():
     cache = make_cache()
     tables, lens = make_tables(cache, [33, 2, 64])
     q = make_q(3, 4, 64)
     want = cache.decode_attention(q, tables, lens)
-    got = cache.decode_attention(_Producer(q), _Producer(tables), _Producer(lens))
+    got = cache.decode_attention(DLPackProducer(q), DLPackProducer(tables), DLPackProducer(lens))
     assert np.array_equal(got, want)
     wide = np.zeros((3, 8, 64), np.float32)
     wide[:, ::2] = q

@@ -5,26 +5,13 @@ from __future__ import annotations
 import ml_dtypes
 import numpy as np
 import pytest
-from conftest import DEVICES
+from conftest import DEVICES, DLPackProducer
 
 import fp4cache
 from fp4cache import formats
 
 F32 = np.float32
 BF16 = np.dtype(ml_dtypes.bfloat16)
-
-
-class _Producer:
-    """A foreign array that offers only the DLPack protocol."""
-
-    def __init__(self, a):
-        self._a = a
-
-    def __dlpack__(self, **kwargs):
-        return self._a.__dlpack__(**kwargs)
-
-    def __dlpack_device__(self):
-        return self._a.__dlpack_device__()
 
 
 def _xp(device):
@@ -73,7 +60,7 @@ def test_exact_values_and_default_rule():
 
 def test_dlpack_producer():
     x = np.random.default_rng(2).standard_normal((5, 2, 32)).astype(F32)
-    assert fp4cache.calibrate_scale(_Producer(x)) == fp4cache.calibrate_scale(x)
+    assert fp4cache.calibrate_scale(DLPackProducer(x)) == fp4cache.calibrate_scale(x)
 
 
 @pytest.mark.parametrize("device", DEVICES)

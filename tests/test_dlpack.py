@@ -5,22 +5,10 @@ from __future__ import annotations
 import ml_dtypes
 import numpy as np
 import pytest
+from conftest import DLPackProducer
 
 import fp4cache
 from fp4cache import PagedKVCache, gpu_available
-
-
-class _Producer:
-    """A foreign array that offers only the DLPack protocol."""
-
-    def __init__(self, a):
-        self._a = a
-
-    def __dlpack__(self, **kwargs):
-        return self._a.__dlpack__(**kwargs)
-
-    def __dlpack_device__(self):
-        return self._a.__dlpack_device__()
 
 
 def test_cpu_cache_takes_dlpack_producers():
@@ -31,9 +19,9 @@ def test_cpu_cache_takes_dlpack_producers():
     a = PagedKVCache(4, 16, 2, 64, device="cpu")
     b = PagedKVCache(4, 16, 2, 64, device="cpu")
     a.store(slots, k, v)
-    b.store(_Producer(slots), _Producer(k), _Producer(v))
+    b.store(DLPackProducer(slots), DLPackProducer(k), DLPackProducer(v))
     assert np.array_equal(a.buffer, b.buffer)
-    data, scales = fp4cache.quantize(_Producer(k))
+    data, scales = fp4cache.quantize(DLPackProducer(k))
     ref_data, ref_scales = fp4cache.quantize(k)
     assert np.array_equal(data, ref_data) and np.array_equal(scales, ref_scales)
 
