@@ -24,8 +24,9 @@ from . import _abi
 from . import _kernels as K
 from .layout import PageGeometry
 
-__all__ = ["decode_attention", "attention_runner", "split_plan", "dequant_table", "bytes_read",
-           "ATTN_PARAMS_DTYPE", "SPLIT_TOKENS", "MIN_SPLIT_TOKENS"]
+__all__ = ["decode_attention", "attention_runner", "scratch_nbytes", "split_plan",
+           "dequant_table", "bytes_read", "ATTN_PARAMS_DTYPE", "SPLIT_TOKENS",
+           "MIN_SPLIT_TOKENS"]
 
 _U32, _I64, _F32 = np.uint32, np.int64, np.float32
 _LOG2E = 1.4426950408889634
@@ -222,6 +223,12 @@ def attention_runner(buffer, q, block_tables, seq_lens, *, geom: PageGeometry, k
         fn(grid, block, (q, block_tables, seq_lens, out, zero if lse is None else lse, params))
 
     return run
+
+
+def scratch_nbytes(scratch: dict) -> int:
+    """Device bytes of the workspaces and merge tickets the plans in ``scratch`` hold."""
+    return sum(a.nbytes for plan in scratch.values() if isinstance(plan, _AttnPlan)
+               for a in plan.keep[:3])
 
 
 def dequant_table() -> np.ndarray:

@@ -605,3 +605,14 @@ def test_gpu_validate_true_refuses_before_the_backend(gpu_cache):
     cache.decode_attention(q, bt, cupy.asarray([20, 0]), validate=True)  # row 1 unused
     cache.decode_attention(q, bt.get(), [20, 3])  # index arrays from the host are converted
     assert len(backend.calls) == 2
+
+
+def test_scratch_nbytes_counts_the_workspaces():
+    """cache.nbytes on the GPU adds the attention workspaces its scratch holds; the sum
+    itself needs no GPU (NumPy stand-ins for the device arrays)."""
+    ca = pytest.importorskip("fp4cache._cupy_attention", reason="needs CuPy installed")
+    ws = (np.zeros(100, np.float32), np.zeros(10, np.float32), np.zeros(4, np.uint32))
+    plan = ca._AttnPlan(None, (1, 1, 1), (128,), None, ws + (None, None, None))
+    scratch = {"a": plan, "b": plan._replace(keep=(np.zeros(1, np.float32),) * 3 + ws)}
+    assert ca.scratch_nbytes(scratch) == 400 + 40 + 16 + 3 * 4
+    assert ca.scratch_nbytes({}) == 0
