@@ -16,7 +16,8 @@ from functools import cache
 
 import numpy as np
 
-__all__ = ["RULES", "LAYOUTS", "STAT_NAMES", "STAT", "STRUCTS", "struct_dtype", "header"]
+__all__ = ["RULES", "LAYOUTS", "STAT_NAMES", "STAT", "STRUCTS", "struct_dtype", "header",
+           "fastdiv"]
 
 #: Scale rules: name -> value of the kernels' ``RULE`` template parameter.
 RULES: dict[str, int] = {"static6": 0, "4over6": 1}
@@ -96,6 +97,17 @@ STRUCTS: dict[str, tuple[tuple, ...]] = {
 def _field_bytes(f: tuple) -> tuple[int, int]:
     size = np.dtype(_CTYPES[f[1]]).itemsize
     return size, size * (f[2] if len(f) == 3 else 1)
+
+
+@cache
+def fastdiv(d: int) -> tuple[np.uint32, np.uint32, np.uint32]:
+    """``(d, m, s)`` of the device ``FastDiv`` (``kernels/fp4_common.cuh``: ``n / d`` as
+    ``(umulhi(n, m) + n) >> s``) for the divisor ``1 <= d < 2**31``."""
+    if not 1 <= d < 2**31:
+        raise ValueError(f"divisor must be in [1, 2**31), got {d}")
+    s = (d - 1).bit_length()
+    m = ((1 << 32) * ((1 << s) - d)) // d + 1
+    return np.uint32(d), np.uint32(m & 0xFFFFFFFF), np.uint32(s)
 
 
 @cache

@@ -40,23 +40,11 @@ ATTN_PARAMS_DTYPE = _abi.struct_dtype("AttnParams")
 SPLIT_TOKENS = 2048
 MIN_SPLIT_TOKENS = 256
 
-_DTYPES = {np.dtype(np.float32): "f32", np.dtype(np.float16): "f16"}
-
-
 def _dtype_name(dtype) -> str:
-    dt = np.dtype(dtype)
-    if dt.name == "bfloat16":
-        return "bf16"
-    name = _DTYPES.get(dt)
+    name = K.DTYPE_NAMES.get(np.dtype(dtype))
     if name is None:
-        raise ValueError(f"q.dtype must be bfloat16, float16 or float32, got {dt}")
+        raise ValueError(f"q.dtype must be bfloat16, float16 or float32, got {dtype}")
     return name
-
-
-def _fastdiv(d: int) -> tuple[int, int, int]:
-    s = (d - 1).bit_length()
-    m = ((1 << 32) * ((1 << s) - d)) // d + 1
-    return d, m & 0xFFFFFFFF, s
 
 
 class SplitPlan(NamedTuple):
@@ -143,7 +131,7 @@ def _make_plan(buffer, q, block_tables, seq_lens, geom: PageGeometry, k_s, v_s, 
     ws_o = cupy.empty(B * H * nsplit * group * D if nsplit > 1 else 1, dtype=np.float32)
     ws_ml = cupy.empty(B * H * nsplit * 16 * 2 if nsplit > 1 else 1, dtype=np.float32)
     counters = cupy.zeros(max(1, B * H), dtype=np.uint32)
-    td, tm, ts = _fastdiv(T)
+    td, tm, ts = _abi.fastdiv(T)
     hnd = geom.layout == "HND"
     qk = np.float32(float(sm_scale) * float(np.float32(k_s)) * 128.0 * _LOG2E)
     p = np.zeros((), dtype=ATTN_PARAMS_DTYPE)

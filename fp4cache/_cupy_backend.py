@@ -25,7 +25,7 @@ kernel variants.
 from __future__ import annotations
 
 from collections.abc import Callable
-from functools import cache, lru_cache
+from functools import lru_cache
 
 import cupy
 import ml_dtypes
@@ -60,11 +60,7 @@ _BLOCK = (_THREADS,)
 #: Launches are split so that a thread index always fits in 31 bits.
 _MAX_THREADS = 2**31 - 1
 
-_DT = {
-    np.dtype(np.float32): "f32",
-    np.dtype(np.float16): "f16",
-    np.dtype(ml_dtypes.bfloat16): "bf16",
-}
+_DT = K.DTYPE_NAMES
 _IX = {np.dtype(np.int32): "i32", np.dtype(np.int64): "i64"}
 _U64 = np.uint64
 _U32 = np.uint32
@@ -86,14 +82,7 @@ def _index_name(dtype, what: str) -> str:
         raise TypeError(f"{what} must be int32 or int64, got {dtype}") from None
 
 
-@cache
-def fastdiv(d: int) -> tuple[np.uint32, np.uint32, np.uint32]:
-    """``(d, m, s)`` of the device ``FastDiv`` for the divisor ``1 <= d < 2**31``."""
-    if not 1 <= d < 2**31:
-        raise ValueError(f"divisor must be in [1, 2**31), got {d}")
-    s = (d - 1).bit_length()
-    m = ((1 << 32) * ((1 << s) - d)) // d + 1
-    return _U32(d), _U32(m & 0xFFFFFFFF), _U32(s)
+fastdiv = _abi.fastdiv
 
 
 def _kernel(spec: K.Spec):

@@ -29,6 +29,9 @@ from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
 
+import ml_dtypes
+import numpy as np
+
 from . import _abi
 
 __all__ = [
@@ -61,6 +64,9 @@ CUPY_IMPLICIT_OPTIONS: tuple[str, ...] = ("-ftz=true",)
 
 #: Kernel value types: short name -> C++ tag type.
 VALUE_TYPES = {"bf16": "bf16_t", "f16": "f16_t", "f32": "f32_t"}
+#: numpy dtype -> short name of its kernel value type.
+DTYPE_NAMES = {np.dtype(ml_dtypes.bfloat16): "bf16", np.dtype(np.float16): "f16",
+               np.dtype(np.float32): "f32"}
 #: Index types of slot_mapping / block ids: short name -> C++ type.
 INDEX_TYPES = {"i32": "int", "i64": "i64"}
 #: Scale rules: name -> the macro holding the RULE template parameter's value.
