@@ -1,0 +1,100 @@
+"""One source for what host and kernels share (``fp4cache/_abi.py``): the constants, the
+counter indices and the by-value structs, and tuning as part of a kernel's identity."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+from test_kernels_compile import needs_nvrtc
+
+from fp4cache import _abi
+from fp4cache import _kernels as K
+
+
+@pytest.mark.parametrize("name", sorted(_abi.STRUCTS))
+def test_struct_tables_have_no_hidden_padding(name):
+    dt = _abi.struct_dtype(name)
+    sizes = [np.dtype(_abi._CTYPES[f[1]]).itemsize * (f[2] if len(f) == 3 else 1)
+             for f in _abi.STRUCTS[name]]
+    assert dt.itemsize == sum(sizes)
+    offsets = np.cumsum([0] + sizes[:-1])
+    assert [dt.fields[f[0]][1] for f in _abi.STRUCTS[name]] == offsets.tolist()
+    text = _abi.header()
+    assert f"static_assert(sizeof({name}) == {dt.itemsize}" in text
+    for f in _abi.STRUCTS[name]:
+        assert f"sizeof({name}::{f[0]})" in text
+
+
+def test_constants_come_from_the_tables():
+    text = _abi.header()
+    for i, stat in enumerate(_abi.STAT_NAMES):
+        assert f"#define FP4C_STAT_{stat.upper()} {i}\n" in text
+    for rule, v in _abi.RULES.items():
+        assert f"#define FP4C_RULE_{rule.upper()} {v}\n" in text
+    assert f"#define FP4C_NUM_STATS {len(_abi.STAT_NAMES)}\n" in text
+    from fp4cache import PagedKVCache
+
+    assert list(PagedKVCache(2, 16, 1, 64, device="cpu").stats) == list(_abi.STAT_NAMES)
+
+
+@needs_nvrtc
+def test_a_struct_field_changed_on_one_side_fails_to_compile(monkeypatch):
+    """The C struct is generated, so a field can only change in the table; if the
+    generated text and the numpy layout ever disagreed, the size checks stop the compile
+    (here: the claim pointer declared 4 bytes wide in the C text only)."""
+    good = _abi.header()
+    bad = good.replace("  u64 claim;\n", "  u32 claim;\n", 1)
+    assert bad != good
+    monkeypatch.setattr(_abi, "header", lambda: bad)
+    K._read_inlined.cache_clear()
+    try:
+        spec = K.store_spec("bf16", "static6", "i32")
+        with pytest.raises(RuntimeError, match="StoreParams"):
+            K.compile_source(K.build_source(spec.file, [spec]), spec.file, "sm_90")
+    finally:
+        monkeypatch.undo()
+        K._read_inlined.cache_clear()
+
+
+def test_tuning_is_part_of_the_spec():
+    spec = K.store_spec("bf16", "static6", "i32")
+    assert spec.tune("FP4C_SCAN_MAX_TOKENS") == dict(K.TUNING)["FP4C_SCAN_MAX_TOKENS"]
+    other = spec.with_tuning(FP4C_SCAN_MAX_TOKENS=64)
+    assert other != spec and hash(other) != hash(spec) and other.name == spec.name
+    assert "#define FP4C_SCAN_MAX_TOKENS 64\n" in K.build_source(other.file, [other])
+    assert "#define FP4C_SCAN_MAX_TOKENS 128\n" in K.build_source(spec.file, [spec])
+    with pytest.raises(ValueError, match="unknown tuning macros"):
+        spec.with_tuning(FP4C_NOT_A_MACRO=1)
+    with pytest.raises(ValueError, match="share their tuning"):
+        K.build_source(spec.file, [spec, K.claim_spec("i32").with_tuning(FP4C_STORE_ITEMS=2)])
+
+
+def test_no_environment_variable_changes_the_kernels():
+    """The old FP4CACHE_KERNEL_DEFINES knob is gone: a fresh interpreter with it set builds
+    the same translation unit."""
+    code = ("from fp4cache import _kernels as K; s = K.store_spec('bf16', 'static6', 'i32'); "
+            "print(hash(K.build_source(s.file, [s])))")
+    env = dict(os.environ, FP4CACHE_KERNEL_DEFINES="FP4C_SCAN_MAX_TOKENS=7",
+               PYTHONHASHSEED="0")
+    clean = dict(os.environ, PYTHONHASHSEED="0")
+    clean.pop("FP4CACHE_KERNEL_DEFINES", None)
+    a = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                       check=True).stdout
+    b = subprocess.run([sys.executable, "-c", code], env=clean, capture_output=True,
+                       text=True, check=True).stdout
+    assert a == b
+
+
+def test_every_shipped_store_shape_is_compiled_in_ci():
+    """The two-heads-per-thread store kernels the backend launches for 16-bit static6
+    inputs are in the list the CPU NVRTC test compiles."""
+    names = {s.name for s in K.all_specs()}
+    for dt, rule in K.STORE_PAIR:
+        for ix in K.INDEX_TYPES:
+            for vec in (True, False):
+                assert K.store_spec(dt, rule, ix, vec, pair=True).name in names
+    assert K.clear_spec("i64").name in names and K.claim_spec("i32").name in names
