@@ -22,6 +22,7 @@ import numpy as np
 
 from . import _abi
 from . import _kernels as K
+from ._device import num_sms
 from .layout import PageGeometry
 
 __all__ = ["decode_attention", "attention_runner", "scratch_nbytes", "split_plan",
@@ -73,16 +74,9 @@ def split_plan(batch: int, kv_heads: int, capacity: int, resident_ctas: int,
     return SplitPlan(-(-cap // split_len), split_len)
 
 
-_SMS: dict[int, int] = {}
-
-
 def _resident_ctas(fn, spec: K.Spec) -> int:
     """CTAs of ``fn`` that fit on the whole device at once (registers, shared memory)."""
-    dev = cupy.cuda.runtime.getDevice()
-    sms = _SMS.get(dev)
-    if sms is None:
-        sms = int(cupy.cuda.Device(dev).attributes["MultiProcessorCount"])
-        _SMS[dev] = sms
+    sms = num_sms()
     threads = 32 * spec.tune("FP4C_ATTN_WARPS")
     regs = max(1, int(fn.num_regs))
     by_regs = 65536 // (threads * (-(-regs // 8) * 8))

@@ -34,6 +34,7 @@ import numpy as np
 from . import _abi
 from . import _kernels as K
 from ._cupy_attention import attention_runner, decode_attention
+from ._device import num_sms
 from .layout import GROUP, PageGeometry
 
 __all__ = [
@@ -387,18 +388,6 @@ def gather_plan(st: CacheState, blocks, out_k, out_v) -> Callable:
 
 
 # -- LongLive ------------------------------------------------------------------------------
-def _num_sms() -> int:
-    dev = cupy.cuda.runtime.getDevice()
-    n = _SMS.get(dev)
-    if n is None:
-        n = int(cupy.cuda.Device(dev).attributes["MultiProcessorCount"])
-        _SMS[dev] = n
-    return n
-
-
-_SMS: dict[int, int] = {}
-
-
 def _amax_into(x, amax_out) -> bool:
     """Queue ``amax_out[0] = max |x|`` (NaN if ``x`` holds a NaN or an infinity) for a
     C-contiguous bf16/f16/f32 ``x``: a memset and one reduction kernel.  Returns whether
@@ -410,7 +399,7 @@ def _amax_into(x, amax_out) -> bool:
     vec = _aligned(x.data.ptr)
     if n:
         chunks = max(1, n // 8)
-        grid = min((chunks + _THREADS - 1) // _THREADS, 8 * _num_sms())
+        grid = min((chunks + _THREADS - 1) // _THREADS, 8 * num_sms())
         _kernel(K.ll_amax_spec(dt, vec))((grid,), (_THREADS,), (x, amax_out, _U64(n)))
     return vec
 

@@ -11,7 +11,8 @@ import functools
 import re
 from typing import Any
 
-__all__ = ["parse_device", "device_name", "array_device", "DeviceGuard", "on_input_device"]
+__all__ = ["parse_device", "device_name", "array_device", "DeviceGuard", "on_input_device",
+           "num_sms"]
 
 _CUDA = re.compile(r"^cuda(?::(\d+))?$")
 
@@ -68,6 +69,20 @@ def array_device(a: Any) -> int | None:
     """GPU index of a CuPy array, ``None`` for anything else."""
     dev = getattr(a, "device", None)
     return None if dev is None or not hasattr(dev, "id") else int(dev.id)
+
+
+@functools.cache
+def _sm_count(index: int) -> int:
+    import cupy
+
+    return int(cupy.cuda.Device(index).attributes["MultiProcessorCount"])
+
+
+def num_sms() -> int:
+    """Streaming multiprocessors of the current GPU (a device fact, memoized per device)."""
+    import cupy
+
+    return _sm_count(cupy.cuda.runtime.getDevice())
 
 
 class DeviceGuard:

@@ -9,17 +9,14 @@ from conftest import DEVICES, DLPackProducer
 
 import fp4cache
 from fp4cache import formats
+from fp4cache._arrays import array_module
 
 F32 = np.float32
 BF16 = np.dtype(ml_dtypes.bfloat16)
 
 
 def _xp(device):
-    if device == "cpu":
-        return np
-    import cupy
-
-    return cupy
+    return array_module(device)
 
 
 def _expected(x, M):

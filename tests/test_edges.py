@@ -11,17 +11,14 @@ from conftest import DEVICES
 
 import fp4cache
 from fp4cache import PagedKVCache
+from fp4cache._arrays import array_module
 
 F32 = np.float32
 BF16 = np.dtype(ml_dtypes.bfloat16)
 
 
 def _xp(device):
-    if device == "cpu":
-        return np
-    import cupy
-
-    return cupy
+    return array_module(device)
 
 
 def _host(a):
