@@ -59,10 +59,11 @@ def split_plan(batch: int, kv_heads: int, capacity: int, resident_ctas: int,
 
     Splits of :data:`SPLIT_TOKENS`; if that leaves fewer CTAs than ``resident_ctas`` (one
     full wave), shorter ones (down to :data:`MIN_SPLIT_TOKENS`) until the wave is full; at
-    most ``FP4C_ATTN_MAX_SPLITS``; ``split_len`` a multiple of the CTA's 16-token tiles.
+    most ``FP4C_ATTN_MAX_SPLITS``; ``split_len`` a multiple of one 32-token chunk per warp
+    of the CTA.
     """
     tune = dict(K.TUNING if spec is None else spec.tuning)
-    step = 16 * tune["FP4C_ATTN_WARPS"]
+    step = 32 * tune["FP4C_ATTN_WARPS"]  # whole 32-token chunks per warp
     cap = max(int(capacity), 1)
     n = -(-cap // SPLIT_TOKENS)
     if batch * kv_heads * n < resident_ctas:

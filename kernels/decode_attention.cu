@@ -56,7 +56,8 @@
 #include "fp4_common.cuh"
 
 #if !defined(FP4C_ATTN_WARPS) || !defined(FP4C_ATTN_MAX_SPLITS) || \
-    !defined(FP4C_ATTN_STAGES_TUNING) || !defined(FP4C_ATTN_MIN_CTAS_D128)
+    !defined(FP4C_ATTN_STAGES_TUNING) || !defined(FP4C_ATTN_MIN_CTAS_D128) || \
+    !defined(FP4C_ATTN_CHUNK_STAGES_TUNING)
 #error "fp4cache attention tuning macros missing: build with fp4cache._kernels.build_source"
 #endif
 
@@ -75,9 +76,11 @@
 // ---------------------------------------------------------------------------------------
 // x == -inf on the bit pattern (a float compare would be .ftz under CuPy's flags)
 FP4C_DEVICE bool is_neg_inf(float x) { return __float_as_uint(x) == 0xFF800000u; }
-FP4C_DEVICE float a_ex2(float x) {  // 2^x, approximate (2 ulp); ex2(-inf) = 0
+// 2^x, approximate (2 ulp); ex2(-inf) = 0; results below 2^-126 flush to 0 (a softmax
+// weight that small next to the row's maximum of 1 changes nothing)
+FP4C_DEVICE float a_ex2(float x) {
   float r;
-  asm("ex2.approx.f32 %0, %1;" : "=f"(r) : "f"(x));
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(x));
   return r;
 }
 FP4C_DEVICE float a_lg2(float x) {
@@ -177,14 +180,22 @@ FP4C_DEVICE void e2m1_pairs(u32 x, u32* r) {
   r[2] = ((x & 0x00800080u) | (z & 0x000E000Eu)) << 8;
   r[3] = (((x << 3) & 0x00400040u) | (x & 0x00070007u)) << 9;
 }
-// f16 pair (sf_a * 2^7, sf_b * 2^7) of the E4M3 bytes in the low bytes of each half of
-// x = 0x00BB00AA (any sign; 0x7F / 0xFF give NaN).  (b & 0x7F) << 7 is the f16 of
-// |sf| * 2^-8 (E4M3 and f16 subnormals line up), the multiply by 2^15 is exact.
-FP4C_DEVICE u32 e4m3_pair_x128(u32 x) {
+// f16 pair (sf_lo * 2^7, sf_hi * 2^7) of the two E4M3 bytes of x = 0xHHLL (any sign;
+// 0x7F / 0xFF give NaN), exact.  sm_89+: the conversion instruction, then one exact
+// multiply.  Else by bits: (b & 0x7F) << 7 is the f16 of |sf| * 2^-8 (E4M3 and f16
+// subnormals line up) and the multiply by 2^15 is exact.
+FP4C_DEVICE u32 e4m3x2_x128(u32 x) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
+  u32 h;
+  asm("cvt.rn.f16x2.e4m3x2 %0, %1;" : "=r"(h) : "h"((unsigned short)x));
+  return hmul2(h, 0x58005800u);  // 2^7
+#else
+  x = __byte_perm(x, 0u, 0x4140u);  // 0x00HH00LL
   const u32 mag = x & 0x007F007Fu;
   const u32 nan = (mag + 0x00010001u) & 0x00800080u;  // bit 7 set where mag == 0x7F
   const u32 h = (mag << 7) | ((x & 0x00800080u) << 8) | (nan * 0xF8u);  // exp all ones
   return hmul2(h, 0x78007800u);
+#endif
 }
 
 // Host-checked table of the decode (tests/test_gpu_attention.py): out[(p*2 + half)*4096 +
@@ -195,7 +206,7 @@ extern "C" __global__ void fp4cache_attn_dequant_table(float* out) {
   if (i >= 4096u) return;
   const u32 code = i >> 8, byte = i & 255u;
   const u32 x = code * 0x11111111u;
-  const u32 sf = e4m3_pair_x128(byte * 0x00010001u);
+  const u32 sf = e4m3x2_x128(byte * 0x0101u);
   u32 e[4];
   e2m1_pairs(x, e);
 #pragma unroll
@@ -506,6 +517,160 @@ FP4C_DEVICE void read_tile(const SeqCtx& S, const u8* st, u32 tile, TileRaw<D>& 
   }
 }
 
+// ---------------------------------------------------------------------------------------
+// Chunk ring of the transposed kernels (groups of 1..8, block_size % 16 == 0): a warp
+// takes CH consecutive tiles (a chunk) per step, so the online-softmax bookkeeping (row
+// maxima, shuffles, rescale) is paid once per 16 * CH tokens, and every address it needs
+// is a per-lane constant computed once plus the tile's page.
+// ---------------------------------------------------------------------------------------
+template <int D>
+struct ChunkDims {
+  static constexpr int CH = D == 256 ? 1 : 2;          // tiles per chunk
+  static constexpr int kBytes = CH * Stage<D>::kBytes;  // one ring stage
+};
+#define FP4C_ATTN_CHUNK_STAGES(D) ((D) == 256 ? 2 : FP4C_ATTN_CHUNK_STAGES_TUNING)
+
+// Per-lane constant offsets: page-relative sources of the lane's copies (t0 = 0), their
+// stage-relative destinations, and the stage-relative offsets of what the lane reads.
+template <int D>
+struct ChunkLane {
+  u32 src_k[Stage<D>::kChunks], src_v[Stage<D>::kChunks], src_s;
+  u32 dst_s;  // the K (lanes 0..15) or V (16..31) scale row of this lane
+  u32 rk, rks, rv, rvs[AttnDims<D>::VG];
+};
+
+template <int D>
+FP4C_DEVICE ChunkLane<D> chunk_lane(const SeqCtx& S) {
+  using A = AttnDims<D>;
+  const u32 lane = threadIdx.x & 31u, g = lane >> 2, c = lane & 3u;
+  const CopyOffs<D> C = copy_offsets<D>(S);
+  ChunkLane<D> L;
+#pragma unroll
+  for (int k = 0; k < Stage<D>::kChunks; ++k) {
+    L.src_k[k] = C.d[k];
+    L.src_v[k] = C.d[k] + (u32)S.side_bytes;
+  }
+  L.src_s = C.sc;
+  L.dst_s = (lane >= 16u ? Stage<D>::VS : Stage<D>::KS) + (lane & 15u) * (D / 16);
+  const u32 kt0 = 4u * (g >> 1) + (g & 1u);
+  L.rk = Stage<D>::KD + kt0 * (D / 2) + c * (D / 8);
+  L.rks = Stage<D>::KS + kt0 * A::G + c * A::KG;
+  L.rv = Stage<D>::VD + (4u * c) * (D / 2) + g * (D / 16);
+#pragma unroll
+  for (int j = 0; j < A::VG; ++j) {
+    const u32 grp = D == 64 ? g >> 1 : g * A::VG + j;
+    if (S.swizzle) {
+      u32 ts, gs;
+      v_scale_swizzle(4u * c, grp, grp / (A::G / 4), A::G / 4, ts, gs);
+      L.rvs[j] = Stage<D>::VS + ts * A::G + gs;
+    } else {
+      L.rvs[j] = Stage<D>::VS + (4u * c) * A::G + grp;
+    }
+  }
+  return L;
+}
+
+// Page id and first row of the tile starting at token `tile` (T % 16 == 0).
+struct TileSrc {
+  i64 id;
+  u32 t0;
+};
+FP4C_DEVICE TileSrc tile_src(const SeqCtx& S, u32 tile) {
+  const u32 pe = fdiv(tile, S.fT);
+  return TileSrc{load_id(S, pe), tile - pe * S.fT.d};
+}
+
+// Copies of one tile into the stage at shared address `dst` (zeros and bad = 1 for an id
+// outside the pool, counted once per block-table entry, by KV head 0).
+template <int D>
+FP4C_DEVICE void issue_tile_lane(const SeqCtx& S, const ChunkLane<D>& L, const TileSrc& ts,
+                                 u32 dst, u32& bad) {
+  const bool ok = (u64)ts.id < (u64)S.num_blocks;
+  if (!ok) {
+    bad = 1u;
+    if (ts.t0 == 0u && (threadIdx.x & 31u) == 0u && S.count_bad)
+      atomicAdd((unsigned long long*)S.stats + FP4C_STAT_BAD_BLOCK_IDS, 1ull);
+  }
+  const u32 n = ok ? 16u : 0u;
+  const u8* page = S.buffer + (ok ? ts.id : 0) * S.page_bytes;
+  const u32 toff = ts.t0 * S.row_t * (D / 2);  // the scale rows: toff / 8
+  const u32 lane = threadIdx.x & 31u;
+#pragma unroll
+  for (int k = 0; k < Stage<D>::kChunks; ++k) {
+    const u32 q = lane + 32u * k;
+    cp_async<16>(dst + Stage<D>::KD + q * 16u, page + (L.src_k[k] + toff), n);
+    cp_async<16>(dst + Stage<D>::VD + q * 16u, page + (L.src_v[k] + toff), n);
+  }
+  constexpr int SB = D / 16;
+  cp_async<SB>(dst + L.dst_s, page + (L.src_s + toff / 8u), ok ? (u32)SB : 0u);
+}
+
+// The lane's K registers of the tile at `st` (as read_tile).
+template <int D>
+FP4C_DEVICE void read_k(const ChunkLane<D>& L, const u8* st, u32 (&k)[2][AttnDims<D>::KW],
+                        u32 (&ks)[2]) {
+  using A = AttnDims<D>;
+#pragma unroll
+  for (int q = 0; q < 2; ++q) {
+    const u8* p = st + L.rk + q * D;  // token kt0 + 2q: two rows of D/2 bytes further
+    if constexpr (A::KW == 2) {
+      const U32x2 a = *(const U32x2*)p;
+      k[q][0] = a.x;
+      k[q][1] = a.y;
+    } else {
+#pragma unroll
+      for (int w = 0; w < A::KW; w += 4) {
+        const U32x4 a = *(const U32x4*)(p + 4 * w);
+        k[q][w] = a.x;
+        k[q][w + 1] = a.y;
+        k[q][w + 2] = a.z;
+        k[q][w + 3] = a.w;
+      }
+    }
+    const u8* sp = st + L.rks + q * 2 * A::G;
+    ks[q] = A::KG == 1 ? (u32)*sp : A::KG == 2 ? (u32)*(const u16*)sp : *(const u32*)sp;
+  }
+}
+
+// The lane's V registers of the tile at `st`; scale bytes of tokens at or past `lim` are
+// zeroed (their rows hold stale or unwritten bytes).
+template <int D>
+FP4C_DEVICE void read_v(const SeqCtx& S, const ChunkLane<D>& L, const u8* st, u32 tile, u32 lim,
+                        bool full, u32 (&v)[4][AttnDims<D>::VW], u32 (&vs)[AttnDims<D>::VG]) {
+  using A = AttnDims<D>;
+#pragma unroll
+  for (int e = 0; e < 4; ++e) {
+    const u8* p = st + L.rv + e * (D / 2);
+    if constexpr (A::VW == 1) {
+      v[e][0] = *(const u32*)p;
+    } else if constexpr (A::VW == 2) {
+      const U32x2 a = *(const U32x2*)p;
+      v[e][0] = a.x;
+      v[e][1] = a.y;
+    } else {
+      const U32x4 a = *(const U32x4*)p;
+      v[e][0] = a.x;
+      v[e][1] = a.y;
+      v[e][2] = a.z;
+      v[e][3] = a.w;
+    }
+  }
+#pragma unroll
+  for (int j = 0; j < A::VG; ++j) {
+    const u8* sp = st + L.rvs[j];
+    vs[j] = S.swizzle ? *(const u32*)sp
+                      : (u32)sp[0] | ((u32)sp[A::G] << 8) | ((u32)sp[2 * A::G] << 16) |
+                            ((u32)sp[3 * A::G] << 24);
+  }
+  if (!full) {
+    const u32 first = tile + 4u * ((threadIdx.x & 31u) & 3u);
+    const u32 nval = lim > first ? min(lim - first, 4u) : 0u;
+    const u32 keep = nval >= 4u ? 0xFFFFFFFFu : (1u << (8u * nval)) - 1u;
+#pragma unroll
+    for (int j = 0; j < A::VG; ++j) vs[j] &= keep;
+  }
+}
+
 // d index of the lo (half 0) or hi (half 1) value of K pair p of word w of chunk c
 template <int D>
 FP4C_DEVICE u32 k_pair_d(u32 c, int w, int p, int half) {
@@ -533,7 +698,10 @@ FP4C_DEVICE void decode_attn_impl(const void* __restrict__ q, const void* __rest
 
   // the tile ring (during the tile loop) and, after it, s_o and s_w share one buffer
   constexpr int kStages = FP4C_ATTN_STAGES(D);
-  constexpr int kRing = FAST ? FP4C_ATTN_WARPS * kStages * Stage<D>::kBytes : 0;
+  constexpr int kCStages = FP4C_ATTN_CHUNK_STAGES(D);
+  constexpr int kRing = !FAST ? 0
+                        : !WIDE ? FP4C_ATTN_WARPS * kCStages * ChunkDims<D>::kBytes
+                                : FP4C_ATTN_WARPS * kStages * Stage<D>::kBytes;
   constexpr int kEpi = 16 * (D + 1) * 4 + 16 * FP4C_ATTN_MAX_SPLITS * 4;
   __shared__ __align__(16) u8 s_raw[kRing > kEpi ? kRing : kEpi];
   // merged O (then the result); rows padded by one float against bank conflicts
@@ -676,9 +844,8 @@ FP4C_DEVICE void decode_attn_impl(const void* __restrict__ q, const void* __rest
           const u32 ks = R.ks[qq];
 #pragma unroll
           for (int k = 0; k < A::KG; k += 2) {
-            const u32 two = A::KG == 1 ? (ks & 0xFFu) * 0x00010001u
-                                       : __byte_perm(ks, 0u, 0x4140u + 0x0202u * (k >> 1) * 1u);
-            const u32 sf = e4m3_pair_x128(two);
+            const u32 two = A::KG == 1 ? (ks & 0xFFu) * 0x0101u : ks >> (8 * k);
+            const u32 sf = e4m3x2_x128(two);
             if (A::KG == 1) {
               sfk[0] = sf;
             } else {
@@ -762,8 +929,8 @@ FP4C_DEVICE void decode_attn_impl(const void* __restrict__ q, const void* __rest
 #pragma unroll
       for (int w = 0; w < A::VW; ++w) {
         const u32 vs = R.vs[D == 256 ? (w >> 1) : 0];
-        const u32 sab = e4m3_pair_x128(__byte_perm(vs, 0u, 0x4140u));
-        const u32 scd = e4m3_pair_x128(__byte_perm(vs, 0u, 0x4342u));
+        const u32 sab = e4m3x2_x128(vs);
+        const u32 scd = e4m3x2_x128(vs >> 16);
 #pragma unroll
         for (int hh = 0; hh < 2; ++hh) {
           const u32 sel = hh ? 0x7632u : 0x5410u;
@@ -799,9 +966,8 @@ FP4C_DEVICE void decode_attn_impl(const void* __restrict__ q, const void* __rest
         const u32 ks = R.ks[qq];
 #pragma unroll
         for (int k = 0; k < A::KG; k += 2) {
-          const u32 two = A::KG == 1 ? (ks & 0xFFu) * 0x00010001u
-                                     : __byte_perm(ks, 0u, 0x4140u + 0x0202u * (k >> 1));
-          const u32 sf = e4m3_pair_x128(two);
+          const u32 two = A::KG == 1 ? (ks & 0xFFu) * 0x0101u : ks >> (8 * k);
+          const u32 sf = e4m3x2_x128(two);
           if (A::KG == 1) {
             sfk[qq][0] = sf;
           } else {
@@ -863,8 +1029,8 @@ FP4C_DEVICE void decode_attn_impl(const void* __restrict__ q, const void* __rest
 #pragma unroll
       for (int w = 0; w < A::VW; ++w) {
         const u32 vs = R.vs[D == 256 ? (w >> 1) : 0];
-        const u32 sab = e4m3_pair_x128(__byte_perm(vs, 0u, 0x4140u));
-        const u32 scd = e4m3_pair_x128(__byte_perm(vs, 0u, 0x4342u));
+        const u32 sab = e4m3x2_x128(vs);
+        const u32 scd = e4m3x2_x128(vs >> 16);
 #pragma unroll
         for (int hh = 0; hh < 2; ++hh) {
           const u32 sel = hh ? 0x7632u : 0x5410u;
@@ -889,8 +1055,171 @@ FP4C_DEVICE void decode_attn_impl(const void* __restrict__ q, const void* __rest
       }
     };
 
+    // One chunk (CH tiles from token cs, chunk bytes at `st`) of the transposed kernels.
+    auto chunk_step = [&](const ChunkLane<D>& L, const u8* st, u32 cs) {
+      if constexpr (FAST && TRANS) {
+      constexpr int CH = ChunkDims<D>::CH;
+      const bool full = cs + 16u * CH <= s1;  // warp-uniform
+      // S^T = K Q^T per tile: A rows g, g+8 = tokens kt0, kt0 + 2; B = q of head g
+      float sT[CH][4];
+#pragma unroll
+      for (int j = 0; j < CH; ++j) {
+        u32 kw[2][A::KW], ks[2];
+        read_k<D>(L, st + j * Stage<D>::kBytes, kw, ks);
+        sT[j][0] = sT[j][1] = sT[j][2] = sT[j][3] = 0.0f;
+        u32 sfk[2][A::KG];
+#pragma unroll
+        for (int qq = 0; qq < 2; ++qq) {
+#pragma unroll
+          for (int k = 0; k < A::KG; k += 2) {
+            const u32 two = A::KG == 1 ? (ks[qq] & 0xFFu) * 0x0101u : ks[qq] >> (8 * k);
+            const u32 sf = e4m3x2_x128(two);
+            if (A::KG == 1) {
+              sfk[qq][0] = sf;
+            } else {
+              sfk[qq][k] = __byte_perm(sf, 0u, 0x1010u);
+              sfk[qq][k + 1] = __byte_perm(sf, 0u, 0x3232u);
+            }
+          }
+        }
+#pragma unroll
+        for (int w = 0; w < A::KW; ++w) {
+          u32 e0[4], e1[4];
+          e2m1_pairs(kw[0][w], e0);
+          e2m1_pairs(kw[1][w], e1);
+          const u32 sf0 = sfk[0][w >> 1], sf1 = sfk[1][w >> 1];
+#pragma unroll
+          for (int h2 = 0; h2 < 2; ++h2) {
+            const int jj = 2 * w + h2, p0 = 2 * h2;
+            const u32 a0 = hmul2(e0[p0], sf0), a1 = hmul2(e1[p0], sf1);
+            const u32 a2 = hmul2(e0[p0 + 1], sf0), a3 = hmul2(e1[p0 + 1], sf1);
+            mma_f16(sT[j], a0, a1, a2, a3, qa[jj][0], qa[jj][2]);
+            if constexpr (SPLIT) mma_f16(sT[j], a0, a1, a2, a3, qa[jj][1], qa[jj][3]);
+          }
+        }
+      }
+      // online softmax per head (k = 0, 1: head 2c + k) over the chunk's tokens kt0,
+      // kt0 + 2 of each tile, across the 8 lanes g
+      const u32 kt0 = 4u * (g >> 1) + (g & 1u);
+      float pp[2][CH][2], alpha[2];
+      bool moved = false;
+#pragma unroll
+      for (int k = 0; k < 2; ++k) {
+        float x[CH][2];
+        float tmax = FP4C_NEG_INF;
+#pragma unroll
+        for (int j = 0; j < CH; ++j) {
+#pragma unroll
+          for (int r = 0; r < 2; ++r) {
+            x[j][r] = f_mul(sT[j][2 * r + k], rscT[k]);
+            if (!full && cs + 16u * j + kt0 + 2u * r >= s1) x[j][r] = FP4C_NEG_INF;
+            tmax = f_max(tmax, x[j][r]);
+          }
+        }
+        tmax = f_max(tmax, __shfl_xor_sync(0xFFFFFFFFu, tmax, 4));
+        tmax = f_max(tmax, __shfl_xor_sync(0xFFFFFFFFu, tmax, 8));
+        tmax = f_max(tmax, __shfl_xor_sync(0xFFFFFFFFu, tmax, 16));
+        const float mn = f_max(mt[k], tmax);
+        alpha[k] = a_ex2(f_sub(mt[k], mn));
+        moved |= __float_as_uint(mn) != __float_as_uint(mt[k]);
+        mt[k] = mn;
+        float sum = 0.0f;
+#pragma unroll
+        for (int j = 0; j < CH; ++j) {
+#pragma unroll
+          for (int r = 0; r < 2; ++r) {
+            pp[k][j][r] = a_ex2(f_sub(x[j][r], mn));
+            sum = f_add(sum, pp[k][j][r]);
+          }
+        }
+        lt[k] = a_fma(lt[k], alpha[k], sum);
+      }
+      if (__any_sync(0xFFFFFFFFu, moved)) {
+#pragma unroll
+        for (int i = 0; i < A::D16; ++i) {
+          oT[i][0] = f_mul(oT[i][0], alpha[0]);
+          oT[i][1] = f_mul(oT[i][1], alpha[1]);
+          oT[i][2] = f_mul(oT[i][2], alpha[0]);
+          oT[i][3] = f_mul(oT[i][3], alpha[1]);
+        }
+      }
+      // O^T += V^T P^T per tile: P^T as the B operand (rows = tokens g, g+8 x heads 2c,
+      // 2c+1, transposed); m-tile i = 4w + 2hh + k, rows g / g+8 = pairs 2k / 2k+1
+#pragma unroll
+      for (int j = 0; j < CH; ++j) {
+        const u32 pb0 = movmatrix_trans(pack2(f16_t(), pp[0][j][0], pp[1][j][0]));
+        const u32 pb1 = movmatrix_trans(pack2(f16_t(), pp[0][j][1], pp[1][j][1]));
+        u32 vw[4][A::VW], vsc[A::VG];
+        read_v<D>(S, L, st + j * Stage<D>::kBytes, cs + 16u * j, s1,
+                  full, vw, vsc);
+#pragma unroll
+        for (int w = 0; w < A::VW; ++w) {
+          const u32 vs = vsc[D == 256 ? (w >> 1) : 0];
+          const u32 sab = e4m3x2_x128(vs);
+          const u32 scd = e4m3x2_x128(vs >> 16);
+#pragma unroll
+          for (int hh = 0; hh < 2; ++hh) {
+            const u32 sel = hh ? 0x7632u : 0x5410u;
+            u32 eab[4], ecd[4];
+            e2m1_pairs(__byte_perm(vw[0][w], vw[1][w], sel), eab);
+            e2m1_pairs(__byte_perm(vw[2][w], vw[3][w], sel), ecd);
+#pragma unroll
+            for (int k = 0; k < 2; ++k) {
+              const int i = 4 * w + 2 * hh + k;
+              mma_f16(oT[i], hmul2(eab[2 * k], sab), hmul2(eab[2 * k + 1], sab),
+                      hmul2(ecd[2 * k], scd), hmul2(ecd[2 * k + 1], scd), pb0, pb1);
+            }
+          }
+        }
+      }
+      }
+    };
+
     u32 t0 = s0 + 16u * warp;
-    if constexpr (FAST) {
+    if constexpr (FAST && TRANS) {
+      // chunk ring: kCStages - 1 chunks in flight while one is computed; the page ids of
+      // the next chunk to issue are read one chunk ahead
+      constexpr int CH = ChunkDims<D>::CH;
+      constexpr u32 kCT = 16u * CH, kCStep = kCT * FP4C_ATTN_WARPS;
+      const ChunkLane<D> L = chunk_lane<D>(S);
+      u8* ring = s_raw + warp * (kCStages * ChunkDims<D>::kBytes);
+      const u32 ring_s = smem_u32(ring);
+      u32 c_issue = s0 + kCT * warp;
+      TileSrc nxt[CH];
+      auto fetch = [&](u32 cs) {
+#pragma unroll
+        for (int j = 0; j < CH; ++j)
+          if (cs + 16u * j < s1) nxt[j] = tile_src(S, cs + 16u * j);
+      };
+      if (c_issue < s1) fetch(c_issue);
+      auto issue = [&](int stg) {
+        if (c_issue < s1) {
+          TileSrc cur[CH];
+#pragma unroll
+          for (int j = 0; j < CH; ++j) cur[j] = nxt[j];
+          if (c_issue + kCStep < s1) fetch(c_issue + kCStep);
+#pragma unroll
+          for (int j = 0; j < CH; ++j)
+            if (c_issue + 16u * j < s1)
+              issue_tile_lane<D>(S, L, cur[j],
+                                 ring_s + stg * ChunkDims<D>::kBytes + j * Stage<D>::kBytes, bad);
+        }
+        cp_async_commit();
+        c_issue += kCStep;
+      };
+#pragma unroll
+      for (int stg = 0; stg < kCStages - 1; ++stg) issue(stg);
+      int stg = 0;
+      for (u32 cs = s0 + kCT * warp; cs < s1; cs += kCStep) {
+        issue(stg == 0 ? kCStages - 1 : stg - 1);
+        cp_async_wait<kCStages - 1>();
+        __syncwarp();  // every lane's copies of this stage have landed
+        chunk_step(L, ring + stg * ChunkDims<D>::kBytes, cs);
+        __syncwarp();  // every lane has read the stage before it is refilled
+        stg = stg == kCStages - 1 ? 0 : stg + 1;
+      }
+      cp_async_wait<0>();
+    } else if constexpr (FAST) {
       // cp.async ring: kStages - 1 tiles in flight while one is computed
       const CopyOffs<D> C = copy_offsets<D>(S);
       u8* ring = s_raw + warp * (kStages * Stage<D>::kBytes);

@@ -372,7 +372,7 @@ def test_split_plan_shapes():
                          (1, 8, 1024, 396), (32, 8, 512, 396), (3, 1, 0, 396),
                          (2, 2, 17, 100)]:
         n, L = ca.split_plan(B, H, cap, R)
-        assert 1 <= n <= 128 and L % 64 == 0 and n * L >= cap and (n - 1) * L < max(cap, 1)
+        assert 1 <= n <= 128 and L % 128 == 0 and n * L >= cap and (n - 1) * L < max(cap, 1)
 
 
 # -- the public method on the GPU --------------------------------------------------------

@@ -33,10 +33,14 @@ def test_all_specializations_compile(arch):
     names = {s.name for s in K.all_specs()}
     found = {n for n in names for text in ptx.values() if f".entry {n}(" in text}
     assert found == names
-    for text in ptx.values():
+    for file, text in ptx.items():
         # no local memory (stack) in any kernel: register arrays stay in registers
         assert ".local" not in text
-        # compiled with CuPy's -ftz=true, still no flush-to-zero instruction anywhere
+        # compiled with CuPy's -ftz=true, still no flush-to-zero instruction anywhere but
+        # the attention's softmax exponent (weights below 2^-126 of the row maximum are 0)
+        if file == "decode_attention.cu":
+            assert "ex2.approx.ftz.f32" in text
+            text = text.replace("ex2.approx.ftz.f32", "")
         assert ".ftz" not in text
 
 
