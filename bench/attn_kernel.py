@@ -95,11 +95,15 @@ def main(argv=None) -> int:
     ap.add_argument("--case", action="append", default=None,
                     help="B,L,Hq,D with L an int or 'mixed' (default 8,32768,32,128)")
     ap.add_argument("--variant", action="append", default=[],
-                    help="NAME=PATH of a replacement decode_attention.cu")
+                    help="NAME=[PATH][:MACRO=V,...]: a replacement decode_attention.cu "
+                         "and/or other tuning values")
     ap.add_argument("--tuning", action="append", default=[], help="MACRO=VALUE (all variants)")
     ap.add_argument("--reps", type=int, default=15)
     ap.add_argument("--batch", type=int, default=10)
     ap.add_argument("--no-check", action="store_true")
+    ap.add_argument("--split-tokens", type=int, default=None,
+                    help="override _cupy_attention.SPLIT_TOKENS (tokens per split)")
+    ap.add_argument("--nsplit", type=int, default=None, help="force this many splits")
     args = ap.parse_args(argv)
 
     import cupy as cp
@@ -107,16 +111,29 @@ def main(argv=None) -> int:
     from fp4cache import _cupy_attention as ca
     from fp4cache import _kernels as K
 
+    if args.split_tokens:
+        ca.SPLIT_TOKENS = args.split_tokens
+    if args.nsplit:
+        def forced(batch, kv_heads, capacity, resident, spec=None, _n=args.nsplit):
+            step = 32 * dict(spec.tuning)["FP4C_ATTN_WARPS"]
+            length = -(-(-(-capacity // _n)) // step) * step
+            return ca.SplitPlan(-(-capacity // length), length)
+        ca.split_plan = forced
     kdir = K.kernel_dir()
-    variants = [("shipped", "decode_attention.cu")]
+    tuning = {k: int(v) for k, v in (t.split("=") for t in args.tuning)}
+    variants = [("shipped", "decode_attention.cu", tuning)]
     made = []
     for v in args.variant:
-        name, path = v.split("=", 1)
-        fname = f"_exp_{name}.cu"
-        shutil.copy(path, kdir / fname)
-        made.append(kdir / fname)
-        variants.append((name, fname))
-    tuning = {k: int(v) for k, v in (t.split("=") for t in args.tuning)}
+        name, spec = v.split("=", 1)
+        path, _, extra = spec.partition(":")
+        tune = dict(tuning)
+        tune.update({k: int(x) for k, x in (t.split("=") for t in extra.split(",") if t)})
+        fname = "decode_attention.cu"
+        if path:
+            fname = f"_exp_{name}.cu"
+            shutil.copy(path, kdir / fname)
+            made.append(kdir / fname)
+        variants.append((name, fname, tune))
     orig_spec = K.decode_attention_spec
     env = Env(gpu=True)
     rows = []
@@ -127,11 +144,11 @@ def main(argv=None) -> int:
             sm_scale = 1.0 / np.sqrt(D)
             ref = None if args.no_check else reference(cp, cache, tab, lensd, q, sm_scale)
             nbytes = int(lens.sum()) * cache.geometry.bytes_per_token
-            for vname, fname in variants:
-                def spec_for(*a, _f=fname, **kw):
+            for vname, fname, tune in variants:
+                def spec_for(*a, _f=fname, _t=tune, **kw):
                     s = orig_spec(*a, **kw)
                     s = K.Spec(_f, s.macro, s.name, s.args, s.tuning)
-                    return s.with_tuning(**tuning) if tuning else s
+                    return s.with_tuning(**_t) if _t else s
                 K.decode_attention_spec = spec_for
                 try:
                     out = cp.full(q.shape, np.nan, dtype=BF16)

@@ -27,7 +27,7 @@ from .layout import PageGeometry
 
 __all__ = ["decode_attention", "attention_runner", "scratch_nbytes", "split_plan",
            "dequant_table", "bytes_read", "ATTN_PARAMS_DTYPE", "SPLIT_TOKENS",
-           "MIN_SPLIT_TOKENS"]
+           "MIN_SPLIT_TOKENS", "CTA_TOKENS", "MERGE_TOKENS"]
 
 _U32, _I64, _F32 = np.uint32, np.int64, np.float32
 _LOG2E = 1.4426950408889634
@@ -35,11 +35,13 @@ _LOG2E = 1.4426950408889634
 #: numpy twin of ``struct AttnParams`` (generated from :mod:`fp4cache._abi`).
 ATTN_PARAMS_DTYPE = _abi.struct_dtype("AttnParams")
 
-#: Tokens per split when the batch alone fills the GPU (each warp then walks
-#: SPLIT_TOKENS / (16 * warps) tiles); shorter splits only to fill the GPU, never below
-#: MIN_SPLIT_TOKENS.
-SPLIT_TOKENS = 2048
+#: Longest and shortest split (tokens of one sequence and KV head per CTA), and the split
+#: plan's cost of one CTA beyond its tokens (q fragments, warp merge, partial write) and of
+#: one more split in the merge, in tokens (:func:`split_plan`; measured on the H200).
+SPLIT_TOKENS = 4096
 MIN_SPLIT_TOKENS = 256
+CTA_TOKENS = 128
+MERGE_TOKENS = 16
 
 def _dtype_name(dtype) -> str:
     name = K.DTYPE_NAMES.get(np.dtype(dtype))
@@ -57,22 +59,36 @@ def split_plan(batch: int, kv_heads: int, capacity: int, resident_ctas: int,
                spec: K.Spec | None = None) -> SplitPlan:
     """Splits per (sequence, KV head) for ``capacity = max_blocks * block_size`` tokens.
 
-    Splits of :data:`SPLIT_TOKENS`; if that leaves fewer CTAs than ``resident_ctas`` (one
-    full wave), shorter ones (down to :data:`MIN_SPLIT_TOKENS`) until the wave is full; at
-    most ``FP4C_ATTN_MAX_SPLITS``; ``split_len`` a multiple of one 32-token chunk per warp
-    of the CTA.
+    The kernel's time is about (waves of CTAs) x (tokens per CTA): the plan takes the
+    number of splits ``n`` that minimizes ``ceil(B*H*n / resident_ctas) * (split_len +
+    CTA_TOKENS) + n * MERGE_TOKENS`` (ties to fewer splits), with ``split_len`` =
+    ``ceil(capacity / n)`` rounded up to one 32-token chunk per warp, between :data:`MIN_SPLIT_TOKENS` (unless one split) and
+    :data:`SPLIT_TOKENS` (so that unequal sequence lengths still spread over the GPU), and
+    at most ``FP4C_ATTN_MAX_SPLITS`` splits.  A grid just over one wave (the second wave
+    nearly empty) costs twice its work, so this never picks one.
     """
     tune = dict(K.TUNING if spec is None else spec.tuning)
     step = 32 * tune["FP4C_ATTN_WARPS"]  # whole 32-token chunks per warp
     cap = max(int(capacity), 1)
-    n = -(-cap // SPLIT_TOKENS)
-    if batch * kv_heads * n < resident_ctas:
-        n = max(n, min(-(-resident_ctas // max(1, batch * kv_heads)),
-                       -(-cap // MIN_SPLIT_TOKENS)))
-    n = max(1, min(n, tune["FP4C_ATTN_MAX_SPLITS"]))
-    per = -(-cap // n)
-    split_len = -(-per // step) * step
-    return SplitPlan(-(-cap // split_len), split_len)
+    bh = max(1, batch * kv_heads)
+    best: tuple[float, int, int] | None = None
+    for n in range(1, tune["FP4C_ATTN_MAX_SPLITS"] + 1):
+        length = -(-(-(-cap // n)) // step) * step
+        if -(-cap // length) != n:  # the same split length as a smaller n
+            continue
+        if n > 1 and length < MIN_SPLIT_TOKENS:
+            break
+        if length > SPLIT_TOKENS:
+            continue
+        waves = -(-(bh * n) // max(1, resident_ctas))
+        cost = waves * (length + CTA_TOKENS) + n * MERGE_TOKENS
+        if best is None or cost < best[0]:
+            best = (cost, n, length)
+    if best is None:  # only with MIN_SPLIT_TOKENS > SPLIT_TOKENS or huge capacities
+        n = min(-(-cap // SPLIT_TOKENS), tune["FP4C_ATTN_MAX_SPLITS"])
+        length = -(-(-(-cap // n)) // step) * step
+        return SplitPlan(-(-cap // length), length)
+    return SplitPlan(best[1], best[2])
 
 
 def _resident_ctas(fn, spec: K.Spec) -> int:

@@ -373,6 +373,12 @@ def test_split_plan_shapes():
                          (2, 2, 17, 100)]:
         n, L = ca.split_plan(B, H, cap, R)
         assert 1 <= n <= 128 and L % 128 == 0 and n * L >= cap and (n - 1) * L < max(cap, 1)
+        assert L <= ca.SPLIT_TOKENS and (n == 1 or L >= ca.MIN_SPLIT_TOKENS)
+    # whole waves: 64 (sequence, KV head) pairs on 528 resident CTAs take 8 splits of 4096
+    # (one wave), not 9 (a second, nearly empty wave) nor 16 (two waves and more merging)
+    assert ca.split_plan(8, 8, 32768, 528) == (8, 4096)
+    assert ca.split_plan(64, 8, 4096, 528) == (1, 4096)
+    assert ca.split_plan(1, 8, 131072, 528) == (64, 2048)
 
 
 # -- the public method on the GPU --------------------------------------------------------
