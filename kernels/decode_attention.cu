@@ -570,15 +570,11 @@ FP4C_DEVICE ChunkLane<D> chunk_lane(const SeqCtx& S) {
   return L;
 }
 
-// Page id and first row of the tile starting at token `tile` (T % 16 == 0).
+// Page id and first row of a tile (T % 16 == 0).
 struct TileSrc {
   i64 id;
   u32 t0;
 };
-FP4C_DEVICE TileSrc tile_src(const SeqCtx& S, u32 tile) {
-  const u32 pe = fdiv(tile, S.fT);
-  return TileSrc{load_id(S, pe), tile - pe * S.fT.d};
-}
 
 // Copies of one tile into the stage at shared address `dst` (zeros and bad = 1 for an id
 // outside the pool, counted once per block-table entry, by KV head 0).
@@ -592,17 +588,19 @@ FP4C_DEVICE void issue_tile_lane(const SeqCtx& S, const ChunkLane<D>& L, const T
       atomicAdd((unsigned long long*)S.stats + FP4C_STAT_BAD_BLOCK_IDS, 1ull);
   }
   const u32 n = ok ? 16u : 0u;
-  const u8* page = S.buffer + (ok ? ts.id : 0) * S.page_bytes;
-  const u32 toff = ts.t0 * S.row_t * (D / 2);  // the scale rows: toff / 8
+  // the tile's first data row: every copy is this address plus a per-lane constant
+  const u32 toff = ts.t0 * S.row_t * (D / 2);  // and the scale rows: toff / 8
+  const u64 page = (u64)S.buffer + (u64)(ok ? ts.id : 0) * (u64)S.page_bytes;
+  const u64 base = page + toff;
   const u32 lane = threadIdx.x & 31u;
 #pragma unroll
   for (int k = 0; k < Stage<D>::kChunks; ++k) {
     const u32 q = lane + 32u * k;
-    cp_async<16>(dst + Stage<D>::KD + q * 16u, page + (L.src_k[k] + toff), n);
-    cp_async<16>(dst + Stage<D>::VD + q * 16u, page + (L.src_v[k] + toff), n);
+    cp_async<16>(dst + Stage<D>::KD + q * 16u, (const void*)(base + L.src_k[k]), n);
+    cp_async<16>(dst + Stage<D>::VD + q * 16u, (const void*)(base + L.src_v[k]), n);
   }
   constexpr int SB = D / 16;
-  cp_async<SB>(dst + L.dst_s, page + (L.src_s + toff / 8u), ok ? (u32)SB : 0u);
+  cp_async<SB>(dst + L.dst_s, (const void*)(page + (L.src_s + toff / 8u)), ok ? (u32)SB : 0u);
 }
 
 // The lane's K registers of the tile at `st` (as read_tile).
@@ -1186,10 +1184,19 @@ FP4C_DEVICE void decode_attn_impl(const void* __restrict__ q, const void* __rest
       const u32 ring_s = smem_u32(ring);
       u32 c_issue = s0 + kCT * warp;
       TileSrc nxt[CH];
-      auto fetch = [&](u32 cs) {
+      auto fetch = [&](u32 cs) {  // the chunk's tiles: one division, then row steps of 16
+        u32 pe = fdiv(cs, S.fT), t0 = cs - pe * S.fT.d;
 #pragma unroll
-        for (int j = 0; j < CH; ++j)
-          if (cs + 16u * j < s1) nxt[j] = tile_src(S, cs + 16u * j);
+        for (int j = 0; j < CH; ++j) {
+          if (j > 0) {
+            t0 += 16u;
+            if (t0 == S.fT.d) {
+              t0 = 0u;
+              ++pe;
+            }
+          }
+          if (cs + 16u * j < s1) nxt[j] = TileSrc{load_id(S, pe), t0};
+        }
       };
       if (c_issue < s1) fetch(c_issue);
       auto issue = [&](int stg) {
