@@ -90,6 +90,46 @@ def reference(cp, cache, tab, lens, q, sm_scale):
     return cp.stack(outs)
 
 
+def run_case(cp, ca, K, env, case, variants, args) -> None:
+    """Build one case's cache and time every variant on it (one line each)."""
+    B, lens, Hq, D = parse_case(case)
+    cache, tab, lensd, q = build(cp, B, lens, Hq, D)
+    sm_scale = 1.0 / np.sqrt(D)
+    ref = None if args.no_check else reference(cp, cache, tab, lensd, q, sm_scale)
+    nbytes = int(lens.sum()) * cache.geometry.bytes_per_token
+    orig_spec = K.decode_attention_spec
+    for vname, fname, tune in variants:
+        def spec_for(*a, _f=fname, _t=tune, **kw):
+            s = orig_spec(*a, **kw)
+            s = K.Spec(_f, s.macro, s.name, s.args, s.tuning)
+            return s.with_tuning(**_t) if _t else s
+        K.decode_attention_spec = spec_for
+        try:
+            out = cp.full(q.shape, np.nan, dtype=BF16)
+            scratch: dict = {}
+
+            def call(out=out, scratch=scratch):
+                ca.decode_attention(cache.buffer, q, tab, lensd, out, None,
+                                    geom=cache.geometry, k_s=cache._k_s, v_s=cache._v_s,
+                                    sm_scale=sm_scale, stats=cache._stats, scratch=scratch)
+            call()
+            cp.cuda.Device().synchronize()
+            plan = next(iter(scratch.values()))
+            err = float("nan")
+            if ref is not None:
+                got = out.astype(cp.float32)
+                err = float((cp.linalg.norm(got - ref, axis=-1)
+                             / cp.linalg.norm(ref, axis=-1)).max())
+            t = env.time_calls([call], reps=args.reps, batch=args.batch)["median_s"]
+            print(f"{case:18s} {vname:10s} {t * 1e6:8.1f} us {nbytes / t / 1e9:6.0f} GB/s "
+                  f"grid {plan.grid} regs {int(plan.fn.num_regs)} local "
+                  f"{int(plan.fn.local_size_bytes)} err {err:.2e}", flush=True)
+        except Exception as e:  # a variant that fails to compile or run
+            print(f"!! {case} {vname}: {type(e).__name__}: {e}", flush=True)
+        finally:
+            K.decode_attention_spec = orig_spec
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--case", action="append", default=None,
@@ -116,7 +156,8 @@ def main(argv=None) -> int:
     if args.nsplit:
         def forced(batch, kv_heads, capacity, resident, spec=None, _n=args.nsplit):
             step = 32 * dict(spec.tuning)["FP4C_ATTN_WARPS"]
-            length = -(-(-(-capacity // _n)) // step) * step
+            per = -(-capacity // _n)
+            length = -(-per // step) * step
             return ca.SplitPlan(-(-capacity // length), length)
         ca.split_plan = forced
     kdir = K.kernel_dir()
@@ -134,50 +175,10 @@ def main(argv=None) -> int:
             shutil.copy(path, kdir / fname)
             made.append(kdir / fname)
         variants.append((name, fname, tune))
-    orig_spec = K.decode_attention_spec
     env = Env(gpu=True)
-    rows = []
     try:
         for case in args.case or ["8,32768,32,128"]:
-            B, lens, Hq, D = parse_case(case)
-            cache, tab, lensd, q = build(cp, B, lens, Hq, D)
-            sm_scale = 1.0 / np.sqrt(D)
-            ref = None if args.no_check else reference(cp, cache, tab, lensd, q, sm_scale)
-            nbytes = int(lens.sum()) * cache.geometry.bytes_per_token
-            for vname, fname, tune in variants:
-                def spec_for(*a, _f=fname, _t=tune, **kw):
-                    s = orig_spec(*a, **kw)
-                    s = K.Spec(_f, s.macro, s.name, s.args, s.tuning)
-                    return s.with_tuning(**_t) if _t else s
-                K.decode_attention_spec = spec_for
-                try:
-                    out = cp.full(q.shape, np.nan, dtype=BF16)
-                    scratch: dict = {}
-
-                    def call():
-                        ca.decode_attention(cache.buffer, q, tab, lensd, out, None,
-                                            geom=cache.geometry, k_s=cache._k_s,
-                                            v_s=cache._v_s, sm_scale=sm_scale,
-                                            stats=cache._stats, scratch=scratch)
-                    call()
-                    cp.cuda.Device().synchronize()
-                    plan = next(iter(scratch.values()))
-                    err = float("nan")
-                    if ref is not None:
-                        got = out.astype(cp.float32)
-                        err = float((cp.linalg.norm(got - ref, axis=-1)
-                                     / cp.linalg.norm(ref, axis=-1)).max())
-                    t = env.time_calls([call], reps=args.reps, batch=args.batch)["median_s"]
-                    row = (case, vname, t * 1e6, nbytes / t / 1e9, plan.grid,
-                           int(plan.fn.num_regs), int(plan.fn.local_size_bytes), err)
-                    rows.append(row)
-                    print("%-18s %-10s %8.1f us %6.0f GB/s grid %s regs %d local %d err %.2e"
-                          % row, flush=True)
-                except Exception as e:  # a variant that fails to compile or run
-                    print(f"!! {case} {vname}: {type(e).__name__}: {e}", flush=True)
-                finally:
-                    K.decode_attention_spec = orig_spec
-            del cache, tab, lensd, q, ref
+            run_case(cp, ca, K, env, case, variants, args)
             cp.get_default_memory_pool().free_all_blocks()
     finally:
         for p in made:

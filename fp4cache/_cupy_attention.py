@@ -50,6 +50,10 @@ def _dtype_name(dtype) -> str:
     return name
 
 
+def _ceil(a: int, b: int) -> int:
+    return -(-a // b)
+
+
 class SplitPlan(NamedTuple):
     nsplit: int
     split_len: int
@@ -62,9 +66,10 @@ def split_plan(batch: int, kv_heads: int, capacity: int, resident_ctas: int,
     The kernel's time is about (waves of CTAs) x (tokens per CTA): the plan takes the
     number of splits ``n`` that minimizes ``ceil(B*H*n / resident_ctas) * (split_len +
     CTA_TOKENS) + n * MERGE_TOKENS`` (ties to fewer splits), with ``split_len`` =
-    ``ceil(capacity / n)`` rounded up to one 32-token chunk per warp, between :data:`MIN_SPLIT_TOKENS` (unless one split) and
-    :data:`SPLIT_TOKENS` (so that unequal sequence lengths still spread over the GPU), and
-    at most ``FP4C_ATTN_MAX_SPLITS`` splits.  A grid just over one wave (the second wave
+    ``ceil(capacity / n)`` rounded up to one 32-token chunk per warp, between
+    :data:`MIN_SPLIT_TOKENS` (unless one split) and :data:`SPLIT_TOKENS` (so that unequal
+    sequence lengths still spread over the GPU), and at most ``FP4C_ATTN_MAX_SPLITS``
+    splits.  A grid just over one wave (the second wave
     nearly empty) costs twice its work, so this never picks one.
     """
     tune = dict(K.TUNING if spec is None else spec.tuning)
@@ -73,21 +78,21 @@ def split_plan(batch: int, kv_heads: int, capacity: int, resident_ctas: int,
     bh = max(1, batch * kv_heads)
     best: tuple[float, int, int] | None = None
     for n in range(1, tune["FP4C_ATTN_MAX_SPLITS"] + 1):
-        length = -(-(-(-cap // n)) // step) * step
-        if -(-cap // length) != n:  # the same split length as a smaller n
+        length = _ceil(_ceil(cap, n), step) * step
+        if _ceil(cap, length) != n:  # the same split length as a smaller n
             continue
         if n > 1 and length < MIN_SPLIT_TOKENS:
             break
         if length > SPLIT_TOKENS:
             continue
-        waves = -(-(bh * n) // max(1, resident_ctas))
+        waves = _ceil(bh * n, max(1, resident_ctas))
         cost = waves * (length + CTA_TOKENS) + n * MERGE_TOKENS
         if best is None or cost < best[0]:
             best = (cost, n, length)
     if best is None:  # only with MIN_SPLIT_TOKENS > SPLIT_TOKENS or huge capacities
-        n = min(-(-cap // SPLIT_TOKENS), tune["FP4C_ATTN_MAX_SPLITS"])
-        length = -(-(-(-cap // n)) // step) * step
-        return SplitPlan(-(-cap // length), length)
+        n = min(_ceil(cap, SPLIT_TOKENS), tune["FP4C_ATTN_MAX_SPLITS"])
+        length = _ceil(_ceil(cap, n), step) * step
+        return SplitPlan(_ceil(cap, length), length)
     return SplitPlan(best[1], best[2])
 
 
