@@ -104,6 +104,12 @@ FP4C_DEVICE float ldcg_f32(const float* p) {  // L2 only: data other CTAs of thi
   asm volatile("ld.global.cg.f32 %0, [%1];" : "=f"(r) : "l"(p));
   return r;
 }
+FP4C_DEVICE U32x4 ldcg_u32x4(const float* p) {  // the same, 16 bytes (16-byte aligned)
+  U32x4 r;
+  asm volatile("ld.global.cg.v4.u32 {%0, %1, %2, %3}, [%4];"
+               : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w) : "l"(p));
+  return r;
+}
 FP4C_DEVICE u32 ldg_u16(const u8* p) {
   unsigned short r;
   asm("ld.global.nc.u16 %0, [%1];" : "=h"(r) : "l"(p));
@@ -1431,14 +1437,23 @@ FP4C_DEVICE void decode_attn_impl(const void* __restrict__ q, const void* __rest
       }
     }
     __syncthreads();
-    for (u32 k = threadIdx.x; k < group * D; k += FP4C_ATTN_THREADS) {
+    // O = sum_s w_s O_s, four consecutive outputs per thread and step (16-byte loads, 16
+    // splits in flight: with many splits this loop is the kernel's tail)
+    for (u32 k = 4u * threadIdx.x; k < group * D; k += 4u * FP4C_ATTN_THREADS) {
       const u32 row = k / D;
-      float acc = 0.0f;
+      float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
       const float* src = (const float*)P.ws_o + (u64)base * group * D + k;
-#pragma unroll 4
-      for (u32 s = 0; s < used; ++s)
-        acc = a_fma(ldcg_f32(src + (u64)s * group * D), s_w[row][s], acc);
-      s_o[row][k % D] = acc;
+#pragma unroll 16
+      for (u32 s = 0; s < used; ++s) {
+        const float w = s_w[row][s];
+        const U32x4 v = ldcg_u32x4(src + (u64)s * group * D);
+        acc[0] = a_fma(__uint_as_float(v.x), w, acc[0]);
+        acc[1] = a_fma(__uint_as_float(v.y), w, acc[1]);
+        acc[2] = a_fma(__uint_as_float(v.z), w, acc[2]);
+        acc[3] = a_fma(__uint_as_float(v.w), w, acc[3]);
+      }
+#pragma unroll
+      for (int e = 0; e < 4; ++e) s_o[row][k % D + e] = acc[e];
     }
     __syncthreads();
   } else if (s0 >= len) {
