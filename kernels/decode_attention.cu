@@ -6,9 +6,10 @@
 // with K, V the values gather_dequant returns (E2M1 code * E4M3 scale * global scale).
 //
 // Work split (flash-decoding): one CTA of FP4C_ATTN_WARPS warps per (split, KV head,
-// sequence).  A split is split_len consecutive tokens (a multiple of 16 * warps); warp w
-// of the CTA walks the 16-token tiles w, w + warps, ... of its split with its own online
-// softmax state (m, l, O).  The CTA merges its warps in shared memory; with one split
+// sequence).  A split is split_len consecutive tokens (a multiple of 32 * warps); warp w
+// of the CTA walks the 16-token tiles w, w + warps, ... of its split (groups of 1..8 with
+// block_size % 16 == 0: the 32-token chunks w, w + warps, ..., two tiles per step, see
+// "Chunk ring" below) with its own online softmax state (m, l, O).  The CTA merges its warps in shared memory; with one split
 // that is the result, otherwise it writes a partial (m, l, O) to the workspace and the
 // last CTA of the (sequence, KV head) to finish (an atomic ticket in `counters`, reset
 // by that CTA so that CUDA-graph replays work) merges the partials of the splits that
@@ -33,8 +34,8 @@
 //      (g+1)*D/16 - 1 of each (D/8 values).  With swizzled V scales the 4 scale bytes of
 //      tokens 4c .. 4c+3 of one group are contiguous (one 32-bit load).
 // Loads: with block_size % 16 == 0 every tile lies in one page and each warp streams its
-// tiles through a cp.async ring in shared memory (FP4C_ATTN_STAGES stages: the tile's 16
-// rows of this head as in the page), then reads its lane's bytes from there; other block
+// tiles (chunks) through a cp.async ring in shared memory (a stage is the tile's 16 rows
+// of this head as in the page), then reads its lane's bytes from there; other block
 // sizes (_anyT kernels) look up each token's page and load into registers one tile
 // ahead.  Layout (HND / NHD), V-scale swizzle and the index widths of block_tables and
 // seq_lens are run-time parameters (row strides and flags in AttnParams).
