@@ -89,12 +89,6 @@ FP4C_DEVICE float a_lg2(float x) {
   asm("lg2.approx.f32 %0, %1;" : "=f"(r) : "f"(x));
   return r;
 }
-// fused multiply-add for the attention arithmetic (tolerance-based, not bit-exact)
-FP4C_DEVICE float a_fma(float a, float b, float c) {
-  float r;
-  asm("fma.rn.f32 %0, %1, %2, %3;" : "=f"(r) : "f"(a), "f"(b), "f"(c));
-  return r;
-}
 FP4C_DEVICE u32 hmul2(u32 a, u32 b) {
   u32 r;
   asm("mul.rn.f16x2 %0, %1, %2;" : "=r"(r) : "r"(a), "r"(b));
@@ -683,6 +677,134 @@ FP4C_DEVICE u32 k_pair_d(u32 c, int w, int p, int half) {
 }
 
 // ---------------------------------------------------------------------------------------
+// The transposed kernels' (groups of 1..8) steps on one tile, shared by the chunk ring
+// and the _anyT loop.  Lane (g, c) tracks heads 2c and 2c+1.
+// ---------------------------------------------------------------------------------------
+// S^T = K Q^T of one tile: A rows g, g+8 = the lane's tokens kt0, kt0 + 2 (codes kw,
+// scale bytes ks); B = q of head g (qa[.][0], [2]; float32 q: the lo parts in [1], [3]).
+template <int D, bool SPLIT>
+FP4C_DEVICE void trans_scores(const u32 (&kw)[2][AttnDims<D>::KW], const u32 (&ks)[2],
+                              const u32 (&qa)[AttnDims<D>::KS][4], float (&sT)[4]) {
+  using A = AttnDims<D>;
+  sT[0] = sT[1] = sT[2] = sT[3] = 0.0f;
+  u32 sfk[2][A::KG];
+#pragma unroll
+  for (int qq = 0; qq < 2; ++qq) {
+#pragma unroll
+    for (int k = 0; k < A::KG; k += 2) {
+      const u32 two = A::KG == 1 ? (ks[qq] & 0xFFu) * 0x0101u : ks[qq] >> (8 * k);
+      const u32 sf = e4m3x2_x128(two);
+      if (A::KG == 1) {
+        sfk[qq][0] = sf;
+      } else {
+        sfk[qq][k] = __byte_perm(sf, 0u, 0x1010u);
+        sfk[qq][k + 1] = __byte_perm(sf, 0u, 0x3232u);
+      }
+    }
+  }
+#pragma unroll
+  for (int w = 0; w < A::KW; ++w) {
+    u32 e0[4], e1[4];
+    e2m1_pairs(kw[0][w], e0);
+    e2m1_pairs(kw[1][w], e1);
+    const u32 sf0 = sfk[0][w >> 1], sf1 = sfk[1][w >> 1];
+#pragma unroll
+    for (int h2 = 0; h2 < 2; ++h2) {
+      const int j = 2 * w + h2, p0 = 2 * h2;
+      const u32 a0 = hmul2(e0[p0], sf0), a1 = hmul2(e1[p0], sf1);
+      const u32 a2 = hmul2(e0[p0 + 1], sf0), a3 = hmul2(e1[p0 + 1], sf1);
+      mma_f16(sT, a0, a1, a2, a3, qa[j][0], qa[j][2]);
+      if constexpr (SPLIT) mma_f16(sT, a0, a1, a2, a3, qa[j][1], qa[j][3]);
+    }
+  }
+}
+
+// Online softmax over CH consecutive tiles from token `first` (when !full, tokens at or
+// past `lim` are masked): updates (mt, lt) of heads 2c, 2c+1 across the 8 lanes g,
+// rescales O^T when a row maximum moved, and gives P^T of each tile as the B operand
+// (rows = tokens g, g+8 x heads 2c, 2c+1, transposed).
+template <int D, int CH>
+FP4C_DEVICE void trans_softmax(const float (&sT)[CH][4], u32 first, u32 lim, bool full,
+                               const float (&rscT)[2], float (&mt)[2], float (&lt)[2],
+                               float (&oT)[AttnDims<D>::D16][4], u32 (&pb)[CH][2]) {
+  const u32 g = (threadIdx.x & 31u) >> 2;
+  const u32 kt0 = 4u * (g >> 1) + (g & 1u);
+  float pp[2][CH][2], alpha[2];
+  bool moved = false;
+#pragma unroll
+  for (int k = 0; k < 2; ++k) {
+    float x[CH][2];
+    float tmax = FP4C_NEG_INF;
+#pragma unroll
+    for (int j = 0; j < CH; ++j) {
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        x[j][r] = f_mul(sT[j][2 * r + k], rscT[k]);
+        if (!full && first + 16u * j + kt0 + 2u * r >= lim) x[j][r] = FP4C_NEG_INF;
+        tmax = f_max(tmax, x[j][r]);
+      }
+    }
+    tmax = f_max(tmax, __shfl_xor_sync(0xFFFFFFFFu, tmax, 4));
+    tmax = f_max(tmax, __shfl_xor_sync(0xFFFFFFFFu, tmax, 8));
+    tmax = f_max(tmax, __shfl_xor_sync(0xFFFFFFFFu, tmax, 16));
+    const float mn = f_max(mt[k], tmax);
+    alpha[k] = a_ex2(f_sub(mt[k], mn));
+    moved |= __float_as_uint(mn) != __float_as_uint(mt[k]);
+    mt[k] = mn;
+    float sum = 0.0f;
+#pragma unroll
+    for (int j = 0; j < CH; ++j) {
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        pp[k][j][r] = a_ex2(f_sub(x[j][r], mn));
+        sum = f_add(sum, pp[k][j][r]);
+      }
+    }
+    lt[k] = f_fma(lt[k], alpha[k], sum);
+  }
+  if (__any_sync(0xFFFFFFFFu, moved)) {
+#pragma unroll
+    for (int i = 0; i < AttnDims<D>::D16; ++i) {
+      oT[i][0] = f_mul(oT[i][0], alpha[0]);
+      oT[i][1] = f_mul(oT[i][1], alpha[1]);
+      oT[i][2] = f_mul(oT[i][2], alpha[0]);
+      oT[i][3] = f_mul(oT[i][3], alpha[1]);
+    }
+  }
+#pragma unroll
+  for (int j = 0; j < CH; ++j) {
+    pb[j][0] = movmatrix_trans(pack2(f16_t(), pp[0][j][0], pp[1][j][0]));
+    pb[j][1] = movmatrix_trans(pack2(f16_t(), pp[0][j][1], pp[1][j][1]));
+  }
+}
+
+// O^T += V^T P^T of one tile: A = the lane's V codes v (tokens 4c .. 4c+3) and scale
+// bytes vs; B = P^T (pb); m-tile i = 4w + 2hh + k, rows g / g+8 = pairs 2k / 2k+1.
+template <int D>
+FP4C_DEVICE void trans_pv(const u32 (&v)[4][AttnDims<D>::VW], const u32 (&vs)[AttnDims<D>::VG],
+                          const u32 (&pb)[2], float (&oT)[AttnDims<D>::D16][4]) {
+#pragma unroll
+  for (int w = 0; w < AttnDims<D>::VW; ++w) {
+    const u32 sc = vs[D == 256 ? (w >> 1) : 0];
+    const u32 sab = e4m3x2_x128(sc);
+    const u32 scd = e4m3x2_x128(sc >> 16);
+#pragma unroll
+    for (int hh = 0; hh < 2; ++hh) {
+      const u32 sel = hh ? 0x7632u : 0x5410u;
+      u32 eab[4], ecd[4];
+      e2m1_pairs(__byte_perm(v[0][w], v[1][w], sel), eab);
+      e2m1_pairs(__byte_perm(v[2][w], v[3][w], sel), ecd);
+#pragma unroll
+      for (int k = 0; k < 2; ++k) {
+        const int i = 4 * w + 2 * hh + k;
+        mma_f16(oT[i], hmul2(eab[2 * k], sab), hmul2(eab[2 * k + 1], sab),
+                hmul2(ecd[2 * k], scd), hmul2(ecd[2 * k + 1], scd), pb[0], pb[1]);
+      }
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------------------
 // The kernel
 // ---------------------------------------------------------------------------------------
 // WIDE: groups of 9..16 query heads (accumulator rows g and g+8); else rows 0..7 only.
@@ -919,7 +1041,7 @@ FP4C_DEVICE void decode_attn_impl(const void* __restrict__ q, const void* __rest
         float p[4];
 #pragma unroll
         for (int e = 0; e < 4; ++e) p[e] = a_ex2(f_sub(x[e], mn));
-        l[r] = a_fma(l[r], alpha, f_add(f_add(p[0], p[1]), f_add(p[2], p[3])));
+        l[r] = f_fma(l[r], alpha, f_add(f_add(p[0], p[1]), f_add(p[2], p[3])));
         if (!same) {
 #pragma unroll
           for (int i = 0; i < A::NT; ++i) {
@@ -961,96 +1083,16 @@ FP4C_DEVICE void decode_attn_impl(const void* __restrict__ q, const void* __rest
       }
     };
 
-    // Tiles in one page: lane offsets once, the next tile's page id one tile ahead.
+    // One tile of the transposed kernels held in registers (the _anyT loop).
     auto computeT = [&](const TileRaw<D>& R, u32 tile) {
-      // S^T = K Q^T: A rows g, g+8 = tokens kt0, kt0 + 2; B = q of head g (qa[.][0], [2])
-      float sT[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-      u32 sfk[2][A::KG];
-#pragma unroll
-      for (int qq = 0; qq < 2; ++qq) {
-        const u32 ks = R.ks[qq];
-#pragma unroll
-        for (int k = 0; k < A::KG; k += 2) {
-          const u32 two = A::KG == 1 ? (ks & 0xFFu) * 0x0101u : ks >> (8 * k);
-          const u32 sf = e4m3x2_x128(two);
-          if (A::KG == 1) {
-            sfk[qq][0] = sf;
-          } else {
-            sfk[qq][k] = __byte_perm(sf, 0u, 0x1010u);
-            sfk[qq][k + 1] = __byte_perm(sf, 0u, 0x3232u);
-          }
-        }
+      if constexpr (TRANS) {
+        float sT[1][4];
+        u32 pb[1][2];
+        trans_scores<D, SPLIT>(R.k, R.ks, qa, sT[0]);
+        trans_softmax<D, 1>(sT, tile, s1, tile + 16u <= s1, rscT, mt, lt, oT, pb);
+        trans_pv<D>(R.v, R.vs, pb[0], oT);
+        bad |= R.bad;
       }
-#pragma unroll
-      for (int w = 0; w < A::KW; ++w) {
-        u32 e0[4], e1[4];
-        e2m1_pairs(R.k[0][w], e0);
-        e2m1_pairs(R.k[1][w], e1);
-        const u32 sf0 = sfk[0][w >> 1], sf1 = sfk[1][w >> 1];
-#pragma unroll
-        for (int h2 = 0; h2 < 2; ++h2) {
-          const int j = 2 * w + h2, p0 = 2 * h2;
-          const u32 a0 = hmul2(e0[p0], sf0), a1 = hmul2(e1[p0], sf1);
-          const u32 a2 = hmul2(e0[p0 + 1], sf0), a3 = hmul2(e1[p0 + 1], sf1);
-          mma_f16(sT, a0, a1, a2, a3, qa[j][0], qa[j][2]);
-          if constexpr (SPLIT) mma_f16(sT, a0, a1, a2, a3, qa[j][1], qa[j][3]);
-        }
-      }
-      // online softmax per head (k = 0, 1: head 2c + k) over the tokens kt0, kt0 + 2 of
-      // the 8 lanes g
-      const u32 kt0 = 4u * (g >> 1) + (g & 1u);
-      const bool va = tile + kt0 < len, vb = tile + kt0 + 2u < len;
-      float pp[2][2], alpha[2];
-      bool moved = false;
-#pragma unroll
-      for (int k = 0; k < 2; ++k) {
-        const float x0 = va ? f_mul(sT[k], rscT[k]) : FP4C_NEG_INF;
-        const float x1 = vb ? f_mul(sT[2 + k], rscT[k]) : FP4C_NEG_INF;
-        float tmax = f_max(x0, x1);
-        tmax = f_max(tmax, __shfl_xor_sync(0xFFFFFFFFu, tmax, 4));
-        tmax = f_max(tmax, __shfl_xor_sync(0xFFFFFFFFu, tmax, 8));
-        tmax = f_max(tmax, __shfl_xor_sync(0xFFFFFFFFu, tmax, 16));
-        const float mn = f_max(mt[k], tmax);
-        alpha[k] = a_ex2(f_sub(mt[k], mn));
-        moved |= __float_as_uint(mn) != __float_as_uint(mt[k]);
-        mt[k] = mn;
-        pp[k][0] = a_ex2(f_sub(x0, mn));
-        pp[k][1] = a_ex2(f_sub(x1, mn));
-        lt[k] = a_fma(lt[k], alpha[k], f_add(pp[k][0], pp[k][1]));
-      }
-      if (__any_sync(0xFFFFFFFFu, moved)) {
-#pragma unroll
-        for (int i = 0; i < A::D16; ++i) {
-          oT[i][0] = f_mul(oT[i][0], alpha[0]);
-          oT[i][1] = f_mul(oT[i][1], alpha[1]);
-          oT[i][2] = f_mul(oT[i][2], alpha[0]);
-          oT[i][3] = f_mul(oT[i][3], alpha[1]);
-        }
-      }
-      // P^T as the B operand: rows (tokens g, g+8) x heads (2c, 2c+1), transposed
-      const u32 pb0 = movmatrix_trans(pack2(f16_t(), pp[0][0], pp[1][0]));
-      const u32 pb1 = movmatrix_trans(pack2(f16_t(), pp[0][1], pp[1][1]));
-      // O^T += V^T P^T: m-tile i = 4w + 2hh + k, rows g / g+8 = pairs 2k / 2k+1
-#pragma unroll
-      for (int w = 0; w < A::VW; ++w) {
-        const u32 vs = R.vs[D == 256 ? (w >> 1) : 0];
-        const u32 sab = e4m3x2_x128(vs);
-        const u32 scd = e4m3x2_x128(vs >> 16);
-#pragma unroll
-        for (int hh = 0; hh < 2; ++hh) {
-          const u32 sel = hh ? 0x7632u : 0x5410u;
-          u32 eab[4], ecd[4];
-          e2m1_pairs(__byte_perm(R.v[0][w], R.v[1][w], sel), eab);
-          e2m1_pairs(__byte_perm(R.v[2][w], R.v[3][w], sel), ecd);
-#pragma unroll
-          for (int k = 0; k < 2; ++k) {
-            const int i = 4 * w + 2 * hh + k;
-            mma_f16(oT[i], hmul2(eab[2 * k], sab), hmul2(eab[2 * k + 1], sab),
-                    hmul2(ecd[2 * k], scd), hmul2(ecd[2 * k + 1], scd), pb0, pb1);
-          }
-        }
-      }
-      bad |= R.bad;
     };
     auto tile_step = [&](const TileRaw<D>& R, u32 tile) {
       if constexpr (TRANS) {
@@ -1063,120 +1105,23 @@ FP4C_DEVICE void decode_attn_impl(const void* __restrict__ q, const void* __rest
     // One chunk (CH tiles from token cs, chunk bytes at `st`) of the transposed kernels.
     auto chunk_step = [&](const ChunkLane<D>& L, const u8* st, u32 cs) {
       if constexpr (FAST && TRANS) {
-      constexpr int CH = ChunkDims<D>::CH;
-      const bool full = cs + 16u * CH <= s1;  // warp-uniform
-      // S^T = K Q^T per tile: A rows g, g+8 = tokens kt0, kt0 + 2; B = q of head g
-      float sT[CH][4];
-#pragma unroll
-      for (int j = 0; j < CH; ++j) {
-        u32 kw[2][A::KW], ks[2];
-        read_k<D>(L, st + j * Stage<D>::kBytes, kw, ks);
-        sT[j][0] = sT[j][1] = sT[j][2] = sT[j][3] = 0.0f;
-        u32 sfk[2][A::KG];
-#pragma unroll
-        for (int qq = 0; qq < 2; ++qq) {
-#pragma unroll
-          for (int k = 0; k < A::KG; k += 2) {
-            const u32 two = A::KG == 1 ? (ks[qq] & 0xFFu) * 0x0101u : ks[qq] >> (8 * k);
-            const u32 sf = e4m3x2_x128(two);
-            if (A::KG == 1) {
-              sfk[qq][0] = sf;
-            } else {
-              sfk[qq][k] = __byte_perm(sf, 0u, 0x1010u);
-              sfk[qq][k + 1] = __byte_perm(sf, 0u, 0x3232u);
-            }
-          }
-        }
-#pragma unroll
-        for (int w = 0; w < A::KW; ++w) {
-          u32 e0[4], e1[4];
-          e2m1_pairs(kw[0][w], e0);
-          e2m1_pairs(kw[1][w], e1);
-          const u32 sf0 = sfk[0][w >> 1], sf1 = sfk[1][w >> 1];
-#pragma unroll
-          for (int h2 = 0; h2 < 2; ++h2) {
-            const int jj = 2 * w + h2, p0 = 2 * h2;
-            const u32 a0 = hmul2(e0[p0], sf0), a1 = hmul2(e1[p0], sf1);
-            const u32 a2 = hmul2(e0[p0 + 1], sf0), a3 = hmul2(e1[p0 + 1], sf1);
-            mma_f16(sT[j], a0, a1, a2, a3, qa[jj][0], qa[jj][2]);
-            if constexpr (SPLIT) mma_f16(sT[j], a0, a1, a2, a3, qa[jj][1], qa[jj][3]);
-          }
-        }
-      }
-      // online softmax per head (k = 0, 1: head 2c + k) over the chunk's tokens kt0,
-      // kt0 + 2 of each tile, across the 8 lanes g
-      const u32 kt0 = 4u * (g >> 1) + (g & 1u);
-      float pp[2][CH][2], alpha[2];
-      bool moved = false;
-#pragma unroll
-      for (int k = 0; k < 2; ++k) {
-        float x[CH][2];
-        float tmax = FP4C_NEG_INF;
+        constexpr int CH = ChunkDims<D>::CH;
+        const bool full = cs + 16u * CH <= s1;  // warp-uniform
+        float sT[CH][4];
 #pragma unroll
         for (int j = 0; j < CH; ++j) {
-#pragma unroll
-          for (int r = 0; r < 2; ++r) {
-            x[j][r] = f_mul(sT[j][2 * r + k], rscT[k]);
-            if (!full && cs + 16u * j + kt0 + 2u * r >= s1) x[j][r] = FP4C_NEG_INF;
-            tmax = f_max(tmax, x[j][r]);
-          }
+          u32 kw[2][A::KW], ks[2];
+          read_k<D>(L, st + j * Stage<D>::kBytes, kw, ks);
+          trans_scores<D, SPLIT>(kw, ks, qa, sT[j]);
         }
-        tmax = f_max(tmax, __shfl_xor_sync(0xFFFFFFFFu, tmax, 4));
-        tmax = f_max(tmax, __shfl_xor_sync(0xFFFFFFFFu, tmax, 8));
-        tmax = f_max(tmax, __shfl_xor_sync(0xFFFFFFFFu, tmax, 16));
-        const float mn = f_max(mt[k], tmax);
-        alpha[k] = a_ex2(f_sub(mt[k], mn));
-        moved |= __float_as_uint(mn) != __float_as_uint(mt[k]);
-        mt[k] = mn;
-        float sum = 0.0f;
+        u32 pb[CH][2];
+        trans_softmax<D, CH>(sT, cs, s1, full, rscT, mt, lt, oT, pb);
 #pragma unroll
         for (int j = 0; j < CH; ++j) {
-#pragma unroll
-          for (int r = 0; r < 2; ++r) {
-            pp[k][j][r] = a_ex2(f_sub(x[j][r], mn));
-            sum = f_add(sum, pp[k][j][r]);
-          }
+          u32 vw[4][A::VW], vsc[A::VG];
+          read_v<D>(S, L, st + j * Stage<D>::kBytes, cs + 16u * j, s1, full, vw, vsc);
+          trans_pv<D>(vw, vsc, pb[j], oT);
         }
-        lt[k] = a_fma(lt[k], alpha[k], sum);
-      }
-      if (__any_sync(0xFFFFFFFFu, moved)) {
-#pragma unroll
-        for (int i = 0; i < A::D16; ++i) {
-          oT[i][0] = f_mul(oT[i][0], alpha[0]);
-          oT[i][1] = f_mul(oT[i][1], alpha[1]);
-          oT[i][2] = f_mul(oT[i][2], alpha[0]);
-          oT[i][3] = f_mul(oT[i][3], alpha[1]);
-        }
-      }
-      // O^T += V^T P^T per tile: P^T as the B operand (rows = tokens g, g+8 x heads 2c,
-      // 2c+1, transposed); m-tile i = 4w + 2hh + k, rows g / g+8 = pairs 2k / 2k+1
-#pragma unroll
-      for (int j = 0; j < CH; ++j) {
-        const u32 pb0 = movmatrix_trans(pack2(f16_t(), pp[0][j][0], pp[1][j][0]));
-        const u32 pb1 = movmatrix_trans(pack2(f16_t(), pp[0][j][1], pp[1][j][1]));
-        u32 vw[4][A::VW], vsc[A::VG];
-        read_v<D>(S, L, st + j * Stage<D>::kBytes, cs + 16u * j, s1,
-                  full, vw, vsc);
-#pragma unroll
-        for (int w = 0; w < A::VW; ++w) {
-          const u32 vs = vsc[D == 256 ? (w >> 1) : 0];
-          const u32 sab = e4m3x2_x128(vs);
-          const u32 scd = e4m3x2_x128(vs >> 16);
-#pragma unroll
-          for (int hh = 0; hh < 2; ++hh) {
-            const u32 sel = hh ? 0x7632u : 0x5410u;
-            u32 eab[4], ecd[4];
-            e2m1_pairs(__byte_perm(vw[0][w], vw[1][w], sel), eab);
-            e2m1_pairs(__byte_perm(vw[2][w], vw[3][w], sel), ecd);
-#pragma unroll
-            for (int k = 0; k < 2; ++k) {
-              const int i = 4 * w + 2 * hh + k;
-              mma_f16(oT[i], hmul2(eab[2 * k], sab), hmul2(eab[2 * k + 1], sab),
-                      hmul2(ecd[2 * k], scd), hmul2(ecd[2 * k + 1], scd), pb0, pb1);
-            }
-          }
-        }
-      }
       }
     };
 
@@ -1382,7 +1327,7 @@ FP4C_DEVICE void decode_attn_impl(const void* __restrict__ q, const void* __rest
       for (int w = 0; w < FP4C_ATTN_WARPS; ++w) {
         const float mw = s_m[w][row];
         const float fw = is_neg_inf(mw) ? 0.0f : a_ex2(f_sub(mw, M));
-        L = a_fma(s_l[w][row], fw, L);
+        L = f_fma(s_l[w][row], fw, L);
       }
       if (s_flag) L = FP4C_NAN;
       s_M[row] = M;
@@ -1428,7 +1373,7 @@ FP4C_DEVICE void decode_attn_impl(const void* __restrict__ q, const void* __rest
         const float ms = ldcg_f32(wm);
         const float ws = is_neg_inf(ms) ? 0.0f : a_ex2(f_sub(ms, M));
         s_w[row][s] = ws;
-        L = a_fma(ldcg_f32(wm + 1), ws, L);
+        L = f_fma(ldcg_f32(wm + 1), ws, L);
       }
 #pragma unroll
       for (int k = 16; k >= 1; k >>= 1) L = f_add(L, __shfl_xor_sync(0xFFFFFFFFu, L, k));
@@ -1448,10 +1393,10 @@ FP4C_DEVICE void decode_attn_impl(const void* __restrict__ q, const void* __rest
       for (u32 s = 0; s < used; ++s) {
         const float w = s_w[row][s];
         const U32x4 v = ldcg_u32x4(src + (u64)s * group * D);
-        acc[0] = a_fma(__uint_as_float(v.x), w, acc[0]);
-        acc[1] = a_fma(__uint_as_float(v.y), w, acc[1]);
-        acc[2] = a_fma(__uint_as_float(v.z), w, acc[2]);
-        acc[3] = a_fma(__uint_as_float(v.w), w, acc[3]);
+        acc[0] = f_fma(__uint_as_float(v.x), w, acc[0]);
+        acc[1] = f_fma(__uint_as_float(v.y), w, acc[1]);
+        acc[2] = f_fma(__uint_as_float(v.z), w, acc[2]);
+        acc[3] = f_fma(__uint_as_float(v.w), w, acc[3]);
       }
 #pragma unroll
       for (int e = 0; e < 4; ++e) s_o[row][k % D + e] = acc[e];

@@ -59,7 +59,8 @@ FP4C_DEVICE float f_sub(float a, float b) {
   asm("sub.rn.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b));
   return r;
 }
-// Only for a*b exact (then it rounds like the separate add).
+// fma.rn without .ftz.  The encoders use it only where a*b is exact (then it rounds like
+// the separate add); the attention's softmax and merges use it as a plain FMA.
 FP4C_DEVICE float f_fma(float a, float b, float c) {
   float r;
   asm("fma.rn.f32 %0, %1, %2, %3;" : "=f"(r) : "f"(a), "f"(b), "f"(c));
