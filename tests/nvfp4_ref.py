@@ -310,7 +310,10 @@ def bits(a) -> np.ndarray:
 
 
 def assert_same_values(got, want) -> None:
-    """Bit-exact equality of float arrays, NaN matching NaN (any payload)."""
+    """Bit-exact equality of arrays, NaN matching NaN (any payload); ``got`` may be a
+    device array (copied to the host)."""
+    if not isinstance(got, np.ndarray) and hasattr(got, "get"):
+        got = got.get()
     got, want = np.asarray(got), np.asarray(want)
     assert got.dtype == want.dtype, (got.dtype, want.dtype)
     assert got.shape == want.shape, (got.shape, want.shape)

@@ -14,6 +14,7 @@ import zlib
 import ml_dtypes
 import numpy as np
 import pytest
+from conftest import gpu_available
 
 from fp4cache import _numpy_backend as nb
 from fp4cache._abi import STAT, STAT_NAMES
@@ -24,13 +25,10 @@ NSTATS = len(STAT_NAMES)
 
 pytestmark = pytest.mark.gpu
 
-cp = pytest.importorskip("cupy")
-try:
-    _HAS_GPU = cp.cuda.runtime.getDeviceCount() > 0
-except Exception:  # noqa: BLE001 - no driver / no device
-    _HAS_GPU = False
-if not _HAS_GPU:
+if not gpu_available():
     pytest.skip("needs a CUDA GPU with CuPy", allow_module_level=True)
+
+import cupy as cp  # noqa: E402
 
 from fp4cache import _cupy_backend as cb  # noqa: E402
 

@@ -29,11 +29,6 @@ from fp4cache import PagedKVCache, codec, longlive  # noqa: E402
 BF16 = np.dtype(ml_dtypes.bfloat16)
 
 
-def _same(gpu, ref):
-    """Bit-identical values (NaN matching NaN), device result against the NumPy one."""
-    assert_same_values(cp.asnumpy(gpu), ref)
-
-
 _E4M3_CHECK = r"""
 extern "C" __global__ void e4m3_check(unsigned long long* bad, unsigned int* first) {
   // every float32 bit pattern from +0 to +inf
@@ -74,7 +69,7 @@ def test_decode_every_code_and_scale_byte_at_extreme_scales(dtype, scale):
     scales = np.repeat((r // 4).astype(np.uint8)[:, None], 8, axis=1)
     ref = codec.dequantize(data, scales, scale, dtype=dtype)
     got = codec.dequantize(cp.asarray(data), cp.asarray(scales), scale, dtype=dtype)
-    _same(got, ref)
+    assert_same_values(got, ref)
 
 
 @pytest.mark.parametrize("k_scale", [2.0**-130, 1.0, 2.0**117])
@@ -93,8 +88,8 @@ def test_gather_at_extreme_global_scales(k_scale):
     for dt in ("bfloat16", "float32"):
         rk, rv = c_cpu.gather_dequant(blocks, dtype=dt)
         gk, gv = c_gpu.gather_dequant(cp.asarray(blocks), dtype=dt)
-        _same(gk, rk)
-        _same(gv, rv)
+        assert_same_values(gk, rk)
+        assert_same_values(gv, rv)
 
 
 def _pool(rng, n_pool, H, Tb, D):
@@ -117,7 +112,7 @@ def test_dequantize_pool_one_launch_ids_out_and_graph(id_dtype, dtype, D):
     out = cp.full(ref.shape, np.nan, dtype=ref.dtype)
     got = longlive.dequantize_pool(*pool_g, ids_d, H, Tb, out=out)
     assert got is out
-    _same(out, ref)
+    assert_same_values(out, ref)
     # out of range on both sides: NaN rows for those blocks only
     bad = np.array([5, 1, -1, 2, 1 << 30], id_dtype)
     got = longlive.dequantize_pool(*pool_g, cp.asarray(bad), H, Tb, dtype=dtype)
@@ -125,7 +120,7 @@ def test_dequantize_pool_one_launch_ids_out_and_graph(id_dtype, dtype, D):
                                    dtype=dtype)
     for j in (0, 2, 4):
         exp[0, j * Tb:(j + 1) * Tb] = np.nan
-    _same(got, exp)
+    assert_same_values(got, exp)
     # captured once, replayed with new ids in the same device array
     stream = cp.cuda.Stream(non_blocking=True)
     with stream:
@@ -137,7 +132,7 @@ def test_dequantize_pool_one_launch_ids_out_and_graph(id_dtype, dtype, D):
         ids_d.set(new_ids, stream=stream)
         graph.launch(stream)
         stream.synchronize()
-    _same(out, longlive.dequantize_pool(*pool_c, new_ids, H, Tb, dtype=dtype))
+    assert_same_values(out, longlive.dequantize_pool(*pool_c, new_ids, H, Tb, dtype=dtype))
 
 
 def test_wide_decode_many_blocks_and_a_misaligned_block():
@@ -147,8 +142,9 @@ def test_wide_decode_many_blocks_and_a_misaligned_block():
     pool_c = _pool(rng, 70, H, Tb, D)
     ids = rng.integers(0, 70, 300)
     ref = longlive.dequantize_pool(*pool_c, ids, H, Tb)
-    _same(longlive.dequantize_pool(*[cp.asarray(a) for a in pool_c], cp.asarray(ids), H, Tb),
-          ref)
+    assert_same_values(
+        longlive.dequantize_pool(*[cp.asarray(a) for a in pool_c], cp.asarray(ids), H, Tb),
+        ref)
     vals = [cp.asarray(pool_c[0][i]) for i in (3, 5)]
     raw = cp.zeros(vals[1].size + 1, cp.uint8)
     odd = raw[1:].reshape(vals[1].shape)
@@ -157,7 +153,7 @@ def test_wide_decode_many_blocks_and_a_misaligned_block():
     ams = [cp.asarray(pool_c[2][i]) for i in (3, 5)]
     exp = longlive.dequantize([pool_c[0][3], pool_c[0][5]], [pool_c[1][3], pool_c[1][5]],
                               [pool_c[2][3], pool_c[2][5]], H, Tb)
-    _same(longlive.dequantize([vals[0], odd], sfs, ams, H, Tb), exp)
+    assert_same_values(longlive.dequantize([vals[0], odd], sfs, ams, H, Tb), exp)
 
 
 def test_dequantize_list_reuses_pointer_tables_but_reads_new_contents():
@@ -169,16 +165,17 @@ def test_dequantize_list_reuses_pointer_tables_but_reads_new_contents():
     ams = [cp.asarray(pool_c[2][i]) for i in range(3)]
     ref = longlive.dequantize([a for a in pool_c[0]], [a for a in pool_c[1]],
                               [a for a in pool_c[2]], H, Tb)
-    _same(longlive.dequantize(vals, sfs, ams, H, Tb), ref)
+    assert_same_values(longlive.dequantize(vals, sfs, ams, H, Tb), ref)
     # same blocks (same pointers), new contents: the cached tables still point at them
     vals[1][...] = cp.asarray(pool_c[0][2])
     sfs[1][...] = cp.asarray(pool_c[1][2])
     ams[1][...] = cp.asarray(pool_c[2][2])
     exp = ref.copy()
     exp[0, Tb:2 * Tb] = ref[0, 2 * Tb:3 * Tb]
-    _same(longlive.dequantize(vals, sfs, ams, H, Tb), exp)
+    assert_same_values(longlive.dequantize(vals, sfs, ams, H, Tb), exp)
     # a different order is a different table
-    _same(longlive.dequantize(vals[::-1], sfs[::-1], ams[::-1], H, Tb)[0, :Tb], ref[0, 2 * Tb:])
+    assert_same_values(longlive.dequantize(vals[::-1], sfs[::-1], ams[::-1], H, Tb)[0, :Tb],
+                       ref[0, 2 * Tb:])
 
 
 def test_store_plan_made_during_graph_capture():

@@ -10,32 +10,19 @@ from __future__ import annotations
 import ml_dtypes
 import numpy as np
 import pytest
+from conftest import gpu_available
+from nvfp4_ref import assert_same_values
 
 pytestmark = pytest.mark.gpu
 
-cp = pytest.importorskip("cupy")
-try:
-    _HAS_GPU = cp.cuda.runtime.getDeviceCount() > 0
-except Exception:  # noqa: BLE001
-    _HAS_GPU = False
-if not _HAS_GPU:
+if not gpu_available():
     pytest.skip("needs a CUDA GPU with CuPy", allow_module_level=True)
+
+import cupy as cp  # noqa: E402
 
 from fp4cache import PagedKVCache, codec, longlive  # noqa: E402
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
-
-
-def _same(gpu, ref):
-    g = cp.asnumpy(gpu)
-    assert g.dtype == ref.dtype and g.shape == ref.shape
-    if ref.dtype.kind == "f" or ref.dtype == BF16:
-        u = {2: np.uint16, 4: np.uint32}[ref.dtype.itemsize]
-        gn, rn = np.isnan(g.astype(np.float32)), np.isnan(ref.astype(np.float32))
-        assert np.array_equal(gn, rn)
-        assert np.array_equal(np.where(rn, 0, g.view(u)), np.where(rn, 0, ref.view(u)))
-    else:
-        assert np.array_equal(g, ref)
 
 
 @pytest.mark.parametrize("layout,swizzle,rule", [("HND", True, "4over6"),
@@ -57,24 +44,24 @@ def test_paged_cache_cuda_equals_cpu(layout, swizzle, rule, dtype):
         slots = rng.integers(-1, nblk * T, n).astype(np.int64)
         cpu.store(slots, k, v, unique_slots=False)
         gpu.store(cp.asarray(slots), cp.asarray(k), cp.asarray(v), unique_slots=False)
-        _same(gpu.buffer, cpu.buffer)
+        assert_same_values(gpu.buffer, cpu.buffer)
     assert gpu.stats == cpu.stats
     blocks = rng.integers(0, nblk, 9).astype(np.int32)
     for dt in ("bfloat16", "float16", "float32"):
         rk, rv = cpu.gather_dequant(blocks, dtype=dt)
         gk, gv = gpu.gather_dequant(cp.asarray(blocks), dtype=dt)
-        _same(gk, rk)
-        _same(gv, rv)
+        assert_same_values(gk, rk)
+        assert_same_values(gv, rv)
     # out= buffers, strided (non-contiguous) K/V input
     ok = cp.empty((9 * T, H, D), BF16)
     ov = cp.empty((9 * T, H, D), BF16)
     gpu.gather_dequant(cp.asarray(blocks), out=(ok, ov))
-    _same(ok, cpu.gather_dequant(blocks, dtype="bfloat16")[0])
+    assert_same_values(ok, cpu.gather_dequant(blocks, dtype="bfloat16")[0])
     big = (rng.standard_normal((20, H, 2 * D))).astype(dtype)
     slots = np.arange(20, dtype=np.int32) * 3
     cpu.store(slots, big[:, :, :D], big[:, :, D:])
     gpu.store(cp.asarray(slots), cp.asarray(big)[:, :, :D], cp.asarray(big)[:, :, D:])
-    _same(gpu.buffer, cpu.buffer)
+    assert_same_values(gpu.buffer, cpu.buffer)
 
 
 @pytest.mark.parametrize("rule", ["static6", "4over6"])
@@ -84,10 +71,11 @@ def test_codec_cuda_equals_cpu(rule, dtype):
     x = (rng.standard_normal((3, 33, 64)) * 7).astype(dtype)
     d_c, s_c = codec.quantize(x, 0.25, rule)
     d_g, s_g = codec.quantize(cp.asarray(x), 0.25, rule)
-    _same(d_g, d_c)
-    _same(s_g, s_c)
+    assert_same_values(d_g, d_c)
+    assert_same_values(s_g, s_c)
     for dt in ("bfloat16", "float16", "float32"):
-        _same(codec.dequantize(d_g, s_g, 0.25, dt), codec.dequantize(d_c, s_c, 0.25, dt))
+        assert_same_values(codec.dequantize(d_g, s_g, 0.25, dt),
+                           codec.dequantize(d_c, s_c, 0.25, dt))
 
 
 @pytest.mark.parametrize("rule", ["static6", "4over6"])
@@ -100,19 +88,19 @@ def test_longlive_cuda_equals_cpu(rule):
         out_c.append(longlive.quantize_block(x, rule))
         out_g.append(longlive.quantize_block(cp.asarray(x), rule))
         for a, b in zip(out_g[-1], out_c[-1]):
-            _same(a, b)
+            assert_same_values(a, b)
     e4m3_max = 256.0 if rule == "4over6" else 448.0
     vals = [o[0] for o in out_c], [o[1] for o in out_c], [o[2] for o in out_c]
     gvals = [o[0] for o in out_g], [o[1] for o in out_g], [o[2] for o in out_g]
     ref = longlive.dequantize(*vals, num_heads=H, block_token_size=Tb, e4m3_max=e4m3_max)
     got = longlive.dequantize(*gvals, num_heads=H, block_token_size=Tb, e4m3_max=e4m3_max)
-    _same(got, ref)
+    assert_same_values(got, ref)
     pool_c = [np.stack(v) for v in vals]
     pool_g = [cp.stack(v) for v in gvals]
     ids = np.array([2, 0, 2, 1], np.int64)
     ref = longlive.dequantize_pool(*pool_c, ids, H, Tb, e4m3_max=e4m3_max)
     got = longlive.dequantize_pool(*pool_g, cp.asarray(ids), H, Tb, e4m3_max=e4m3_max)
-    _same(got, ref)
+    assert_same_values(got, ref)
     # an out-of-range id on the GPU: NaN rows for that block, the others as on the CPU
     bad_ids = cp.asarray(np.array([2, 3, 0, -1], np.int64))
     got = longlive.dequantize_pool(*pool_g, bad_ids, H, Tb, e4m3_max=e4m3_max)
@@ -121,4 +109,4 @@ def test_longlive_cuda_equals_cpu(rule):
     exp[0, 3 * Tb:] = np.nan
     exp[0, 2 * Tb:3 * Tb] = longlive.dequantize_pool(*pool_c, np.array([0]), H, Tb,
                                                      e4m3_max=e4m3_max)[0]
-    _same(got, exp)
+    assert_same_values(got, exp)

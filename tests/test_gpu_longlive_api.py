@@ -31,10 +31,6 @@ from fp4cache import _cupy_backend, longlive  # noqa: E402
 BF16 = np.dtype(ml_dtypes.bfloat16)
 
 
-def _same(gpu, ref):
-    assert_same_values(cp.asnumpy(gpu), ref)
-
-
 def _blocks(rng, n, Tb, H, D, rule="4over6"):
     xs = [(rng.standard_normal((Tb, H, D)) * (i + 1)).astype(np.float32) for i in range(n)]
     return [longlive.quantize_block(cp.asarray(x), rule) for x in xs]
@@ -54,16 +50,17 @@ def test_longlive_list_hot_path_matches_checked_call_and_reads_new_contents(rule
     assert len(longlive._LIST_FAST) == 1  # remembered after the checked call
     again = longlive.dequantize(vals, sfs, ams, H, Tb, e4m3_max=m)  # the hot path
     assert again.data.ptr != first.data.ptr  # a new output each call
-    _same(first, ref)
-    _same(again, ref)
-    _same(longlive.dequantize(blocks, num_heads=H, block_token_size=Tb), ref)  # rule known
+    assert_same_values(first, ref)
+    assert_same_values(again, ref)
+    # the rule is known from the blocks
+    assert_same_values(longlive.dequantize(blocks, num_heads=H, block_token_size=Tb), ref)
     # new contents behind the same arrays are decoded
     vals[2][...] = vals[0]
     sfs[2][...] = sfs[0]
     ams[2][...] = ams[0]
     exp = ref.copy()
     exp[0, 2 * Tb:3 * Tb] = ref[0, :Tb]
-    _same(longlive.dequantize(vals, sfs, ams, H, Tb, e4m3_max=m), exp)
+    assert_same_values(longlive.dequantize(vals, sfs, ams, H, Tb, e4m3_max=m), exp)
     # a mismatch is refused on the hot path too (the counts are part of the key)
     with pytest.raises(ValueError, match="do not match the blocks"):
         longlive.dequantize(vals, sfs, ams, 4, Tb, e4m3_max=m)
@@ -81,7 +78,7 @@ def test_longlive_hot_path_is_per_device_and_dtype():
     ref = longlive.dequantize([a.get() for a in vals], [a.get() for a in sfs],
                               [a.get() for a in ams], H, Tb, dtype="float16")
     for _ in range(3):
-        _same(longlive.dequantize(vals, sfs, ams, H, Tb, dtype="float16"), ref)
+        assert_same_values(longlive.dequantize(vals, sfs, ams, H, Tb, dtype="float16"), ref)
         assert longlive.dequantize(vals, sfs, ams, H, Tb).dtype == BF16
 
 
