@@ -155,10 +155,7 @@ def main(argv=None) -> int:
         ca.SPLIT_TOKENS = args.split_tokens
     if args.nsplit:
         def forced(batch, kv_heads, capacity, resident, spec=None, _n=args.nsplit):
-            step = 32 * dict(spec.tuning)["FP4C_ATTN_WARPS"]
-            per = -(-capacity // _n)
-            length = -(-per // step) * step
-            return ca.SplitPlan(-(-capacity // length), length)
+            return ca.splits_of(_n, capacity, spec)
         ca.split_plan = forced
     kdir = K.kernel_dir()
     tuning = {k: int(v) for k, v in (t.split("=") for t in args.tuning)}

@@ -27,7 +27,7 @@ from .layout import PageGeometry
 
 __all__ = ["decode_attention", "attention_runner", "scratch_nbytes", "split_plan",
            "dequant_table", "bytes_read", "ATTN_PARAMS_DTYPE", "SPLIT_TOKENS",
-           "MIN_SPLIT_TOKENS", "CTA_TOKENS", "MERGE_TOKENS"]
+           "MIN_SPLIT_TOKENS", "CTA_TOKENS", "MERGE_TOKENS", "splits_of"]
 
 _U32, _I64, _F32 = np.uint32, np.int64, np.float32
 _LOG2E = 1.4426950408889634
@@ -59,6 +59,16 @@ class SplitPlan(NamedTuple):
     split_len: int
 
 
+def splits_of(n: int, capacity: int, spec: K.Spec | None = None) -> SplitPlan:
+    """``capacity`` tokens cut into (at most) ``n`` splits: ``split_len`` is
+    ``ceil(capacity / n)`` rounded up to one 32-token chunk per warp of the CTA."""
+    tune = dict(K.TUNING if spec is None else spec.tuning)
+    cap = max(int(capacity), 1)
+    step = 32 * tune["FP4C_ATTN_WARPS"]
+    length = _ceil(_ceil(cap, n), step) * step
+    return SplitPlan(_ceil(cap, length), length)
+
+
 def split_plan(batch: int, kv_heads: int, capacity: int, resident_ctas: int,
                spec: K.Spec | None = None) -> SplitPlan:
     """Splits per (sequence, KV head) for ``capacity = max_blocks * block_size`` tokens.
@@ -66,34 +76,32 @@ def split_plan(batch: int, kv_heads: int, capacity: int, resident_ctas: int,
     The kernel's time is about (waves of CTAs) x (tokens per CTA): the plan takes the
     number of splits ``n`` that minimizes ``ceil(B*H*n / resident_ctas) * (split_len +
     CTA_TOKENS) + n * MERGE_TOKENS`` (ties to fewer splits), with ``split_len`` =
-    ``ceil(capacity / n)`` rounded up to one 32-token chunk per warp, between
+    :func:`splits_of` ``n``, between
     :data:`MIN_SPLIT_TOKENS` (unless one split) and :data:`SPLIT_TOKENS` (so that unequal
     sequence lengths still spread over the GPU), and at most ``FP4C_ATTN_MAX_SPLITS``
-    splits.  A grid just over one wave (the second wave
-    nearly empty) costs twice its work, so this never picks one.
+    splits.  A grid just over one wave (the second wave nearly empty) costs twice its
+    work, so this never picks one.
     """
     tune = dict(K.TUNING if spec is None else spec.tuning)
-    step = 32 * tune["FP4C_ATTN_WARPS"]  # whole 32-token chunks per warp
-    cap = max(int(capacity), 1)
     bh = max(1, batch * kv_heads)
-    best: tuple[float, int, int] | None = None
+    best: tuple[float, SplitPlan] | None = None
     for n in range(1, tune["FP4C_ATTN_MAX_SPLITS"] + 1):
-        length = _ceil(_ceil(cap, n), step) * step
-        if _ceil(cap, length) != n:  # the same split length as a smaller n
+        plan = splits_of(n, capacity, spec)
+        if plan.nsplit != n:  # the same split length as a smaller n
             continue
-        if n > 1 and length < MIN_SPLIT_TOKENS:
+        if n > 1 and plan.split_len < MIN_SPLIT_TOKENS:
             break
-        if length > SPLIT_TOKENS:
+        if plan.split_len > SPLIT_TOKENS:
             continue
         waves = _ceil(bh * n, max(1, resident_ctas))
-        cost = waves * (length + CTA_TOKENS) + n * MERGE_TOKENS
+        cost = waves * (plan.split_len + CTA_TOKENS) + n * MERGE_TOKENS
         if best is None or cost < best[0]:
-            best = (cost, n, length)
+            best = (cost, plan)
     if best is None:  # only with MIN_SPLIT_TOKENS > SPLIT_TOKENS or huge capacities
-        n = min(_ceil(cap, SPLIT_TOKENS), tune["FP4C_ATTN_MAX_SPLITS"])
-        length = _ceil(_ceil(cap, n), step) * step
-        return SplitPlan(_ceil(cap, length), length)
-    return SplitPlan(best[1], best[2])
+        cap = max(int(capacity), 1)
+        return splits_of(min(_ceil(cap, SPLIT_TOKENS), tune["FP4C_ATTN_MAX_SPLITS"]),
+                         capacity, spec)
+    return best[1]
 
 
 def _resident_ctas(fn, spec: K.Spec) -> int:
