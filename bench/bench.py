@@ -595,30 +595,44 @@ class Bench:
                        batch=2 * len(calls), frac_target=TARGETS[f"gather {rule}"],
                        note="same kernel for both rules" if rule == "4over6" else "")
 
-    def _longlive_case(self, label: str, H: int, D: int, Tb: int, nb: int) -> None:
-        from fp4cache import layout, longlive
+    def _longlive_inputs(self, H: int, D: int, Tb: int, nb: int, seed: int):
+        """Two rotation sets of ``nb`` random LongLive blocks (values, blocked scales, amax;
+        padding rows and scales zero), their pool ids, outputs and per-set lists, and
+        the bytes one call moves."""
+        from fp4cache import layout
 
         env, xp = self.env, self.env.xp
         S = D // 16
         R, Rp = Tb * H, layout.longlive_padded_rows(Tb, H)
-        NB = 2 * nb  # two rotation sets of nb blocks
-        values = env.random_bytes((NB, Rp, D // 2), 0, 256, 31)
-        sf = env.random_bytes((NB, Rp * S), 0x30, 0x59, 32)  # E4M3 0.5 .. 18
+        NB = 2 * nb
+        values = env.random_bytes((NB, Rp, D // 2), 0, 256, seed)
+        sf = env.random_bytes((NB, Rp * S), 0x30, 0x59, seed + 1)  # E4M3 0.5 .. 18
         if Rp > R:
             values[:, R:] = 0
             pad = layout.blocked_scale_offset(np.arange(R, Rp)[:, None], np.arange(S)[None, :],
                                               S).ravel()
             sf[:, env.asarray(pad)] = 0
-        amax = env.asarray(np.random.default_rng(33).uniform(1, 8, NB).astype(np.float32))
+        amax = env.asarray(np.random.default_rng(seed + 2).uniform(1, 8, NB).astype(np.float32))
         sets = [list(range(i * nb, (i + 1) * nb)) for i in range(2)]
-        ids = [env.asarray(np.array(s, dtype=np.int32)) for s in sets]
+        ids = [env.asarray(np.array(st, dtype=np.int32)) for st in sets]
         outs = [xp.empty((1, nb * Tb, H, D), dtype=BF16) for _ in sets]
-        lists = [([values[i] for i in s], [sf[i] for i in s], [amax[i:i + 1] for i in s])
-                 for s in sets]
+        lists = [([values[i] for i in st], [sf[i] for i in st], [amax[i:i + 1] for i in st])
+                 for st in sets]
         nbytes = nb * (R * (D // 2 + S) + 4) + nb * Tb * H * D * 2
-        case = f"LongLive {label} H={H} Tb={Tb} x{nb}"
-        self.log(f"   {case}: {nb * R * (D // 2 + S) / 2**20:.1f} MiB in, "
+        return values, sf, amax, ids, outs, lists, nbytes
+
+    def _log_longlive_sizes(self, case: str, H: int, D: int, Tb: int, nb: int) -> None:
+        self.log(f"   {case}: {nb * Tb * H * (D // 2 + D // 16) / 2**20:.1f} MiB in, "
                  f"{nb * Tb * H * D * 2 / 2**20:.1f} MiB out per call")
+
+    def _longlive_case(self, label: str, H: int, D: int, Tb: int, nb: int) -> None:
+        from fp4cache import longlive
+
+        env = self.env
+        R = Tb * H
+        values, sf, amax, ids, outs, lists, nbytes = self._longlive_inputs(H, D, Tb, nb, 31)
+        case = f"LongLive {label} H={H} Tb={Tb} x{nb}"
+        self._log_longlive_sizes(case, H, D, Tb, nb)
         calls = [_bind(longlive.dequantize, *lst, H, Tb) for lst in lists]
         self.timed("longlive", case, "fp4cache dequantize", calls, nbytes,
                    batch=2 * len(calls), frac_target=TARGETS["longlive"],
@@ -664,29 +678,12 @@ class Bench:
         with fp4cache's decode kernel, since the seed itself is a torch extension.
         """
         from fp4cache import _cupy_backend as cb
-        from fp4cache import layout, longlive
+        from fp4cache import longlive
 
-        env, xp = self.env, self.env.xp
-        S = D // 16
-        R, Rp = Tb * H, layout.longlive_padded_rows(Tb, H)
-        NB = 2 * nb  # two rotation sets of nb blocks
-        values = env.random_bytes((NB, Rp, D // 2), 0, 256, 41)
-        sf = env.random_bytes((NB, Rp * S), 0x30, 0x59, 42)
-        if Rp > R:
-            values[:, R:] = 0
-            pad = layout.blocked_scale_offset(np.arange(R, Rp)[:, None], np.arange(S)[None, :],
-                                              S).ravel()
-            sf[:, env.asarray(pad)] = 0
-        amax = env.asarray(np.random.default_rng(43).uniform(1, 8, NB).astype(np.float32))
-        sets = [list(range(i * nb, (i + 1) * nb)) for i in range(2)]
-        ids = [env.asarray(np.array(st, dtype=np.int32)) for st in sets]
-        outs = [xp.empty((1, nb * Tb, H, D), dtype=BF16) for _ in sets]
-        lists = [([values[i] for i in st], [sf[i] for i in st], [amax[i:i + 1] for i in st])
-                 for st in sets]
-        nbytes = nb * (R * (D // 2 + S) + 4) + nb * Tb * H * D * 2
+        env = self.env
+        values, sf, amax, ids, outs, lists, nbytes = self._longlive_inputs(H, D, Tb, nb, 41)
         case = f"LongLive list API H={H} Tb={Tb} x{nb}"
-        self.log(f"   {case}: {nb * R * (D // 2 + S) / 2**20:.1f} MiB in, "
-                 f"{nb * Tb * H * D * 2 / 2**20:.1f} MiB out per call")
+        self._log_longlive_sizes(case, H, D, Tb, nb)
         if env.gpu:  # the first call of a list: checks, pointer tables, one copy
             firsts = []
             for _ in range(3):
