@@ -92,7 +92,6 @@ TUNING: tuple[tuple[str, int], ...] = tuple(sorted((
     ("FP4C_ATTN_MAX_SPLITS", 128),  # most KV splits per (sequence, KV head) of the attention
     ("FP4C_ATTN_STAGES_TUNING", 3),  # attention cp.async ring stages per warp (D 64, 128;
                                      # groups of 9..16)
-    ("FP4C_ATTN_CHUNK_STAGES_TUNING", 2),  # the same in 32-token chunks (groups of 1..8)
     ("FP4C_ATTN_MIN_CTAS_D128", 4),  # attention __launch_bounds__ min CTAs/SM (D 128, T%16 0)
 )))
 

@@ -57,8 +57,7 @@
 #include "fp4_common.cuh"
 
 #if !defined(FP4C_ATTN_WARPS) || !defined(FP4C_ATTN_MAX_SPLITS) || \
-    !defined(FP4C_ATTN_STAGES_TUNING) || !defined(FP4C_ATTN_MIN_CTAS_D128) || \
-    !defined(FP4C_ATTN_CHUNK_STAGES_TUNING)
+    !defined(FP4C_ATTN_STAGES_TUNING) || !defined(FP4C_ATTN_MIN_CTAS_D128)
 #error "fp4cache attention tuning macros missing: build with fp4cache._kernels.build_source"
 #endif
 
@@ -529,7 +528,9 @@ struct ChunkDims {
   static constexpr int CH = D == 256 ? 1 : 2;          // tiles per chunk
   static constexpr int kBytes = CH * Stage<D>::kBytes;  // one ring stage
 };
-#define FP4C_ATTN_CHUNK_STAGES(D) ((D) == 256 ? 2 : FP4C_ATTN_CHUNK_STAGES_TUNING)
+// Two stages: one chunk in flight while one is computed (a third overflows the 48 KB of
+// static shared memory at D = 128 and measured no faster at D = 64).
+#define FP4C_ATTN_CHUNK_STAGES 2
 
 // Per-lane constant offsets: page-relative sources of the lane's copies (t0 = 0), their
 // stage-relative destinations, and the stage-relative offsets of what the lane reads.
@@ -825,7 +826,7 @@ FP4C_DEVICE void decode_attn_impl(const void* __restrict__ q, const void* __rest
 
   // the tile ring (during the tile loop) and, after it, s_o and s_w share one buffer
   constexpr int kStages = FP4C_ATTN_STAGES(D);
-  constexpr int kCStages = FP4C_ATTN_CHUNK_STAGES(D);
+  constexpr int kCStages = FP4C_ATTN_CHUNK_STAGES;
   constexpr int kRing = !FAST ? 0
                         : !WIDE ? FP4C_ATTN_WARPS * kCStages * ChunkDims<D>::kBytes
                                 : FP4C_ATTN_WARPS * kStages * Stage<D>::kBytes;
