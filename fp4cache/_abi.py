@@ -17,7 +17,7 @@ from functools import cache
 import numpy as np
 
 __all__ = ["RULES", "LAYOUTS", "STAT_NAMES", "STAT", "STRUCTS", "struct_dtype", "header",
-           "fastdiv"]
+           "fastdiv", "ATTN_CHUNK_TILES"]
 
 #: Scale rules: name -> value of the kernels' ``RULE`` template parameter.
 RULES: dict[str, int] = {"static6": 0, "4over6": 1}
@@ -37,6 +37,12 @@ STAT_NAMES: tuple[str, ...] = (
 )
 #: Counter name -> index.
 STAT: dict[str, int] = {name: i for i, name in enumerate(STAT_NAMES)}
+
+#: Decode attention, groups of 1..8 with block_size % 16 == 0: 16-token tiles per chunk (a
+#: warp's step of the chunk ring), by head_dim.  Measured on the H200 (bench/KERNEL_NOTES.md):
+#: D = 64 takes 4 (69.2 against 75.1 us with 2 at B=8 x 32768), D = 128 2 (4 would not fit
+#: the 48 KB of static shared memory), D = 256 1 (registers).
+ATTN_CHUNK_TILES: dict[int, int] = {64: 4, 128: 2, 256: 1}
 
 _CTYPES = {"u32": np.uint32, "u64": np.uint64, "i64": np.int64, "float": np.float32}
 
@@ -133,6 +139,7 @@ def header() -> str:
     out += [f"#define FP4C_LAYOUT_{k} {v}" for k, v in LAYOUTS.items()]
     out += [f"#define FP4C_STAT_{k.upper()} {i}" for i, k in enumerate(STAT_NAMES)]
     out.append(f"#define FP4C_NUM_STATS {len(STAT_NAMES)}")
+    out += [f"#define FP4C_ATTN_CHUNK_TILES_D{d} {t}" for d, t in ATTN_CHUNK_TILES.items()]
     for name, fields in STRUCTS.items():
         dt = struct_dtype(name)
         out.append(f"struct {name} {{")

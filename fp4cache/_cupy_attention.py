@@ -59,12 +59,20 @@ class SplitPlan(NamedTuple):
     split_len: int
 
 
+def _split_step(spec: K.Spec | None) -> int:
+    """Split lengths are multiples of this: one chunk per warp of the CTA (at least two
+    16-token tiles, ``_abi.ATTN_CHUNK_TILES`` of the spec's head_dim)."""
+    tune = dict(K.TUNING if spec is None else spec.tuning)
+    tiles = 2 if spec is None else max(2, _abi.ATTN_CHUNK_TILES[int(spec.args[1])])
+    return 16 * tiles * tune["FP4C_ATTN_WARPS"]
+
+
 def splits_of(n: int, capacity: int, spec: K.Spec | None = None) -> SplitPlan:
     """``capacity`` tokens cut into (at most) ``n`` splits: ``split_len`` is
-    ``ceil(capacity / n)`` rounded up to one 32-token chunk per warp of the CTA."""
-    tune = dict(K.TUNING if spec is None else spec.tuning)
+    ``ceil(capacity / n)`` rounded up to one chunk per warp of the CTA (:func:`_split_step`;
+    without a spec, 32-token chunks)."""
     cap = max(int(capacity), 1)
-    step = 32 * tune["FP4C_ATTN_WARPS"]
+    step = _split_step(spec)
     length = _ceil(_ceil(cap, n), step) * step
     return SplitPlan(_ceil(cap, length), length)
 

@@ -6,10 +6,10 @@
 // with K, V the values gather_dequant returns (E2M1 code * E4M3 scale * global scale).
 //
 // Work split (flash-decoding): one CTA of FP4C_ATTN_WARPS warps per (split, KV head,
-// sequence).  A split is split_len consecutive tokens (a multiple of 32 * warps); warp w
-// of the CTA walks the 16-token tiles w, w + warps, ... of its split (groups of 1..8 with
-// block_size % 16 == 0: the 32-token chunks w, w + warps, ..., two tiles per step, see
-// "Chunk ring" below) with its own online softmax state (m, l, O).  The CTA merges its warps in shared memory; with one split
+// sequence).  A split is split_len consecutive tokens (a multiple of 16 * CH * warps, CH >=
+// 2); warp w of the CTA walks the 16-token tiles w, w + warps, ... of its split (groups of
+// 1..8 with block_size % 16 == 0: the chunks of CH tiles w, w + warps, ..., CH = 4 / 2 / 1
+// at head_dim 64 / 128 / 256, see "Chunk ring" below) with its own online softmax state (m, l, O).  The CTA merges its warps in shared memory; with one split
 // that is the result, otherwise it writes a partial (m, l, O) to the workspace and the
 // last CTA of the (sequence, KV head) to finish (an atomic ticket in `counters`, reset
 // by that CTA so that CUDA-graph replays work) merges the partials of the splits that
@@ -525,7 +525,10 @@ FP4C_DEVICE void read_tile(const SeqCtx& S, const u8* st, u32 tile, TileRaw<D>& 
 // ---------------------------------------------------------------------------------------
 template <int D>
 struct ChunkDims {
-  static constexpr int CH = D == 256 ? 1 : 2;          // tiles per chunk
+  static constexpr int CH = D == 64    ? FP4C_ATTN_CHUNK_TILES_D64   // tiles per chunk
+                            : D == 128 ? FP4C_ATTN_CHUNK_TILES_D128  // (fp4cache/_abi.py)
+                                       : FP4C_ATTN_CHUNK_TILES_D256;
+  static_assert(CH >= 1 && CH <= 4, "tiles per chunk");
   static constexpr int kBytes = CH * Stage<D>::kBytes;  // one ring stage
 };
 // Two stages: one chunk in flight while one is computed (a third overflows the 48 KB of

@@ -377,6 +377,13 @@ def test_split_plan_shapes():
     assert ca.split_plan(8, 8, 32768, 528) == (8, 4096)
     assert ca.split_plan(64, 8, 4096, 528) == (1, 4096)
     assert ca.split_plan(1, 8, 131072, 528) == (64, 2048)
+    # head_dim 64 takes 4-tile chunks: split lengths are whole 64-token chunks per warp
+    from fp4cache import _kernels as K
+
+    spec = K.decode_attention_spec("bf16", 64, False)
+    for B, H, cap in [(8, 8, 32768), (1, 8, 1000), (32, 8, 640), (3, 2, 17)]:
+        n, L = ca.split_plan(B, H, cap, 528, spec)
+        assert L % 256 == 0 and n * L >= cap and (n - 1) * L < max(cap, 1), (B, H, cap)
 
 
 # -- the public method on the GPU --------------------------------------------------------
