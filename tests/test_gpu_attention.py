@@ -199,6 +199,9 @@ CASES = [
     (2, 16, 128, "HND", True, "static6", 8, "float32"),
     (2, 8, 64, "NHD", True, "4over6", 5, "float16"),
     (2, 16, 128, "HND", True, "static6", 1, "bfloat16"),
+    # head_dim 64 with 4-tile chunks: bf16 / f16, both layouts, group 4 and 7
+    (2, 16, 64, "NHD", True, "static6", 4, "bfloat16"),
+    (3, 32, 64, "HND", False, "4over6", 7, "float16"),
 ]
 
 
