@@ -63,7 +63,7 @@ def _split_step(spec: K.Spec | None) -> int:
     """Split lengths are multiples of this: one chunk per warp of the CTA (at least two
     16-token tiles, ``_abi.ATTN_CHUNK_TILES`` of the spec's head_dim)."""
     tune = dict(K.TUNING if spec is None else spec.tuning)
-    tiles = 2 if spec is None else max(2, _abi.ATTN_CHUNK_TILES[int(spec.args[1])])
+    tiles = 2 if spec is None else max(2, _abi.ATTN_CHUNK_TILES[K.attention_head_dim(spec)])
     return 16 * tiles * tune["FP4C_ATTN_WARPS"]
 
 

@@ -53,6 +53,7 @@ __all__ = [
     "ll_decode_spec",
     "ll_decode_wide_spec",
     "decode_attention_spec",
+    "attention_head_dim",
 ]
 
 #: Options of every compile: C++17, no FMA contraction (bit-exact float32 arithmetic).
@@ -240,6 +241,11 @@ def decode_attention_spec(dtype: str, head_dim: int, wide: bool, paged16: bool =
     return Spec("decode_attention.cu", "FP4C_ATTN_KERNEL", name,
                 (VALUE_TYPES[dtype], str(head_dim), "true" if wide else "false",
                  "true" if paged16 else "false"))
+
+
+def attention_head_dim(spec: Spec) -> int:
+    """head_dim of a :func:`decode_attention_spec` specialization."""
+    return int(spec.args[1])
 
 
 def all_specs() -> list[Spec]:

@@ -6,10 +6,10 @@
 // with K, V the values gather_dequant returns (E2M1 code * E4M3 scale * global scale).
 //
 // Work split (flash-decoding): one CTA of FP4C_ATTN_WARPS warps per (split, KV head,
-// sequence).  A split is split_len consecutive tokens (a multiple of 16 * CH * warps, CH >=
-// 2); warp w of the CTA walks the 16-token tiles w, w + warps, ... of its split (groups of
-// 1..8 with block_size % 16 == 0: the chunks of CH tiles w, w + warps, ..., CH = 4 / 2 / 1
-// at head_dim 64 / 128 / 256, see "Chunk ring" below) with its own online softmax state (m, l, O).  The CTA merges its warps in shared memory; with one split
+// sequence).  A split is split_len consecutive tokens (a multiple of 16 * max(CH, 2) *
+// warps); warp w of the CTA walks the 16-token tiles w, w + warps, ... of its split (groups
+// of 1..8 with block_size % 16 == 0: the chunks of CH tiles w, w + warps, ..., CH by
+// head_dim from fp4cache/_abi.py, see "Chunk ring" below) with its own online softmax state (m, l, O).  The CTA merges its warps in shared memory; with one split
 // that is the result, otherwise it writes a partial (m, l, O) to the workspace and the
 // last CTA of the (sequence, KV head) to finish (an atomic ticket in `counters`, reset
 // by that CTA so that CUDA-graph replays work) merges the partials of the splits that
