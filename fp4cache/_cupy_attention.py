@@ -251,11 +251,14 @@ def scratch_nbytes(scratch: dict) -> int:
                for a in plan.keep[:3])
 
 
-def dequant_table() -> np.ndarray:
+def dequant_table(e4m3_cvt: bool = True) -> np.ndarray:
     """The kernel's E2M1 x E4M3 decode for every code, scale byte and pair position
     (``fp4cache_attn_dequant_table``), as float32 ``[4 pairs, 2 halves, 16 codes, 256
-    bytes]`` (a test hook)."""
+    bytes]`` (a test hook).  ``e4m3_cvt=False`` builds it with ``FP4C_E4M3_CVT=0``: the
+    bit-move route that GPUs before sm_89 use."""
     spec = K.decode_attention_spec("bf16", 128, False)
+    if not e4m3_cvt:
+        spec = spec.with_tuning(FP4C_E4M3_CVT=0)
     mod = cupy.RawModule(code=K.build_source(spec.file, [spec]), options=K.NVRTC_OPTIONS)
     fn = mod.get_function("fp4cache_attn_dequant_table")
     out = cupy.empty(8 * 4096, dtype=np.float32)

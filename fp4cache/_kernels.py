@@ -88,7 +88,8 @@ TUNING: tuple[tuple[str, int], ...] = tuple(sorted((
     ("FP4C_LL_WIDE_TILES", 2),     # 1024-chunk tiles per CTA of the wide LongLive decode
     ("FP4C_ABSMAX16", 2),          # group max on 16-bit pairs: 1 bf16 (integer), 2 also f16
                                    # (packed float max, sm_86+; 1 below)
-    ("FP4C_E4M3_CVT", 1),          # sm_89+: scale bytes by the E4M3 conversion instruction
+    ("FP4C_E4M3_CVT", 1),          # sm_89+: E4M3 conversion instructions (store: scale
+                                   # bytes; attention: E2M1 codes and scales to f16)
     ("FP4C_ATTN_WARPS", 4),        # warps per CTA of the decode attention
     ("FP4C_ATTN_MAX_SPLITS", 128),  # most KV splits per (sequence, KV head) of the attention
     ("FP4C_ATTN_STAGES_TUNING", 3),  # attention cp.async ring stages per warp (D 64, 128;

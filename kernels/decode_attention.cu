@@ -39,12 +39,8 @@
 // sizes (_anyT kernels) look up each token's page and load into registers one tile
 // ahead.  Layout (HND / NHD), V-scale swizzle and the index widths of block_tables and
 // seq_lens are run-time parameters (row strides and flags in AttnParams).
-// E2M1 -> fp16 without tables: with the codes of a word at nibbles n and n + 4 moved to
-// bits 12..15 of each half, (x & 0x80008000) | ((x >> 3) & 0x0E000E00) is an f16 pair
-// whose values are e2m1 * 2^-14 (code 1 is the subnormal 2^-15); one f16x2 multiply by
-// (sf * 2^7) gives e2m1 * sf * 2^-7, exact (at most 6 significant bits, >= 2^-17).  The
-// 2^7 and the global scales are folded into the score scale (K) and the final rescale (V).
-// Scale byte 0x7F decodes to NaN, so a group stored as NaN makes what attends it NaN.
+// E2M1 -> f16 without tables, by bit moves (and on sm_89+ the E4M3 -> f16 conversion
+// instruction): see "NVFP4 -> f16 pairs" below.
 //
 // q is converted to f16 once per row with a power-of-two scale (max |q| lands in
 // [2^14, 2^15)), exact for bf16 inputs whose components are within 2^29 of the row's
@@ -165,8 +161,63 @@ FP4C_DEVICE u32 movmatrix_trans(u32 a) {
 // ---------------------------------------------------------------------------------------
 // NVFP4 -> f16 pairs
 // ---------------------------------------------------------------------------------------
-// Pair p (0..3) of a word x of 8 codes: f16 pair (lo, hi) = codes at nibbles 3 - p and
-// 7 - p, as e2m1 * 2^-14.
+// Pair p (0..3) of a word x of 8 codes is the f16 pair (lo, hi) of the codes at nibbles
+// pair_nibble(p, 0) and pair_nibble(p, 1), as e2m1 * 2^E; pair_scale of two E4M3 scale
+// bytes is the f16 pair (sf_lo, sf_hi) * 2^(-7 - E), so one f16x2 multiply gives e2m1 *
+// sf * 2^-7, exact (at most 6 significant bits, >= 2^-17).  The 2^-7 and the global
+// scales are folded into the score scale (K) and the final rescale (V).  Two routes:
+//   sm_89+ (FP4C_E4M3_CVT): the codes become E4M3 bytes s 0 0 e1 e0 m 0 0 (= e2m1 * 2^-6,
+//     code 1 is the subnormal 2^-7), the even nibbles in one word and the odd ones in
+//     another (4 LOP3 + 3 shifts per 8 codes), and the conversion instruction makes f16
+//     pairs of bytes 0, 1 and 2, 3: pairs (5, 7), (4, 6), (1, 3), (0, 2); E = -6.
+//   else (bits): with the codes at nibbles n and n + 4 moved to bits 12..15 of each half,
+//     (x & 0x80008000) | ((x >> 3) & 0x0E000E00) is an f16 pair whose values are e2m1 *
+//     2^-14 (code 1 is the subnormal 2^-15): pairs (3, 7), (2, 6), (1, 5), (0, 4); E = -14.
+// The V side pairs the same d of two tokens a, b: v_pair_word(a, b, hh) interleaves their
+// bytes 2hh, 2hh + 1 so that pair p holds d-nibble 4hh + 3 - p of a (lo) and b (hi) on
+// both routes.  Scale byte 0x7F decodes to NaN, so a group stored as NaN makes what
+// attends it NaN.
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890 && FP4C_E4M3_CVT
+#define FP4C_ATTN_E4M3 1
+#else
+#define FP4C_ATTN_E4M3 0
+#endif
+
+FP4C_DEVICE constexpr int pair_nibble(int p, int half) {
+  return FP4C_ATTN_E4M3 ? (p == 0 ? 5 : p == 1 ? 4 : p == 2 ? 1 : 0) + 2 * half
+                        : (half ? 7 : 3) - p;
+}
+
+#if FP4C_ATTN_E4M3
+// f16 pairs of E4M3 bytes (0, 1) and (2, 3) of x
+FP4C_DEVICE void e4m3x4_to_f16(u32 x, u32& lo, u32& hi) {
+  asm("{ .reg .b16 l, h; mov.b32 {l, h}, %2; cvt.rn.f16x2.e4m3x2 %0, l; "
+      "cvt.rn.f16x2.e4m3x2 %1, h; }" : "=r"(lo), "=r"(hi) : "r"(x));
+}
+// The shifts as multiplies by values ptxas cannot see (constant memory, never written):
+// IMAD runs on the FMA pipe, where SHF would take issue slots of the ALU pipe that the
+// LOP3s and conversions fill (measured: 2 % faster at head_dim 128, bench/KERNEL_NOTES.md).
+__constant__ u32 c_e2m1_shift[3] = {4u, 16u, 1u << 30};  // x << 2, x << 4, hi(x << 30)
+FP4C_DEVICE void e2m1_pairs(u32 x, u32* r) {
+  const u32 even = ((x * c_e2m1_shift[0]) & 0x1C1C1C1Cu) |  // nibbles 0, 2, 4, 6
+                   ((x * c_e2m1_shift[1]) & 0x80808080u);
+  const u32 odd = (__umulhi(x, c_e2m1_shift[2]) & 0x1C1C1C1Cu) |  // nibbles 1, 3, 5, 7
+                  (x & 0x80808080u);
+  e4m3x4_to_f16(odd, r[2], r[0]);
+  e4m3x4_to_f16(even, r[3], r[1]);
+}
+// The same value, one pair (the table kernel's cross-check)
+FP4C_DEVICE u32 e2m1_pair(u32 x, int p) {
+  const u32 y = x >> (4 * pair_nibble(p, 0));  // the pair's nibbles n, n + 2 at bits 0, 8
+  const u32 b = ((y << 2) & 0x1C1Cu) | ((y << 4) & 0x8080u);
+  u32 h;
+  asm("cvt.rn.f16x2.e4m3x2 %0, %1;" : "=r"(h) : "h"((unsigned short)b));
+  return h;
+}
+#define FP4C_V_SEL_LO 0x5140u  // a.b0, b.b0, a.b1, b.b1
+#define FP4C_V_SEL_HI 0x7362u  // a.b2, b.b2, a.b3, b.b3
+#define FP4C_PAIR_SCALE 0x38003800u  // 2^-1
+#else
 FP4C_DEVICE u32 e2m1_pair(u32 x, int p) {
   const u32 y = x << (4 * p);
   return (y & 0x80008000u) | ((y >> 3) & 0x0E000E00u);
@@ -180,15 +231,25 @@ FP4C_DEVICE void e2m1_pairs(u32 x, u32* r) {
   r[2] = ((x & 0x00800080u) | (z & 0x000E000Eu)) << 8;
   r[3] = (((x << 3) & 0x00400040u) | (x & 0x00070007u)) << 9;
 }
-// f16 pair (sf_lo * 2^7, sf_hi * 2^7) of the two E4M3 bytes of x = 0xHHLL (any sign;
-// 0x7F / 0xFF give NaN), exact.  sm_89+: the conversion instruction, then one exact
-// multiply.  Else by bits: (b & 0x7F) << 7 is the f16 of |sf| * 2^-8 (E4M3 and f16
+#define FP4C_V_SEL_LO 0x5410u  // a.b0, a.b1, b.b0, b.b1
+#define FP4C_V_SEL_HI 0x7632u  // a.b2, a.b3, b.b2, b.b3
+#define FP4C_PAIR_SCALE 0x58005800u  // 2^7
+#endif
+
+// The word whose pairs are the V values of tokens a (lo) and b (hi) at d-nibbles 4hh + 3 - p
+FP4C_DEVICE u32 v_pair_word(u32 a, u32 b, int hh) {
+  return __byte_perm(a, b, hh ? FP4C_V_SEL_HI : FP4C_V_SEL_LO);
+}
+
+// pair_scale: the f16 pair of the two E4M3 bytes of x = 0xHHLL (any sign; 0x7F / 0xFF give
+// NaN) times 2^(-7 - E), exact.  sm_89+ (FP4C_E4M3_CVT): the conversion instruction, then
+// one exact multiply.  Else by bits: (b & 0x7F) << 7 is the f16 of |sf| * 2^-8 (E4M3 and f16
 // subnormals line up) and the multiply by 2^15 is exact.
-FP4C_DEVICE u32 e4m3x2_x128(u32 x) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
+FP4C_DEVICE u32 pair_scale(u32 x) {
+#if FP4C_ATTN_E4M3
   u32 h;
   asm("cvt.rn.f16x2.e4m3x2 %0, %1;" : "=r"(h) : "h"((unsigned short)x));
-  return hmul2(h, 0x58005800u);  // 2^7
+  return hmul2(h, FP4C_PAIR_SCALE);
 #else
   x = __byte_perm(x, 0u, 0x4140u);  // 0x00HH00LL
   const u32 mag = x & 0x007F007Fu;
@@ -201,17 +262,29 @@ FP4C_DEVICE u32 e4m3x2_x128(u32 x) {
 // Host-checked table of the decode (tests/test_gpu_attention.py): out[(p*2 + half)*4096 +
 // code*256 + byte] = the f32 value of half `half` of pair p of the word holding `code` in
 // every nibble, times the scale pair of `byte`: e2m1(code) * e4m3(byte) * 2^-7 exactly.
+// Entries are NaN where e2m1_pair and e2m1_pairs disagree or where `code` alone at nibble
+// pair_nibble(p, half) does not land in that half of pair p (zeros everywhere else).
 extern "C" __global__ void fp4cache_attn_dequant_table(float* out) {
   const u32 i = blockIdx.x * blockDim.x + threadIdx.x;
   if (i >= 4096u) return;
   const u32 code = i >> 8, byte = i & 255u;
   const u32 x = code * 0x11111111u;
-  const u32 sf = e4m3x2_x128(byte * 0x0101u);
+  const u32 sf = pair_scale(byte * 0x0101u);
   u32 e[4];
   e2m1_pairs(x, e);
 #pragma unroll
   for (int p = 0; p < 4; ++p) {
     if (e[p] != e2m1_pair(x, p)) e[p] = 0xFFFFFFFFu;  // the two forms must agree (NaN)
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      u32 one[4];
+      e2m1_pairs(code << (4 * pair_nibble(p, half)), one);
+      const u32 keep = half ? 0xFFFF0000u : 0x0000FFFFu;
+      bool ok = (one[p] & keep) == (e[p] & keep) && (one[p] & ~keep) == 0u;
+#pragma unroll
+      for (int o = 0; o < 4; ++o) ok = ok && (o == p || one[o] == 0u);
+      if (!ok) e[p] |= half ? 0x7FFF0000u : 0x00007FFFu;  // NaN in that half
+    }
     const u32 v = hmul2(e[p], sf);
     out[(p * 2 + 0) * 4096 + i] = f16_bits_to_float(v & 0xFFFFu);
     out[(p * 2 + 1) * 4096 + i] = f16_bits_to_float(v >> 16);
@@ -677,7 +750,7 @@ FP4C_DEVICE void read_v(const SeqCtx& S, const ChunkLane<D>& L, const u8* st, u3
 // d index of the lo (half 0) or hi (half 1) value of K pair p of word w of chunk c
 template <int D>
 FP4C_DEVICE u32 k_pair_d(u32 c, int w, int p, int half) {
-  return c * (D / 4) + 8 * w + (half ? 7 : 3) - p;
+  return c * (D / 4) + 8 * w + pair_nibble(p, half);
 }
 
 // ---------------------------------------------------------------------------------------
@@ -697,7 +770,7 @@ FP4C_DEVICE void trans_scores(const u32 (&kw)[2][AttnDims<D>::KW], const u32 (&k
 #pragma unroll
     for (int k = 0; k < A::KG; k += 2) {
       const u32 two = A::KG == 1 ? (ks[qq] & 0xFFu) * 0x0101u : ks[qq] >> (8 * k);
-      const u32 sf = e4m3x2_x128(two);
+      const u32 sf = pair_scale(two);
       if (A::KG == 1) {
         sfk[qq][0] = sf;
       } else {
@@ -790,14 +863,13 @@ FP4C_DEVICE void trans_pv(const u32 (&v)[4][AttnDims<D>::VW], const u32 (&vs)[At
 #pragma unroll
   for (int w = 0; w < AttnDims<D>::VW; ++w) {
     const u32 sc = vs[D == 256 ? (w >> 1) : 0];
-    const u32 sab = e4m3x2_x128(sc);
-    const u32 scd = e4m3x2_x128(sc >> 16);
+    const u32 sab = pair_scale(sc);
+    const u32 scd = pair_scale(sc >> 16);
 #pragma unroll
     for (int hh = 0; hh < 2; ++hh) {
-      const u32 sel = hh ? 0x7632u : 0x5410u;
       u32 eab[4], ecd[4];
-      e2m1_pairs(__byte_perm(v[0][w], v[1][w], sel), eab);
-      e2m1_pairs(__byte_perm(v[2][w], v[3][w], sel), ecd);
+      e2m1_pairs(v_pair_word(v[0][w], v[1][w], hh), eab);
+      e2m1_pairs(v_pair_word(v[2][w], v[3][w], hh), ecd);
 #pragma unroll
       for (int k = 0; k < 2; ++k) {
         const int i = 4 * w + 2 * hh + k;
@@ -976,7 +1048,7 @@ FP4C_DEVICE void decode_attn_impl(const void* __restrict__ q, const void* __rest
 #pragma unroll
           for (int k = 0; k < A::KG; k += 2) {
             const u32 two = A::KG == 1 ? (ks & 0xFFu) * 0x0101u : ks >> (8 * k);
-            const u32 sf = e4m3x2_x128(two);
+            const u32 sf = pair_scale(two);
             if (A::KG == 1) {
               sfk[0] = sf;
             } else {
@@ -1060,13 +1132,12 @@ FP4C_DEVICE void decode_attn_impl(const void* __restrict__ q, const void* __rest
 #pragma unroll
       for (int w = 0; w < A::VW; ++w) {
         const u32 vs = R.vs[D == 256 ? (w >> 1) : 0];
-        const u32 sab = e4m3x2_x128(vs);
-        const u32 scd = e4m3x2_x128(vs >> 16);
+        const u32 sab = pair_scale(vs);
+        const u32 scd = pair_scale(vs >> 16);
 #pragma unroll
         for (int hh = 0; hh < 2; ++hh) {
-          const u32 sel = hh ? 0x7632u : 0x5410u;
-          const u32 xab = __byte_perm(R.v[0][w], R.v[1][w], sel);
-          const u32 xcd = __byte_perm(R.v[2][w], R.v[3][w], sel);
+          const u32 xab = v_pair_word(R.v[0][w], R.v[1][w], hh);
+          const u32 xcd = v_pair_word(R.v[2][w], R.v[3][w], hh);
           u32 eab[4], ecd[4];
           e2m1_pairs(xab, eab);
           e2m1_pairs(xcd, ecd);

@@ -162,11 +162,14 @@ def make_q(rng, B, Hq, D, dtname):
 
 
 # -- the decode itself --------------------------------------------------------------------
-def test_dequant_table_exhaustive():
-    """Every E2M1 code x every E4M3 scale byte x every pair position: the kernel's f16
-    decode (bit tricks + one f16x2 multiply, subnormals included) equals
-    e2m1 * e4m3 * 2^-7 exactly; 0x7F / 0xFF give NaN."""
-    tab = ca.dequant_table()
+@pytest.mark.parametrize("cvt", [True, False], ids=["e4m3-cvt", "bits"])
+def test_dequant_table_exhaustive(cvt):
+    """Every E2M1 code x every E4M3 scale byte x every pair position, on both decode
+    routes (sm_89+ E4M3 conversions; the bit moves of older GPUs, forced here with
+    FP4C_E4M3_CVT=0): the kernel's f16 decode (+ one f16x2 multiply, subnormals
+    included) equals e2m1 * e4m3 * 2^-7 exactly; 0x7F / 0xFF give NaN.  The kernel also
+    poisons an entry with NaN where a code alone at the pair's nibble lands elsewhere."""
+    tab = ca.dequant_table(cvt)
     codes = np.arange(16, dtype=np.uint8).view(ml_dtypes.float4_e2m1fn).astype(np.float64)
     sf = np.arange(256, dtype=np.uint8).view(ml_dtypes.float8_e4m3fn).astype(np.float64)
     want = codes[:, None] * sf[None, :] * 2.0 ** -7
@@ -222,6 +225,39 @@ def test_small_matches_reference(case):
     ro, rl = reference(kd, vd, q, tab, lens_a, T, 1 / np.sqrt(D), num_blocks)
     check(out, lse, ro, rl, dtname, str(case))
     assert not cp.asnumpy(out[0]).astype(np.float32).any()  # length 0 -> zeros
+
+
+# the cases that take each kernel family: chunk ring (g8, T % 16 == 0), _anyT, g16
+BITS_CASES = [CASES[0], CASES[3], CASES[7], CASES[9], CASES[12], CASES[6]]
+
+
+@pytest.mark.parametrize("case", BITS_CASES, ids=lambda c: "-".join(map(str, c)))
+def test_bit_route_matches_reference(case, monkeypatch):
+    """GPUs before sm_89 decode E2M1 codes and E4M3 scales by bit moves, with another
+    pairing of the codes (q's permutation and the V byte interleave follow it); on this
+    GPU the same kernels built with FP4C_E4M3_CVT=0 take that route."""
+    orig = ca.K.decode_attention_spec
+    built = []
+
+    def bits_spec(*a, **kw):
+        built.append(orig(*a, **kw).with_tuning(FP4C_E4M3_CVT=0))
+        return built[-1]
+
+    monkeypatch.setattr(ca.K, "decode_attention_spec", bits_spec)
+    H, T, D, layout, swizzle, rule, group, dtname = case
+    rng = np.random.default_rng(zlib.crc32(repr(case).encode()) + 1)
+    lens = [1, 37, 3 * T + 1, 200]
+    max_blocks = -(-200 // T) + 1
+    num_blocks = sum(-(-L // T) for L in lens) + 2
+    cache, kd, vd = make_cache(rng, H=H, T=T, D=D, layout=layout, swizzle=swizzle, rule=rule,
+                               num_blocks=num_blocks)
+    tab = tables_for(rng, lens, T, num_blocks, max_blocks)
+    q = make_q(rng, len(lens), H * group, D, dtname)
+    lens_a = np.array(lens, dtype=np.int32)
+    out, lse, _ = run(cache, cp.asarray(q), cp.asarray(tab), cp.asarray(lens_a))
+    assert built and all(s.tune("FP4C_E4M3_CVT") == 0 for s in built)
+    ro, rl = reference(kd, vd, q, tab, lens_a, T, 1 / np.sqrt(D), num_blocks)
+    check(out, lse, ro, rl, dtname, f"bits {case}")
 
 
 @pytest.mark.parametrize("D,dtname,group", [(128, "bfloat16", 4), (64, "float32", 8),
