@@ -62,6 +62,8 @@
 #define FP4C_ATTN_MINB(D, FAST) \
   ((D) == 64 ? 4 : (D) == 128 ? ((FAST) ? FP4C_ATTN_MIN_CTAS_D128 : 3) : 1)
 #define FP4C_NEG_INF __uint_as_float(0xFF800000u)
+// lazy softmax maximum: the slack in log2 units (weights up to 2^8, see trans_softmax)
+#define FP4C_ATTN_SLACK 8.0f
 
 // Every argument that stays the same from call to call, passed by value as one struct
 // (host twin: fp4cache._cupy_attention.ATTN_PARAMS_DTYPE, same field order, align=True).
@@ -797,47 +799,103 @@ FP4C_DEVICE void trans_scores(const u32 (&kw)[2][AttnDims<D>::KW], const u32 (&k
 }
 
 // Online softmax over CH consecutive tiles from token `first` (when !full, tokens at or
-// past `lim` are masked): updates (mt, lt) of heads 2c, 2c+1 across the 8 lanes g,
-// rescales O^T when a row maximum moved, and gives P^T of each tile as the B operand
-// (rows = tokens g, g+8 x heads 2c, 2c+1, transposed).
+// past `lim` are masked): (mt, lt) of heads 2c, 2c+1 across the 8 lanes g, O^T rescaled
+// when a row maximum moved, and P^T of each tile as the B operand (rows = tokens g, g+8 x
+// heads 2c, 2c+1, transposed).  Lazy maximum (kLazy): while no score of the chunk exceeds
+// the running maximum mt by more than FP4C_ATTN_SLACK (log2 domain), mt stays and the
+// chunk skips the max reduction (shuffles), the rescale and its ex2: the weights are then
+// up to 2^SLACK = 256, exact in the math (softmax does not depend on the reference) and
+// far inside f16 and f32 range.  mt only ever grows, so no weight exceeds 2^SLACK.
 template <int D, int CH>
 FP4C_DEVICE void trans_softmax(const float (&sT)[CH][4], u32 first, u32 lim, bool full,
                                const float (&rscT)[2], float (&mt)[2], float (&lt)[2],
                                float (&oT)[AttnDims<D>::D16][4], u32 (&pb)[CH][2]) {
   const u32 g = (threadIdx.x & 31u) >> 2;
   const u32 kt0 = 4u * (g >> 1) + (g & 1u);
+  constexpr bool kLazy = D >= 128;  // measured: 1-3 % faster at D 128 / 256, 1 % slower at 64
   float pp[2][CH][2], alpha[2];
   bool moved = false;
+  if constexpr (!kLazy) {
+    // rows one after the other (fewer live registers): maximum, weights, sum
 #pragma unroll
-  for (int k = 0; k < 2; ++k) {
-    float x[CH][2];
-    float tmax = FP4C_NEG_INF;
+    for (int k = 0; k < 2; ++k) {
+      float x[CH][2];
+      float tmax = FP4C_NEG_INF;
 #pragma unroll
-    for (int j = 0; j < CH; ++j) {
+      for (int j = 0; j < CH; ++j) {
 #pragma unroll
-      for (int r = 0; r < 2; ++r) {
-        x[j][r] = f_mul(sT[j][2 * r + k], rscT[k]);
-        if (!full && first + 16u * j + kt0 + 2u * r >= lim) x[j][r] = FP4C_NEG_INF;
-        tmax = f_max(tmax, x[j][r]);
+        for (int r = 0; r < 2; ++r) {
+          x[j][r] = f_mul(sT[j][2 * r + k], rscT[k]);
+          if (!full && first + 16u * j + kt0 + 2u * r >= lim) x[j][r] = FP4C_NEG_INF;
+          tmax = f_max(tmax, x[j][r]);
+        }
+      }
+      tmax = f_max(tmax, __shfl_xor_sync(0xFFFFFFFFu, tmax, 4));
+      tmax = f_max(tmax, __shfl_xor_sync(0xFFFFFFFFu, tmax, 8));
+      tmax = f_max(tmax, __shfl_xor_sync(0xFFFFFFFFu, tmax, 16));
+      const float mn = f_max(mt[k], tmax);
+      alpha[k] = a_ex2(f_sub(mt[k], mn));
+      moved |= __float_as_uint(mn) != __float_as_uint(mt[k]);
+      mt[k] = mn;
+      float sum = 0.0f;
+#pragma unroll
+      for (int j = 0; j < CH; ++j) {
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+          pp[k][j][r] = a_ex2(f_sub(x[j][r], mn));
+          sum = f_add(sum, pp[k][j][r]);
+        }
+      }
+      lt[k] = f_fma(lt[k], alpha[k], sum);
+    }
+  } else {
+    float x[2][CH][2];
+    bool grow = false;
+#pragma unroll
+    for (int k = 0; k < 2; ++k) {
+      const float cap = f_add(mt[k], FP4C_ATTN_SLACK);  // -inf while nothing was seen
+      grow |= is_neg_inf(mt[k]);
+#pragma unroll
+      for (int j = 0; j < CH; ++j) {
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+          x[k][j][r] = f_mul(sT[j][2 * r + k], rscT[k]);
+          if (!full && first + 16u * j + kt0 + 2u * r >= lim) x[k][j][r] = FP4C_NEG_INF;
+          grow |= x[k][j][r] > cap;  // false for NaN scores (they stay NaN weights)
+        }
       }
     }
-    tmax = f_max(tmax, __shfl_xor_sync(0xFFFFFFFFu, tmax, 4));
-    tmax = f_max(tmax, __shfl_xor_sync(0xFFFFFFFFu, tmax, 8));
-    tmax = f_max(tmax, __shfl_xor_sync(0xFFFFFFFFu, tmax, 16));
-    const float mn = f_max(mt[k], tmax);
-    alpha[k] = a_ex2(f_sub(mt[k], mn));
-    moved |= __float_as_uint(mn) != __float_as_uint(mt[k]);
-    mt[k] = mn;
-    float sum = 0.0f;
+    alpha[0] = alpha[1] = 1.0f;
+    if (__any_sync(0xFFFFFFFFu, grow)) {
 #pragma unroll
-    for (int j = 0; j < CH; ++j) {
+      for (int k = 0; k < 2; ++k) {
+        float tmax = FP4C_NEG_INF;
 #pragma unroll
-      for (int r = 0; r < 2; ++r) {
-        pp[k][j][r] = a_ex2(f_sub(x[j][r], mn));
-        sum = f_add(sum, pp[k][j][r]);
+        for (int j = 0; j < CH; ++j)
+#pragma unroll
+          for (int r = 0; r < 2; ++r) tmax = f_max(tmax, x[k][j][r]);
+        tmax = f_max(tmax, __shfl_xor_sync(0xFFFFFFFFu, tmax, 4));
+        tmax = f_max(tmax, __shfl_xor_sync(0xFFFFFFFFu, tmax, 8));
+        tmax = f_max(tmax, __shfl_xor_sync(0xFFFFFFFFu, tmax, 16));
+        const float mn = f_max(mt[k], tmax);
+        alpha[k] = a_ex2(f_sub(mt[k], mn));
+        moved |= __float_as_uint(mn) != __float_as_uint(mt[k]);
+        mt[k] = mn;
       }
     }
-    lt[k] = f_fma(lt[k], alpha[k], sum);
+#pragma unroll
+    for (int k = 0; k < 2; ++k) {
+      float sum = 0.0f;
+#pragma unroll
+      for (int j = 0; j < CH; ++j) {
+#pragma unroll
+        for (int r = 0; r < 2; ++r) {
+          pp[k][j][r] = a_ex2(f_sub(x[k][j][r], mt[k]));
+          sum = f_add(sum, pp[k][j][r]);
+        }
+      }
+      lt[k] = f_fma(lt[k], alpha[k], sum);
+    }
   }
   if (__any_sync(0xFFFFFFFFu, moved)) {
 #pragma unroll
