@@ -861,7 +861,7 @@ FP4C_DEVICE void trans_softmax(const float (&sT)[CH][4], u32 first, u32 lim, boo
         for (int r = 0; r < 2; ++r) {
           x[k][j][r] = f_mul(sT[j][2 * r + k], rscT[k]);
           if (!full && first + 16u * j + kt0 + 2u * r >= lim) x[k][j][r] = FP4C_NEG_INF;
-          grow |= x[k][j][r] > cap;  // false for NaN scores (they stay NaN weights)
+          grow |= f_gt(x[k][j][r], cap);  // false for NaN scores (they stay NaN weights)
         }
       }
     }

@@ -81,6 +81,13 @@ FP4C_DEVICE float f_max(float a, float b) {
   asm("max.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b));
   return r;
 }
+// a > b (false if either is NaN), without the .ftz that CuPy's flags put on a C++ compare
+FP4C_DEVICE bool f_gt(float a, float b) {
+  unsigned r;
+  asm("{ .reg .pred p; setp.gt.f32 p, %1, %2; selp.u32 %0, 1, 0, p; }"
+      : "=r"(r) : "f"(a), "f"(b));
+  return r != 0u;
+}
 FP4C_DEVICE float f_abs(float a) {
   float r;
   asm("abs.f32 %0, %1;" : "=f"(r) : "f"(a));
