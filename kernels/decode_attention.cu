@@ -610,11 +610,13 @@ struct ChunkDims {
 // static shared memory at D = 128 and measured no faster at D = 64).
 #define FP4C_ATTN_CHUNK_STAGES 2
 
-// Per-lane constant offsets: page-relative sources of the lane's copies (t0 = 0), their
-// stage-relative destinations, and the stage-relative offsets of what the lane reads.
+// Per-lane constant offsets: page-relative sources of the lane's first data copy and of
+// its scale copy (t0 = 0; data chunk k is 512 * row_t bytes further, the V side
+// side_bytes), their stage-relative destinations, and the stage-relative offsets of what
+// the lane reads.
 template <int D>
 struct ChunkLane {
-  u32 src_k[Stage<D>::kChunks], src_v[Stage<D>::kChunks], src_s;
+  u32 src_k0, src_s;
   u32 dst_s;  // the K (lanes 0..15) or V (16..31) scale row of this lane
   u32 rk, rks, rv, rvs[AttnDims<D>::VG];
 };
@@ -625,11 +627,7 @@ FP4C_DEVICE ChunkLane<D> chunk_lane(const SeqCtx& S) {
   const u32 lane = threadIdx.x & 31u, g = lane >> 2, c = lane & 3u;
   const CopyOffs<D> C = copy_offsets<D>(S);
   ChunkLane<D> L;
-#pragma unroll
-  for (int k = 0; k < Stage<D>::kChunks; ++k) {
-    L.src_k[k] = C.d[k];
-    L.src_v[k] = C.d[k] + (u32)S.side_bytes;
-  }
+  L.src_k0 = C.d[0];
   L.src_s = C.sc;
   L.dst_s = (lane >= 16u ? Stage<D>::VS : Stage<D>::KS) + (lane & 15u) * (D / 16);
   const u32 kt0 = 4u * (g >> 1) + (g & 1u);
@@ -650,18 +648,23 @@ FP4C_DEVICE ChunkLane<D> chunk_lane(const SeqCtx& S) {
   return L;
 }
 
-// Page id and first row of a tile (T % 16 == 0).
+// Page and first row of a tile (T % 16 == 0): the page's index, FP4C_BAD_PAGE for a
+// block id outside [0, num_blocks) (the host keeps num_blocks below it).
 struct TileSrc {
-  i64 id;
-  u32 t0;
+  u32 page, t0;
 };
+#define FP4C_BAD_PAGE 0xFFFFFFFFu
+FP4C_DEVICE u32 page_index(const SeqCtx& S, u32 e) {
+  const i64 id = load_id(S, e);
+  return (u64)id < (u64)S.num_blocks ? (u32)id : FP4C_BAD_PAGE;
+}
 
 // Copies of one tile into the stage at shared address `dst` (zeros and bad = 1 for an id
 // outside the pool, counted once per block-table entry, by KV head 0).
 template <int D>
 FP4C_DEVICE void issue_tile_lane(const SeqCtx& S, const ChunkLane<D>& L, const TileSrc& ts,
                                  u32 dst, u32& bad) {
-  const bool ok = (u64)ts.id < (u64)S.num_blocks;
+  const bool ok = ts.page != FP4C_BAD_PAGE;
   if (!ok) {
     bad = 1u;
     if (ts.t0 == 0u && (threadIdx.x & 31u) == 0u && S.count_bad)
@@ -670,14 +673,15 @@ FP4C_DEVICE void issue_tile_lane(const SeqCtx& S, const ChunkLane<D>& L, const T
   const u32 n = ok ? 16u : 0u;
   // the tile's first data row: every copy is this address plus a per-lane constant
   const u32 toff = ts.t0 * S.row_t * (D / 2);  // and the scale rows: toff / 8
-  const u64 page = (u64)S.buffer + (u64)(ok ? ts.id : 0) * (u64)S.page_bytes;
-  const u64 base = page + toff;
-  const u32 lane = threadIdx.x & 31u;
+  const u64 page = (u64)S.buffer + (u64)(ok ? ts.page : 0u) * (u64)(u32)S.page_bytes;
+  const u64 k0 = page + (L.src_k0 + toff);  // the lane's first K chunk
+  const u64 v0 = k0 + (u64)S.side_bytes;
+  const u32 lane = threadIdx.x & 31u, kstep = 512u * S.row_t;  // chunk k: 32 lanes later
 #pragma unroll
   for (int k = 0; k < Stage<D>::kChunks; ++k) {
     const u32 q = lane + 32u * k;
-    cp_async<16>(dst + Stage<D>::KD + q * 16u, (const void*)(base + L.src_k[k]), n);
-    cp_async<16>(dst + Stage<D>::VD + q * 16u, (const void*)(base + L.src_v[k]), n);
+    cp_async<16>(dst + Stage<D>::KD + q * 16u, (const void*)(k0 + k * kstep), n);
+    cp_async<16>(dst + Stage<D>::VD + q * 16u, (const void*)(v0 + k * kstep), n);
   }
   constexpr int SB = D / 16;
   cp_async<SB>(dst + L.dst_s, (const void*)(page + (L.src_s + toff / 8u)), ok ? (u32)SB : 0u);
@@ -1280,7 +1284,7 @@ FP4C_DEVICE void decode_attn_impl(const void* __restrict__ q, const void* __rest
               ++pe;
             }
           }
-          if (cs + 16u * j < s1) nxt[j] = TileSrc{load_id(S, pe), t0};
+          if (cs + 16u * j < s1) nxt[j] = TileSrc{page_index(S, pe), t0};
         }
       };
       if (c_issue < s1) fetch(c_issue);

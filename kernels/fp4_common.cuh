@@ -728,8 +728,11 @@ FP4C_DEVICE u32 load_chunk_codes(const u8* p) {
 struct FastDiv {
   u32 d, m, s;
 };
+// The 33-bit sum goes through a funnel shift (s <= 31), so the quotient is a plain 32-bit
+// value (a 64-bit shift made ptxas carry its high word into the callers' index math).
 FP4C_DEVICE u32 fdiv(u32 n, const FastDiv& f) {
-  return (u32)(((u64)__umulhi(n, f.m) + n) >> f.s);
+  const u32 lo = __umulhi(n, f.m) + n;
+  return __funnelshift_r(lo, lo < n ? 1u : 0u, f.s);
 }
 
 // V-scale swizzle of the vLLM paged layout (spec section 4, fp4cache.layout's
