@@ -151,6 +151,9 @@ def _make_plan(buffer, q, block_tables, seq_lens, geom: PageGeometry, k_s, v_s, 
         raise ValueError(f"block_tables row capacity {max_blocks * T} tokens must be < 2**31")
     if buffer.data.ptr % 16:
         raise ValueError("the page pool must be 16-byte aligned")
+    if buffer.shape[0] >= 2**32 - 1:  # the kernel's 32-bit page index (FP4C_BAD_PAGE)
+        raise ValueError(f"the page pool must hold fewer than 2**32 - 1 pages, got "
+                         f"{buffer.shape[0]}")
     bt = np.dtype(block_tables.dtype)
     sl = np.dtype(seq_lens.dtype)
     for name, dt in (("block_tables", bt), ("seq_lens", sl)):
