@@ -309,6 +309,10 @@ struct AttnDims {
   static constexpr int VG = D == 256 ? 2 : 1;  // V scale groups per lane
 };
 
+// Tile row of the first of lane g's two K tokens (the other is 2 rows further): rows g,
+// g + 8 of S^T's accumulator, see "K:" in the header comment.
+FP4C_DEVICE u32 k_token0(u32 g) { return 4u * (g >> 1) + (g & 1u); }
+
 // Raw registers of one 16-token tile for one lane.
 template <int D>
 struct TileRaw {
@@ -334,6 +338,12 @@ FP4C_DEVICE i64 load_id(const SeqCtx& S, u32 e) {
 
 // Where the tile's tokens live when a tile never crosses a page (T % 16 == 0): its page
 // id and the row of its first token, read once per tile.
+FP4C_DEVICE bool page_ok(const SeqCtx& S, i64 id) { return (u64)id < (u64)S.num_blocks; }
+// count a bad block-table entry (the caller picks the one lane and tile that own it)
+FP4C_DEVICE void count_bad_block(const SeqCtx& S) {
+  if (S.count_bad) atomicAdd((unsigned long long*)S.stats + FP4C_STAT_BAD_BLOCK_IDS, 1ull);
+}
+
 struct TilePage {
   i64 id;
   u32 t0;
@@ -352,7 +362,7 @@ FP4C_DEVICE const u8* token_page(const SeqCtx& S, u32 i, u32 tile, const TilePag
     t = i - pe * S.fT.d;
     id = load_id(S, pe);
   }
-  ok = id >= 0 && id < S.num_blocks;
+  ok = page_ok(S, id);
   return S.buffer + (ok ? id : 0) * S.page_bytes;
 }
 
@@ -368,7 +378,7 @@ FP4C_DEVICE void load_tile(const SeqCtx& S, u32 tile, TileRaw<D>& R) {
     tp.t0 = tile - pe * S.fT.d;
   }
   // K: tokens kt0, kt0 + 2, bytes c*D/8 of the row
-  const u32 kt0 = 4u * (g >> 1) + (g & 1u);
+  const u32 kt0 = k_token0(g);
 #pragma unroll
   for (int q = 0; q < 2; ++q) {
     const u32 i = tile + kt0 + 2u * q;
@@ -400,7 +410,7 @@ FP4C_DEVICE void load_tile(const SeqCtx& S, u32 tile, TileRaw<D>& R) {
         R.ks[q] = A::KG == 1 ? ldg_u8(sp) : A::KG == 2 ? ldg_u16(sp) : ldg_u32(sp);
       } else {
         R.bad = 1u;
-        if (t == 0u && c == 0u && S.count_bad) atomicAdd((unsigned long long*)S.stats + FP4C_STAT_BAD_BLOCK_IDS, 1ull);
+        if (t == 0u && c == 0u) count_bad_block(S);
       }
     }
   }
@@ -517,10 +527,10 @@ FP4C_DEVICE void issue_tile(const SeqCtx& S, const CopyOffs<D>& C, u32 tile, i64
                             u32& bad) {
   const u32 lane = threadIdx.x & 31u;
   const u32 t0 = tile - fdiv(tile, S.fT) * S.fT.d;  // row of the tile's first token
-  const bool ok = id >= 0 && id < S.num_blocks;
+  const bool ok = page_ok(S, id);
   if (!ok) {
     bad = 1u;
-    if (t0 == 0u && lane == 0u && S.count_bad) atomicAdd((unsigned long long*)S.stats + FP4C_STAT_BAD_BLOCK_IDS, 1ull);
+    if (t0 == 0u && lane == 0u) count_bad_block(S);
   }
   const u32 n = ok ? 16u : 0u;
   const u8* page = S.buffer + (ok ? id : 0) * S.page_bytes;
@@ -543,7 +553,7 @@ template <int D>
 FP4C_DEVICE void read_tile(const SeqCtx& S, const u8* st, u32 tile, TileRaw<D>& R) {
   using A = AttnDims<D>;
   const u32 lane = threadIdx.x & 31u, g = lane >> 2, c = lane & 3u;
-  const u32 kt0 = 4u * (g >> 1) + (g & 1u);
+  const u32 kt0 = k_token0(g);
   R.bad = 0u;
 #pragma unroll
   for (int q = 0; q < 2; ++q) {
@@ -630,7 +640,7 @@ FP4C_DEVICE ChunkLane<D> chunk_lane(const SeqCtx& S) {
   L.src_k0 = C.d[0];
   L.src_s = C.sc;
   L.dst_s = (lane >= 16u ? Stage<D>::VS : Stage<D>::KS) + (lane & 15u) * (D / 16);
-  const u32 kt0 = 4u * (g >> 1) + (g & 1u);
+  const u32 kt0 = k_token0(g);
   L.rk = Stage<D>::KD + kt0 * (D / 2) + c * (D / 8);
   L.rks = Stage<D>::KS + kt0 * A::G + c * A::KG;
   L.rv = Stage<D>::VD + (4u * c) * (D / 2) + g * (D / 16);
@@ -656,7 +666,7 @@ struct TileSrc {
 #define FP4C_BAD_PAGE 0xFFFFFFFFu
 FP4C_DEVICE u32 page_index(const SeqCtx& S, u32 e) {
   const i64 id = load_id(S, e);
-  return (u64)id < (u64)S.num_blocks ? (u32)id : FP4C_BAD_PAGE;
+  return page_ok(S, id) ? (u32)id : FP4C_BAD_PAGE;
 }
 
 // Copies of one tile into the stage at shared address `dst` (zeros and bad = 1 for an id
@@ -667,8 +677,7 @@ FP4C_DEVICE void issue_tile_lane(const SeqCtx& S, const ChunkLane<D>& L, const T
   const bool ok = ts.page != FP4C_BAD_PAGE;
   if (!ok) {
     bad = 1u;
-    if (ts.t0 == 0u && (threadIdx.x & 31u) == 0u && S.count_bad)
-      atomicAdd((unsigned long long*)S.stats + FP4C_STAT_BAD_BLOCK_IDS, 1ull);
+    if (ts.t0 == 0u && (threadIdx.x & 31u) == 0u) count_bad_block(S);
   }
   const u32 n = ok ? 16u : 0u;
   // the tile's first data row: every copy is this address plus a per-lane constant
@@ -810,96 +819,92 @@ FP4C_DEVICE void trans_scores(const u32 (&kw)[2][AttnDims<D>::KW], const u32 (&k
 // chunk skips the max reduction (shuffles), the rescale and its ex2: the weights are then
 // up to 2^SLACK = 256, exact in the math (softmax does not depend on the reference) and
 // far inside f16 and f32 range.  mt only ever grows, so no weight exceeds 2^SLACK.
+// Scores of row k (head 2c + k) of a chunk in the log2 domain; tokens at or past `lim`
+// masked to -inf when !full.
+template <int CH>
+FP4C_DEVICE void chunk_scores(const float (&sT)[CH][4], int k, float rsc, u32 first, u32 lim,
+                              bool full, float (&x)[CH][2]) {
+  const u32 g = (threadIdx.x & 31u) >> 2;
+  const u32 kt0 = k_token0(g);
+#pragma unroll
+  for (int j = 0; j < CH; ++j) {
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      x[j][r] = f_mul(sT[j][2 * r + k], rsc);
+      if (!full && first + 16u * j + kt0 + 2u * r >= lim) x[j][r] = FP4C_NEG_INF;
+    }
+  }
+}
+// New running maximum m of a row from the chunk's scores x (max over the 8 lanes g); the
+// factor 2^(old - new) for what was summed before; moved |= the maximum changed.
+template <int CH>
+FP4C_DEVICE float row_max_update(const float (&x)[CH][2], float& m, bool& moved) {
+  float tmax = FP4C_NEG_INF;
+#pragma unroll
+  for (int j = 0; j < CH; ++j)
+#pragma unroll
+    for (int r = 0; r < 2; ++r) tmax = f_max(tmax, x[j][r]);
+  tmax = f_max(tmax, __shfl_xor_sync(0xFFFFFFFFu, tmax, 4));
+  tmax = f_max(tmax, __shfl_xor_sync(0xFFFFFFFFu, tmax, 8));
+  tmax = f_max(tmax, __shfl_xor_sync(0xFFFFFFFFu, tmax, 16));
+  const float mn = f_max(m, tmax);
+  const float alpha = a_ex2(f_sub(m, mn));
+  moved |= __float_as_uint(mn) != __float_as_uint(m);
+  m = mn;
+  return alpha;
+}
+// Weights p = 2^(x - m) of a row; l = l * alpha + their sum.
+template <int CH>
+FP4C_DEVICE void row_weights(const float (&x)[CH][2], float m, float alpha, float& l,
+                             float (&p)[CH][2]) {
+  float sum = 0.0f;
+#pragma unroll
+  for (int j = 0; j < CH; ++j) {
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      p[j][r] = a_ex2(f_sub(x[j][r], m));
+      sum = f_add(sum, p[j][r]);
+    }
+  }
+  l = f_fma(l, alpha, sum);
+}
+
 template <int D, int CH>
 FP4C_DEVICE void trans_softmax(const float (&sT)[CH][4], u32 first, u32 lim, bool full,
                                const float (&rscT)[2], float (&mt)[2], float (&lt)[2],
                                float (&oT)[AttnDims<D>::D16][4], u32 (&pb)[CH][2]) {
-  const u32 g = (threadIdx.x & 31u) >> 2;
-  const u32 kt0 = 4u * (g >> 1) + (g & 1u);
   constexpr bool kLazy = D >= 128;  // measured: 1-3 % faster at D 128 / 256, 1 % slower at 64
-  float pp[2][CH][2], alpha[2];
+  float pp[2][CH][2], alpha[2] = {1.0f, 1.0f};
   bool moved = false;
   if constexpr (!kLazy) {
     // rows one after the other (fewer live registers): maximum, weights, sum
 #pragma unroll
     for (int k = 0; k < 2; ++k) {
       float x[CH][2];
-      float tmax = FP4C_NEG_INF;
-#pragma unroll
-      for (int j = 0; j < CH; ++j) {
-#pragma unroll
-        for (int r = 0; r < 2; ++r) {
-          x[j][r] = f_mul(sT[j][2 * r + k], rscT[k]);
-          if (!full && first + 16u * j + kt0 + 2u * r >= lim) x[j][r] = FP4C_NEG_INF;
-          tmax = f_max(tmax, x[j][r]);
-        }
-      }
-      tmax = f_max(tmax, __shfl_xor_sync(0xFFFFFFFFu, tmax, 4));
-      tmax = f_max(tmax, __shfl_xor_sync(0xFFFFFFFFu, tmax, 8));
-      tmax = f_max(tmax, __shfl_xor_sync(0xFFFFFFFFu, tmax, 16));
-      const float mn = f_max(mt[k], tmax);
-      alpha[k] = a_ex2(f_sub(mt[k], mn));
-      moved |= __float_as_uint(mn) != __float_as_uint(mt[k]);
-      mt[k] = mn;
-      float sum = 0.0f;
-#pragma unroll
-      for (int j = 0; j < CH; ++j) {
-#pragma unroll
-        for (int r = 0; r < 2; ++r) {
-          pp[k][j][r] = a_ex2(f_sub(x[j][r], mn));
-          sum = f_add(sum, pp[k][j][r]);
-        }
-      }
-      lt[k] = f_fma(lt[k], alpha[k], sum);
+      chunk_scores<CH>(sT, k, rscT[k], first, lim, full, x);
+      alpha[k] = row_max_update<CH>(x, mt[k], moved);
+      row_weights<CH>(x, mt[k], alpha[k], lt[k], pp[k]);
     }
   } else {
     float x[2][CH][2];
     bool grow = false;
 #pragma unroll
     for (int k = 0; k < 2; ++k) {
+      chunk_scores<CH>(sT, k, rscT[k], first, lim, full, x[k]);
       const float cap = f_add(mt[k], FP4C_ATTN_SLACK);  // -inf while nothing was seen
       grow |= is_neg_inf(mt[k]);
 #pragma unroll
-      for (int j = 0; j < CH; ++j) {
+      for (int j = 0; j < CH; ++j)
 #pragma unroll
-        for (int r = 0; r < 2; ++r) {
-          x[k][j][r] = f_mul(sT[j][2 * r + k], rscT[k]);
-          if (!full && first + 16u * j + kt0 + 2u * r >= lim) x[k][j][r] = FP4C_NEG_INF;
+        for (int r = 0; r < 2; ++r)
           grow |= f_gt(x[k][j][r], cap);  // false for NaN scores (they stay NaN weights)
-        }
-      }
     }
-    alpha[0] = alpha[1] = 1.0f;
     if (__any_sync(0xFFFFFFFFu, grow)) {
 #pragma unroll
-      for (int k = 0; k < 2; ++k) {
-        float tmax = FP4C_NEG_INF;
-#pragma unroll
-        for (int j = 0; j < CH; ++j)
-#pragma unroll
-          for (int r = 0; r < 2; ++r) tmax = f_max(tmax, x[k][j][r]);
-        tmax = f_max(tmax, __shfl_xor_sync(0xFFFFFFFFu, tmax, 4));
-        tmax = f_max(tmax, __shfl_xor_sync(0xFFFFFFFFu, tmax, 8));
-        tmax = f_max(tmax, __shfl_xor_sync(0xFFFFFFFFu, tmax, 16));
-        const float mn = f_max(mt[k], tmax);
-        alpha[k] = a_ex2(f_sub(mt[k], mn));
-        moved |= __float_as_uint(mn) != __float_as_uint(mt[k]);
-        mt[k] = mn;
-      }
+      for (int k = 0; k < 2; ++k) alpha[k] = row_max_update<CH>(x[k], mt[k], moved);
     }
 #pragma unroll
-    for (int k = 0; k < 2; ++k) {
-      float sum = 0.0f;
-#pragma unroll
-      for (int j = 0; j < CH; ++j) {
-#pragma unroll
-        for (int r = 0; r < 2; ++r) {
-          pp[k][j][r] = a_ex2(f_sub(x[k][j][r], mt[k]));
-          sum = f_add(sum, pp[k][j][r]);
-        }
-      }
-      lt[k] = f_fma(lt[k], alpha[k], sum);
-    }
+    for (int k = 0; k < 2; ++k) row_weights<CH>(x[k], mt[k], alpha[k], lt[k], pp[k]);
   }
   if (__any_sync(0xFFFFFFFFu, moved)) {
 #pragma unroll

@@ -59,8 +59,9 @@ def test_e4m3_conversion_instruction_matches_software_on_every_input():
 
 
 _FDIV_CHECK = r"""
-extern "C" __global__ void fdiv_check(FastDiv f, u32 n0, u32 count,
+extern "C" __global__ void fdiv_check(u32 d, u32 m, u32 s, u32 n0, u32 count,
                                       unsigned long long* bad, unsigned int* first) {
+  const FastDiv f{d, m, s};
   const u32 stride = gridDim.x * blockDim.x;
   for (u32 i = blockIdx.x * blockDim.x + threadIdx.x; i < count; i += stride) {
     const u32 n = n0 + i;
@@ -82,18 +83,17 @@ def test_fastdiv_matches_division():
     mod = cp.RawModule(code=_kernels.common_source() + _FDIV_CHECK,
                        options=_kernels.NVRTC_OPTIONS)
     fn = mod.get_function("fdiv_check")
-    fd = np.dtype([("d", np.uint32), ("m", np.uint32), ("s", np.uint32)])
     bad = cp.zeros(1, cp.uint64)
     first = cp.full(1, 0xFFFFFFFF, cp.uint32)
     every = [1, 3, 7, 16, 48, 1000, 2**31 - 1]
     some = [2, 5, 12, 17, 31, 32, 64, 96, 100, 128, 255, 256, 4097, 65535, 2**20 + 3,
             2**30, 2**30 + 1]
     for d in every + some:
-        f = np.array(tuple(_abi.fastdiv(d)), dtype=fd)[()]
+        f = _abi.fastdiv(d)  # (d, m, s) as np.uint32
         spans = [(0, 2**32)] if d in every else [(0, 2**24), (2**32 - 2**24, 2**24)]
         for n0, count in spans:
             for start in range(n0, n0 + count, 2**31):  # count fits the u32 argument
-                fn((132 * 8,), (256,), (f, np.uint32(start),
+                fn((132 * 8,), (256,), (*f, np.uint32(start),
                                         np.uint32(min(2**31, n0 + count - start)), bad,
                                         first))
         assert int(bad[0]) == 0, f"d={d}: {int(bad[0])} wrong, first n={int(first[0])}"
