@@ -28,7 +28,7 @@ for _p in (str(_ROOT), str(_ROOT / "bench")):
     if _p not in sys.path:
         sys.path.insert(0, _p)
 
-from bench import BF16, Env  # noqa: E402
+from timing import BF16, Env  # noqa: E402
 
 
 def parse_case(text: str):
