@@ -400,6 +400,7 @@ class Runner:
         return "\n".join(lines)
 
 
+# ----------------------------------------------------------------------- helpers --
 def bind(fn, *args, **kw):
     def call():
         return fn(*args, **kw)

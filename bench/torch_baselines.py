@@ -18,27 +18,6 @@ from timing import BF16, Env, Row, bind, rel_err, same_bf16
 
 
 class TorchBaselines:
-    def _torch_decode_store(self, rng, n: int, empty: float | None) -> None:
-        env, sz, tr = self.env, self.sz, self.tr
-        H, D, T, P = sz["H"], sz["D"], sz["T"], sz["pool_pages"]
-        tb = self.torch.zeros((P, 2, H * T * (D // 2 + D // 16)), dtype=self.torch.uint8,
-                              device=env.device)
-        geo, sc = self._torch_kw()
-        s = self.sets[0]
-        sl = env.to_torch(env.asarray(rng.permutation(P * T)[:64].astype(np.int64)))
-        tk, tv = env.to_torch(s["k"][:64]), env.to_torch(s["v"][:64])
-
-        def call():
-            tr.store(tb, sl, tk, tv, rule="static6", **geo, **sc)
-
-        self._host_row("torch eager store 64 tok", call, max(20, n // 10), empty)
-        nbytes = 2 * 64 * H * D * 2 + 64 * 8 + 2 * 64 * H * (D // 2 + D // 16)
-        row = self.timed("decode", "decode store 64 tok static6", "torch eager", [call], nbytes,
-                         batch=10, note="L2-resident")
-        if row is not None:
-            self._speedup(row, "decode store 64 tok static6")
-
-    # -- torch ------------------------------------------------------------------------------
     def _torch_kw(self):
         tr, sz = self.tr, self.sz
         ks, kg = tr.scalars_from_scale(K_SCALE)
@@ -227,6 +206,27 @@ class TorchBaselines:
             self.log("-- torch.compile gather: skipped (time budget)")
             return
         self.attempt(f"torch {mode} gather", self._torch_gather_case, mode)
+
+    # -- torch eager's decode-step store (run by the host section) -----------------------
+    def _torch_decode_store(self, rng, n: int, empty: float | None) -> None:
+        env, sz, tr = self.env, self.sz, self.tr
+        H, D, T, P = sz["H"], sz["D"], sz["T"], sz["pool_pages"]
+        tb = self.torch.zeros((P, 2, H * T * (D // 2 + D // 16)), dtype=self.torch.uint8,
+                              device=env.device)
+        geo, sc = self._torch_kw()
+        s = self.sets[0]
+        sl = env.to_torch(env.asarray(rng.permutation(P * T)[:64].astype(np.int64)))
+        tk, tv = env.to_torch(s["k"][:64]), env.to_torch(s["v"][:64])
+
+        def call():
+            tr.store(tb, sl, tk, tv, rule="static6", **geo, **sc)
+
+        self._host_row("torch eager store 64 tok", call, max(20, n // 10), empty)
+        nbytes = 2 * 64 * H * D * 2 + 64 * 8 + 2 * 64 * H * (D // 2 + D // 16)
+        row = self.timed("decode", "decode store 64 tok static6", "torch eager", [call], nbytes,
+                         batch=10, note="L2-resident")
+        if row is not None:
+            self._speedup(row, "decode store 64 tok static6")
 
 
 def verify_reference(compile_too: bool = False) -> int:

@@ -28,7 +28,6 @@ from conftest import DLPackProducer
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-import fp4cache
 from fp4cache import PagedKVCache
 from fp4cache import _numpy_backend as npb
 
@@ -512,9 +511,19 @@ def test_good_arguments_pass():
     assert np.isfinite(out).all()
 
 
-def test_exported():
-    assert callable(fp4cache.PagedKVCache.decode_attention)
-    assert fp4cache.attention.MAX_GROUP == 16
+def test_max_group_is_the_limit_the_front_end_enforces():
+    """``fp4cache.attention.MAX_GROUP`` query heads per KV head run; one more is refused
+    with a message naming the limit, and the cache is left as it was."""
+    from fp4cache.attention import MAX_GROUP
+
+    cache = make_cache(num_heads=1)
+    tables, lens = np.array([[0, 1]], np.int32), np.array([20], np.int32)
+    out = cache.decode_attention(make_q(1, MAX_GROUP, 64), tables, lens)
+    assert out.shape == (1, MAX_GROUP, 64) and np.isfinite(out).all()
+    before = cache.buffer.copy()
+    with pytest.raises(ValueError, match=rf"Hq = {MAX_GROUP + 1}\b.*between 1 and {MAX_GROUP}"):
+        cache.decode_attention(make_q(1, MAX_GROUP + 1, 64), tables, lens)
+    np.testing.assert_array_equal(cache.buffer, before)
 
 
 # -- the GPU front end (any backend: a recording stand-in takes the kernels' place) --------------
@@ -539,8 +548,6 @@ class _RecordingBackend:
 
 @pytest.fixture
 def gpu_cache(monkeypatch):
-    if not fp4cache.gpu_available():
-        pytest.skip("needs a CUDA GPU with CuPy")
     cache = PagedKVCache(8, 16, 2, 64, device="cuda")
     backend = _RecordingBackend()
     monkeypatch.setattr(cache, "_impl", backend)

@@ -21,14 +21,9 @@ import zlib
 import ml_dtypes
 import numpy as np
 import pytest
-from conftest import gpu_available
 
 pytestmark = pytest.mark.gpu
-
-if not gpu_available():
-    pytest.skip("needs a CUDA GPU with CuPy", allow_module_level=True)
-
-import cupy as cp  # noqa: E402
+cp = pytest.importorskip("cupy")
 
 import fp4cache  # noqa: E402
 from fp4cache import _cupy_attention as ca  # noqa: E402
