@@ -55,6 +55,9 @@ class Bench(Suite, StoreGather, LongLiveBench, HostTime, TorchBaselines):
         def want(key: str) -> bool:
             return only is None or key in only
 
+        # where each section's method is: copy, setup -> suite.py; sanity, large, decode ->
+        # store_gather.py; longlive, longlive-list -> longlive_bench.py; host -> host_time.py;
+        # torch -> torch_baselines.py
         self.section("device and versions", self.sec_info)
         for key, title, fn in (
                 ("copy", "copy bandwidth (ceiling)", self.sec_copy),
@@ -78,7 +81,6 @@ class Bench(Suite, StoreGather, LongLiveBench, HostTime, TorchBaselines):
 #: Section keys for ``--only`` (the device/version section always runs).
 SECTIONS = ("copy", "setup", "sanity", "large", "longlive", "longlive-list", "decode", "host",
             "torch")
-
 
 
 def _watchdog(bench: Bench) -> None:
