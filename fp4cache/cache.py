@@ -733,6 +733,9 @@ class PagedKVCache:
         IndexError
             (when validating) a block id outside ``[0, num_blocks)`` in the used part of
             a row; nothing is computed.
+        RuntimeError
+            (GPU) the call needs more workspace than the cache holds while the current
+            stream is capturing a CUDA graph (see the class notes); nothing is launched.
 
         Without validation (the GPU default) a bad block id is counted
         (``stats["bad_block_ids"]``, :meth:`check` raises) and the outputs of its
