@@ -242,7 +242,7 @@ class Workspace:
             The request does not fit while the current stream is capturing.
         """
         offsets, total = self.layout(parts)
-        self.reserve(max(total, ALIGN if parts else 0), tickets, hint=hint, _what="this call")
+        self._fit(max(total, ALIGN if parts else 0), tickets, hint, "this call")
         out = []
         for (shape, dtype), off in zip(parts, offsets):
             dt = np.dtype(dtype)
@@ -253,18 +253,23 @@ class Workspace:
             out.append(self._tickets[:tickets])
         return tuple(out)
 
-    def reserve(self, scratch_bytes: int, tickets: int = 0, *, hint: str = "",
-                _what: str = "the reservation") -> None:
+    def reserve(self, scratch_bytes: int, tickets: int = 0, *, hint: str = "") -> None:
         """Make the buffers hold at least ``scratch_bytes`` bytes and ``tickets`` tickets
-        (what the cache's hints ask for at construction).  Raises ``RuntimeError``
-        instead of growing while the current stream is capturing."""
+        (what the cache's hints ask for at construction; ``hint`` says which, for
+        ``repr`` and errors).  Raises ``RuntimeError`` instead of growing while the
+        current stream is capturing."""
+        self._fit(scratch_bytes, tickets, hint, "the reservation")
+        if hint:
+            self.reserved_for = hint
+
+    def _fit(self, scratch_bytes: int, tickets: int, hint: str, what: str) -> None:
         grow_s = scratch_bytes > self.scratch_bytes
         grow_t = tickets > self.tickets
         if not (grow_s or grow_t):
             return
         if self._capturing():
             raise RuntimeError(
-                f"{_what} needs {scratch_bytes} bytes of workspace and {tickets} merge "
+                f"{what} needs {scratch_bytes} bytes of workspace and {tickets} merge "
                 f"tickets, but the cache holds {self.scratch_bytes} bytes and "
                 f"{self.tickets} tickets, and the current stream is capturing a CUDA graph: "
                 "growing now would allocate inside the capture. "
@@ -276,8 +281,6 @@ class Workspace:
         if grow_t:
             count = max(tickets, 2 * self.tickets)
             self._tickets = self._grow(self._tickets, count * 4, np.uint32, zero=True)
-        if _what == "the reservation" and hint:
-            self.reserved_for = hint
 
     def _grow(self, old, nbytes: int, dtype, *, zero: bool):
         if self._alloc is not None:
