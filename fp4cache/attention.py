@@ -20,8 +20,9 @@ from .formats import resolve_dtype
 
 if TYPE_CHECKING:
     from .cache import PagedKVCache
+    from .layout import PageGeometry
 
-__all__ = ["MAX_GROUP", "decode_attention"]
+__all__ = ["MAX_GROUP", "decode_attention", "signature", "workspace_hints"]
 
 #: Largest GQA group (query heads per KV head) the kernels serve from one K/V load.
 MAX_GROUP = 16
@@ -72,6 +73,33 @@ def _launch(cache: PagedKVCache, q, block_tables, seq_lens, out, lse, sm_scale: 
         cache.buffer, q, block_tables, seq_lens, out, lse, geom=cache.geometry,
         k_s=cache._k_s, v_s=cache._v_s, sm_scale=sm_scale, stats=cache._stats, scratch=None,
     )
+
+
+def workspace_hints(geom: PageGeometry, num_blocks: int, max_batch_size, max_seq_len,
+                     num_query_heads) -> dict[str, int]:
+    """The checked workspace hints of a cache (``PagedKVCache(max_batch_size=...,
+    max_seq_len=..., num_query_heads=...)``) with their defaults: the pool's tokens and
+    the largest GQA group; empty without ``max_batch_size``."""
+    given = {"max_batch_size": max_batch_size, "max_seq_len": max_seq_len,
+             "num_query_heads": num_query_heads}
+    for name, val in given.items():
+        if val is not None and (not isinstance(val, (int, np.integer))
+                                or isinstance(val, bool) or val <= 0):
+            raise ValueError(f"{name} must be a positive integer or None, got {val!r}")
+    if max_batch_size is None:
+        if max_seq_len is not None or num_query_heads is not None:
+            raise ValueError("max_seq_len and num_query_heads size the decode-attention "
+                             "workspace together with max_batch_size: pass it too")
+        return {}
+    H = geom.num_heads
+    hq = H * MAX_GROUP if num_query_heads is None else int(num_query_heads)
+    if hq % H or hq // H > MAX_GROUP:
+        raise ValueError(f"num_query_heads must be a multiple of num_heads ({H}) of at most "
+                         f"{MAX_GROUP} * num_heads, got {num_query_heads}")
+    return {"max_batch_size": int(max_batch_size),
+            "max_seq_len": int(num_blocks * geom.block_size if max_seq_len is None
+                               else max_seq_len),
+            "num_query_heads": hq}
 
 
 # -- checks --------------------------------------------------------------------------------

@@ -1,4 +1,9 @@
-"""``PagedKVCache``: a paged NVFP4 KV cache in vLLM's byte layout."""
+"""``PagedKVCache``: a paged NVFP4 KV cache in vLLM's byte layout.
+
+Over 600 lines because the public class keeps its NumPy docstrings and examples with its
+methods; the work is elsewhere (argument checks in ``_arrays``, attention in
+``attention``, the backends, plans and workspace in ``_plans``).
+"""
 
 from __future__ import annotations
 
@@ -78,31 +83,6 @@ def _overlap(a, b) -> bool:
         pa, pb = a.data.ptr, b.data.ptr
         return pa < pb + b.nbytes and pb < pa + a.nbytes and a.nbytes > 0 and b.nbytes > 0
     return bool(np.shares_memory(a, b))
-
-
-def _workspace_hints(geom: PageGeometry, num_blocks: int, max_batch_size, max_seq_len,
-                     num_query_heads) -> dict[str, int]:
-    """The checked workspace hints, with their defaults; empty without max_batch_size."""
-    given = {"max_batch_size": max_batch_size, "max_seq_len": max_seq_len,
-             "num_query_heads": num_query_heads}
-    for name, val in given.items():
-        if val is not None and (not isinstance(val, (int, np.integer))
-                                or isinstance(val, bool) or val <= 0):
-            raise ValueError(f"{name} must be a positive integer or None, got {val!r}")
-    if max_batch_size is None:
-        if max_seq_len is not None or num_query_heads is not None:
-            raise ValueError("max_seq_len and num_query_heads size the decode-attention "
-                             "workspace together with max_batch_size: pass it too")
-        return {}
-    H = geom.num_heads
-    hq = H * attention.MAX_GROUP if num_query_heads is None else int(num_query_heads)
-    if hq % H or hq // H > attention.MAX_GROUP:
-        raise ValueError(f"num_query_heads must be a multiple of num_heads ({H}) of at most "
-                         f"{attention.MAX_GROUP} * num_heads, got {num_query_heads}")
-    return {"max_batch_size": int(max_batch_size),
-            "max_seq_len": int(num_blocks * geom.block_size if max_seq_len is None
-                               else max_seq_len),
-            "num_query_heads": hq}
 
 
 class PagedKVCache:
@@ -222,7 +202,7 @@ class PagedKVCache:
                           "always checks slot and block ids on the host, before writing",
                           UserWarning, stacklevel=2)
         self.validate = True if kind == "cpu" else bool(validate)
-        self._hints = _workspace_hints(geom, self.num_blocks, max_batch_size, max_seq_len,
+        self._hints = attention.workspace_hints(geom, self.num_blocks, max_batch_size, max_seq_len,
                                        num_query_heads)
         self._state = None  # GPU: pool, counters, tables, plans, workspace (CacheState)
         if kind == "cuda":
