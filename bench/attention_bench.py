@@ -150,11 +150,13 @@ class AttnBench:
         sm_scale = 1.0 / np.sqrt(D)
         q = self.env.randn_bf16((B, Hq, D), seed + 7)
         out = cp.empty((B, Hq, D), dtype=BF16)
-        scratch: dict = {}
+        from fp4cache import _cupy_attention as ca
+
+        scratch = ca.new_scratch()
         call = self.fused(cache, q, tab, lensd, out, scratch, sm_scale)
         call()
         cp.cuda.Device().synchronize()
-        plan = next(iter(scratch.values()))
+        plan = ca.attention_plans(scratch)[0]
         t = self.time([call], batch=10 if int(np.sum(lens)) > 100000 else 40)
         nbytes = int(np.sum(lens)) * cache.geometry.bytes_per_token
         gbps = nbytes / t / 1e9

@@ -106,7 +106,7 @@ def run_case(cp, ca, K, env, case, variants, args) -> None:
         K.decode_attention_spec = spec_for
         try:
             out = cp.full(q.shape, np.nan, dtype=BF16)
-            scratch: dict = {}
+            scratch = ca.new_scratch()
 
             def call(out=out, scratch=scratch):
                 ca.decode_attention(cache.buffer, q, tab, lensd, out, None,
@@ -114,7 +114,7 @@ def run_case(cp, ca, K, env, case, variants, args) -> None:
                                     sm_scale=sm_scale, stats=cache._stats, scratch=scratch)
             call()
             cp.cuda.Device().synchronize()
-            plan = next(iter(scratch.values()))
+            plan = ca.attention_plans(scratch)[0]
             err = float("nan")
             if ref is not None:
                 got = out.astype(cp.float32)

@@ -582,7 +582,7 @@ def test_gpu_hot_path_skips_checks_for_a_known_signature(gpu_cache, monkeypatch)
     for call in backend.calls:
         assert call["q"] is q and call["block_tables"] is bt and call["seq_lens"] is sl
         assert call["sm_scale"] == float(np.float32(1 / 8))
-        assert call["scratch"] is cache._attn_scratch and call["stats"] is cache._stats
+        assert call["scratch"] is cache._state and call["stats"] is cache._stats
     assert backend.calls[0]["out"] is out and backend.calls[0]["lse"] is lse
     assert backend.calls[2]["lse"] is None
     # A changed signature takes the checked path and is refused there.
@@ -612,14 +612,3 @@ def test_gpu_validate_true_refuses_before_the_backend(gpu_cache):
     cache.decode_attention(q, bt, cupy.asarray([20, 0]), validate=True)  # row 1 unused
     cache.decode_attention(q, bt.get(), [20, 3])  # index arrays from the host are converted
     assert len(backend.calls) == 2
-
-
-def test_scratch_nbytes_counts_the_workspaces():
-    """cache.nbytes on the GPU adds the attention workspaces its scratch holds; the sum
-    itself needs no GPU (NumPy stand-ins for the device arrays)."""
-    ca = pytest.importorskip("fp4cache._cupy_attention", reason="needs CuPy installed")
-    ws = (np.zeros(100, np.float32), np.zeros(10, np.float32), np.zeros(4, np.uint32))
-    plan = ca._AttnPlan(None, (1, 1, 1), (128,), None, ws + (None, None, None))
-    scratch = {"a": plan, "b": plan._replace(keep=(np.zeros(1, np.float32),) * 3 + ws)}
-    assert ca.scratch_nbytes(scratch) == 400 + 40 + 16 + 3 * 4
-    assert ca.scratch_nbytes({}) == 0
