@@ -15,6 +15,7 @@ consecutive page ids given on the host is copied directly, in one transfer.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 from typing import Any
@@ -234,7 +235,8 @@ def write_blocks(cache, blocks, data, page_format: Any = None,
     n, P = b.shape[0], cache.geometry.page_bytes
     if cache.device == "cpu" and _arrays.is_cupy(data):
         data = data.get()
-    elif not (isinstance(data, np.ndarray) or _arrays.is_cupy(data)):
+    elif not (isinstance(data, np.ndarray) or _arrays.is_cupy(data)) \
+            and hasattr(data, "__dlpack__"):  # another library's array, zero copy
         data = _arrays.to_backend(data, _arrays.backend_of(data), "data")
     _check_rows(cache, data, "data", (n, P), writable=False)
     _arrays.check_device({"data": data}, cache.buffer)
@@ -288,11 +290,14 @@ def _vec_width(*sizes: int) -> int:
     return next(w for w in K.PAGE_VEC_BYTES if all(s % w == 0 for s in sizes))
 
 
+@functools.cache
 def _smem_budget(device: int) -> int:
-    """Dynamic shared memory one CTA may use on ``device`` (the opt-in maximum)."""
+    """Dynamic shared memory one CTA may use on ``device`` (the opt-in maximum; a device
+    fact, memoized per device)."""
     import cupy
 
-    return int(cupy.cuda.Device(device).attributes["MaxSharedMemoryPerBlockOptin"])
+    return int(cupy.cuda.runtime.deviceGetAttribute(
+        cupy.cuda.runtime.cudaDevAttrMaxSharedMemoryPerBlockOptin, device))
 
 
 def _params(cache, n: int, col_units: int = 0):
