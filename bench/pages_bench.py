@@ -164,6 +164,14 @@ class PagesBench:
             note = f"{vw}-byte accesses, {cols * vw}-byte columns, {smem >> 10} KiB smem"
         self.row(f"copy_blocks {n} pages", "fp4cache", t, nbytes, "copy",
                  TARGETS["copy_blocks"], note)
+        if self.env.gpu:  # experiment: narrower columns (more CTAs per SM, half sectors)
+            for cb in (16, 64):
+                vw, cols, smem = pages.copy_launch(cache, n, cb)
+                with cache._guard():
+                    t = self.time([lambda s=s, d=d, cb=cb: pages._gpu_copy(cache, s, d, cb)
+                                   for s, d in sets], batch=rot * 4)
+                self.row(f"copy_blocks {n} pages, {cols * vw}-byte columns", "experiment", t,
+                         nbytes, "copy", None, f"{smem >> 10} KiB smem")
         # src and dst overlapping as sets: half of each dst set is another pair's source
         over = [(s, xp.concatenate([d[: n // 2], s[n // 2:][::-1]])) for s, d in sets]
         t = self.time([lambda s=s, d=d: cache.copy_blocks(s, d) for s, d in over],

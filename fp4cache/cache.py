@@ -685,7 +685,7 @@ class PagedKVCache:
         device ids of one dtype), so it can be captured in a CUDA graph; a CTA owns a
         column of bytes of every page and stages it in shared memory (see
         ``kernels/page_copy.cu``), which bounds one call to as many pages as the GPU has
-        bytes of shared memory per block (about 227,000 on an H100/H200).
+        bytes of shared memory per block (232,448 on an H100/H200).
 
         Parameters
         ----------

@@ -315,10 +315,12 @@ def _contig_ids(a):
     return a if a.flags.c_contiguous else a.copy()
 
 
-def copy_launch(cache, n: int) -> tuple[int, int, int]:
+def copy_launch(cache, n: int, column_bytes: int = _abi.COPY_COLUMN_BYTES
+                ) -> tuple[int, int, int]:
     """``(vector bytes, vectors per column, shared memory bytes)`` of a copy of ``n``
-    pages: columns of ``COPY_COLUMN_BYTES`` when ``n`` of them fit in shared memory,
-    narrower ones (down to one byte) otherwise."""
+    pages: columns of ``column_bytes`` (the library uses ``COPY_COLUMN_BYTES``; the
+    benchmark compares others) when ``n`` of them fit in shared memory, narrower ones
+    (down to one byte) otherwise."""
     P = cache.geometry.page_bytes
     budget = _smem_budget(cache.device_id)
     if n > budget:
@@ -328,16 +330,17 @@ def copy_launch(cache, n: int) -> tuple[int, int, int]:
     vw = _vec_width(P)
     while n * vw > budget:
         vw //= 2
-    cols = max(1, min(_abi.COPY_COLUMN_BYTES // vw, budget // (n * vw)))
+    vw = min(vw, column_bytes)
+    cols = max(1, min(column_bytes // vw, budget // (n * vw)))
     return vw, cols, n * cols * vw
 
 
-def _gpu_copy(cache, s, d) -> None:
+def _gpu_copy(cache, s, d, column_bytes: int = _abi.COPY_COLUMN_BYTES) -> None:
     if s.dtype != d.dtype:
         s, d = s.astype(np.int64), d.astype(np.int64)
     s, d = _contig_ids(s), _contig_ids(d)
     n = s.shape[0]
-    vw, cols, smem = copy_launch(cache, n)
+    vw, cols, smem = copy_launch(cache, n, column_bytes)
     fn = K.get_kernel(K.page_copy_spec(_IDS[s.dtype], vw))
     if smem > 48 * 1024 and fn.max_dynamic_shared_size_bytes < smem:
         fn.max_dynamic_shared_size_bytes = _smem_budget(cache.device_id)

@@ -18,7 +18,7 @@ pytestmark = [
 ]
 
 GEOMETRIES = [  # (num_blocks, block_size, heads, head_dim, layout, swizzle): page bytes
-    (64, 16, 8, 128, "HND", True),   # 36864: 16-byte vectors, 32-byte columns
+    (64, 16, 8, 128, "HND", True),   # 18432: 16-byte vectors, 32-byte columns
     (40, 16, 2, 64, "NHD", True),    # 2304
     (33, 8, 1, 16, "HND", False),    # 144: 9 vectors, the last CTA owns one
     (50, 3, 1, 16, "NHD", False),    # 54: 2-byte accesses
