@@ -451,6 +451,7 @@ def save(cache, path: str | os.PathLike, blocks=None) -> None:
     hb = _arrays.to_backend(blocks, "cpu", "blocks", allow_convert=True)
     _arrays.check_index_array(hb, "blocks")
     _check_range(hb, cache.num_blocks, "blocks")
+    _check_unique(hb, "blocks")  # a file of repeated ids could not be loaded
     pages = pinned_empty((hb.shape[0], cache.geometry.page_bytes), _U8) \
         if cache.device == "cuda" else None
     pages = read_blocks(cache, hb, pages, validate=True)

@@ -345,6 +345,17 @@ def test_save_some_blocks_and_load_pages_elsewhere(tmp_path):
         other.load_pages(path, blocks=[0, 1])
 
 
+def test_save_refuses_bad_blocks(tmp_path):
+    pytest.importorskip("safetensors")
+    cache = filled(4, 16, 1, 64)
+    path = tmp_path / "c.safetensors"
+    with pytest.raises(ValueError, match="blocks repeats block 1"):
+        cache.save(path, blocks=[1, 2, 1])
+    with pytest.raises(IndexError, match=r"blocks\[0\] = 4 is out of range"):
+        cache.save(path, blocks=[4])
+    assert not path.exists()
+
+
 @pytest.mark.parametrize("kwargs, field", [
     ({"k_scale": 0.25}, "k_scale"), ({"scale_rule": "4over6"}, "scale_rule"),
     ({"layout": "NHD"}, "layout"), ({"swizzle_v_scales": False}, "swizzle_v_scales"),
