@@ -23,10 +23,11 @@ import numpy as np
 import pytest
 
 from fp4cache import PagedKVCache
-from fp4cache import _cupy_attention as ca
 
 pytestmark = pytest.mark.gpu
 cp = pytest.importorskip("cupy")
+
+from fp4cache import _cupy_attention as ca  # noqa: E402  (imports CuPy)
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
 NB, T, H, D, HQ = 8192, 16, 8, 128, 32
