@@ -410,8 +410,8 @@ def _attend(buffer, q, limit, ids, bad, *, geom: PageGeometry, k_s, v_s, sm_scal
     page_bad = read & bad
     safe = np.where(read & ~bad, ids, 0)
     q64 = q.astype(np.float64)[order].reshape(S, R, H, G, D).transpose(0, 2, 1, 3, 4)
-    q64 = q64.reshape(S, 1, H, M, D)
-    lim = np.repeat(limit[order], G, axis=1)[:, None, None, :, None]  # [S, 1, 1, M, 1]
+    q64 = q64.reshape(S, H, M, D)
+    lim = np.repeat(limit[order], G, axis=1)[:, None, :, None]  # [S, 1, M, 1]
     m = np.full((S, H, M), -np.inf)
     den = np.zeros((S, H, M))
     acc = np.zeros((S, H, M, D))
@@ -427,22 +427,26 @@ def _attend(buffer, q, limit, ids, bad, *, geom: PageGeometry, k_s, v_s, sm_scal
             if chunk_bad.any():  # what the kernels do: such a page reads as NaN
                 k[chunk_bad] = np.nan
                 v[chunk_bad] = np.nan
-            tok = np.arange(j0 * T, j1 * T).reshape(1, -1, 1, 1, T)
-            seen = tok < lim[:na]  # [na, c, 1, M, T]
-            s = np.matmul(q64[:na], k.astype(np.float64).swapaxes(-1, -2))  # [na,c,H,M,T]
-            s = np.where(seen, s * sm_scale, -np.inf)
-            m_new = np.maximum(m[:na], s.max(axis=(1, 4)))  # NaN propagates
+            # The chunk's keys in order, [na, H, L = c*T, D]: one matmul per (item, head).
+            k = k.astype(np.float64).transpose(0, 2, 1, 3, 4).reshape(na, H, -1, D)
+            v = v.astype(np.float64).transpose(0, 2, 1, 3, 4).reshape(na, H, -1, D)
+            seen = np.arange(j0 * T, j1 * T) < lim[:na]  # [na, 1, M, L]
+            s = np.matmul(q64[:na], k.swapaxes(-1, -2))  # [na, H, M, L]
+            s *= sm_scale
+            np.copyto(s, -np.inf, where=~seen)
+            m_new = np.maximum(m[:na], s.max(axis=-1))  # NaN propagates
             alpha = np.exp(m[:na] - m_new)  # exp(-inf) = 0 on a row's first chunk
-            p = np.exp(s - m_new[:, None, :, :, None])  # 0 for the tokens a row doesn't see
+            s -= m_new[..., None]
+            p = np.exp(s, out=s)  # 0 for the tokens a row does not see
             v_nan = np.isnan(v)
             if v_nan.any():
                 # 0 * NaN is NaN: a NaN value reaches only the rows that see its token.
                 hit = np.matmul(seen.astype(np.float64), v_nan.astype(np.float64)) > 0
-                pv = np.where(hit, np.nan, np.matmul(p, np.where(v_nan, 0, v).astype(np.float64)))
+                pv = np.where(hit, np.nan, np.matmul(p, np.where(v_nan, 0.0, v)))
             else:
-                pv = np.matmul(p, v.astype(np.float64))  # [na, c, H, M, D]
-            den[:na] = den[:na] * alpha + p.sum(axis=(1, 4))
-            acc[:na] = acc[:na] * alpha[..., None] + pv.sum(axis=1)
+                pv = np.matmul(p, v)  # [na, H, M, D]
+            den[:na] = den[:na] * alpha + p.sum(axis=-1)
+            acc[:na] = acc[:na] * alpha[..., None] + pv
             m[:na] = m_new
             j0 = j1
         res = acc / den[..., None]
