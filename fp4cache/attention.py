@@ -114,7 +114,7 @@ def attention(cache: PagedKVCache, q: Any, query_start_loc: Any, block_tables: A
                 hit(q, query_start_loc, block_tables, seq_lens, out, lse_out)
             return (out, lse_out) if return_lse else out
     q_in, qsl_in, bt_in, sl_in = q, query_start_loc, block_tables, seq_lens
-    q = _check_q(cache, q)
+    q = _check_q(cache, q, "num_tokens")
     qsl = _check_query_start_loc(cache, query_start_loc)
     bt, sl = _check_tables(cache, block_tables, seq_lens, qsl.shape[0] - 1, "query_start_loc")
     a = _finish_args(cache, q, bt, sl, sm_scale, out, lse_out, return_lse)
@@ -178,9 +178,10 @@ def _check_args(cache: PagedKVCache, q, block_tables, seq_lens, sm_scale, out, l
     return _finish_args(cache, q, bt, sl, sm_scale, out, lse_out, return_lse)
 
 
-def _check_q(cache: PagedKVCache, q):
+def _check_q(cache: PagedKVCache, q, rows: str = "B"):
     """``q``: on the cache's backend, bf16 / f16 / f32, ``(rows, Hq, head_dim)`` with a
-    GQA group of 1..MAX_GROUP query heads per KV head."""
+    GQA group of 1..MAX_GROUP query heads per KV head (``rows`` names the first axis in
+    messages)."""
     H, D = cache.num_heads, cache.head_dim
     q = _arrays.to_backend(q, cache.device, "q")
     try:
@@ -188,7 +189,7 @@ def _check_q(cache: PagedKVCache, q):
     except TypeError:
         raise TypeError(f"q must have dtype bfloat16, float16 or float32, got {q.dtype}") from None
     if q.ndim != 3:
-        raise ValueError(f"q must be 3-D (B, Hq, head_dim), got shape {tuple(q.shape)}")
+        raise ValueError(f"q must be 3-D ({rows}, Hq, head_dim), got shape {tuple(q.shape)}")
     _, Hq, qd = q.shape
     if qd != D:
         raise ValueError(f"q.shape[2] must equal the cache's head_dim ({D}), got {qd}")

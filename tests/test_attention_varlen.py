@@ -468,7 +468,8 @@ ERRORS = [
     # the checks shared with decode_attention
     ("q int32", dict(q=np.zeros((5, 4, 64), np.int32)), TypeError,
      "q must have dtype bfloat16, float16 or float32, got int32"),
-    ("q 2-D", dict(q=np.zeros((5, 64), np.float32)), ValueError, "q must be 3-D"),
+    ("q 2-D", dict(q=np.zeros((5, 64), np.float32)), ValueError,
+     r"q must be 3-D \(num_tokens, Hq, head_dim\)"),
     ("q head_dim", dict(q=np.zeros((5, 4, 128), np.float32)), ValueError,
      r"q.shape\[2\] must equal the cache's head_dim \(64\), got 128"),
     ("group 32", dict(q=np.zeros((5, 64, 64), np.float32)), ValueError,
