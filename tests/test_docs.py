@@ -70,3 +70,20 @@ def test_checker_finds_a_row_under_a_paragraph():
 def test_markdown_tables_render(path):
     problems = table_problems(path.read_text(encoding="utf-8"))
     assert not problems, f"{path.relative_to(ROOT)}:\n" + "\n".join(problems)
+
+
+def test_scale_rule_page_cites_measured_numbers():
+    """docs/scale_rules.md: both rules, vLLM's names for them, the calibration rule, and
+    every time it quotes is one of BENCHMARKS.md's measurements (with GPU and date)."""
+    page = (ROOT / "docs" / "scale_rules.md").read_text(encoding="utf-8")
+    bench = (ROOT / "BENCHMARKS.md").read_text(encoding="utf-8")
+    for phrase in ("`nvfp4`", "`nvfp4_4over6`", "6·448", "6·256", "H200", "2026-12-01",
+                   "calibrate_scale", "## Which one to use"):
+        assert phrase in page, phrase
+    times = re.findall(r"(\d+\.\d) µs", page)
+    assert len(times) >= 5, times
+    for t in times:
+        assert t in bench, f"docs/scale_rules.md quotes {t} us, which BENCHMARKS.md lacks"
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    for doc in ("docs/scale_rules.md", "docs/interop.md"):
+        assert doc in readme, f"README.md does not point at {doc}"

@@ -18,6 +18,7 @@ from __future__ import annotations
 import doctest
 import importlib
 import os
+import re
 import sys
 from pathlib import Path
 
@@ -108,11 +109,27 @@ def test_notebook_executes(path, kernel_manager):
     assert text.strip(), f"{path.name}: the summary cell printed nothing"
 
 
+def doc_requirements(text: str) -> list[str]:
+    """Modules a doc's examples need, from ``<!-- doctest: requires NAME -->`` lines (for
+    optional libraries such as PyTorch, which fp4cache does not depend on)."""
+    return re.findall(r"<!--\s*doctest:\s*requires\s+([\w.]+)\s*-->", text)
+
+
+def test_doc_requirements_are_read_from_the_marker():
+    assert doc_requirements("# t\n\n<!-- doctest: requires torch -->\n") == ["torch"]
+    assert doc_requirements("no marker, torch mentioned") == []
+    assert doc_requirements((DOCS_DIR / "interop.md").read_text()) == ["torch"]
+
+
 @pytest.mark.parametrize("path", DOCS, ids=lambda p: p.name)
 def test_doc_examples(path, monkeypatch):
-    """Run the ``>>>`` examples of a Markdown doc (a doc without any is fine)."""
+    """Run the ``>>>`` examples of a Markdown doc (a doc without any is fine); a doc that
+    declares an optional library it needs is skipped, naming it, where it is missing."""
     monkeypatch.syspath_prepend(str(ROOT))
     importlib.import_module("fp4cache")  # the package itself must import: never a skip
+    for name in doc_requirements(path.read_text(encoding="utf-8")):
+        pytest.importorskip(name, reason=f"docs/{path.name}'s examples need {name}, which is "
+                                         "not installed (it is not a dependency)")
     result = doctest.testfile(
         str(path),
         module_relative=False,
