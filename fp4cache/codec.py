@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from types import ModuleType
+
 import numpy as np
 
 from . import _arrays
@@ -13,7 +15,7 @@ from .typing import Array, ArrayLike, DTypeLike
 __all__ = ["quantize", "dequantize", "backend_module", "check_rule"]
 
 
-def backend_module(backend: str):
+def backend_module(backend: str) -> ModuleType:
     """The backend implementation module for ``"cpu"`` or ``"cuda"``."""
     if backend == "cpu":
         from . import _numpy_backend

@@ -8,6 +8,9 @@ signatures name what an argument must *support*, not a class:
 * :data:`IndexLike`: an index argument (``slot_mapping``, ``blocks``, ``block_tables``,
   ``seq_lens``, LongLive ``block_ids``): an :data:`ArrayLike` or a Python sequence of ints.
 * :data:`DTypeLike`: a dtype given by name (``"bfloat16"``), as a NumPy dtype or a type.
+* :data:`IntArrayLike` / :data:`IntArray`: the integer positions the offset formulas of
+  :mod:`fp4cache.layout` take (Python ints or NumPy integer arrays; they broadcast) and
+  return (NumPy integers or integer arrays).
 * :data:`Array`: what fp4cache returns: a ``numpy.ndarray`` on the CPU backend, a
   ``cupy.ndarray`` on the GPU (CuPy is imported only by type checkers here).
 
@@ -31,7 +34,8 @@ import numpy as np
 if TYPE_CHECKING:
     import cupy
 
-__all__ = ["Array", "ArrayLike", "DTypeLike", "IndexLike", "SupportsDLPack"]
+__all__ = ["Array", "ArrayLike", "DTypeLike", "IndexLike", "IntArray", "IntArrayLike",
+           "SupportsDLPack"]
 
 
 @runtime_checkable
@@ -56,3 +60,9 @@ IndexLike = ArrayLike | Sequence[int] | Sequence[Sequence[int]] | range
 
 #: A dtype: ``"bfloat16"``, ``"float16"``, ``"float32"``, a NumPy dtype or a scalar type.
 DTypeLike = str | np.dtype | type
+
+#: Integer positions for the offset formulas of :mod:`fp4cache.layout` (they broadcast).
+IntArrayLike = int | np.integer | np.ndarray | Sequence[int]
+
+#: What the offset formulas return: a NumPy integer or integer array.
+IntArray = np.integer | np.ndarray
