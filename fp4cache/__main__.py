@@ -219,7 +219,9 @@ def _tokens(args, device: str) -> int:
 
 def main(argv=None) -> int:
     try:
-        return _main(argv)
+        rc = _main(argv)
+        sys.stdout.flush()  # here, not at exit, where a closed pipe could only be reported
+        return rc
     except BrokenPipeError:
         # The reader went away (``| head``): the standard exit of the Python docs (signal
         # module, "Note on SIGPIPE"): send what is still buffered to devnull, exit 1.
