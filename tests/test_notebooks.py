@@ -121,6 +121,7 @@ def test_source_hash_covers_code_cells_and_library_not_markdown():
     assert ex.source_hash({"cells": [{"cell_type": "code", "source": "x = 2\nprint(x)"}]}) != h
     files = [p.relative_to(ROOT).as_posix() for p in ex.library_sources()]
     assert "fp4cache/cache.py" in files and "fp4cache/codec.py" in files
+    assert "fp4cache/__main__.py" not in files  # the demo CLI: no notebook runs it
 
 
 def _code_tokens(source: str) -> str:
