@@ -19,6 +19,7 @@ import numpy as np
 
 from . import _arrays
 from .formats import resolve_dtype
+from .typing import Array, ArrayLike, IndexLike
 
 if TYPE_CHECKING:
     from .cache import PagedKVCache
@@ -40,9 +41,10 @@ class _Args(NamedTuple):
     sm_scale: float
 
 
-def decode_attention(cache: PagedKVCache, q: Any, block_tables: Any, seq_lens: Any,
-                     sm_scale: float | None = None, out: Any = None, lse_out: Any = None,
-                     return_lse: bool = False, validate: bool | None = None):
+def decode_attention(cache: PagedKVCache, q: ArrayLike, block_tables: IndexLike,
+                     seq_lens: IndexLike, sm_scale: float | None = None, out: Array | None = None,
+                     lse_out: Array | None = None, return_lse: bool = False,
+                     validate: bool | None = None) -> Array | tuple[Array, Array]:
     """The checked path of :meth:`PagedKVCache.decode_attention` (see its docstring), run
     with the cache's device current.  On the GPU without validation it leaves the
     prepared launch of these arguments in the cache's plans, under :func:`signature`:

@@ -19,6 +19,7 @@ from ._device import DeviceGuard, parse_device
 from .codec import backend_module, check_rule
 from .formats import reciprocal_clamped, resolve_dtype
 from .layout import PageGeometry
+from .typing import Array, ArrayLike, DTypeLike, IndexLike
 
 __all__ = ["PagedKVCache"]
 
@@ -431,8 +432,8 @@ class PagedKVCache:
         )
 
     # -- store ---------------------------------------------------------------------------
-    def store(self, slot_mapping: Any, k: Any, v: Any, *, unique_slots: bool = True,
-              validate: bool | None = None) -> None:
+    def store(self, slot_mapping: IndexLike, k: ArrayLike, v: ArrayLike, *,
+              unique_slots: bool = True, validate: bool | None = None) -> None:
         """Quantize K and V and write them into their pages.
 
         Parameters
@@ -544,8 +545,9 @@ class PagedKVCache:
         run(slots, k, v)
 
     # -- gather --------------------------------------------------------------------------
-    def gather_dequant(self, blocks: Any, dtype: Any = None, *, out: Any = None,
-                       validate: bool | None = None):
+    def gather_dequant(self, blocks: IndexLike, dtype: DTypeLike | None = None, *,
+                       out: tuple[Array, Array] | None = None,
+                       validate: bool | None = None) -> tuple[Array, Array]:
         """Gather pages and decode them.
 
         Parameters
@@ -665,9 +667,10 @@ class PagedKVCache:
         return out_k, out_v
 
     # -- attention -----------------------------------------------------------------------
-    def decode_attention(self, q: Any, block_tables: Any, seq_lens: Any, *,
-                         sm_scale: float | None = None, out: Any = None, lse_out: Any = None,
-                         return_lse: bool = False, validate: bool | None = None):
+    def decode_attention(self, q: ArrayLike, block_tables: IndexLike, seq_lens: IndexLike, *,
+                         sm_scale: float | None = None, out: Array | None = None,
+                         lse_out: Array | None = None, return_lse: bool = False,
+                         validate: bool | None = None) -> Array | tuple[Array, Array]:
         """Attention of one query token per sequence over its cached K/V pages.
 
         ``softmax(sm_scale * q K^T) V`` over the first ``seq_lens[b]`` tokens of sequence

@@ -2,20 +2,19 @@
 
 from __future__ import annotations
 
-from typing import Any
-
 import numpy as np
 
 from . import _arrays
 from ._device import on_input_device
 from .codec import backend_module, check_rule
 from .formats import RULE_E4M3_MAX
+from .typing import ArrayLike
 
 __all__ = ["calibrate_scale"]
 
 
 @on_input_device
-def calibrate_scale(x: Any, scale_rule: str = "static6") -> float:
+def calibrate_scale(x: ArrayLike, scale_rule: str = "static6") -> float:
     """The global scale that puts the largest block scale of ``x`` at the top of E4M3.
 
     ``amax / (6 * M)`` in float32 (one exact division, ``fl(amax / fl(6 * M))``), where

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any
+from types import ModuleType
 
 import numpy as np
 
@@ -10,11 +10,12 @@ from . import _arrays
 from ._device import on_input_device
 from .formats import SCALE_RULES, reciprocal_clamped, resolve_dtype
 from .layout import GROUP
+from .typing import Array, ArrayLike, DTypeLike
 
 __all__ = ["quantize", "dequantize", "backend_module", "check_rule"]
 
 
-def backend_module(backend: str):
+def backend_module(backend: str) -> ModuleType:
     """The backend implementation module for ``"cpu"`` or ``"cuda"``."""
     if backend == "cpu":
         from . import _numpy_backend
@@ -40,7 +41,8 @@ def check_rule(scale_rule: str) -> str:
 
 
 @on_input_device
-def quantize(x: Any, scale: float = 1.0, scale_rule: str = "static6", *, out: Any = None):
+def quantize(x: ArrayLike, scale: float = 1.0, scale_rule: str = "static6", *,
+             out: tuple[Array, Array] | None = None) -> tuple[Array, Array]:
     """Quantize ``x`` to NVFP4: packed E2M1 values and one E4M3 scale per 16 values.
 
     Parameters
@@ -124,8 +126,8 @@ def _check_quantize_out(out, lead: tuple, d: int, backend: str):
 
 
 @on_input_device
-def dequantize(data: Any, scales: Any, scale: float = 1.0, dtype: Any = "bfloat16", *,
-               out: Any = None):
+def dequantize(data: ArrayLike, scales: ArrayLike, scale: float = 1.0,
+               dtype: DTypeLike = "bfloat16", *, out: Array | None = None) -> Array:
     """Decode NVFP4 ``data``/``scales`` to ``dtype``: ``fl(fl(e2m1 * sf) * scale)``.
 
     Parameters

@@ -22,6 +22,8 @@ from typing import Literal
 
 import numpy as np
 
+from .typing import IntArray, IntArrayLike
+
 __all__ = [
     "GROUP",
     "Layout",
@@ -38,7 +40,8 @@ Layout = Literal["HND", "NHD"]
 LAYOUTS: tuple[str, ...] = ("HND", "NHD")
 
 
-def swizzle_scale_index(t, s, scales_per_row: int):
+def swizzle_scale_index(t: IntArrayLike, s: IntArrayLike,
+                        scales_per_row: int) -> tuple[IntArray, IntArray]:
     """Return the swizzled ``(t', s')`` position of scale ``(t, s)`` inside one head's tile.
 
     The head's ``[T, S]`` scale tile is viewed as ``[T/4, 4, 4, S/4]`` and permuted
@@ -121,11 +124,12 @@ class PageGeometry:
             return h * self.block_size + t
         return t * self.num_heads + h
 
-    def data_offset(self, t, h, j=0):
+    def data_offset(self, t: IntArrayLike, h: IntArrayLike, j: IntArrayLike = 0) -> IntArray:
         """Byte offset of packed data byte ``j`` (``0 <= j < D/2``) of row (t, h)."""
         return self._row_index(t, h) * self.row_data_bytes + np.asarray(j)
 
-    def scale_offset(self, t, h, s, *, side: int = 0):
+    def scale_offset(self, t: IntArrayLike, h: IntArrayLike, s: IntArrayLike, *,
+                     side: int = 0) -> IntArray:
         """Byte offset of block scale ``s`` of row (t, h) on ``side`` (0 = K, 1 = V).
 
         The V side is swizzled per head when ``swizzle_v_scales`` is set; the K side
@@ -169,7 +173,7 @@ def longlive_padded_rows(block_token_size: int, num_heads: int) -> int:
     return -(-rows // 128) * 128
 
 
-def blocked_scale_offset(r, s, scales_per_row: int):
+def blocked_scale_offset(r: IntArrayLike, s: IntArrayLike, scales_per_row: int) -> IntArray:
     """Offset of scale ``(r, s)`` in cuBLAS' 128x4 blocked order (``to_blocked``).
 
     ``((r//128)*(S/4) + s//4)*512 + (r%32)*16 + ((r%128)//32)*4 + s%4``

@@ -22,7 +22,7 @@ import weakref
 from collections.abc import Sequence
 from itertools import chain
 from operator import attrgetter
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 import numpy as np
 
@@ -32,6 +32,7 @@ from ._plans import PlanCache
 from .codec import backend_module, check_rule
 from .formats import RULE_E4M3_MAX, resolve_dtype
 from .layout import GROUP, longlive_padded_rows
+from .typing import Array, ArrayLike, DTypeLike, IndexLike
 
 __all__ = ["LongLiveBlock", "quantize_block", "dequantize", "dequantize_pool",
            "inverse_global_denominator"]
@@ -71,9 +72,9 @@ def _check_head_dim(d: int, name: str) -> None:
 
 
 class _BlockArrays(NamedTuple):
-    values: Any
-    scale_factors: Any
-    amax: Any
+    values: Array
+    scale_factors: Array
+    amax: Array
 
 
 class LongLiveBlock(_BlockArrays):
@@ -97,12 +98,13 @@ class LongLiveBlock(_BlockArrays):
     ((128, 32), (512,), [1.0])
     """
 
-    def __new__(cls, values: Any, scale_factors: Any, amax: Any, scale_rule: str):
+    def __new__(cls, values: Array, scale_factors: Array, amax: Array,
+                scale_rule: str) -> LongLiveBlock:
         self = super().__new__(cls, values, scale_factors, amax)
         self.scale_rule = check_rule(scale_rule)
         return self
 
-    def __getnewargs__(self):
+    def __getnewargs__(self) -> tuple[Array, Array, Array, str]:
         return (*self, self.scale_rule)
 
     @property
@@ -118,7 +120,7 @@ class LongLiveBlock(_BlockArrays):
 
 
 @on_input_device
-def quantize_block(x: Any, scale_rule: str = "4over6") -> LongLiveBlock:
+def quantize_block(x: ArrayLike, scale_rule: str = "4over6") -> LongLiveBlock:
     """Quantize one cache block ``x [Tb, H, D]`` with a per-block amax.
 
     Parameters
@@ -198,10 +200,11 @@ def _resolve_e4m3_max(e4m3_max, rules: set) -> float:
 
 
 @on_input_device
-def dequantize(values: Sequence[Any], scale_factors: Sequence[Any] | None = None,
-               amax: Sequence[Any] | None = None, num_heads: int | None = None,
-               block_token_size: int | None = None, dtype: Any = "bfloat16",
-               e2m1_max: float = LONGLIVE_E2M1_MAX, e4m3_max: float | None = None):
+def dequantize(values: Sequence[ArrayLike] | Sequence[LongLiveBlock],
+               scale_factors: Sequence[ArrayLike] | None = None,
+               amax: Sequence[ArrayLike] | None = None, num_heads: int | None = None,
+               block_token_size: int | None = None, dtype: DTypeLike = "bfloat16",
+               e2m1_max: float = LONGLIVE_E2M1_MAX, e4m3_max: float | None = None) -> Array:
     """Decode LongLive cache blocks, like LongLive's ``dequantize_kv_cache_fp4``.
 
     Two forms: LongLive's, ``dequantize(values, scale_factors, amax, num_heads,
@@ -420,10 +423,10 @@ def _list_remember(vals, sfs, ams, args, launch) -> None:
 
 
 @on_input_device
-def dequantize_pool(values: Any, scale_factors: Any, amax: Any, block_ids: Any,
-                    num_heads: int, block_token_size: int, dtype: Any = "bfloat16",
-                    e2m1_max: float = LONGLIVE_E2M1_MAX, e4m3_max: float = LONGLIVE_E4M3_MAX,
-                    *, out: Any = None):
+def dequantize_pool(values: ArrayLike, scale_factors: ArrayLike, amax: ArrayLike,
+                    block_ids: IndexLike, num_heads: int, block_token_size: int,
+                    dtype: DTypeLike = "bfloat16", e2m1_max: float = LONGLIVE_E2M1_MAX,
+                    e4m3_max: float = LONGLIVE_E4M3_MAX, *, out: Array | None = None) -> Array:
     """Decode blocks ``block_ids`` of a pool of LongLive blocks.
 
     Parameters

@@ -1,4 +1,9 @@
-"""Execute every ``notebooks/*.ipynb`` top to bottom and run the examples in ``docs/*.md``.
+"""Execute every ``notebooks/*.ipynb`` top to bottom, check that their stored outputs come
+from the current code, and run the examples in ``docs/*.md``.
+
+The notebooks are committed executed (CPU backend), by ``python notebooks/execute.py``,
+which stores in each notebook a hash of its code cells and of the library sources; the
+tests recompute it, so outputs made by older code fail until the script is run again.
 
 The notebooks run in a fresh ``python3`` kernel of *this* interpreter (ipykernel's own
 kernel spec, built from ``sys.executable``; any user-installed ``python3`` spec that
@@ -17,8 +22,13 @@ from __future__ import annotations
 
 import doctest
 import importlib
+import importlib.util
+import io
+import json
 import os
+import re
 import sys
+import tokenize
 from pathlib import Path
 
 import pytest
@@ -54,20 +64,90 @@ def test_notebooks_exist():
         assert want in names, f"notebooks/{want} is missing (found {names})"
 
 
+def _execute_script():
+    """``notebooks/execute.py`` as a module (its hash needs no notebook package)."""
+    spec = importlib.util.spec_from_file_location("fp4cache_notebooks_execute",
+                                                  NOTEBOOK_DIR / "execute.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+RERUN = "re-execute it: python notebooks/execute.py"
+
+
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)
-def test_notebook_stored_clean(path):
-    """Stored without outputs; opens with Markdown; ends with a Markdown + code summary."""
-    nb = _read(path)
-    cells = nb.cells
-    assert cells[0].cell_type == "markdown", f"{path.name} must open with a Markdown cell"
-    assert [c.cell_type for c in cells[-2:]] == ["markdown", "code"], (
+def test_notebook_stored_executed_by_current_code(path):
+    """Stored with the outputs of the current code: ``notebooks/execute.py`` ran it top to
+    bottom (execution counts 1, 2, ...), its plots are stored as images, and the hash it
+    recorded of the code cells and the library sources matches this tree.  Opens with
+    Markdown; ends with a Markdown + code summary that printed something."""
+    nb = json.loads(path.read_text(encoding="utf-8"))
+    cells = nb["cells"]
+    src = ["".join(c["source"]) if isinstance(c["source"], list) else c["source"]
+           for c in cells]
+    assert cells[0]["cell_type"] == "markdown", f"{path.name} must open with a Markdown cell"
+    assert [c["cell_type"] for c in cells[-2:]] == ["markdown", "code"], (
         f"{path.name} must end with a Markdown cell and a code cell (the summary)"
     )
-    assert "what we learned" in cells[-2].source.lower()
-    for i, cell in enumerate(cells):
-        if cell.cell_type == "code":
-            assert cell.outputs == [], f"{path.name} cell {i} has stored outputs"
-            assert cell.execution_count is None, f"{path.name} cell {i} has an execution count"
+    assert "what we learned" in src[-2].lower()
+    why = _execute_script().stale_reason(path)
+    assert why is None, f"{path.name}: stored outputs are stale: {why}; {RERUN}"
+    code = [(i, c) for i, c in enumerate(cells) if c["cell_type"] == "code"]
+    assert [c["execution_count"] for _, c in code] == list(range(1, len(code) + 1)), (
+        f"{path.name} was not executed top to bottom in one kernel; {RERUN}")
+    images = 0
+    for i, c in code:
+        kinds = {o["output_type"] for o in c["outputs"]}
+        assert "error" not in kinds, f"{path.name} cell {i} stored an error"
+        n = sum("image/png" in o.get("data", {}) for o in c["outputs"])
+        images += n
+        # an unconditional plt.show() (not indented: GPU-only plots are skipped on the CPU)
+        if "plt.show()" in src[i].splitlines():
+            assert n, f"{path.name} cell {i} shows a plot but stores no image; {RERUN}"
+    if "plt.show()" in "".join(src):
+        assert images, f"{path.name} draws plots but stores none; {RERUN}"
+    summary = "".join("".join(o.get("text", "")) for o in cells[-1]["outputs"]
+                      if o["output_type"] == "stream")
+    assert summary.strip(), f"{path.name}: the stored summary printed nothing"
+
+
+def test_source_hash_covers_code_cells_and_library_not_markdown():
+    ex = _execute_script()
+    nb = {"cells": [{"cell_type": "markdown", "source": "# t"},
+                    {"cell_type": "code", "source": ["x = 1\n", "print(x)"]}]}
+    h = ex.source_hash(nb)
+    assert ex.source_hash({"cells": [{"cell_type": "markdown", "source": "# other"},
+                                     {"cell_type": "code", "source": "x = 1\r\nprint(x)"}]}) == h
+    assert ex.source_hash({"cells": [{"cell_type": "code", "source": "x = 2\nprint(x)"}]}) != h
+    files = [p.relative_to(ROOT).as_posix() for p in ex.library_sources()]
+    assert "fp4cache/cache.py" in files and "fp4cache/codec.py" in files
+    assert "fp4cache/__main__.py" not in files  # the demo CLI: no notebook runs it
+
+
+def _code_tokens(source: str) -> str:
+    """A cell's Python tokens without strings and comments, space-separated."""
+    lines = [ln for ln in source.splitlines() if not ln.lstrip().startswith(("%", "!"))]
+    toks = tokenize.generate_tokens(io.StringIO("\n".join(lines) + "\n").readline)
+    return " ".join(t.string for t in toks
+                    if t.type not in (tokenize.STRING, tokenize.COMMENT, tokenize.NL,
+                                      tokenize.NEWLINE, tokenize.INDENT, tokenize.DEDENT))
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)
+def test_notebook_scales_come_from_calibrate_scale(path):
+    """One scale rule, stated once: notebooks call ``fp4cache.calibrate_scale(x, rule)``
+    instead of dividing by ``6 * 448`` (or 256) by hand, which gave notebook 05's 4over6
+    caches a static6 scale."""
+    nb = json.loads(path.read_text(encoding="utf-8"))
+    for i, cell in enumerate(nb["cells"]):
+        if cell["cell_type"] != "code":
+            continue
+        code = _code_tokens("".join(cell["source"]) if isinstance(cell["source"], list)
+                            else cell["source"])
+        hand = re.search(r"/ (\( 6 \* (448|256) \)|(2688|1536)\b)", code)
+        assert hand is None, (f"{path.name} cell {i} computes a global scale by hand "
+                              f"({hand.group(0)!r}): use fp4cache.calibrate_scale(x, rule)")
 
 
 @pytest.fixture
@@ -109,11 +189,27 @@ def test_notebook_executes(path, kernel_manager):
     assert text.strip(), f"{path.name}: the summary cell printed nothing"
 
 
+def doc_requirements(text: str) -> list[str]:
+    """Modules a doc's examples need, from ``<!-- doctest: requires NAME -->`` lines (for
+    optional libraries such as PyTorch, which fp4cache does not depend on)."""
+    return re.findall(r"<!--\s*doctest:\s*requires\s+([\w.]+)\s*-->", text)
+
+
+def test_doc_requirements_are_read_from_the_marker():
+    assert doc_requirements("# t\n\n<!-- doctest: requires torch -->\n") == ["torch"]
+    assert doc_requirements("no marker, torch mentioned") == []
+    assert doc_requirements((DOCS_DIR / "interop.md").read_text()) == ["torch"]
+
+
 @pytest.mark.parametrize("path", DOCS, ids=lambda p: p.name)
 def test_doc_examples(path, monkeypatch):
-    """Run the ``>>>`` examples of a Markdown doc (a doc without any is fine)."""
+    """Run the ``>>>`` examples of a Markdown doc (a doc without any is fine); a doc that
+    declares an optional library it needs is skipped, naming it, where it is missing."""
     monkeypatch.syspath_prepend(str(ROOT))
     importlib.import_module("fp4cache")  # the package itself must import: never a skip
+    for name in doc_requirements(path.read_text(encoding="utf-8")):
+        pytest.importorskip(name, reason=f"docs/{path.name}'s examples need {name}, which is "
+                                         "not installed (it is not a dependency)")
     result = doctest.testfile(
         str(path),
         module_relative=False,
@@ -122,3 +218,15 @@ def test_doc_examples(path, monkeypatch):
         verbose=False,
     )
     assert result.failed == 0, f"{result.failed} doctest example(s) failed in docs/{path.name}"
+
+
+def test_notebooks_extra_can_open_them_and_readme_says_how():
+    tomllib = pytest.importorskip("tomllib", reason="tomllib needs Python 3.11")
+    extra = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"][
+        "optional-dependencies"]["notebooks"]
+    names = {re.split(r"[<>=!~\[ ]", req, maxsplit=1)[0].lower() for req in extra}
+    assert names & {"jupyterlab", "notebook"}, f"the notebooks extra cannot open them: {extra}"
+    assert {"nbclient", "nbformat", "ipykernel", "matplotlib"} <= names, extra
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    assert 'pip install -e ".[notebooks]" && jupyter lab notebooks/' in readme
+    assert "python notebooks/execute.py" in readme

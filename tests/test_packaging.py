@@ -6,6 +6,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import site
 import subprocess
 import sys
@@ -130,6 +131,42 @@ def test_license_is_the_official_apache_2_text():
     assert meta["project"]["license"] == "Apache-2.0"
 
 
+def test_metadata_classifiers_and_keywords():
+    """What an index page shows: valid trove classifiers that agree with the package
+    (Python versions within requires-python, typed since it ships py.typed), keywords,
+    and no license classifier next to the SPDX license expression (PEP 639)."""
+    tomllib = pytest.importorskip("tomllib", reason="tomllib needs Python 3.11")
+    meta = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
+    classifiers = meta["classifiers"]
+    assert classifiers == sorted(set(classifiers), key=classifiers.index)  # no repeats
+    try:
+        from trove_classifiers import classifiers as known
+    except ImportError:  # comes with hatchling (the test extra)
+        known = None
+    if known is not None:
+        unknown = [c for c in classifiers if c not in known]
+        assert not unknown, f"not trove classifiers: {unknown}"
+    assert "Typing :: Typed" in classifiers and (REPO / "fp4cache" / "py.typed").is_file()
+    assert not any(c.startswith("License ::") for c in classifiers)
+    low = tuple(int(x) for x in meta["requires-python"].lstrip(">=").split("."))
+    versions = [tuple(int(x) for x in c.rsplit(" ", 1)[1].split("."))
+                for c in classifiers if c.startswith("Programming Language :: Python :: 3.")]
+    assert versions and min(versions) == low, (versions, meta["requires-python"])
+    assert {"nvfp4", "kv-cache", "vllm"} <= set(meta["keywords"])
+
+
+def test_changelog_has_unreleased_and_the_current_version_with_numbers():
+    import fp4cache
+
+    text = (REPO / "CHANGELOG.md").read_text(encoding="utf-8")
+    heads = [ln for ln in text.splitlines() if ln.startswith("## ")]
+    assert heads[0] == "## Unreleased", heads
+    assert heads[1].startswith(f"## {fp4cache.__version__} ("), heads
+    current = text.split(heads[1], 1)[1]
+    assert len(re.findall(r"\d µs", current)) >= 8, "the version's section quotes few timings"
+    assert "% of copy" in current
+
+
 def _repo_files(folder: str) -> set[str]:
     return {str(p.relative_to(REPO)) for p in (REPO / folder).rglob("*")
             if p.is_file() and "__pycache__" not in p.parts and p.suffix != ".pyc"
@@ -151,7 +188,8 @@ def test_sdist_is_complete(tmp_path):
         lic = tar.extractfile(next(m for m in tar.getmembers()
                                    if m.name.endswith("/LICENSE"))).read()
     assert hashlib.sha256(lic).hexdigest() == APACHE_2_SHA256
-    for f in ("LICENSE", "README.md", "pyproject.toml", "PKG-INFO"):
+    for f in ("LICENSE", "README.md", "CHANGELOG.md", "BENCHMARKS.md", "pyproject.toml",
+              "PKG-INFO"):
         assert f in names, f
     for folder in ("fp4cache", "kernels", "tests", "notebooks", "docs"):
         want = _repo_files(folder)
