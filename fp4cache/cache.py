@@ -246,7 +246,9 @@ class PagedKVCache:
         ``k/v_nonfinite_groups``: groups stored with a NaN/Inf (they decode to NaN);
         ``bad_slots``, ``bad_block_ids``: ids skipped by unvalidated GPU calls;
         ``k/v_saturated_groups``: groups whose block scale was clipped at E4M3's 448
-        (values lost: the global scale is too small); ``k/v_underflow_groups``: nonzero
+        (it wanted more than 464, so it would have rounded above 448: values lost, the
+        global scale is too small; a calibrated scale's top group wants 448.00003,
+        which rounds to 448 and is not counted); ``k/v_underflow_groups``: nonzero
         groups whose block scale came out zero or subnormal (precision lost: the global
         scale is too large).  :func:`fp4cache.calibrate_scale` picks a scale that avoids
         both.
@@ -266,7 +268,8 @@ class PagedKVCache:
 
     @property
     def saturated_groups(self) -> tuple[int, int]:
-        """Groups whose block scale saturated at 448 so far, ``(k_groups, v_groups)``."""
+        """Groups whose block scale saturated at 448 so far, ``(k_groups, v_groups)``:
+        the scale wanted more than 464 (see :attr:`stats`)."""
         st = self.stats
         return st["k_saturated_groups"], st["v_saturated_groups"]
 
