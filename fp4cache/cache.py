@@ -98,9 +98,11 @@ class PagedKVCache:
         Block-scale rule used by :meth:`store`.
     k_scale, v_scale : float
         Global dequantization multipliers (vLLM's ``k_scale``/``v_scale``), finite and
-        positive.  Calibrated checkpoints use ``amax / (6 * 448)``, what
-        :func:`fp4cache.calibrate_scale` computes; with 1.0, data far from unit magnitude
-        under- or overflows the E4M3 block scales.
+        positive.  Use ``fp4cache.calibrate_scale(x, scale_rule)`` with this cache's
+        ``scale_rule`` (the one rule, stated there: ``amax / (6 * 448)`` for
+        ``"static6"``, ``amax / (6 * 256)`` for ``"4over6"``, whose 4-candidate must stay
+        below 448); with 1.0, data far from unit magnitude under- or overflows the E4M3
+        block scales.
     swizzle_v_scales : bool
         Store V scales in trtllm-gen's swizzled order (what vLLM writes).  Needs
         ``block_size % 4 == 0`` and ``head_dim % 64 == 0``.
