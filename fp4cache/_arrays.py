@@ -26,6 +26,8 @@ __all__ = [
     "check_index_array",
     "check_values",
     "check_scale",
+    "check_real",
+    "check_bool",
     "check_out",
     "check_device",
     "check_strides",
@@ -150,14 +152,33 @@ def check_values(a, name: str, shape: tuple[int | None, ...]):
     return a
 
 
-def check_scale(value, name: str) -> np.float32:
-    """A positive, finite float32 scale (its float32 rounding too)."""
-    if isinstance(value, (bool, np.bool_)):
-        raise TypeError(f"{name} must be a positive finite number, got {value!r}")
+def check_real(value, name: str, what: str = "a real number") -> float:
+    """``value`` as a Python float when it is a real number (Python or NumPy int or
+    float, a 0-d array); a string (``"0.01"``), bytes, a bool or anything else
+    without ``__float__`` is a ``TypeError`` naming ``name``."""
+    if (isinstance(value, (str, bytes, bool, np.bool_))
+            or not hasattr(type(value), "__float__")
+            or getattr(value, "dtype", np.dtype(float)).kind not in "iuf"):
+        raise TypeError(f"{name} must be {what}, got {type(value).__name__} {value!r}")
     try:
-        f = float(value)
+        return float(value)
     except (TypeError, ValueError):
-        raise TypeError(f"{name} must be a positive finite number, got {value!r}") from None
+        raise TypeError(f"{name} must be {what}, got {type(value).__name__} "
+                        f"{value!r}") from None
+
+
+def check_bool(value, name: str) -> bool:
+    """``value`` when it is a ``bool`` or NumPy ``bool_``; anything else (``"no"``, 0, 1,
+    None) is a ``TypeError`` naming ``name``: a string would otherwise read as True."""
+    if isinstance(value, (bool, np.bool_)):
+        return bool(value)
+    raise TypeError(f"{name} must be True or False, got {type(value).__name__} {value!r}")
+
+
+def check_scale(value, name: str) -> np.float32:
+    """A positive, finite float32 scale (its float32 rounding too); a string or a bool
+    is a ``TypeError``."""
+    f = check_real(value, name, "a positive finite number")
     with np.errstate(over="ignore"):
         f32 = np.float32(f)
     if not math.isfinite(f) or f <= 0 or not f32 > 0 or not np.isfinite(f32):

@@ -305,23 +305,44 @@ CODEC_CASES = [
     ("ll-rule", lambda: longlive.quantize_block(np.ones((4, 2, 64), F32), "x"), ValueError,
      "scale_rule"),
     ("ll-deq-lengths", lambda: longlive.dequantize([np.zeros((128, 32), np.uint8)], [], [],
-                                                   2, 4), ValueError, "same length"),
-    ("ll-deq-empty", lambda: longlive.dequantize([], [], [], 2, 4), ValueError, "values"),
+                                                   2, 4, scale_rule="4over6"),
+     ValueError, "same length"),
+    ("ll-deq-empty", lambda: longlive.dequantize([], [], [], 2, 4, scale_rule="4over6"),
+     ValueError, "values"),
     ("ll-deq-heads", lambda: longlive.dequantize(
-        [np.zeros((128, 32), np.uint8)], [np.zeros(512, np.uint8)], [np.ones(1, F32)], 0, 4),
+        [np.zeros((128, 32), np.uint8)], [np.zeros(512, np.uint8)], [np.ones(1, F32)], 0, 4,
+        scale_rule="4over6"),
      ValueError, "num_heads"),
     ("ll-deq-rows", lambda: longlive.dequantize(
-        [np.zeros((100, 32), np.uint8)], [np.zeros(400, np.uint8)], [np.ones(1, F32)], 2, 4),
+        [np.zeros((100, 32), np.uint8)], [np.zeros(400, np.uint8)], [np.ones(1, F32)], 2, 4,
+        scale_rule="4over6"),
      ValueError, "rows"),
     ("ll-deq-sf-size", lambda: longlive.dequantize(
-        [np.zeros((128, 32), np.uint8)], [np.zeros(500, np.uint8)], [np.ones(1, F32)], 2, 4),
+        [np.zeros((128, 32), np.uint8)], [np.zeros(500, np.uint8)], [np.ones(1, F32)], 2, 4,
+        scale_rule="4over6"),
      ValueError, "scale_factors"),
     ("ll-deq-amax", lambda: longlive.dequantize(
-        [np.zeros((128, 32), np.uint8)], [np.zeros(512, np.uint8)], [np.ones(1)], 2, 4),
+        [np.zeros((128, 32), np.uint8)], [np.zeros(512, np.uint8)], [np.ones(1)], 2, 4,
+        scale_rule="4over6"),
      TypeError, "amax"),
     ("ll-deq-e4m3-max", lambda: longlive.dequantize(
         [np.zeros((128, 32), np.uint8)], [np.zeros(512, np.uint8)], [np.ones(1, F32)], 2, 4,
         e4m3_max=0.0), ValueError, "e4m3_max"),
+    ("ll-deq-no-rule", lambda: longlive.dequantize(
+        [np.zeros((128, 32), np.uint8)], [np.zeros(512, np.uint8)], [np.ones(1, F32)], 2, 4),
+     TypeError, "scale_rule="),
+    ("ll-pool-no-rule", lambda: longlive.dequantize_pool(
+        np.zeros((1, 128, 32), np.uint8), np.zeros((1, 512), np.uint8), np.ones(1, F32), [0],
+        2, 4), TypeError, "scale_rule="),
+    ("ll-deq-rule-conflict", lambda: longlive.dequantize(
+        [np.zeros((128, 32), np.uint8)], [np.zeros(512, np.uint8)], [np.ones(1, F32)], 2, 4,
+        e4m3_max=256, scale_rule="static6"), ValueError, "e4m3_max=256 does not match"),
+    ("ll-deq-bad-rule", lambda: longlive.dequantize(
+        [np.zeros((128, 32), np.uint8)], [np.zeros(512, np.uint8)], [np.ones(1, F32)], 2, 4,
+        scale_rule="6over4"), ValueError, "scale_rule"),
+    ("ll-deq-e4m3-str", lambda: longlive.dequantize(
+        [np.zeros((128, 32), np.uint8)], [np.zeros(512, np.uint8)], [np.ones(1, F32)], 2, 4,
+        e4m3_max="448"), TypeError, "e4m3_max"),
 ]
 
 
