@@ -165,7 +165,8 @@ def store(buffer, slot_mapping, k, v, *, geom: PageGeometry, rule, k_s, k_g, v_s
     nothing here: the last occurrence always wins, one of the outcomes it allows."""
     slots = np.asarray(slot_mapping).astype(np.int64)
     num_slots = buffer.shape[0] * geom.block_size
-    bad = slots >= num_slots
+    # -1 is vLLM's padding id (skipped, not counted); any other negative slot is bad
+    bad = (slots >= num_slots) | (slots < -1)
     if bad.any():
         stats[STAT["bad_slots"]] += np.uint64(bad.sum())
     idx = np.flatnonzero((slots >= 0) & ~bad)

@@ -298,7 +298,7 @@ class PagedKVCache:
         >>> cache.check()
         Traceback (most recent call last):
         ...
-        IndexError: 1 token(s) had a slot_mapping entry >= num_slots (32) and were not ...
+        IndexError: 1 token(s) had a slot_mapping entry outside [0, num_slots = 32) other ...
         >>> cache.check()                                       # the counters were cleared
         """
         st = self.stats
@@ -307,9 +307,10 @@ class PagedKVCache:
                 self._stats[_STAT["bad_slots"]] = 0
                 self._stats[_STAT["bad_block_ids"]] = 0
             raise IndexError(
-                f"{st['bad_slots']} token(s) had a slot_mapping entry >= num_slots "
-                f"({self.num_slots}) and were not stored; {st['bad_block_ids']} block id(s) "
-                f"were outside [0, {self.num_blocks}) and gathered as NaN"
+                f"{st['bad_slots']} token(s) had a slot_mapping entry outside [0, "
+                f"num_slots = {self.num_slots}) other than -1 and were not stored; "
+                f"{st['bad_block_ids']} block id(s) were outside [0, {self.num_blocks}) and "
+                "gathered as NaN"
             )
 
     def reset_counters(self) -> None:
@@ -359,8 +360,10 @@ class PagedKVCache:
         Parameters
         ----------
         slot_mapping : array of int32 or int64, shape (N,)
-            Slot of each token, ``block * block_size + offset``.  Negative entries are
-            skipped (padding).
+            Slot of each token, ``block * block_size + offset``.  ``-1`` (vLLM's padding
+            id) is skipped and not counted.  Any other negative entry, like one
+            ``>= num_slots``, is a bad slot: ``IndexError`` when validating, else the
+            token is skipped and counted in ``stats["bad_slots"]`` (:meth:`check` raises).
         k, v : array, shape (N, H, D), bfloat16, float16 or float32
             Keys and values, any token and head strides (same dtype for both).
         unique_slots : bool, default True
@@ -379,7 +382,8 @@ class PagedKVCache:
             Wrong dtype, shape, strides, device or backend, or (when validating) a
             repeated slot with ``unique_slots=True``; the buffer is untouched.
         IndexError
-            (when validating) a slot is ``>= num_slots``; nothing is written.
+            (when validating) a slot is ``>= num_slots`` or negative other than ``-1``;
+            nothing is written.
 
         Examples
         --------
@@ -431,12 +435,12 @@ class PagedKVCache:
         if k.shape[0] == 0:
             return
         if check:
-            hi = int(slots.max())
-            if hi >= self.num_slots:
-                i = int((slots >= self.num_slots).argmax())
+            lo, hi = int(slots.min()), int(slots.max())
+            if hi >= self.num_slots or lo < -1:
+                i = int(((slots >= self.num_slots) | (slots < -1)).argmax())
                 raise IndexError(
                     f"slot_mapping[{i}] = {int(slots[i])} is out of range: slots must be "
-                    f"< num_slots = {self.num_slots} (negative slots are skipped); "
+                    f"in [0, num_slots = {self.num_slots}), or -1 for padding (skipped); "
                     "nothing was stored"
                 )
             if unique_slots:

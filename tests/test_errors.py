@@ -404,12 +404,38 @@ def test_duplicates_and_negative_slots(device):
                            v_scale=2.0)
     model.store(host(c.slots), host(c.k).astype(F32), host(c.v).astype(F32))
     rng = np.random.default_rng(1)
-    slots = np.array([5, -1, 5, 20, 5, -7, 20, 0, 31], np.int64)
+    slots = np.array([5, -1, 5, 20, 5, -1, 20, 0, 31], np.int64)
     k = rng.standard_normal((len(slots), H, D)).astype(BF16)
     v = rng.standard_normal((len(slots), H, D)).astype(BF16)
     c.cache.store(c.arr(slots), c.arr(k), c.arr(v), unique_slots=False)
     model.store(slots, k, v)
     np.testing.assert_array_equal(host(c.cache.buffer), model.buffer())
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("slot_dtype", [np.int32, np.int64])
+@pytest.mark.parametrize("unique", [True, False])
+@pytest.mark.parametrize("n_pad", [0, 200])  # GPU: the scan path, then the claim path
+def test_negative_slots_other_than_minus_one_are_bad(device, slot_dtype, unique, n_pad):
+    """-1 is vLLM's padding id: skipped, not counted.  Any other negative slot is a bug
+    in the caller's slot arithmetic: IndexError when validating (nothing stored), else
+    skipped and counted in bad_slots like a slot >= num_slots, on both backends."""
+    c = make_ctx(device, layout="HND", scale_rule="static6")
+    base = c.cache.stats["bad_slots"]
+    slots = np.concatenate([[-1, -7, 3, -(2**31), 70], np.full(n_pad, -1)]).astype(slot_dtype)
+    k = np.full((len(slots), H, D), 6.0 * 0.5, F32)
+    before = host(c.cache.buffer).copy()
+    with pytest.raises(IndexError, match=r"slot_mapping\[1\] = -7 is out of range.*-1 for "
+                                         "padding"):
+        c.cache.store(c.arr(slots), c.arr(k), c.arr(k), unique_slots=unique, validate=True)
+    np.testing.assert_array_equal(host(c.cache.buffer), before)
+    c.cache.store(c.arr(slots), c.arr(k), c.arr(k), unique_slots=unique, validate=False)
+    assert c.cache.stats["bad_slots"] == base + 3  # -7, -2**31, 70; -1 (x 1 + n_pad) not
+    after = host(c.cache.buffer)
+    changed = np.flatnonzero((after != before).any(axis=(1, 2)))
+    assert changed.tolist() == [0]  # only slot 3 (page 0) was written
+    with pytest.raises(IndexError, match=r"3 token\(s\) had a slot_mapping entry outside"):
+        c.cache.check()
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -421,7 +447,7 @@ def test_many_duplicates_last_wins(device, n):
                            v_scale=2.0)
     model.store(host(c.slots), host(c.k), host(c.v))
     rng = np.random.default_rng(n)
-    slots = rng.integers(-2, NB * T, n).astype(np.int32)
+    slots = rng.integers(-1, NB * T, n).astype(np.int32)  # -1: padding
     k = rng.standard_normal((n, H, D)).astype(np.float16)
     v = rng.standard_normal((n, H, D)).astype(np.float16)
     k[rng.integers(0, n, 5), 0, 3] = np.nan
@@ -550,7 +576,7 @@ def test_fuzz_store_and_gather(device, call):
         expected.add(TypeError)
     if fault != "none":
         expected.add(ValueError)
-    if not expected and (sarr >= nslots).any():
+    if not expected and ((sarr >= nslots) | (sarr < -1)).any():  # -1 alone is padding
         expected.add(IndexError)
     before = host(cache.buffer).copy()
     try:
