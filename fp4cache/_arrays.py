@@ -167,12 +167,17 @@ def check_real(value, name: str, what: str = "a real number") -> float:
                         f"{value!r}") from None
 
 
-def check_bool(value, name: str) -> bool:
-    """``value`` when it is a ``bool`` or NumPy ``bool_``; anything else (``"no"``, 0, 1,
-    None) is a ``TypeError`` naming ``name``: a string would otherwise read as True."""
+def check_bool(value, name: str, *, optional: bool = False) -> bool | None:
+    """``value`` as a bool when it is a ``bool`` or NumPy ``bool_`` (or ``None`` when
+    ``optional``); anything else (``"no"``, 0, 1) is a ``TypeError`` naming ``name``: a
+    string would otherwise read as True.  A plain bool costs one type comparison (hot
+    paths call this)."""
+    if value.__class__ is bool or (optional and value is None):
+        return value
     if isinstance(value, (bool, np.bool_)):
         return bool(value)
-    raise TypeError(f"{name} must be True or False, got {type(value).__name__} {value!r}")
+    raise TypeError(f"{name} must be True or False{' (or None)' if optional else ''}, got "
+                    f"{type(value).__name__} {value!r}")
 
 
 def check_scale(value, name: str) -> np.float32:

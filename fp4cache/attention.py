@@ -25,6 +25,8 @@ __all__ = ["MAX_GROUP", "decode_attention"]
 #: Largest GQA group (query heads per KV head) the kernels serve from one K/V load.
 MAX_GROUP = 16
 
+_FLAG = (bool, type(None))  # classes of an optional flag that need no check
+
 
 class _Args(NamedTuple):
     q: Any
@@ -40,8 +42,10 @@ def decode_attention(cache: PagedKVCache, q: Any, block_tables: Any, seq_lens: A
                      return_lse: bool = False, validate: bool | None = None):
     """Implementation of :meth:`PagedKVCache.decode_attention` (see its docstring); the
     method passes every argument by position (the hot path counts microseconds)."""
-    check = cache.validate if validate is None else bool(validate)
-    return_lse = bool(return_lse)
+    if validate.__class__ not in _FLAG or return_lse.__class__ is not bool:
+        validate = _arrays.check_bool(validate, "validate", optional=True)
+        return_lse = _arrays.check_bool(return_lse, "return_lse")
+    check = cache.validate if validate is None else validate
     sig = None
     if not check and cache.device == "cuda":
         # Hot path of a decode step: arguments whose kind, shape, dtype and strides were

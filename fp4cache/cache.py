@@ -19,6 +19,7 @@ __all__ = ["PagedKVCache"]
 
 _STAT = _abi.STAT
 _NO_GUARD = contextlib.nullcontext()
+_FLAG = (bool, type(None))  # classes of an optional flag that need no check
 
 
 def _store_signature(slot_mapping, k, v, unique_slots):
@@ -151,7 +152,9 @@ class PagedKVCache:
                  layout: str = "HND", scale_rule: str = "static6", k_scale: float = 1.0,
                  v_scale: float = 1.0, swizzle_v_scales: bool = True, device: str | None = None,
                  validate: bool | None = None) -> None:
-        geom = PageGeometry(num_heads, block_size, head_dim, layout, bool(swizzle_v_scales))
+        swizzle_v_scales = _arrays.check_bool(swizzle_v_scales, "swizzle_v_scales")
+        validate = _arrays.check_bool(validate, "validate", optional=True)
+        geom = PageGeometry(num_heads, block_size, head_dim, layout, swizzle_v_scales)
         geom.check()
         if (not isinstance(num_blocks, (int, np.integer)) or isinstance(num_blocks, bool)
                 or num_blocks <= 0):
@@ -395,6 +398,9 @@ class PagedKVCache:
         >>> kk[1:3, 0, :2].tolist(), vv[1, 0, 0].item(), bool(kk[0].any())
         ([[6.0, 6.0], [6.0, 6.0]], -6.0, False)
         """
+        if unique_slots.__class__ is not bool or validate.__class__ not in _FLAG:
+            unique_slots = _arrays.check_bool(unique_slots, "unique_slots")
+            validate = _arrays.check_bool(validate, "validate", optional=True)
         check = self.validate if validate is None else validate
         st = self._state
         if st is None:
@@ -515,6 +521,8 @@ class PagedKVCache:
         >>> cache.gather_dequant([])[0].shape                # an empty gather
         (0, 2, 64)
         """
+        if validate.__class__ not in _FLAG:
+            validate = _arrays.check_bool(validate, "validate", optional=True)
         check = self.validate if validate is None else validate
         st = self._state
         if st is None:

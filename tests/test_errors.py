@@ -629,3 +629,51 @@ def test_store_unique_slots_refuses_repeats_when_validating(device, slots):
     cache.store(ok, x[:3], x[:3], unique_slots=True)
     plain.store(ok, x[:3], x[:3])
     assert bool((cache.buffer == plain.buffer).all()) and not bool((cache.buffer == before).all())
+
+
+# -- flags must be bools (issue 23) ---------------------------------------------------------
+FLAG_CALLS = {
+    "store-unique_slots": ("unique_slots", lambda c, x: c.cache.store(
+        c.slots, c.k, c.v, unique_slots=x)),
+    "store-validate": ("validate", lambda c, x: c.cache.store(c.slots, c.k, c.v, validate=x)),
+    "gather-validate": ("validate", lambda c, x: c.cache.gather_dequant(
+        c.arr([0, 1], np.int64), validate=x)),
+    "attention-validate": ("validate", lambda c, x: c.cache.decode_attention(
+        c.arr(np.ones((1, H, D), F32)), c.arr([[0, 1]], np.int64), c.arr([9], np.int64),
+        validate=x)),
+    "attention-return_lse": ("return_lse", lambda c, x: c.cache.decode_attention(
+        c.arr(np.ones((1, H, D), F32)), c.arr([[0, 1]], np.int64), c.arr([9], np.int64),
+        return_lse=x)),
+    "init-validate": ("validate", lambda c, x: PagedKVCache(
+        NB, T, H, D, device=c.cache.device, validate=x)),
+    "init-swizzle_v_scales": ("swizzle_v_scales", lambda c, x: PagedKVCache(
+        NB, T, H, D, device=c.cache.device, swizzle_v_scales=x)),
+}
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("case", list(FLAG_CALLS))
+@pytest.mark.parametrize("bad", ["no", "False", 0, 1, 1.0, [True]])
+def test_flags_must_be_bools(device, case, bad):
+    """A string read as a flag used to act as True (``unique_slots="no"`` then even said
+    ``unique_slots=True promises...``): a TypeError naming the parameter, the buffer
+    untouched.  ``numpy.bool_`` is accepted."""
+    name, call = FLAG_CALLS[case]
+    c = make_ctx(device)
+    before = host(c.cache.buffer).copy()
+    with pytest.raises(TypeError, match=rf"{name} must be True or False") as err:
+        call(c, bad)
+    assert repr(bad) in str(err.value)
+    np.testing.assert_array_equal(host(c.cache.buffer), before)
+    call(c, np.bool_(True))  # NumPy's bool is a bool
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_optional_flags_take_none_required_flags_do_not(device):
+    c = make_ctx(device)
+    c.cache.store(c.slots, c.k, c.v, validate=None)
+    c.cache.gather_dequant(c.arr([0], np.int64), validate=None)
+    for call in (lambda: c.cache.store(c.slots, c.k, c.v, unique_slots=None),
+                 lambda: PagedKVCache(NB, T, H, D, device=device, swizzle_v_scales=None)):
+        with pytest.raises(TypeError, match="must be True or False, got NoneType"):
+            call()
