@@ -75,9 +75,8 @@ def to_backend(a: Any, backend: str, name: str, *, allow_convert: bool = False):
     host-device copy lands on a hot path).  With ``allow_convert`` an empty list, tuple or range
     is an empty int64 index array, as ``np.asarray([], dtype=int)`` would be.
     """
-    if allow_convert and isinstance(a, (list, tuple, range)) and len(a) == 0:
-        # An empty id list is an empty index array (np.asarray([]) would be float64).
-        a = np.zeros(0, dtype=np.int64)
+    if isinstance(a, (list, tuple, range)):
+        a = _from_sequence(a, name, allow_convert)
     where = backend_of(a)
     if where != backend and not (allow_convert or isinstance(a, (list, tuple, range))):
         raise TypeError(
@@ -101,6 +100,26 @@ def to_backend(a: Any, backend: str, name: str, *, allow_convert: bool = False):
     if hasattr(a, "__dlpack__") and backend_of(a) == "cuda":
         return cupy.from_dlpack(a)
     return cupy.asarray(np.asarray(a))
+
+
+def _from_sequence(a, name: str, allow_convert: bool) -> np.ndarray:
+    """A Python list, tuple or range as a NumPy array: index arrays only (``allow_convert``;
+    an empty one is int64, as ``np.asarray([], dtype=int)`` would be).  Values (K, V, q,
+    outputs) are refused with a ``TypeError`` naming ``name``: NumPy would read a list as
+    float64, which no kernel takes; a ragged list is a ``ValueError`` naming ``name``."""
+    if not allow_convert:
+        raise TypeError(f"{name} must be an array (NumPy, CuPy or a DLPack producer such as "
+                        f"a torch tensor), got a Python {type(a).__name__}: make it one with "
+                        f"the dtype you mean, e.g. numpy.asarray({name}, dtype=numpy.float32)")
+    if len(a) == 0:
+        return np.zeros(0, dtype=np.int64)
+    try:
+        return np.asarray(a)
+    except ValueError:
+        lens = sorted({len(r) for r in a if hasattr(r, "__len__")})
+        raise ValueError(f"{name} must be a rectangular array: its rows have different "
+                         f"lengths {lens} (pad the shorter rows, as vLLM pads block tables "
+                         "with -1)") from None
 
 
 def array_module(backend: str):

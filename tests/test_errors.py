@@ -677,3 +677,60 @@ def test_optional_flags_take_none_required_flags_do_not(device):
                  lambda: PagedKVCache(NB, T, H, D, device=device, swizzle_v_scales=None)):
         with pytest.raises(TypeError, match="must be True or False, got NoneType"):
             call()
+
+
+# -- numbers must be numbers; lists name the parameter (issue 23) ---------------------------
+NUMBER_CALLS = {
+    "k_scale": lambda c, x: PagedKVCache(NB, T, H, D, device=c.cache.device, k_scale=x),
+    "v_scale": lambda c, x: PagedKVCache(NB, T, H, D, device=c.cache.device, v_scale=x),
+    "sm_scale": lambda c, x: c.cache.decode_attention(
+        c.arr(np.ones((1, H, D), F32)), c.arr([[0, 1]], np.int64), c.arr([9], np.int64),
+        sm_scale=x),
+    "scale": lambda c, x: fp4cache.quantize(c.arr(np.ones((2, 64), F32)), scale=x),
+    "e2m1_max": lambda c, x: longlive.dequantize(
+        [np.zeros((128, 32), np.uint8)], [np.zeros(512, np.uint8)], [np.ones(1, F32)], 2, 4,
+        e2m1_max=x, e4m3_max=256),
+}
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("name", list(NUMBER_CALLS))
+@pytest.mark.parametrize("bad", ["0.01", "0.1", b"1", True, None, [0.5]])
+def test_numbers_must_be_real_numbers(device, name, bad):
+    """``k_scale="0.01"`` or ``sm_scale="0.1"`` used to be accepted (float() parses
+    strings) while ``"abc"`` raised: every number is a real number now, and the
+    TypeError names the parameter."""
+    c = make_ctx(device)
+    before = host(c.cache.buffer).copy()
+    if bad is None and name == "sm_scale":
+        NUMBER_CALLS[name](c, bad)  # None: the default 1/sqrt(D)
+        return
+    with pytest.raises(TypeError, match=rf"^{name} must be a (positive finite|real) number"):
+        NUMBER_CALLS[name](c, bad)
+    np.testing.assert_array_equal(host(c.cache.buffer), before)
+    NUMBER_CALLS[name](c, np.float32(0.5) if name != "e2m1_max" else 6)  # numbers still work
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_lists_name_the_parameter(device):
+    """A ragged block table used to give NumPy's raw 'inhomogeneous shape' error and a
+    nested list for K '... got float64': both name the parameter now."""
+    c = make_ctx(device)
+    before = host(c.cache.buffer).copy()
+    q = c.arr(np.ones((2, H, D), F32))
+    with pytest.raises(ValueError, match=r"^block_tables must be a rectangular array: .*"
+                                         r"\[1, 3\].*pad"):
+        c.cache.decode_attention(q, [[0, 1, 2], [1]], [3, 3])
+    with pytest.raises(ValueError, match=r"^slot_mapping must be a rectangular array"):
+        c.cache.store([[0, 1], [2]], c.k, c.v)
+    k_list = np.ones((2, H, D)).tolist()
+    with pytest.raises(TypeError, match=r"^k must be an array .*got a Python list"):
+        c.cache.store(c.arr([0, 1], np.int64), k_list, k_list)
+    with pytest.raises(TypeError, match=r"^q must be an array .*got a Python list"):
+        c.cache.decode_attention(np.ones((2, H, D)).tolist(), [[0], [1]], [3, 3])
+    with pytest.raises(TypeError, match=r"^x must be an array .*got a Python tuple"):
+        fp4cache.quantize(tuple(np.ones((2, 64)).tolist()))
+    np.testing.assert_array_equal(host(c.cache.buffer), before)
+    # index arrays as lists still work
+    c.cache.decode_attention(q, [[0, 1], [1, -1]], [3, 3])
+    c.cache.gather_dequant([0, 1])
