@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 import math
+import os
 from typing import Any
 
 import numpy as np
@@ -18,6 +19,7 @@ from .formats import resolve_dtype
 
 __all__ = [
     "gpu_available",
+    "gpu_unavailable_reason",
     "is_cupy",
     "backend_of",
     "to_backend",
@@ -35,15 +37,55 @@ __all__ = [
 ]
 
 
-@functools.lru_cache(maxsize=1)
 def gpu_available() -> bool:
     """True when CuPy imports and sees at least one CUDA device."""
+    return gpu_unavailable_reason() is None
+
+
+def _cuda_version(v: int) -> str:
+    return f"{v // 1000}.{v % 1000 // 10}"
+
+
+@functools.lru_cache(maxsize=1)
+def gpu_unavailable_reason() -> str | None:
+    """``None`` when a GPU is usable, else what is missing, in words: CuPy (then the extra
+    to install), the NVIDIA driver, a driver new enough for CuPy's CUDA, or a GPU the
+    driver sees.  Memoized: the answer of the first call holds for the process."""
     try:
         import cupy
-
-        return cupy.cuda.runtime.getDeviceCount() > 0
-    except Exception:  # ImportError, no driver, no device: all mean "no GPU"
-        return False
+    except ImportError:
+        return ("CuPy is not installed: pip install 'fp4cache[cuda12]' (CUDA 12) or "
+                "'fp4cache[cuda13]' (CUDA 13)")
+    except Exception as e:  # noqa: BLE001 - a broken install: say what it raised
+        return f"CuPy is installed but fails to import ({type(e).__name__}: {e})"
+    runtime = cupy.cuda.runtime
+    try:
+        if runtime.getDeviceCount() > 0:
+            return None
+        err = "0 devices"
+    except Exception as e:  # noqa: BLE001 - CUDARuntimeError: why is said below
+        err = str(e)
+    try:
+        drv = int(runtime.driverGetVersion())
+    except Exception:  # noqa: BLE001 - no libcuda at all
+        drv = 0
+    have = f"CuPy {cupy.__version__} is installed"
+    if drv == 0:
+        return (f"{have}, but no NVIDIA driver was found (the CUDA runtime says: {err}): "
+                "install the NVIDIA driver "
+                "on a machine with an NVIDIA GPU (the CUDA extra cannot provide it)")
+    if "InsufficientDriver" in err:
+        try:
+            rt = _cuda_version(int(runtime.runtimeGetVersion()))
+        except Exception:  # noqa: BLE001
+            rt = "a newer CUDA"
+        return (f"{have}, built for CUDA {rt}, but the NVIDIA driver supports CUDA up to "
+                f"{_cuda_version(drv)} ({err}): update the driver, or install the CuPy of "
+                "an older CUDA (fp4cache[cuda12])")
+    vis = os.environ.get("CUDA_VISIBLE_DEVICES")
+    return (f"{have} and the NVIDIA driver (CUDA {_cuda_version(drv)}) is loaded, but it "
+            f"sees no GPU ({err}"
+            + (f"; CUDA_VISIBLE_DEVICES={vis!r}" if vis is not None else "") + ")")
 
 
 def is_cupy(a: Any) -> bool:
