@@ -616,3 +616,47 @@ def test_scratch_nbytes_counts_the_workspaces():
     scratch = {"a": plan, "b": plan._replace(keep=(np.zeros(1, np.float32),) * 3 + ws)}
     assert ca.scratch_nbytes(scratch) == 400 + 40 + 16 + 3 * 4
     assert ca.scratch_nbytes({}) == 0
+
+
+@pytest.mark.parametrize("dtype", [BF16, F16, F32])
+@pytest.mark.parametrize("return_lse", [False, True])
+@pytest.mark.parametrize("pages", [3, 70])  # one chunk; many (the CPU works in chunks)
+def test_nan_q_warns_nothing_and_stays_in_its_head(dtype, return_lse, pages):
+    """Issue 23: a NaN q on the CPU must not leak a NumPy RuntimeWarning ("All-NaN
+    slice encountered" was reported); run with warnings as errors.  NaN stays where it
+    belongs: the NaN query heads give NaN, every other head and a length-0 row are
+    exact as without the NaN."""
+    import warnings
+
+    T, H, D = 16, 2, 64
+    c = PagedKVCache(2 * pages + 1, T, H, D, device="cpu")
+    rng = np.random.default_rng(pages)
+    n = c.num_slots
+    c.store(np.arange(n), rng.standard_normal((n, H, D)).astype(F32),
+            rng.standard_normal((n, H, D)).astype(F32))
+    q = rng.standard_normal((4, 4 * H, D)).astype(F32)
+    clean = q.astype(dtype)
+    q[0, 3] = np.nan          # one query head of row 0
+    q[1] = np.nan             # every head of row 1
+    q[2, :, 5] = np.nan       # one channel of every head of row 2
+    q[3] = np.nan             # row 3 has length 0
+    q = q.astype(dtype)
+    tables = np.arange(4 * pages).reshape(4, pages) % c.num_blocks
+    lens = np.array([pages * T, pages * T - 5, 17, 0])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with np.errstate(all="raise"):  # NumPy's floating-point warnings raise too
+            got = c.decode_attention(q, tables, lens, return_lse=return_lse)
+    want = c.decode_attention(clean, tables, lens, return_lse=return_lse)
+    out, lse = got if return_lse else (got, None)
+    ref_out, ref_lse = want if return_lse else (want, None)
+    out, ref_out = out.astype(F32), ref_out.astype(F32)
+    assert np.isnan(out[0, 3]).all() and np.isnan(out[1]).all() and np.isnan(out[2]).all()
+    keep = np.ones(4 * H, bool)
+    keep[3] = False
+    assert np.array_equal(out[0, keep], ref_out[0, keep])
+    assert not out[3].any()
+    if return_lse:
+        assert np.isnan(lse[0, 3]) and np.isnan(lse[1]).all() and np.isnan(lse[2]).all()
+        assert np.array_equal(lse[0, keep], ref_lse[0, keep])
+        assert np.isneginf(lse[3]).all()
