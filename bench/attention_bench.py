@@ -5,8 +5,8 @@ Run on the GPU (from the repository root)::
 
     PYTHONPATH=. python3 bench/attention_bench.py --out $OUT/attention.json
 
-Uses bench.py's timing (spin kernel + batch between events, median of reps) and its
-host-time helper.  Every configuration is checked in the same run against a float32
+Uses timing.py's timing (spin kernel + batch between events, median of reps), copy
+ceiling and host-time helper.  Every configuration is checked in the same run against a float32
 reference (torch, exact softmax) over ``gather_dequant(..., dtype="float32")`` values.
 Bytes counted for the fused kernel: the NVFP4 page bytes it reads, K and V of every used
 (token, KV head): ``sum(seq_lens) * 2 * H * (D/2 + D/16)``; the block tables and q are
@@ -29,7 +29,7 @@ for _p in (str(_ROOT), str(_ROOT / "bench")):
     if _p not in sys.path:
         sys.path.insert(0, _p)
 
-from bench import BF16, Env  # noqa: E402
+from timing import BF16, Env, measure_copy  # noqa: E402
 
 #: issue 13's targets (printed, never asserted)
 TARGETS = {"speedup_sdpa": 2.5, "moonshot": 3.0, "frac_main": 0.80, "frac_mixed": 0.75,
@@ -57,15 +57,10 @@ class AttnBench:
         return self.env.time_calls(calls, reps=self.reps, batch=batch)["median_s"]
 
     def copy(self) -> None:
-        cp = self.cp
         n = 2 << 30
-        src = cp.arange(n // 8, dtype=np.int64).view(np.uint8)
-        dst = cp.empty_like(src)
-        t = self.time([lambda: dst.data.copy_from_device_async(src.data, n)], batch=3)
+        t = measure_copy(self.env, n, reps=self.reps)
         self.copy_gbps = 2 * n / t / 1e9
         log(f"copy 2 GiB D2D: {t * 1e6:.1f} us, {self.copy_gbps:.0f} GB/s (read + write)")
-        src = dst = None  # noqa: F841 - release the buffers
-        cp.get_default_memory_pool().free_all_blocks()
 
     def cache_for(self, B, lens, H, D, T, seed):
         """A cache holding random realistic K/V for B sequences of `lens` tokens in random
@@ -155,11 +150,13 @@ class AttnBench:
         sm_scale = 1.0 / np.sqrt(D)
         q = self.env.randn_bf16((B, Hq, D), seed + 7)
         out = cp.empty((B, Hq, D), dtype=BF16)
-        scratch: dict = {}
+        from fp4cache import _cupy_attention as ca
+
+        scratch = ca.new_scratch()
         call = self.fused(cache, q, tab, lensd, out, scratch, sm_scale)
         call()
         cp.cuda.Device().synchronize()
-        plan = next(iter(scratch.values()))
+        plan = ca.attention_plans(scratch)[0]
         t = self.time([call], batch=10 if int(np.sum(lens)) > 100000 else 40)
         nbytes = int(np.sum(lens)) * cache.geometry.bytes_per_token
         gbps = nbytes / t / 1e9

@@ -28,7 +28,7 @@ for _p in (str(_ROOT), str(_ROOT / "bench")):
     if _p not in sys.path:
         sys.path.insert(0, _p)
 
-from bench import BF16, Env  # noqa: E402
+from timing import BF16, Env  # noqa: E402
 
 
 def parse_case(text: str):
@@ -106,7 +106,7 @@ def run_case(cp, ca, K, env, case, variants, args) -> None:
         K.decode_attention_spec = spec_for
         try:
             out = cp.full(q.shape, np.nan, dtype=BF16)
-            scratch: dict = {}
+            scratch = ca.new_scratch()
 
             def call(out=out, scratch=scratch):
                 ca.decode_attention(cache.buffer, q, tab, lensd, out, None,
@@ -114,7 +114,7 @@ def run_case(cp, ca, K, env, case, variants, args) -> None:
                                     sm_scale=sm_scale, stats=cache._stats, scratch=scratch)
             call()
             cp.cuda.Device().synchronize()
-            plan = next(iter(scratch.values()))
+            plan = ca.attention_plans(scratch)[0]
             err = float("nan")
             if ref is not None:
                 got = out.astype(cp.float32)

@@ -3,14 +3,18 @@ kernel of ``kernels/decode_attention.cu``, launched on CuPy's current stream.
 
 The front end validates the arguments and calls :func:`decode_attention`.  Everything a
 launch needs that does not change from call to call (the kernel, the grid, the packed
-``AttnParams`` struct, the split-KV workspace and the merge tickets) is prepared once per
-signature and kept in the ``scratch`` dictionary that the cache owns; a call with a
-known signature is one dictionary lookup and one ``RawKernel`` launch, no allocation and
-no synchronization, so it can be captured in a CUDA graph.
+``AttnParams`` struct) is prepared once per signature and kept in the owner's plan cache
+(``scratch.plans``, bounded); the split-KV partials and merge tickets are views of the
+owner's one workspace (``scratch.workspace``, :class:`fp4cache._plans.Workspace`), shared
+by every plan, so a plan owns no device memory.  A call with a known signature is one
+lookup and one ``RawKernel`` launch, no allocation and no synchronization, so it can be
+captured in a CUDA graph.
 
 Split-KV: each (sequence, KV head) is cut into ``nsplit`` splits of ``split_len`` tokens,
 chosen on the host from the shapes only (batch, KV heads, block-table capacity), never
-from the sequence lengths (no device-to-host copy): :func:`split_plan`.
+from the sequence lengths (no device-to-host copy): :func:`split_plan`.  The workspace a
+launch takes is :func:`workspace_parts`; :func:`workspace_bound` is the most that any call
+within a cache's hints can take (what the cache reserves at construction).
 """
 
 from __future__ import annotations
@@ -23,9 +27,12 @@ import numpy as np
 from . import _abi
 from . import _kernels as K
 from ._device import num_sms
+from ._plans import PlanCache, Scratch, Workspace
+from .attention import MAX_GROUP
 from .layout import PageGeometry
 
-__all__ = ["decode_attention", "attention_runner", "scratch_nbytes", "split_plan",
+__all__ = ["decode_attention", "attention_runner", "attention_plans", "new_scratch",
+           "split_plan", "max_splits", "workspace_parts", "workspace_bound",
            "dequant_table", "bytes_read", "ATTN_PARAMS_DTYPE", "SPLIT_TOKENS",
            "MIN_SPLIT_TOKENS", "CTA_TOKENS", "MERGE_TOKENS", "splits_of"]
 
@@ -112,6 +119,39 @@ def split_plan(batch: int, kv_heads: int, capacity: int, resident_ctas: int,
     return best[1]
 
 
+def max_splits(capacity: int, spec: K.Spec | None = None) -> int:
+    """The most splits :func:`split_plan` can choose for ``capacity`` tokens on any GPU:
+    ``FP4C_ATTN_MAX_SPLITS``, and (more than one split being at least
+    :data:`MIN_SPLIT_TOKENS` long) ``ceil(capacity / MIN_SPLIT_TOKENS)``."""
+    tune = dict(K.TUNING if spec is None else spec.tuning)
+    return max(1, min(tune["FP4C_ATTN_MAX_SPLITS"], _ceil(int(capacity), MIN_SPLIT_TOKENS)))
+
+
+def workspace_parts(batch: int, kv_heads: int, nsplit: int, group: int,
+                    head_dim: int) -> tuple[tuple, int]:
+    """``(parts, tickets)`` of one launch for :meth:`~fp4cache._plans.Workspace.get`:
+    with more than one split, the float32 partial outputs ``[B*H*nsplit, group*D]``, the
+    partial ``(m, l)`` ``[B*H*nsplit, MAX_GROUP, 2]`` and one merge ticket per (sequence,
+    KV head); nothing with one split (the kernel then touches none of them)."""
+    if nsplit <= 1:
+        return (), 0
+    rows = batch * kv_heads * nsplit
+    return (((rows, group * head_dim), np.float32), ((rows, MAX_GROUP, 2), np.float32)), \
+        batch * kv_heads
+
+
+def workspace_bound(geom: PageGeometry, max_batch_size: int, max_seq_len: int,
+                    num_query_heads: int) -> tuple[int, int]:
+    """``(scratch_bytes, tickets)`` that cover every call with ``B <= max_batch_size``,
+    block tables of at most ``ceil(max_seq_len / block_size)`` columns and
+    ``Hq <= num_query_heads`` (on any GPU: :func:`max_splits`)."""
+    T, H = geom.block_size, geom.num_heads
+    nsplit = max_splits(_ceil(max_seq_len, T) * T)
+    parts, tickets = workspace_parts(max_batch_size, H, nsplit, max(1, num_query_heads // H),
+                                     geom.head_dim)
+    return Workspace.layout(parts)[1], tickets
+
+
 def _resident_ctas(fn, spec: K.Spec) -> int:
     """CTAs of ``fn`` that fit on the whole device at once (registers, shared memory)."""
     sms = num_sms()
@@ -128,11 +168,11 @@ class _AttnPlan(NamedTuple):
     grid: tuple[int, int, int]  # (nsplit, H, B); launched as one dimension, split fastest
     block: tuple[int]
     params: Any  # np.void of ATTN_PARAMS_DTYPE
-    keep: tuple  # the device arrays and objects the params point to
+    keep: tuple  # the owner's arrays the params point to (pool, counters, geometry)
 
 
 def _make_plan(buffer, q, block_tables, seq_lens, geom: PageGeometry, k_s, v_s, sm_scale,
-               stats) -> _AttnPlan:
+               stats, workspace: Workspace) -> _AttnPlan:
     B, Hq, D = q.shape
     H, T = geom.num_heads, geom.block_size
     if D != geom.head_dim:
@@ -142,8 +182,8 @@ def _make_plan(buffer, q, block_tables, seq_lens, geom: PageGeometry, k_s, v_s, 
     if Hq % H:
         raise ValueError(f"q.shape[1] = {Hq} must be a multiple of num_heads = {H}")
     group = Hq // H
-    if not 1 <= group <= 16:
-        raise ValueError(f"query heads per KV head must be 1..16, got {group}")
+    if not 1 <= group <= MAX_GROUP:
+        raise ValueError(f"query heads per KV head must be 1..{MAX_GROUP}, got {group}")
     if B > 65535 or H > 65535:
         raise ValueError(f"batch and num_heads must be <= 65535, got {B} and {H}")
     max_blocks = int(block_tables.shape[1])
@@ -163,16 +203,17 @@ def _make_plan(buffer, q, block_tables, seq_lens, geom: PageGeometry, k_s, v_s, 
     fn = K.get_kernel(spec)
     sp = split_plan(B, H, max_blocks * T, _resident_ctas(fn, spec), spec)
     nsplit, split_len = sp
-    ws_o = cupy.empty(B * H * nsplit * group * D if nsplit > 1 else 1, dtype=np.float32)
-    ws_ml = cupy.empty(B * H * nsplit * 16 * 2 if nsplit > 1 else 1, dtype=np.float32)
-    counters = cupy.zeros(max(1, B * H), dtype=np.uint32)
+    parts, tickets = workspace_parts(B, H, nsplit, group, D)
+    views = workspace.get(parts, tickets=tickets, hint=(
+        f"max_batch_size >= {B}, max_seq_len >= {max_blocks * T}, num_query_heads >= {Hq}"))
+    ws_o, ws_ml, counters = (a.data.ptr for a in views) if views else (0, 0, 0)
     td, tm, ts = _abi.fastdiv(T)
     hnd = geom.layout == "HND"
     qk = np.float32(float(sm_scale) * float(np.float32(k_s)) * 128.0 * _LOG2E)
     p = np.zeros((), dtype=ATTN_PARAMS_DTYPE)
     for name, value in (
-            ("buffer", buffer.data.ptr), ("ws_o", ws_o.data.ptr), ("ws_ml", ws_ml.data.ptr),
-            ("counters", counters.data.ptr), ("stats", stats.data.ptr),
+            ("buffer", buffer.data.ptr), ("ws_o", ws_o), ("ws_ml", ws_ml),
+            ("counters", counters), ("stats", stats.data.ptr),
             ("num_blocks", buffer.shape[0]), ("side_bytes", geom.side_bytes),
             ("data_bytes", geom.data_bytes), ("H", H), ("group", group), ("T", td),
             ("t_m", tm), ("t_s", ts), ("max_blocks", max_blocks), ("split_len", split_len),
@@ -183,20 +224,20 @@ def _make_plan(buffer, q, block_tables, seq_lens, geom: PageGeometry, k_s, v_s, 
             ("out_scale", np.float32(float(np.float32(v_s)) * 128.0))):
         p[name] = value
     threads = 32 * spec.tune("FP4C_ATTN_WARPS")
-    return _AttnPlan(fn, (nsplit, H, B), (threads,), p[()],
-                     (ws_o, ws_ml, counters, buffer, stats, geom))
+    return _AttnPlan(fn, (nsplit, H, B), (threads,), p[()], (buffer, stats, geom))
 
 
-def _plan_key(buffer, q, block_tables, seq_lens, geom, k_s, v_s, sm_scale, stats,
-              stream_ptr) -> tuple:
-    # id(geom): the plan keeps geom alive, so the id is not reused while the key exists
-    return (buffer.data.device_id, stream_ptr, buffer.data.ptr, buffer.shape[0], id(geom),
-            q.shape, q.dtype, block_tables.shape[1], block_tables.dtype, seq_lens.dtype,
-            float(k_s), float(v_s), float(sm_scale), stats.data.ptr)
+def _plan_key(buffer, q, block_tables, seq_lens, geom, k_s, v_s, sm_scale, stats) -> tuple:
+    # id(geom): the plan keeps geom alive, so the id is not reused while the key exists.
+    # No stream: the workspace is the owner's, shared by every stream (calls on different
+    # streams are ordered by the caller, see Workspace).
+    return ("attention-plan", buffer.data.device_id, buffer.data.ptr, buffer.shape[0],
+            id(geom), q.shape, q.dtype, block_tables.shape[1], block_tables.dtype,
+            seq_lens.dtype, float(k_s), float(v_s), float(sm_scale), stats.data.ptr)
 
 
 def decode_attention(buffer, q, block_tables, seq_lens, out, lse, *, geom: PageGeometry, k_s,
-                     v_s, sm_scale, stats, scratch: dict) -> None:
+                     v_s, sm_scale, stats, scratch) -> None:
     """Paged decode attention over the NVFP4 page pool ``buffer`` (see the module doc).
 
     Parameters
@@ -215,9 +256,15 @@ def decode_attention(buffer, q, block_tables, seq_lens, out, lse, *, geom: PageG
     geom, k_s, v_s, sm_scale, stats
         Page geometry, global K/V scales, score scale, the cache's counters (index 3
         counts bad block ids among the used entries, once per entry and call).
-    scratch : dict
-        Owned by the cache: prepared launches and workspaces, keyed by signature, device
-        and stream.
+    scratch : CacheState or Scratch
+        The owner's ``plans`` (prepared launches, by signature) and ``workspace``
+        (split-KV partials and merge tickets, see :func:`workspace_parts`).
+
+    Raises
+    ------
+    RuntimeError
+        The launch needs more workspace than the owner holds while the current stream
+        is capturing a CUDA graph.
     """
     if q.shape[0] == 0:
         return
@@ -227,17 +274,17 @@ def decode_attention(buffer, q, block_tables, seq_lens, out, lse, *, geom: PageG
 
 
 def attention_runner(buffer, q, block_tables, seq_lens, *, geom: PageGeometry, k_s, v_s,
-                     sm_scale, stats, scratch: dict):
+                     sm_scale, stats, scratch):
     """``run(q, block_tables, seq_lens, out, lse)``: :func:`decode_attention` for arrays
     like these (shapes, dtypes) on the current stream, prepared once (the front end keeps
     it for its hot path: one launch, nothing else)."""
-    stream_ptr = cupy.cuda.get_current_stream().ptr
-    key = _plan_key(buffer, q, block_tables, seq_lens, geom, k_s, v_s, sm_scale, stats,
-                    stream_ptr)
-    plan = scratch.get(key)
+    key = _plan_key(buffer, q, block_tables, seq_lens, geom, k_s, v_s, sm_scale, stats)
+    plans = scratch.plans
+    plan = plans.get(key)
     if plan is None:
-        plan = _make_plan(buffer, q, block_tables, seq_lens, geom, k_s, v_s, sm_scale, stats)
-        scratch[key] = plan
+        plan = _make_plan(buffer, q, block_tables, seq_lens, geom, k_s, v_s, sm_scale, stats,
+                          scratch.workspace)
+        plans.put(key, plan)
     nsplit, H, B = plan.grid
     fn, grid, block, params, zero = plan.fn, (nsplit * H * B,), plan.block, plan.params, \
         np.uint64(0)
@@ -248,10 +295,17 @@ def attention_runner(buffer, q, block_tables, seq_lens, *, geom: PageGeometry, k
     return run
 
 
-def scratch_nbytes(scratch: dict) -> int:
-    """Device bytes of the workspaces and merge tickets the plans in ``scratch`` hold."""
-    return sum(a.nbytes for plan in scratch.values() if isinstance(plan, _AttnPlan)
-               for a in plan.keep[:3])
+def attention_plans(scratch) -> list[_AttnPlan]:
+    """The prepared decode-attention launches in ``scratch.plans``, least recently used
+    first (tests and benchmarks read their grids)."""
+    return [p for p in scratch.plans.values() if isinstance(p, _AttnPlan)]
+
+
+def new_scratch(device: int | None = None) -> Scratch:
+    """A plan cache and a workspace of their own on ``device`` (default: the current one),
+    for calling :func:`decode_attention` outside a cache (tests, benchmarks)."""
+    return Scratch(PlanCache(), Workspace(cupy.cuda.runtime.getDevice() if device is None
+                                          else device))
 
 
 def dequant_table(e4m3_cvt: bool = True) -> np.ndarray:

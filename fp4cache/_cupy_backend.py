@@ -16,6 +16,8 @@ the cache.  :func:`store_plan` and :func:`gather_plan` prepare one launch sequen
 everything it depends on (shapes, strides, dtypes, pointer alignment, the state's device
 and buffers): a plan is an immutable callable, so a decode step costs one dictionary
 lookup and one kernel launch of host time, and two threads may share plans and a stream.
+Plans hold no device memory of their own: what a kernel needs between calls lives in the
+state (the decode attention's split-KV workspace in ``CacheState.workspace``).
 Nothing here synchronizes with the host or allocates once a plan exists, so calls can
 be captured in CUDA graphs.  Non-contiguous K/V (any token and head strides) are read
 in place; pointers or strides that are not 16-byte aligned select the ``_scalar``
@@ -35,6 +37,7 @@ from . import _abi
 from . import _kernels as K
 from ._cupy_attention import attention_runner, decode_attention
 from ._device import num_sms
+from ._plans import PlanCache, Workspace
 from .layout import GROUP, PageGeometry
 
 __all__ = [
@@ -184,35 +187,13 @@ def _os_table_values(k_s: float, v_s: float) -> np.ndarray:
     return np.concatenate(out)
 
 
-class _Plans:
-    """A bounded map of prepared launches (oldest dropped first); safe to share between
-    threads (single dict operations, immutable values)."""
-
-    def __init__(self, maxsize: int = 256) -> None:
-        self._d: dict = {}
-        self.maxsize = maxsize
-
-    def get(self, key):
-        return self._d.get(key)
-
-    def put(self, key, value) -> None:
-        d = self._d
-        while len(d) >= self.maxsize:
-            try:
-                d.pop(next(iter(d)), None)
-            except (StopIteration, RuntimeError):  # emptied or resized by another thread
-                break
-        d[key] = value
-
-    def __len__(self) -> int:
-        return len(self._d)
-
-
 class CacheState:
     """The GPU resources one :class:`~fp4cache.PagedKVCache` owns, all on ``device``: the
     page pool, the uint64 counters, the encode table of its scales, the uint32
-    duplicate-slot claim table (one entry per slot, zero between calls) and its launch
-    plans.  Freed with the cache."""
+    duplicate-slot claim table (one entry per slot, zero between calls), its launch
+    plans (:class:`~fp4cache._plans.PlanCache`, bounded) and the workspace its kernels
+    share (:class:`~fp4cache._plans.Workspace`).  Freed with the cache.  It is also the
+    ``scratch`` of :func:`decode_attention` (it has ``plans`` and ``workspace``)."""
 
     def __init__(self, device: int, geom: PageGeometry, num_blocks: int, k_s, k_g, v_s,
                  v_g, *, buffer=None, stats=None, tables: bool = True) -> None:
@@ -229,13 +210,15 @@ class CacheState:
             self.os_tab = cupy.asarray(_os_table_values(k_s, v_s)) if tables else None
             self.claim = (cupy.zeros(num_blocks * geom.block_size, dtype=np.uint32)
                           if tables else None)
-        self.plans = _Plans()
+        self.plans = PlanCache()
+        self.workspace = Workspace(device)
 
     @property
     def nbytes(self) -> int:
-        """Device bytes held: pool, counters, encode table and claim table."""
-        return sum(a.nbytes for a in (self.buffer, self.stats, self.os_tab, self.claim)
-                   if a is not None)
+        """Device bytes held: pool, counters, encode table, claim table and workspace."""
+        return self.workspace.nbytes + sum(
+            a.nbytes for a in (self.buffer, self.stats, self.os_tab, self.claim)
+            if a is not None)
 
 
 def _noop(*args) -> None:

@@ -324,7 +324,7 @@ def decode_attention(buffer, q, block_tables, seq_lens, out, lse, *, geom: PageG
     block_tables : (B, max_blocks) int; entries past ``ceil(seq_lens[b] / T)`` are not read.
     seq_lens : (B,) int; clamped to ``[0, max_blocks * T]`` (the front end refuses others).
     out : (B, Hq, D), written in its dtype; lse : (B, Hq) float32 or None.
-    scratch : unused (the GPU backend keeps its plans there).
+    scratch : unused (the GPU backend takes its plans and workspace from it).
 
     K and V are the float32 values :func:`gather_dequant` returns; scores, softmax and
     the weighted sum are computed in float64 (online softmax over chunks of pages, all

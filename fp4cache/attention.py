@@ -1,8 +1,9 @@
 """Decode attention over the NVFP4 pages of a :class:`~fp4cache.PagedKVCache`.
 
 The front end of ``PagedKVCache.decode_attention``: argument checks (the exceptions of
-``docs/errors.md``), the GPU hot path for repeated argument signatures, and the call
-into the backend (``_numpy_backend.decode_attention`` or the CUDA kernels), which both
+``docs/errors.md``), the prepared launches of the GPU hot path for repeated argument
+signatures (:func:`signature`; the cache runs them), and the call into the backend
+(``_numpy_backend.decode_attention`` or the CUDA kernels), which both
 compute ``softmax(sm_scale * q K^T) V`` over the values ``gather_dequant`` returns.
 """
 
@@ -19,8 +20,9 @@ from .formats import resolve_dtype
 
 if TYPE_CHECKING:
     from .cache import PagedKVCache
+    from .layout import PageGeometry
 
-__all__ = ["MAX_GROUP", "decode_attention"]
+__all__ = ["MAX_GROUP", "decode_attention", "signature", "workspace_hints"]
 
 #: Largest GQA group (query heads per KV head) the kernels serve from one K/V load.
 MAX_GROUP = 16
@@ -40,29 +42,14 @@ class _Args(NamedTuple):
 def decode_attention(cache: PagedKVCache, q: Any, block_tables: Any, seq_lens: Any,
                      sm_scale: float | None = None, out: Any = None, lse_out: Any = None,
                      return_lse: bool = False, validate: bool | None = None):
-    """Implementation of :meth:`PagedKVCache.decode_attention` (see its docstring); the
-    method passes every argument by position (the hot path counts microseconds)."""
+    """The checked path of :meth:`PagedKVCache.decode_attention` (see its docstring), run
+    with the cache's device current.  On the GPU without validation it leaves the
+    prepared launch of these arguments in the cache's plans, under :func:`signature`:
+    the method's hot path (``PagedKVCache._hot``) runs it for the next call like this."""
     if validate.__class__ not in _FLAG or return_lse.__class__ is not bool:
         validate = _arrays.check_bool(validate, "validate", optional=True)
         return_lse = _arrays.check_bool(return_lse, "return_lse")
     check = cache.validate if validate is None else validate
-    sig = None
-    if not check and cache.device == "cuda":
-        # Hot path of a decode step: arguments whose kind, shape, dtype and strides were
-        # fully checked before go straight to the backend.
-        sig = _signature(q, block_tables, seq_lens, sm_scale, out, lse_out, return_lse)
-        try:
-            hit = cache._state.plans.get(sig) if sig is not None else None
-        except TypeError:  # an unhashable sm_scale just takes the checked path
-            hit = sig = None
-        if hit is not None:  # the prepared launch of a checked call like this one
-            if out is None:
-                out = _cupy().empty(q.shape, dtype=q.dtype)
-            if return_lse and lse_out is None:
-                lse_out = _cupy().empty(q.shape[:2], dtype=np.float32)
-            if q.shape[0]:
-                hit(q, block_tables, seq_lens, out, lse_out)
-            return (out, lse_out) if return_lse else out
     a = _check_args(cache, q, block_tables, seq_lens, sm_scale, out, lse_out, return_lse)
     if check or cache.device == "cpu":
         _check_values(cache, a.block_tables, a.seq_lens, block_ids=check)
@@ -74,21 +61,49 @@ def decode_attention(cache: PagedKVCache, q: Any, block_tables: Any, seq_lens: A
         return (a.out, a.lse) if return_lse else a.out
     run = cache._impl.attention_runner(
         cache.buffer, a.q, a.block_tables, a.seq_lens, geom=cache.geometry, k_s=cache._k_s,
-        v_s=cache._v_s, sm_scale=a.sm_scale, stats=cache._stats, scratch=cache._attn_scratch)
+        v_s=cache._v_s, sm_scale=a.sm_scale, stats=cache._stats, scratch=cache._state)
     run(a.q, a.block_tables, a.seq_lens, a.out, a.lse)
-    if (sig is not None and a.q is q and a.block_tables is block_tables
+    if (not check and a.q is q and a.block_tables is block_tables
             and a.seq_lens is seq_lens and (out is None or a.out is out)
             and (lse_out is None or a.lse is lse_out)):
-        cache._state.plans.put(sig, run)
+        sig = signature(q, block_tables, seq_lens, sm_scale, out, lse_out, return_lse)
+        if sig is not None:
+            cache._state.plans.put(sig, _hot_launch(run, return_lse))
     return (a.out, a.lse) if return_lse else a.out
 
 
 def _launch(cache: PagedKVCache, q, block_tables, seq_lens, out, lse, sm_scale: float) -> None:
     cache._impl.decode_attention(
         cache.buffer, q, block_tables, seq_lens, out, lse, geom=cache.geometry,
-        k_s=cache._k_s, v_s=cache._v_s, sm_scale=sm_scale, stats=cache._stats,
-        scratch=cache._attn_scratch,
+        k_s=cache._k_s, v_s=cache._v_s, sm_scale=sm_scale, stats=cache._stats, scratch=None,
     )
+
+
+def workspace_hints(geom: PageGeometry, num_blocks: int, max_batch_size, max_seq_len,
+                     num_query_heads) -> dict[str, int]:
+    """The checked workspace hints of a cache (``PagedKVCache(max_batch_size=...,
+    max_seq_len=..., num_query_heads=...)``) with their defaults: the pool's tokens and
+    the largest GQA group; empty without ``max_batch_size``."""
+    given = {"max_batch_size": max_batch_size, "max_seq_len": max_seq_len,
+             "num_query_heads": num_query_heads}
+    for name, val in given.items():
+        if val is not None and (not isinstance(val, (int, np.integer))
+                                or isinstance(val, bool) or val <= 0):
+            raise ValueError(f"{name} must be a positive integer or None, got {val!r}")
+    if max_batch_size is None:
+        if max_seq_len is not None or num_query_heads is not None:
+            raise ValueError("max_seq_len and num_query_heads size the decode-attention "
+                             "workspace together with max_batch_size: pass it too")
+        return {}
+    H = geom.num_heads
+    hq = H * MAX_GROUP if num_query_heads is None else int(num_query_heads)
+    if hq % H or hq // H > MAX_GROUP:
+        raise ValueError(f"num_query_heads must be a multiple of num_heads ({H}) of at most "
+                         f"{MAX_GROUP} * num_heads, got {num_query_heads}")
+    return {"max_batch_size": int(max_batch_size),
+            "max_seq_len": int(num_blocks * geom.block_size if max_seq_len is None
+                               else max_seq_len),
+            "num_query_heads": hq}
 
 
 # -- checks --------------------------------------------------------------------------------
@@ -219,11 +234,31 @@ def _cupy():
     return cupy
 
 
-def _signature(q, block_tables, seq_lens, sm_scale, out, lse_out, return_lse: bool):
+def _hot_launch(run, return_lse: bool):
+    """What the hot path runs for a signature: ``hot(q, block_tables, seq_lens, out,
+    lse_out)`` allocates the outputs not given (on the current device) and launches."""
+    empty = _cupy().empty
+    f32 = np.dtype(np.float32)
+
+    def hot(q, block_tables, seq_lens, out, lse_out):
+        if out is None:
+            out = empty(q.shape, dtype=q.dtype)
+        if return_lse:
+            if lse_out is None:
+                lse_out = empty(q.shape[:2], dtype=f32)
+            run(q, block_tables, seq_lens, out, lse_out)
+            return out, lse_out
+        run(q, block_tables, seq_lens, out, None)
+        return out
+
+    return hot
+
+
+def signature(q, block_tables, seq_lens, sm_scale, out, lse_out, return_lse):
     """What the checks above depend on (kinds, shapes, dtypes, strides, devices, the
-    scale), or None for arguments that are not all CuPy arrays."""
-    cupy = _cupy()
-    nd = cupy.ndarray
+    scale), or None for arguments that are not all CuPy arrays or an unhashable scale.
+    The stream is not part of it: the workspace is the cache's, one for every stream."""
+    nd = _cupy().ndarray
     if type(q) is not nd or type(block_tables) is not nd or type(seq_lens) is not nd:
         return None
     if out is None:
@@ -239,8 +274,11 @@ def _signature(q, block_tables, seq_lens, sm_scale, out, lse_out, return_lse: bo
              lse_out.data.ptr & 15)
     else:
         return None
+    try:
+        hash(sm_scale)
+    except TypeError:
+        return None
     return ("decode_attention", q.shape, q.dtype, q.strides, q.data.device_id,
             q.data.ptr & 15, block_tables.shape, block_tables.dtype, block_tables.strides,
             block_tables.data.device_id, seq_lens.shape, seq_lens.dtype, seq_lens.strides,
-            seq_lens.data.device_id, type(sm_scale), sm_scale, return_lse, o, e,
-            cupy.cuda.get_current_stream().ptr)  # the prepared launch's workspace: per stream
+            seq_lens.data.device_id, type(sm_scale), sm_scale, bool(return_lse), o, e)

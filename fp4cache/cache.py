@@ -1,4 +1,9 @@
-"""``PagedKVCache``: a paged NVFP4 KV cache in vLLM's byte layout."""
+"""``PagedKVCache``: a paged NVFP4 KV cache in vLLM's byte layout.
+
+Over 600 lines because the public class keeps its NumPy docstrings and examples with its
+methods; the work is elsewhere (argument checks in ``_arrays``, attention in
+``attention``, the backends, plans and workspace in ``_plans``).
+"""
 
 from __future__ import annotations
 
@@ -20,6 +25,8 @@ __all__ = ["PagedKVCache"]
 _STAT = _abi.STAT
 _NO_GUARD = contextlib.nullcontext()
 _FLAG = (bool, type(None))  # classes of an optional flag that need no check
+#: What :meth:`PagedKVCache._hot` returns when no launch is prepared for a signature.
+_MISS = object()
 
 
 def _store_signature(slot_mapping, k, v, unique_slots):
@@ -122,6 +129,15 @@ class PagedKVCache:
         synchronization to save): ``validate=False`` here has no effect there and warns
         (``UserWarning``); a per-call ``validate=False`` of :meth:`store` or
         :meth:`gather_dequant` reproduces the GPU's deferred behaviour, for tests.
+    max_batch_size, max_seq_len, num_query_heads : int, optional
+        Workspace hints (GPU; kept but unused on the CPU): the largest batch ``B``, the
+        longest sequence (block tables of up to ``ceil(max_seq_len / block_size)``
+        columns; default ``num_blocks * block_size``) and the most query heads ``Hq``
+        (default ``16 * num_heads``, the largest GQA group) of the
+        :meth:`decode_attention` calls to come.  Given ``max_batch_size``, the cache
+        reserves at construction the split-KV workspace that every such call needs, on
+        any GPU, so those calls never allocate it (CUDA-graph capture, see below).
+        Without hints the workspace grows to the largest call seen.
 
     Attributes
     ----------
@@ -138,6 +154,19 @@ class PagedKVCache:
     Kernels run on CuPy's current stream; calls on one stream are ordered.  Use events
     to order a ``store`` on one stream before a ``gather_dequant`` on another.
 
+    Memory and CUDA graphs (GPU).  Besides the pool the cache holds a few small tables,
+    at most 256 prepared launches (host objects, least recently used dropped first) and
+    one workspace for :meth:`decode_attention`'s split-KV partials and merge tickets,
+    shared by every call: its size is what the hints ask for, or grows (at least
+    doubling) to the largest call seen; :attr:`nbytes` and ``repr`` show it.  Nothing a
+    captured graph may use is freed or moved while the cache lives: outgrown workspace
+    buffers are kept (together at most the size of the current one) until
+    :meth:`release_workspace`.  A call that needs more workspace than the cache holds
+    while the current stream is capturing raises ``RuntimeError`` naming the hints to
+    raise; run each shape once before capturing, or give the hints.  Calls of
+    :meth:`decode_attention` on different streams share the workspace: order them
+    (events), as with FlashInfer's workspace buffer.
+
     Examples
     --------
     >>> import numpy as np, fp4cache
@@ -151,7 +180,8 @@ class PagedKVCache:
     def __init__(self, num_blocks: int, block_size: int, num_heads: int, head_dim: int, *,
                  layout: str = "HND", scale_rule: str = "static6", k_scale: float = 1.0,
                  v_scale: float = 1.0, swizzle_v_scales: bool = True, device: str | None = None,
-                 validate: bool | None = None) -> None:
+                 validate: bool | None = None, max_batch_size: int | None = None,
+                 max_seq_len: int | None = None, num_query_heads: int | None = None) -> None:
         swizzle_v_scales = _arrays.check_bool(swizzle_v_scales, "swizzle_v_scales")
         validate = _arrays.check_bool(validate, "validate", optional=True)
         geom = PageGeometry(num_heads, block_size, head_dim, layout, swizzle_v_scales)
@@ -177,17 +207,52 @@ class PagedKVCache:
                           "always checks slot and block ids on the host, before writing",
                           UserWarning, stacklevel=2)
         self.validate = True if kind == "cpu" else bool(validate)
-        self._state = None  # GPU: pool, counters, tables and launch plans (CacheState)
+        self._hints = attention.workspace_hints(geom, self.num_blocks, max_batch_size, max_seq_len,
+                                       num_query_heads)
+        self._state = None  # GPU: pool, counters, tables, plans, workspace (CacheState)
         if kind == "cuda":
             self._state = self._impl.CacheState(index, geom, self.num_blocks, self._k_s,
                                                 self._k_g, self._v_s, self._v_g)
             self.buffer = self._state.buffer
             self._stats = self._state.stats
+            self._reserve_workspace()
         else:
             self.buffer = np.zeros((self.num_blocks, 2, geom.side_bytes), dtype=np.uint8)
             self._stats = np.zeros(len(_abi.STAT_NAMES), dtype=np.uint64)
-        # The backend's decode-attention plans and workspace (see fp4cache/attention.py).
-        self._attn_scratch: dict[Any, Any] = {}
+
+    def _reserve_workspace(self) -> None:
+        """The split-KV workspace every call within the hints needs (none without hints)."""
+        if not self._hints:
+            return
+        from ._cupy_attention import workspace_bound
+
+        nbytes, tickets = workspace_bound(self.geometry, **self._hints)
+        with DeviceGuard(self.device_id):
+            self._state.workspace.reserve(nbytes, tickets, hint=", ".join(
+                f"{k}={v}" for k, v in self._hints.items()))
+
+    def release_workspace(self) -> None:
+        """Free the decode-attention workspace and drop the prepared launches (GPU).
+
+        Synchronizes the device first.  CUDA graphs captured before this call must not
+        be replayed after it (their workspace is gone); the next calls prepare their
+        launches again and take a new workspace as they need it (the hints' reservation
+        is made again).  The only call that frees memory a graph may use; the CPU
+        backend has nothing to free.
+        """
+        st = self._state
+        if st is None:
+            return
+        with DeviceGuard(self.device_id):
+            st.workspace.release()
+            st.plans.clear()
+            self._reserve_workspace()
+
+    @property
+    def workspace_hints(self) -> dict[str, int]:
+        """The workspace hints in force (``max_batch_size``, ``max_seq_len``,
+        ``num_query_heads``), empty without ``max_batch_size``."""
+        return dict(self._hints)
 
     # -- properties ---------------------------------------------------------------------
     @property
@@ -232,17 +297,32 @@ class PagedKVCache:
     @property
     def nbytes(self) -> int:
         """Memory the cache owns, in bytes: the page pool, plus on the GPU its counters,
-        encode table, duplicate-slot claim table (4 bytes per slot) and the split-KV
-        workspaces of :meth:`decode_attention` (one per call signature and stream, kept
-        for the cache's lifetime so that captured CUDA graphs stay valid)."""
+        encode table, duplicate-slot claim table (4 bytes per slot) and the workspace of
+        :meth:`decode_attention` (:attr:`workspace_nbytes`)."""
         if self._state is not None:
-            from ._cupy_attention import scratch_nbytes
-
-            return self._state.nbytes + scratch_nbytes(self._attn_scratch)
+            return self._state.nbytes
         return self.buffer.nbytes + self._stats.nbytes
+
+    @property
+    def workspace_nbytes(self) -> int:
+        """Device bytes of the decode-attention workspace: what the hints reserved or the
+        largest call needed, plus outgrown buffers kept for graphs (0 on the CPU)."""
+        return 0 if self._state is None else self._state.workspace.nbytes
 
     def _guard(self):
         return DeviceGuard(self.device_id) if self._state is not None else _NO_GUARD
+
+    def _hot(self, sig, *args):
+        """The hot path of every GPU method: the launch an earlier checked call prepared
+        for signature ``sig`` (in the cache's plans), run with the cache's GPU current
+        (switching only when another is), else ``_MISS``."""
+        run = self._state.plans.get(sig)
+        if run is None:
+            return _MISS
+        if _get_device()() == self.device_id:
+            return run(*args)
+        with DeviceGuard(self.device_id):
+            return run(*args)
 
     @property
     def stats(self) -> dict[str, int]:
@@ -344,14 +424,17 @@ class PagedKVCache:
                    f"{st['v_' + what + '_groups']})"
                    for what in ("saturated", "underflow", "nonfinite")
                    if st["k_" + what + "_groups"] or st["v_" + what + "_groups"]]
+        ws = self.workspace_nbytes
         return (
             f"PagedKVCache(num_blocks={self.num_blocks}, block_size={g.block_size}, "
             f"num_heads={g.num_heads}, head_dim={g.head_dim}, layout={g.layout!r}, "
             f"scale_rule={self.scale_rule!r}, k_scale={self.k_scale:g}, "
             f"v_scale={self.v_scale:g}, swizzle_v_scales={g.swizzle_v_scales}, "
-            f"device={self.device if self.device_id is None else f'cuda:{self.device_id}'!r})"
+            f"device={self.device if self.device_id is None else f'cuda:{self.device_id}'!r}"
+            + "".join(f", {k}={v}" for k, v in self._hints.items()) + ")"
             f"  # {self.bytes_per_token} B/token, "
-            f"{self.compression_ratio:.2f}x vs bf16, pool {self.nbytes / 2**20:.1f} MiB"
+            f"{self.compression_ratio:.2f}x vs bf16, pool {(self.nbytes - ws) / 2**20:.1f} MiB"
+            + (f", workspace {ws / 2**20:.1f} MiB" if self._state is not None else "")
             + "".join(f"; {f}" for f in flagged)
         )
 
@@ -402,23 +485,13 @@ class PagedKVCache:
             unique_slots = _arrays.check_bool(unique_slots, "unique_slots")
             validate = _arrays.check_bool(validate, "validate", optional=True)
         check = self.validate if validate is None else validate
-        st = self._state
-        if st is None:
-            self._store_checked(slot_mapping, k, v, bool(unique_slots), check)
+        # Hot path of a decode step: arguments whose kind, shape, dtype, strides,
+        # alignment and devices were checked before go straight to their launch.
+        if self._state is not None and not check and self._hot(
+                _store_signature(slot_mapping, k, v, unique_slots), slot_mapping, k, v) \
+                is not _MISS:
             return
-        if not check:
-            # Hot path of a decode step: arguments whose kind, shape, dtype, strides,
-            # alignment and devices were checked before go straight to their launch.
-            sig = _store_signature(slot_mapping, k, v, unique_slots)
-            run = st.plans.get(sig) if sig is not None else None
-            if run is not None:
-                if _get_device()() == self.device_id:
-                    run(slot_mapping, k, v)
-                else:
-                    with DeviceGuard(self.device_id):
-                        run(slot_mapping, k, v)
-                return
-        with DeviceGuard(self.device_id):
+        with self._guard():
             self._store_checked(slot_mapping, k, v, bool(unique_slots), check)
 
     def _store_checked(self, slot_mapping, k, v, unique_slots: bool, check: bool) -> None:
@@ -524,29 +597,33 @@ class PagedKVCache:
         if validate.__class__ not in _FLAG:
             validate = _arrays.check_bool(validate, "validate", optional=True)
         check = self.validate if validate is None else validate
-        st = self._state
-        if st is None:
-            return self._gather_checked(blocks, dtype, out, check)
-        if not check:
-            sig = _gather_signature(blocks, dtype, out)
-            hit = st.plans.get(sig) if sig is not None else None
-            if hit is not None:
-                dt, run = hit
-                if _get_device()() != self.device_id:
-                    with DeviceGuard(self.device_id):
-                        return self._gather_run(run, dt, blocks, out)
-                return self._gather_run(run, dt, blocks, out)
-        with DeviceGuard(self.device_id):
+        if self._state is not None and not check:
+            res = self._hot(_gather_signature(blocks, dtype, out), blocks, out)
+            if res is not _MISS:
+                return res
+        with self._guard():
             return self._gather_checked(blocks, dtype, out, check)
 
-    def _gather_run(self, run, dt, blocks, out):
-        if out is None:
-            import cupy
+    def _gather_hot(self, run, dt, allocate: bool):
+        """What the hot path runs for a gather signature: ``hot(blocks, out)``."""
+        if not allocate:
+            def hot(blocks, out):
+                run(blocks, out[0], out[1])
+                return out[0], out[1]
 
-            shape = (blocks.shape[0] * self.block_size, self.num_heads, self.head_dim)
-            out = (cupy.empty(shape, dtype=dt), cupy.empty(shape, dtype=dt))
-        run(blocks, out[0], out[1])
-        return out[0], out[1]
+            return hot
+        import cupy
+
+        empty, tail = cupy.empty, (self.num_heads, self.head_dim)
+        T = self.block_size
+
+        def hot_alloc(blocks, out):
+            shape = (blocks.shape[0] * T,) + tail
+            k, v = empty(shape, dtype=dt), empty(shape, dtype=dt)
+            run(blocks, k, v)
+            return k, v
+
+        return hot_alloc
 
     def _gather_checked(self, blocks, dtype, out, check: bool):
         be = self.device
@@ -600,7 +677,7 @@ class PagedKVCache:
         if blocks is blocks_in and (out is None or (out_k is out[0] and out_v is out[1])):
             sig = _gather_signature(blocks, dtype, None if out is None else (out_k, out_v))
             if sig is not None:
-                plans.put(sig, (dt, run))
+                plans.put(sig, self._gather_hot(run, dt, out is None))
         return out_k, out_v
 
     # -- attention -----------------------------------------------------------------------
@@ -653,17 +730,28 @@ class PagedKVCache:
         IndexError
             (when validating) a block id outside ``[0, num_blocks)`` in the used part of
             a row; nothing is computed.
+        RuntimeError
+            (GPU) the call needs more workspace than the cache holds while the current
+            stream is capturing a CUDA graph (see the class notes); nothing is launched.
 
         Without validation (the GPU default) a bad block id is counted
         (``stats["bad_block_ids"]``, :meth:`check` raises) and the outputs of its
         sequence are NaN; nothing outside the pool is read.  A K group stored as NaN
         makes the outputs of the query heads that attend to it NaN (a V group: those 16
         channels).  On the GPU the call neither synchronizes (unless validating) nor,
-        given ``out`` (and ``lse_out``), allocates.
+        given ``out`` (and ``lse_out``), allocates, once a call of this signature has run
+        (the first one may take workspace, see the class notes: under CUDA-graph capture
+        it raises ``RuntimeError`` rather than allocate).
         """
-        if self._state is None or _get_device()() == self.device_id:
-            return attention.decode_attention(self, q, block_tables, seq_lens, sm_scale, out,
-                                              lse_out, return_lse, validate)
-        with DeviceGuard(self.device_id):
+        if validate.__class__ not in _FLAG or return_lse.__class__ is not bool:
+            validate = _arrays.check_bool(validate, "validate", optional=True)
+            return_lse = _arrays.check_bool(return_lse, "return_lse")
+        if self._state is not None and not (self.validate if validate is None else validate):
+            res = self._hot(attention.signature(q, block_tables, seq_lens, sm_scale, out,
+                                                lse_out, return_lse),
+                            q, block_tables, seq_lens, out, lse_out)
+            if res is not _MISS:
+                return res
+        with self._guard():
             return attention.decode_attention(self, q, block_tables, seq_lens, sm_scale, out,
                                               lse_out, return_lse, validate)

@@ -31,6 +31,7 @@ import numpy as np
 
 from . import _arrays
 from ._device import on_input_device
+from ._plans import PlanCache
 from .codec import backend_module, check_rule
 from .formats import RULE_E4M3_MAX, resolve_dtype
 from .layout import GROUP, longlive_padded_rows
@@ -429,9 +430,11 @@ def _check_gpu_blocks(vals, sfs, ams) -> None:
 # (``id`` of each, in order) and its scalar arguments.  Identity is safe because every
 # entry holds a weak reference to each of its arrays whose callback drops the entry
 # when the array dies, before its id can be reused; a CuPy array's data pointer, dtype
-# and size never change.  A hit costs three ``map(id, ...)`` and one dictionary lookup.
-_LIST_FAST: dict = {}
-_LIST_FAST_MAX = 32
+# and size never change.  A hit costs three ``map(id, ...)`` and one lookup.  The plans
+# own their small pointer tables (device memory), so the list API is not for CUDA-graph
+# capture (it allocates its output anyway); at most 32 are kept, least recently used
+# dropped first (fp4cache._plans.PlanCache, the one plan cache of the library).
+_LIST_FAST = PlanCache(32)
 
 
 def _list_key(vals, sfs, ams, args: tuple):
@@ -469,8 +472,6 @@ def _list_remember(vals, sfs, ams, args, launch) -> None:
     key = _list_key(vals, sfs, ams, args)
     if key is None:
         return
-    if len(_LIST_FAST) >= _LIST_FAST_MAX:
-        _LIST_FAST.clear()
 
     def drop(_ref, key=key):
         _LIST_FAST.pop(key, None)
@@ -479,7 +480,7 @@ def _list_remember(vals, sfs, ams, args, launch) -> None:
         refs = [weakref.ref(a, drop) for a in chain(vals, sfs, ams)]
     except TypeError:  # an array type without weak references: no fast path
         return
-    _LIST_FAST[key] = (_current_device(), refs, launch)
+    _LIST_FAST.put(key, (_current_device(), refs, launch))
 
 
 @on_input_device
@@ -602,9 +603,10 @@ def dequantize_pool(values: Any, scale_factors: Any, amax: Any, block_ids: Any,
 # the counts (with their types), the dtype and maxima, and the device.  A call with the
 # same signature as an earlier validated one skips the checks and launches at once
 # (the kernels read the arrays' current contents, so new data is decoded).  Entries
-# hold addresses, not the arrays: they are only used for live arrays at those addresses.
-_FAST: dict = {}
-_FAST_MAX = 256
+# hold addresses, not the arrays: they are only used for live arrays at those addresses,
+# and no device memory (block_ids is read in place), so dropping one (least recently
+# used first, beyond 256) frees nothing a captured graph uses.
+_FAST = PlanCache(256)
 
 
 def _signature(api, arrays, num_heads, block_token_size, dtype, e2m1_max, e4m3_max, out,
@@ -630,11 +632,8 @@ def _signature(api, arrays, num_heads, block_token_size, dtype, e2m1_max, e4m3_m
 
 
 def _remember(key, entry) -> None:
-    if key is None:
-        return
-    if len(_FAST) >= _FAST_MAX:
-        _FAST.clear()
-    _FAST[key] = entry
+    if key is not None:
+        _FAST.put(key, entry)
 
 
 def _check_counts(num_heads, block_token_size):

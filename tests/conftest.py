@@ -1,29 +1,29 @@
-"""Shared test helpers: GPU detection and the ``requires_gpu`` skip.
+"""Shared test helpers, and the one way a test says it needs a GPU.
 
-Tests marked ``@pytest.mark.gpu`` are skipped cleanly when no CUDA device is usable
-(CuPy missing, no driver, no device).  ``requires_gpu`` is the same skip as a
-reusable marker, and ``DEVICES`` parametrizes a test over ``"cpu"`` and ``"cuda"``.
+GPU tests: the ``gpu`` marker, nothing else
+-------------------------------------------
+- one test or class: ``@pytest.mark.gpu``; a test that needs N GPUs: ``@pytest.mark.gpu(N)``;
+- a whole module: ``pytestmark = pytest.mark.gpu``.  A module that imports CuPy at the top
+  does so after that line as ``cp = pytest.importorskip("cupy")`` (collection must work
+  where CuPy is not installed; the marker, not the import, decides the skip);
+- a parameter: ``@pytest.mark.parametrize("device", DEVICES)`` (its ``"cuda"`` carries the
+  marker).
+
+``pytest_collection_modifyitems`` below skips every marked test where
+``fp4cache.gpu_available()`` is False (or fewer than N devices are visible); on the device
+they run.  No ``skipif(not gpu_available())``, module-level ``pytest.skip`` or skip inside a
+test body.  The one inverse case, a test of the no-GPU error, is
+``@pytest.mark.skipif(gpu_available(), reason="checks the no-GPU error")``.
 """
 
 from __future__ import annotations
 
-import functools
-
 import pytest
 
+from fp4cache import gpu_available
 
-@functools.lru_cache(maxsize=1)
-def gpu_available() -> bool:
-    """True when CuPy imports and at least one CUDA device answers."""
-    try:
-        import cupy
+__all__ = ["DEVICES", "DLPackProducer", "gpu_available"]
 
-        return cupy.cuda.runtime.getDeviceCount() > 0
-    except Exception:  # noqa: BLE001 - any failure means "no usable GPU"
-        return False
-
-
-requires_gpu = pytest.mark.skipif(not gpu_available(), reason="needs a CUDA GPU with CuPy")
 
 class DLPackProducer:
     """A foreign array that offers only the DLPack protocol (what PyTorch or JAX hand
@@ -40,13 +40,26 @@ class DLPackProducer:
 
 
 #: Parametrize over backends: ``@pytest.mark.parametrize("device", DEVICES)``.
-DEVICES = ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, requires_gpu])]
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
+
+
+def _gpu_count() -> int:
+    if not gpu_available():
+        return 0
+    import cupy
+
+    return cupy.cuda.runtime.getDeviceCount()
 
 
 def pytest_collection_modifyitems(config, items):
-    if gpu_available():
-        return
-    skip = pytest.mark.skip(reason="needs a CUDA GPU with CuPy")
+    have = None
     for item in items:
-        if "gpu" in item.keywords:
-            item.add_marker(skip)
+        marker = item.get_closest_marker("gpu")
+        if marker is None:
+            continue
+        need = int(marker.args[0]) if marker.args else 1
+        if have is None:
+            have = _gpu_count()
+        if have < need:
+            item.add_marker(pytest.mark.skip(
+                reason="needs a CUDA GPU with CuPy" if need == 1 else f"needs {need} CUDA GPUs"))

@@ -3,10 +3,6 @@ counter indices and the by-value structs, and tuning as part of a kernel's ident
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-
 import numpy as np
 import pytest
 from test_kernels_compile import needs_nvrtc
@@ -71,22 +67,6 @@ def test_tuning_is_part_of_the_spec():
         spec.with_tuning(FP4C_NOT_A_MACRO=1)
     with pytest.raises(ValueError, match="share their tuning"):
         K.build_source(spec.file, [spec, K.claim_spec("i32").with_tuning(FP4C_STORE_ITEMS=2)])
-
-
-def test_no_environment_variable_changes_the_kernels():
-    """The old FP4CACHE_KERNEL_DEFINES knob is gone: a fresh interpreter with it set builds
-    the same translation unit."""
-    code = ("from fp4cache import _kernels as K; s = K.store_spec('bf16', 'static6', 'i32'); "
-            "print(hash(K.build_source(s.file, [s])))")
-    env = dict(os.environ, FP4CACHE_KERNEL_DEFINES="FP4C_SCAN_MAX_TOKENS=7",
-               PYTHONHASHSEED="0")
-    clean = dict(os.environ, PYTHONHASHSEED="0")
-    clean.pop("FP4CACHE_KERNEL_DEFINES", None)
-    a = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
-                       check=True).stdout
-    b = subprocess.run([sys.executable, "-c", code], env=clean, capture_output=True,
-                       text=True, check=True).stdout
-    assert a == b
 
 
 def test_every_shipped_store_shape_is_compiled_in_ci():

@@ -28,7 +28,6 @@ from conftest import DLPackProducer
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-import fp4cache
 from fp4cache import PagedKVCache
 from fp4cache import _numpy_backend as npb
 
@@ -512,9 +511,19 @@ def test_good_arguments_pass():
     assert np.isfinite(out).all()
 
 
-def test_exported():
-    assert callable(fp4cache.PagedKVCache.decode_attention)
-    assert fp4cache.attention.MAX_GROUP == 16
+def test_max_group_is_the_limit_the_front_end_enforces():
+    """``fp4cache.attention.MAX_GROUP`` query heads per KV head run; one more is refused
+    with a message naming the limit, and the cache is left as it was."""
+    from fp4cache.attention import MAX_GROUP
+
+    cache = make_cache(num_heads=1)
+    tables, lens = np.array([[0, 1]], np.int32), np.array([20], np.int32)
+    out = cache.decode_attention(make_q(1, MAX_GROUP, 64), tables, lens)
+    assert out.shape == (1, MAX_GROUP, 64) and np.isfinite(out).all()
+    before = cache.buffer.copy()
+    with pytest.raises(ValueError, match=rf"Hq = {MAX_GROUP + 1}\b.*between 1 and {MAX_GROUP}"):
+        cache.decode_attention(make_q(1, MAX_GROUP + 1, 64), tables, lens)
+    np.testing.assert_array_equal(cache.buffer, before)
 
 
 # -- the GPU front end (any backend: a recording stand-in takes the kernels' place) --------------
@@ -539,8 +548,6 @@ class _RecordingBackend:
 
 @pytest.fixture
 def gpu_cache(monkeypatch):
-    if not fp4cache.gpu_available():
-        pytest.skip("needs a CUDA GPU with CuPy")
     cache = PagedKVCache(8, 16, 2, 64, device="cuda")
     backend = _RecordingBackend()
     monkeypatch.setattr(cache, "_impl", backend)
@@ -575,7 +582,7 @@ def test_gpu_hot_path_skips_checks_for_a_known_signature(gpu_cache, monkeypatch)
     for call in backend.calls:
         assert call["q"] is q and call["block_tables"] is bt and call["seq_lens"] is sl
         assert call["sm_scale"] == float(np.float32(1 / 8))
-        assert call["scratch"] is cache._attn_scratch and call["stats"] is cache._stats
+        assert call["scratch"] is cache._state and call["stats"] is cache._stats
     assert backend.calls[0]["out"] is out and backend.calls[0]["lse"] is lse
     assert backend.calls[2]["lse"] is None
     # A changed signature takes the checked path and is refused there.
@@ -605,17 +612,6 @@ def test_gpu_validate_true_refuses_before_the_backend(gpu_cache):
     cache.decode_attention(q, bt, cupy.asarray([20, 0]), validate=True)  # row 1 unused
     cache.decode_attention(q, bt.get(), [20, 3])  # index arrays from the host are converted
     assert len(backend.calls) == 2
-
-
-def test_scratch_nbytes_counts_the_workspaces():
-    """cache.nbytes on the GPU adds the attention workspaces its scratch holds; the sum
-    itself needs no GPU (NumPy stand-ins for the device arrays)."""
-    ca = pytest.importorskip("fp4cache._cupy_attention", reason="needs CuPy installed")
-    ws = (np.zeros(100, np.float32), np.zeros(10, np.float32), np.zeros(4, np.uint32))
-    plan = ca._AttnPlan(None, (1, 1, 1), (128,), None, ws + (None, None, None))
-    scratch = {"a": plan, "b": plan._replace(keep=(np.zeros(1, np.float32),) * 3 + ws)}
-    assert ca.scratch_nbytes(scratch) == 400 + 40 + 16 + 3 * 4
-    assert ca.scratch_nbytes({}) == 0
 
 
 @pytest.mark.parametrize("dtype", [BF16, F16, F32])

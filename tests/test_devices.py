@@ -17,18 +17,6 @@ from fp4cache._device import DeviceGuard, array_device, parse_device
 BF16 = np.dtype(ml_dtypes.bfloat16)
 
 
-def _gpus() -> int:
-    if not gpu_available():
-        return 0
-    import cupy
-
-    return cupy.cuda.runtime.getDeviceCount()
-
-
-needs_gpu = pytest.mark.skipif(not gpu_available(), reason="needs CuPy and a CUDA GPU")
-needs_two = pytest.mark.skipif(_gpus() < 2, reason="needs two CUDA GPUs (run on nvidia-h200-x2)")
-
-
 # -- on any machine ---------------------------------------------------------------------
 @pytest.mark.parametrize("bad", ["tpu", "cuda:", "cuda:x", "cuda:-1", "CUDA", "cuda0", 1.5,
                                  True, [0]])
@@ -74,7 +62,6 @@ def test_foreign_device_error_names_argument_and_both_devices():
 
 # -- one GPU ----------------------------------------------------------------------------
 @pytest.mark.gpu
-@needs_gpu
 @pytest.mark.parametrize("form", ["cuda", "cuda:0", 0, "device"])
 def test_gpu_device_forms(form):
     import cupy
@@ -87,11 +74,10 @@ def test_gpu_device_forms(form):
     assert array_device(c.buffer) == 0
     assert "device='cuda:0'" in repr(c)
     with pytest.raises(ValueError, match="CuPy sees"):
-        PagedKVCache(4, 16, 2, 64, device=_gpus())
+        PagedKVCache(4, 16, 2, 64, device=cupy.cuda.runtime.getDeviceCount())
 
 
 @pytest.mark.gpu
-@needs_gpu
 def test_guard_switches_to_the_cache_device_and_back(monkeypatch):
     """With another device 'current' (getDevice patched to say 1), every public call
     switches to the cache's device 0 for its work and restores 1 afterwards; results stay
@@ -148,7 +134,6 @@ def test_guard_switches_to_the_cache_device_and_back(monkeypatch):
 
 
 @pytest.mark.gpu
-@needs_gpu
 def test_bad_strides_odd_addresses_and_aliased_outputs():
     """Byte strides that are not whole elements are refused; a bf16 view at an odd byte
     address is stored correctly (copied, never a misaligned 2-byte load); out=(a, a) and
@@ -188,7 +173,6 @@ def test_bad_strides_odd_addresses_and_aliased_outputs():
 
 
 @pytest.mark.gpu
-@needs_gpu
 def test_two_threads_share_one_stream():
     """Two threads storing into one cache (disjoint slots) and gathering on one shared
     stream: the shared plans and bookkeeping stay right."""
@@ -234,8 +218,7 @@ def _rand(rng, n, H, D):
     return rng.standard_normal((n, H, D)).astype(BF16)
 
 
-@pytest.mark.gpu
-@needs_two
+@pytest.mark.gpu(2)
 def test_every_call_with_the_other_gpu_current():
     """A cache on GPU 0 used while GPU 1 is current (and the reverse): right results, the
     current device unchanged afterwards, no error."""
@@ -268,8 +251,7 @@ def test_every_call_with_the_other_gpu_current():
         assert np.array_equal(c.buffer.get(), ref.buffer)
 
 
-@pytest.mark.gpu
-@needs_two
+@pytest.mark.gpu(2)
 def test_foreign_arrays_refused_and_cache_still_works():
     import cupy
 
@@ -292,8 +274,7 @@ def test_foreign_arrays_refused_and_cache_still_works():
     assert c.stats["bad_slots"] == 0
 
 
-@pytest.mark.gpu
-@needs_two
+@pytest.mark.gpu(2)
 def test_one_cache_per_gpu_from_two_threads():
     """One cache per GPU, each used from its own thread, stores and gathers interleaved,
     against the CPU backend."""
@@ -331,8 +312,7 @@ def test_one_cache_per_gpu_from_two_threads():
         assert np.array_equal(caches[g].buffer.get(), refs[g].buffer)
 
 
-@pytest.mark.gpu
-@needs_two
+@pytest.mark.gpu(2)
 def test_graph_on_gpu1_while_gpu0_holds_a_cache():
     import cupy
 

@@ -11,7 +11,8 @@ import importlib
 
 import pytest
 
-MODULES = ["fp4cache.calibrate", "fp4cache.codec", "fp4cache.cache", "fp4cache.longlive"]
+MODULES = ["fp4cache.calibrate", "fp4cache.codec", "fp4cache.cache", "fp4cache.longlive",
+           "fp4cache._plans"]
 FLAGS = doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE
 
 

@@ -123,12 +123,8 @@ def test_quantize_out_is_checked_before_writing(device, make_out, exc, match):
         assert (_host(p) == 7).all()  # untouched
 
 
+@pytest.mark.gpu
 def test_quantize_out_on_the_other_backend_is_refused():
-    pytest.importorskip("cupy")
-    from conftest import gpu_available
-
-    if not gpu_available():
-        pytest.skip("needs a CUDA GPU with CuPy")
     import cupy
 
     x = cupy.ones((2, 64), F32)

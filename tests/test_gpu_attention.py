@@ -21,14 +21,9 @@ import zlib
 import ml_dtypes
 import numpy as np
 import pytest
-from conftest import gpu_available
 
 pytestmark = pytest.mark.gpu
-
-if not gpu_available():
-    pytest.skip("needs a CUDA GPU with CuPy", allow_module_level=True)
-
-import cupy as cp  # noqa: E402
+cp = pytest.importorskip("cupy")
 
 import fp4cache  # noqa: E402
 from fp4cache import _cupy_attention as ca  # noqa: E402
@@ -149,7 +144,7 @@ def run(cache, q, tab, lens, *, sm_scale=None, scratch=None, with_lse=True):
     sm_scale = 1.0 / np.sqrt(D) if sm_scale is None else sm_scale
     out = poisoned(q.shape, q.dtype)
     lse = poisoned(q.shape[:2], np.float32) if with_lse else None
-    scratch = {} if scratch is None else scratch
+    scratch = ca.new_scratch() if scratch is None else scratch
     ca.decode_attention(cache.buffer, q, tab, lens, out, lse, geom=geom, k_s=cache._k_s,
                         v_s=cache._v_s, sm_scale=sm_scale, stats=cache._stats,
                         scratch=scratch)
@@ -274,7 +269,7 @@ def test_long_split_kv(D, dtname, group):
     q = make_q(rng, len(lens), H * group, D, dtname)
     out, lse, scratch = run(cache, cp.asarray(q), cp.asarray(tab),
                             cp.asarray(np.array(lens, np.int32)))
-    (plan,) = scratch.values()
+    (plan,) = ca.attention_plans(scratch)
     assert plan.grid[0] > 1  # split-KV in use
     ro, rl = reference(kd, vd, q, tab, lens, T, 1 / np.sqrt(D), num_blocks)
     check(out, lse, ro, rl, dtname, f"long D={D}")
@@ -344,7 +339,7 @@ def test_sm_scale_without_lse_and_no_allocation_when_warm():
     tab = tables_for(rng, lens, T, num_blocks, 60)
     q = make_q(rng, 2, H * group, D, "bfloat16")
     qd, td, ld = cp.asarray(q), cp.asarray(tab), cp.asarray(np.array(lens, np.int32))
-    scratch: dict = {}
+    scratch = ca.new_scratch()
     out, _, _ = run(cache, qd, td, ld, sm_scale=0.3, scratch=scratch, with_lse=False)
     ro, rl = reference(kd, vd, q, tab, lens, T, 0.3, num_blocks)
     check(out, None, ro, rl, "bfloat16", "sm_scale")
@@ -355,7 +350,7 @@ def test_sm_scale_without_lse_and_no_allocation_when_warm():
     ca.decode_attention(cache.buffer, qd, td, ld, out2, None, geom=cache.geometry,
                         k_s=cache._k_s, v_s=cache._v_s, sm_scale=0.3, stats=cache._stats,
                         scratch=scratch)
-    assert pool.used_bytes() == used and len(scratch) == 1
+    assert pool.used_bytes() == used and len(ca.attention_plans(scratch)) == 1
     # deterministic: the same bits twice
     assert cp.array_equal(out.view(cp.uint16), out2.view(cp.uint16))
 
@@ -373,7 +368,7 @@ def test_cuda_graph_capture_and_replay():
     ld = cp.empty((B,), dtype=cp.int32)
     out = cp.empty((B, H * group, D), dtype=BF16)
     lse = cp.empty((B, H * group), dtype=cp.float32)
-    scratch: dict = {}
+    scratch = ca.new_scratch()
     stream = cp.cuda.Stream(non_blocking=True)
     kw = dict(geom=cache.geometry, k_s=cache._k_s, v_s=cache._v_s, sm_scale=1 / np.sqrt(D),
               stats=cache._stats, scratch=scratch)
@@ -386,7 +381,7 @@ def test_cuda_graph_capture_and_replay():
         stream.begin_capture()
         ca.decode_attention(cache.buffer, qd, td, ld, out, lse, **kw)
         graph = stream.end_capture()
-    (plan,) = scratch.values()
+    (plan,) = ca.attention_plans(scratch)
     assert plan.grid[0] > 1
     for rep, lens in enumerate(([8192, 100], [1, 5000], [0, 8191], [7777, 7777])):
         q = make_q(rng, B, H * group, D, "bfloat16")

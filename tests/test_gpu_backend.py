@@ -14,7 +14,6 @@ import zlib
 import ml_dtypes
 import numpy as np
 import pytest
-from conftest import gpu_available
 
 from fp4cache import _numpy_backend as nb
 from fp4cache._abi import STAT, STAT_NAMES
@@ -24,11 +23,7 @@ from fp4cache.layout import PageGeometry, blocked_scale_offset, longlive_padded_
 NSTATS = len(STAT_NAMES)
 
 pytestmark = pytest.mark.gpu
-
-if not gpu_available():
-    pytest.skip("needs a CUDA GPU with CuPy", allow_module_level=True)
-
-import cupy as cp  # noqa: E402
+cp = pytest.importorskip("cupy")
 
 from fp4cache import _cupy_backend as cb  # noqa: E402
 

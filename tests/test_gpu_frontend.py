@@ -10,15 +10,10 @@ from __future__ import annotations
 import ml_dtypes
 import numpy as np
 import pytest
-from conftest import gpu_available
 from nvfp4_ref import assert_same_values
 
 pytestmark = pytest.mark.gpu
-
-if not gpu_available():
-    pytest.skip("needs a CUDA GPU with CuPy", allow_module_level=True)
-
-import cupy as cp  # noqa: E402
+cp = pytest.importorskip("cupy")
 
 from fp4cache import PagedKVCache, codec, longlive  # noqa: E402
 

@@ -8,12 +8,9 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from fp4cache import PagedKVCache, gpu_available
+from fp4cache import PagedKVCache
 
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.skipif(not gpu_available(), reason="needs CuPy and a CUDA GPU"),
-]
+pytestmark = pytest.mark.gpu
 
 
 @pytest.mark.parametrize("n", [1, 64, 128, 129, 1000])

@@ -16,14 +16,10 @@ import gc
 import ml_dtypes
 import numpy as np
 import pytest
-from conftest import gpu_available
 from nvfp4_ref import assert_same_values
 
 pytestmark = pytest.mark.gpu
-if not gpu_available():
-    pytest.skip("needs a CUDA GPU with CuPy", allow_module_level=True)
-
-import cupy as cp  # noqa: E402
+cp = pytest.importorskip("cupy")
 
 import fp4cache  # noqa: E402
 from fp4cache import _cupy_backend, longlive  # noqa: E402

@@ -10,6 +10,7 @@ from nvfp4_ref import assert_same_values
 
 import fp4cache
 from fp4cache import longlive
+from fp4cache._plans import PlanCache
 
 F32 = np.float32
 BF16 = np.dtype(ml_dtypes.bfloat16)
@@ -323,7 +324,7 @@ def test_list_fast_path_entries_die_with_their_arrays(monkeypatch):
     import gc
 
     monkeypatch.setattr(longlive, "_current_device", lambda: 0)
-    monkeypatch.setattr(longlive, "_LIST_FAST", {})
+    monkeypatch.setattr(longlive, "_LIST_FAST", PlanCache(32))
     vals = [np.zeros((128, 32), np.uint8) for _ in range(3)]
     sfs = [np.zeros(512, np.uint8) for _ in range(3)]
     ams = [np.ones(1, F32) for _ in range(3)]
@@ -343,7 +344,7 @@ def test_list_fast_path_entries_die_with_their_arrays(monkeypatch):
     assert longlive._list_hit(copy, sfs, ams, args) is None           # equal, not same
     del sfs[1]  # the list drops it, but the array lives on in nothing else: it dies
     gc.collect()
-    assert longlive._LIST_FAST == {}
+    assert len(longlive._LIST_FAST) == 0
 
 
 def test_raw_lists_need_their_rule_and_blocks_catch_swapped_counts():

@@ -1,0 +1,218 @@
+"""The bound logic of what a cache keeps between calls, on the CPU: the plan cache's
+eviction rule and bound, the workspace's sizes, growth, retention and refusal under
+CUDA-graph capture (NumPy stand-ins for the device allocation and the capture test), and
+the decode-attention workspace sizes computed from the cache's hints."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import fp4cache
+from fp4cache import _kernels as K
+from fp4cache._plans import ALIGN, MAX_PLANS, PlanCache, Workspace
+from fp4cache.layout import PageGeometry
+
+
+# -- PlanCache -------------------------------------------------------------------------
+def test_plan_cache_drops_the_least_recently_used_beyond_its_bound():
+    plans = PlanCache(3)
+    for k in "abc":
+        plans.put(k, k.upper())
+    assert plans.get("a") == "A"          # a is now the most recent: b is the oldest
+    plans.put("d", "D")
+    assert plans.keys() == ["c", "a", "d"] and "b" not in plans
+    plans.put("c", "C2")                  # re-putting refreshes the value and the recency
+    plans.put("e", "E")
+    assert plans.keys() == ["d", "c", "e"] and plans.get("c") == "C2"
+    assert plans.get("zz") is None and plans.get(None) is None
+    assert len(plans) == 3
+
+
+def test_plan_cache_stays_bounded_under_many_signatures():
+    plans = PlanCache()
+    assert plans.maxsize == MAX_PLANS
+    hot = ("decode", 8)
+    plans.put(hot, "hot")
+    for i in range(10 * MAX_PLANS):
+        plans.put(("shape", i), i)
+        if i % 50 == 0:
+            assert plans.get(hot) == "hot"  # used now and then: never evicted
+        assert len(plans) <= MAX_PLANS
+    assert plans.get(hot) == "hot" and len(plans) == MAX_PLANS
+    assert plans.get(("shape", 0)) is None
+    assert plans.pop(hot) == "hot" and plans.pop(hot) is None
+    plans.clear()
+    assert len(plans) == 0 and plans.values() == []
+
+
+@pytest.mark.parametrize("bad", [0, -1, 2.5, True, None])
+def test_plan_cache_bound_must_be_positive(bad):
+    with pytest.raises(ValueError, match="maxsize must be a positive integer"):
+        PlanCache(bad)
+
+
+# -- Workspace -------------------------------------------------------------------------
+class _Fake:
+    """NumPy allocation (recording each call) and a settable capture flag."""
+
+    def __init__(self):
+        self.capturing = False
+        self.allocs: list[tuple[int, str, bool]] = []
+
+    def alloc(self, nbytes, dtype, zero):
+        self.allocs.append((nbytes, np.dtype(dtype).name, zero))
+        a = np.empty(nbytes // np.dtype(dtype).itemsize, dtype)
+        a[...] = 0 if zero else 0x5A  # scratch contents are undefined: not zero here
+        return a
+
+    def workspace(self):
+        return Workspace(0, alloc=self.alloc, capturing=lambda: self.capturing)
+
+
+def _base(a):
+    while a.base is not None:
+        a = a.base
+    return a
+
+
+def test_workspace_layout_and_views():
+    fake = _Fake()
+    ws = fake.workspace()
+    assert ws.nbytes == ws.scratch_bytes == ws.tickets == 0
+    parts = [((3, 5), np.float32), (7, np.uint8), ((2, 16, 2), np.float32)]
+    offsets, total = Workspace.layout(parts)
+    assert offsets == [0, ALIGN, 2 * ALIGN] and total == 3 * ALIGN
+    a, b, c, t = ws.get(parts, tickets=5)
+    assert (a.shape, a.dtype, b.shape, b.dtype, c.shape, t.shape, t.dtype) == (
+        (3, 5), np.float32, (7,), np.uint8, (2, 16, 2), (5,), np.uint32)
+    scratch = _base(a)
+    assert _base(b) is scratch and _base(c) is scratch and _base(t) is not scratch
+    for view, off in zip((a, b, c), offsets):
+        assert view.ctypes.data - scratch.ctypes.data == off
+    assert not t.any()  # tickets start at zero
+    assert fake.allocs == [(3 * ALIGN, "uint8", False), (20, "uint32", True)]
+    assert ws.nbytes == 3 * ALIGN + 20 and ws.scratch_bytes == 3 * ALIGN and ws.tickets == 5
+    assert ws.get([]) == ()  # nothing needed: nothing allocated
+    assert len(fake.allocs) == 2
+
+
+def test_workspace_reuses_for_smaller_requests_and_grows_at_least_twofold():
+    fake = _Fake()
+    ws = fake.workspace()
+    (big,) = ws.get([(10 * ALIGN, np.uint8)])
+    first = _base(big)
+    for n in (1, ALIGN, 10 * ALIGN):  # smaller or equal: the same buffer, no allocation
+        (v,) = ws.get([(n, np.uint8)])
+        assert _base(v) is first
+    assert len(fake.allocs) == 1
+    (v,) = ws.get([(10 * ALIGN + 1, np.uint8)])  # one byte more: twice the buffer
+    assert ws.scratch_bytes == 20 * ALIGN and _base(v) is not first
+    # the outgrown buffer is kept (plans and graphs may hold its address) and counted
+    assert any(r is first for r in ws._retired)
+    assert ws.nbytes == 30 * ALIGN
+    (v,) = ws.get([(50 * ALIGN, np.uint8)])      # beyond twice: exactly the request
+    assert ws.scratch_bytes == 50 * ALIGN
+    # held in all: the current buffer plus at most as much again in outgrown ones
+    assert ws.nbytes == 80 * ALIGN <= 2 * ws.scratch_bytes
+    ws.release()
+    assert ws.nbytes == 0 and ws._retired == []
+
+
+def test_workspace_refuses_to_grow_while_capturing():
+    fake = _Fake()
+    ws = fake.workspace()
+    ws.reserve(4 * ALIGN, 8, hint="max_batch_size=4")
+    assert ws.reserved_for == "max_batch_size=4"
+    before = (ws.nbytes, list(fake.allocs))
+    fake.capturing = True
+    views = ws.get([(4 * ALIGN, np.uint8)], tickets=8)  # fits: no allocation, no error
+    assert len(views) == 2
+    with pytest.raises(RuntimeError, match=r"capturing a CUDA graph.*Raise the cache's "
+                                           r"workspace hints \(max_batch_size >= 9\)"):
+        ws.get([(4 * ALIGN + 1, np.uint8)], hint="max_batch_size >= 9")
+    with pytest.raises(RuntimeError, match=r"9 merge tickets.*holds 1024 bytes and 8 "
+                                           r"tickets"):
+        ws.get([], tickets=9)
+    with pytest.raises(RuntimeError, match="Run a call of this shape once before"):
+        ws.reserve(10**6)
+    assert (ws.nbytes, fake.allocs) == before  # nothing allocated, nothing moved
+    fake.capturing = False
+    ws.get([], tickets=9)
+    assert ws.tickets == 16
+
+
+# -- decode-attention workspace sizes from the hints -----------------------------------
+ca = pytest.importorskip("fp4cache._cupy_attention", reason="needs CuPy installed")
+
+
+def test_workspace_parts_of_one_launch():
+    assert ca.workspace_parts(4, 8, 1, 4, 128) == ((), 0)  # one split: nothing
+    parts, tickets = ca.workspace_parts(4, 8, 3, 4, 128)
+    assert tickets == 32
+    assert parts == (((96, 512), np.float32), ((96, 16, 2), np.float32))
+    assert Workspace.layout(parts)[1] == 96 * 512 * 4 + 96 * 32 * 4
+
+
+def test_max_splits_bounds_every_split_plan():
+    spec = K.decode_attention_spec("bf16", 128, False)
+    for cap in (1, 16, 255, 256, 257, 1000, 4096, 20000, 131072, 10**6):
+        bound = ca.max_splits(cap)
+        assert bound == max(1, min(128, -(-cap // ca.MIN_SPLIT_TOKENS)))
+        for bh in (1, 3, 8, 64, 512, 4096):
+            for resident in (50, 132, 528, 4224):
+                for sp in (None, spec):
+                    n = ca.split_plan(bh, 1, cap, resident, sp).nsplit
+                    assert 1 <= n <= bound, (cap, bh, resident)
+
+
+def test_workspace_bound_covers_every_call_within_the_hints():
+    """What the cache reserves from its hints is at least what any call within them
+    takes, whatever the GPU (resident CTAs); and it is exactly the largest call's parts."""
+    geom = PageGeometry(8, 16, 128, "HND", True)
+    nbytes, tickets = ca.workspace_bound(geom, 64, 4096, 32)
+    # 64 * 8 (sequence, KV head) pairs, 4096 tokens -> at most 16 splits, group 4
+    rows = 64 * 8 * 16
+    assert (nbytes, tickets) == (rows * 4 * 128 * 4 + rows * 16 * 2 * 4, 512)
+    spec = K.decode_attention_spec("bf16", 128, False)
+    rng = np.random.default_rng(0)
+    for _ in range(300):
+        B = int(rng.integers(1, 65))
+        W = int(rng.integers(1, 257))
+        group = int(rng.choice([1, 2, 4]))
+        resident = int(rng.choice([66, 132, 528, 1056, 4224]))
+        n = ca.split_plan(B, 8, W * 16, resident, spec).nsplit
+        parts, t = ca.workspace_parts(B, 8, n, group, 128)
+        assert Workspace.layout(parts)[1] <= nbytes and t <= tickets
+    # max_seq_len not a multiple of the page: block tables of ceil(len / T) columns
+    assert ca.workspace_bound(geom, 1, 4097, 8) == ca.workspace_bound(geom, 1, 4112, 8)
+    assert ca.workspace_bound(geom, 1, 256, 8) == (0, 0)  # never more than one split
+
+
+# -- the cache's hints (CPU: kept and shown, nothing to reserve) -------------------------
+def test_hints_are_checked_kept_and_shown():
+    c = fp4cache.PagedKVCache(64, 16, 8, 128, device="cpu", max_batch_size=64,
+                              max_seq_len=4096, num_query_heads=32)
+    assert c.workspace_hints == {"max_batch_size": 64, "max_seq_len": 4096,
+                                 "num_query_heads": 32}
+    assert "max_batch_size=64, max_seq_len=4096, num_query_heads=32)" in repr(c)
+    assert c.workspace_nbytes == 0 and c.nbytes == c.buffer.nbytes + c._stats.nbytes
+    c.release_workspace()  # nothing to free on the CPU
+    d = fp4cache.PagedKVCache(64, 16, 8, 128, device="cpu", max_batch_size=2)
+    assert d.workspace_hints == {"max_batch_size": 2, "max_seq_len": 64 * 16,
+                                 "num_query_heads": 8 * 16}
+    assert fp4cache.PagedKVCache(4, 16, 2, 64, device="cpu").workspace_hints == {}
+
+
+@pytest.mark.parametrize("kw,match", [
+    (dict(max_batch_size=0), "max_batch_size must be a positive integer"),
+    (dict(max_batch_size=4, max_seq_len=-1), "max_seq_len must be a positive integer"),
+    (dict(max_batch_size=True), "max_batch_size must be a positive integer"),
+    (dict(max_seq_len=4096), "pass it too"),
+    (dict(num_query_heads=16), "pass it too"),
+    (dict(max_batch_size=4, num_query_heads=12), "multiple of num_heads"),
+    (dict(max_batch_size=4, num_query_heads=8 * 17), "at most 16"),
+])
+def test_bad_hints_are_refused(kw, match):
+    with pytest.raises(ValueError, match=match):
+        fp4cache.PagedKVCache(8, 16, 8, 128, device="cpu", **kw)
