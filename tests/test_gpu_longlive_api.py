@@ -92,6 +92,14 @@ def test_longlive_mismatch_and_bad_blocks_refused_before_any_work(monkeypatch):
     monkeypatch.setattr(_cupy_backend, "longlive_pool_launcher", no_work)
     with pytest.raises(ValueError, match=r"num_heads=4 and block_token_size=32 do not match"):
         longlive.dequantize(vals, sfs, ams, 4, Tb, scale_rule="4over6")
+    # issue 23: raw arrays must say their rule; blocks refuse swapped counts
+    with pytest.raises(TypeError, match=r"scale_rule='4over6'.*scale_rule='static6'"):
+        longlive.dequantize(vals, sfs, ams, H, Tb)
+    with pytest.raises(TypeError, match=r"scale_rule='4over6'.*scale_rule='static6'"):
+        longlive.dequantize_pool(cp.stack(vals), cp.stack(sfs), cp.stack(ams),
+                                 np.array([0, 1]), H, Tb)
+    with pytest.raises(ValueError, match=r"num_heads=32 does not match the blocks"):
+        longlive.dequantize(blocks, num_heads=Tb, block_token_size=H)
     with pytest.raises(ValueError, match="do not match"):
         longlive.dequantize_pool(cp.stack(vals), cp.stack(sfs), cp.stack(ams),
                                  np.array([0, 1]), H, 16, scale_rule="4over6")
