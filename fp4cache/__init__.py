@@ -15,6 +15,7 @@ from .cache import PagedKVCache
 from .calibrate import calibrate_scale
 from .codec import dequantize, quantize
 from .layout import PageGeometry
+from .pages import pinned_empty, slot_mapping
 
 __version__ = "0.1.0"
 
@@ -25,6 +26,8 @@ __all__ = [
     "dequantize",
     "calibrate_scale",
     "gpu_available",
+    "slot_mapping",
+    "pinned_empty",
     "formats",
     "layout",
     "longlive",

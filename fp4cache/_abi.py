@@ -17,7 +17,8 @@ from functools import cache
 import numpy as np
 
 __all__ = ["RULES", "LAYOUTS", "STAT_NAMES", "STAT", "STRUCTS", "struct_dtype", "header",
-           "fastdiv", "ATTN_CHUNK_TILES", "SCALE_SATURATES_ABOVE"]
+           "fastdiv", "ATTN_CHUNK_TILES", "COPY_COLUMN_BYTES", "PAGE_MOVE_THREADS",
+           "SCALE_SATURATES_ABOVE"]
 
 #: Scale rules: name -> value of the kernels' ``RULE`` template parameter.
 RULES: dict[str, int] = {"static6": 0, "4over6": 1}
@@ -51,6 +52,13 @@ SCALE_SATURATES_ABOVE = 464.0
 #: D = 64 takes 4 (69.2 against 75.1 us with 2 at B=8 x 32768), D = 128 2 (4 would not fit
 #: the 48 KB of static shared memory), D = 256 1 (registers).
 ATTN_CHUNK_TILES: dict[int, int] = {64: 4, 128: 2, 256: 1}
+
+#: copy_blocks (kernels/page_copy.cu): bytes of every page that one CTA owns, at most (a
+#: whole 32-byte DRAM sector, so that no store is a partial-sector write); the host makes
+#: a CTA's columns narrower when n copies of them would not fit in shared memory.
+COPY_COLUMN_BYTES = 32
+#: Threads per CTA of the page-moving kernels (copy, read, write).
+PAGE_MOVE_THREADS = 512
 
 _CTYPES = {"u32": np.uint32, "u64": np.uint64, "i64": np.int64, "float": np.float32}
 
@@ -105,6 +113,14 @@ STRUCTS: dict[str, tuple[tuple, ...]] = {
         ("abase", "u64"), ("astride", "u64"),
         ("n_pool", "i64"), ("ids64", "u32"), ("_pad", "u32"),
     ),
+    # kernels/page_copy.cu, every non-pointer argument of copy / read / write of whole pages
+    "PageMoveParams": (
+        ("buffer", "u64"), ("stats", "u64"),  # u8 pool, u64 counters
+        ("num_blocks", "i64"), ("page_bytes", "i64"), ("side_bytes", "i64"),
+        ("data_bytes", "i64"),
+        ("n", "u32"),  # pages moved
+        ("col_units", "u32"),  # copy: vectors per page that one CTA owns
+    ),
 }
 
 
@@ -151,6 +167,8 @@ def header() -> str:
     out.append(f"#define FP4C_SCALE_SATURATES_ABOVE_BITS {sat_bits:#010x}u  "
                f"// float32 {SCALE_SATURATES_ABOVE:g}")
     out += [f"#define FP4C_ATTN_CHUNK_TILES_D{d} {t}" for d, t in ATTN_CHUNK_TILES.items()]
+    out.append(f"#define FP4C_COPY_COLUMN_BYTES {COPY_COLUMN_BYTES}")
+    out.append(f"#define FP4C_PAGE_MOVE_THREADS {PAGE_MOVE_THREADS}")
     for name, fields in STRUCTS.items():
         dt = struct_dtype(name)
         out.append(f"struct {name} {{")

@@ -54,6 +54,9 @@ __all__ = [
     "ll_decode_wide_spec",
     "decode_attention_spec",
     "attention_head_dim",
+    "page_copy_spec",
+    "page_read_spec",
+    "page_write_spec",
 ]
 
 #: Options of every compile: C++17, no FMA contraction (bit-exact float32 arithmetic).
@@ -249,6 +252,34 @@ def attention_head_dim(spec: Spec) -> int:
     return int(spec.args[1])
 
 
+#: Bytes per memory access of the page-moving kernels (a width divides the page size and
+#: the alignment of the rows they read or write).
+PAGE_VEC_BYTES = (16, 8, 4, 2, 1)
+
+
+def _page_spec(macro: str, kind: str, ids: str, vw: int) -> Spec:
+    if vw not in PAGE_VEC_BYTES:
+        raise ValueError(f"vector width must be one of {PAGE_VEC_BYTES}, got {vw}")
+    return Spec("page_copy.cu", macro, f"fp4cache_pages_{kind}_{ids}_v{vw}",
+                (INDEX_TYPES[ids], str(vw)))
+
+
+def page_copy_spec(ids: str, vw: int) -> Spec:
+    """copy_blocks: page dst[i] <- page src[i], every read before any write (``ids`` the
+    id type, ``vw`` the bytes per access)."""
+    return _page_spec("FP4C_PAGE_COPY_KERNEL", "copy", ids, vw)
+
+
+def page_read_spec(ids: str, vw: int) -> Spec:
+    """read_blocks: rows ``out[i]`` <- pages ``blocks[i]`` (raw bytes)."""
+    return _page_spec("FP4C_PAGE_READ_KERNEL", "read", ids, vw)
+
+
+def page_write_spec(ids: str, vw: int) -> Spec:
+    """write_blocks: pages ``blocks[i]`` <- rows ``data[i]`` (raw bytes)."""
+    return _page_spec("FP4C_PAGE_WRITE_KERNEL", "write", ids, vw)
+
+
 def all_specs() -> list[Spec]:
     """Every specialization the backend can launch (and no other)."""
     specs: list[Spec] = []
@@ -271,6 +302,8 @@ def all_specs() -> list[Spec]:
     specs += [ll_decode_wide_spec(dt) for dt in ("bf16", "f16")]
     specs += [decode_attention_spec(dt, d, w, p) for dt in VALUE_TYPES for d in ATTN_HEAD_DIMS
               for w in (False, True) for p in (True, False)]
+    specs += [f(ix, vw) for f in (page_copy_spec, page_read_spec, page_write_spec)
+              for ix in INDEX_TYPES for vw in PAGE_VEC_BYTES]
     return specs
 
 

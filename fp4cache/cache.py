@@ -298,7 +298,8 @@ class PagedKVCache:
     def nbytes(self) -> int:
         """Memory the cache owns, in bytes: the page pool, plus on the GPU its counters,
         encode table, duplicate-slot claim table (4 bytes per slot) and the workspace of
-        :meth:`decode_attention` (:attr:`workspace_nbytes`)."""
+        :meth:`decode_attention` and of page transfers through host memory
+        (:attr:`workspace_nbytes`)."""
         if self._state is not None:
             return self._state.nbytes
         return self.buffer.nbytes + self._stats.nbytes
@@ -755,3 +756,202 @@ class PagedKVCache:
         with self._guard():
             return attention.decode_attention(self, q, block_tables, seq_lens, sm_scale, out,
                                               lse_out, return_lse, validate)
+
+    # -- moving pages (fp4cache/pages.py) --------------------------------------------------
+    def page_format(self) -> dict[str, Any]:
+        """What a receiver needs to read this cache's pages: a small JSON-able dict.
+
+        Keys: ``format`` and ``version`` (of the byte layout), ``layout``, ``block_size``,
+        ``num_heads``, ``head_dim``, ``page_bytes``, ``scale_rule``, ``swizzle_v_scales``
+        and the global ``k_scale`` / ``v_scale`` (float32 values, exact as Python floats).
+        :meth:`write_blocks` (``page_format=``), :meth:`load_pages` and :meth:`load`
+        refuse pages whose format differs in any field, with a ``ValueError`` naming it.
+
+        Examples
+        --------
+        >>> import fp4cache
+        >>> fmt = fp4cache.PagedKVCache(4, 16, 2, 64, device="cpu").page_format()
+        >>> fmt["layout"], fmt["page_bytes"], fmt["k_scale"], fmt["swizzle_v_scales"]
+        ('HND', 2304, 1.0, True)
+        """
+        from . import pages
+
+        return pages.page_format(self)
+
+    def copy_blocks(self, src: Any, dst: Any, *, validate: bool | None = None) -> None:
+        """Page ``dst[i]`` becomes a byte copy of page ``src[i]`` (K and V, data and scales).
+
+        Every read happens before any write, so ``src`` and ``dst`` may overlap as sets
+        (``copy_blocks([1, 2], [2, 1])`` swaps two pages).  On the GPU: one kernel launch,
+        no host synchronization (unless validating) and no allocation (with int32/int64
+        device ids of one dtype), so it can be captured in a CUDA graph; a CTA owns a
+        column of bytes of every page and stages it in shared memory (see
+        ``kernels/page_copy.cu``), which bounds one call to as many pages as the GPU has
+        bytes of shared memory per block (232,448 on an H100/H200).
+
+        Parameters
+        ----------
+        src, dst : array of int32 or int64, shape (n,)
+            Page ids; ``dst`` must not repeat an id.
+        validate : bool, optional
+            Override the cache's ``validate`` for this call.
+
+        Raises
+        ------
+        ValueError
+            ``src`` and ``dst`` of different lengths, or ``dst`` repeats an id (checked
+            whenever the ids are on the host, or when validating); nothing is written.
+        IndexError
+            (when validating) an id outside ``[0, num_blocks)``; nothing is written.
+
+        Without validation (the GPU default) an id outside the pool is counted in
+        ``stats["bad_block_ids"]`` (:meth:`check` raises) and its pair is skipped: nothing
+        outside the pool is written.  A repeated ``dst`` among device ids that are not
+        validated leaves that page an unspecified mix of its sources.
+
+        Examples
+        --------
+        >>> import numpy as np, fp4cache
+        >>> cache = fp4cache.PagedKVCache(4, 16, 1, 64, device="cpu")
+        >>> cache.store(np.arange(16), np.ones((16, 1, 64), np.float32),
+        ...             np.ones((16, 1, 64), np.float32))
+        >>> cache.copy_blocks([0, 1], [1, 0])                 # swap pages 0 and 1
+        >>> bool(cache.buffer[0].any()), bool(cache.buffer[1].any())
+        (False, True)
+        """
+        from . import pages
+
+        with self._guard():
+            pages.copy_blocks(self, src, dst, validate)
+
+    def read_blocks(self, blocks: Any, out: Any = None, *, validate: bool | None = None):
+        """The raw bytes of pages ``blocks``, as a ``(n, page_bytes)`` uint8 array.
+
+        Parameters
+        ----------
+        blocks : array of int32 or int64, shape (n,)
+            Page ids, in row order; repeats allowed.
+        out : array, optional
+            C-contiguous ``(n, page_bytes)`` uint8 array: on the cache's backend, or, for
+            a GPU cache, a NumPy array in host memory (best pinned:
+            :func:`fp4cache.pinned_empty`).  Without it, an array on the cache's backend.
+        validate : bool, optional
+            Override the cache's ``validate`` for this call.
+
+        Returns
+        -------
+        out : array of uint8, shape (n, page_bytes)
+            Row ``i`` is page ``blocks[i]``: K side then V side, as in :attr:`buffer`.
+
+        Into host memory the copy is asynchronous on the current stream: one
+        ``cudaMemcpyAsync`` for ids given on the host that are consecutive, else a gather
+        into the cache's workspace (at most 64 MiB, counted in
+        :attr:`nbytes`) and one copy per chunk.  **The host may read** ``out`` once the
+        stream has passed the call: after ``cupy.cuda.get_current_stream().synchronize()``
+        or an event recorded after it has completed (pageable ``out`` is written
+        synchronously).  Without validation an id outside the pool is counted and its row
+        is a page that decodes to NaN (data 0, scale bytes 0x7F).
+
+        Examples
+        --------
+        >>> import numpy as np, fp4cache
+        >>> cache = fp4cache.PagedKVCache(4, 16, 1, 64, device="cpu")
+        >>> rows = cache.read_blocks(np.array([3, 0]))
+        >>> rows.shape, rows.dtype == np.uint8, cache.geometry.page_bytes
+        ((2, 1152), True, 1152)
+        """
+        from . import pages
+
+        with self._guard():
+            return pages.read_blocks(self, blocks, out, validate)
+
+    def write_blocks(self, blocks: Any, data: Any, *, page_format: dict | None = None,
+                     validate: bool | None = None) -> None:
+        """Write raw pages: page ``blocks[i]`` becomes ``data[i]`` (the inverse of
+        :meth:`read_blocks`).
+
+        Parameters
+        ----------
+        blocks : array of int32 or int64, shape (n,)
+            Page ids, no repeats.
+        data : array of uint8, shape (n, page_bytes), C-contiguous
+            Host (NumPy, best pinned) or device (CuPy) memory.  From host memory the copy
+            is asynchronous on the current stream (pinned ``data`` must stay unchanged
+            until the stream has passed the call).
+        page_format : dict, optional
+            The :meth:`page_format` of the cache the pages come from: any field that
+            differs from this cache's is a ``ValueError`` naming it.
+        validate : bool, optional
+            Override the cache's ``validate`` for this call.
+
+        Raises
+        ------
+        TypeError, ValueError
+            Wrong dtype, shape or kind of ``data``, a differing ``page_format`` field,
+            or repeated ids (checked when the ids are on the host or when validating).
+        IndexError
+            (when validating) an id outside ``[0, num_blocks)``.
+
+        In every case nothing is written.  Without validation an id outside the pool
+        is counted (:meth:`check` raises) and its row skipped.
+
+        Examples
+        --------
+        >>> import numpy as np, fp4cache
+        >>> a = fp4cache.PagedKVCache(4, 16, 1, 64, device="cpu")
+        >>> b = fp4cache.PagedKVCache(4, 16, 1, 64, device="cpu")
+        >>> a.store(np.arange(16), np.ones((16, 1, 64), np.float32),
+        ...         np.ones((16, 1, 64), np.float32))
+        >>> b.write_blocks([2], a.read_blocks([0]), page_format=a.page_format())
+        >>> bool((b.buffer[2] == a.buffer[0]).all())
+        True
+        """
+        from . import pages
+
+        with self._guard():
+            pages.write_blocks(self, blocks, data, page_format, validate)
+
+    def save(self, path: Any, blocks: Any = None) -> None:
+        """Save pages (default: all) with their ids and :meth:`page_format` to one
+        ``safetensors`` file (tensors ``pages`` (n, page_bytes) uint8 and ``blocks``
+        int64; the format in the metadata).  Needs ``safetensors`` (``pip install
+        'fp4cache[io]'``).  Synchronizes with the current stream on the GPU.  The
+        counters (:attr:`stats`) are not saved."""
+        from . import pages
+
+        with self._guard():
+            pages.save(self, path, blocks)
+
+    @classmethod
+    def load(cls, path: Any, *, device: Any = None,
+             validate: bool | None = None) -> PagedKVCache:
+        """A new cache holding the pages of a file written by :meth:`save`, at their ids,
+        with the saved geometry, rule and scales, on ``device`` (as in the constructor:
+        a file saved from a GPU cache loads on the CPU and vice versa, byte for byte).
+
+        Examples
+        --------
+        >>> import os, tempfile, numpy as np, fp4cache
+        >>> cache = fp4cache.PagedKVCache(4, 16, 1, 64, k_scale=0.5, device="cpu")
+        >>> cache.store(np.arange(20), np.ones((20, 1, 64), np.float32),
+        ...             np.ones((20, 1, 64), np.float32))
+        >>> path = os.path.join(tempfile.mkdtemp(), "prompt.safetensors")
+        >>> cache.save(path, blocks=[0, 1])
+        >>> back = fp4cache.PagedKVCache.load(path, device="cpu")
+        >>> back.k_scale, bool((back.buffer[:2] == cache.buffer[:2]).all())
+        (0.5, True)
+        """
+        from . import pages
+
+        return pages.load(cls, path, device, validate)
+
+    def load_pages(self, path: Any, blocks: Any = None) -> Any:
+        """Write the pages of a file saved by :meth:`save` into this cache: at ``blocks``
+        (one id per saved page, e.g. pages just allocated for the request) or at their
+        saved ids.  The file's page format must equal this cache's (``ValueError``
+        naming the first differing field; nothing is written).  Returns the ids written
+        (NumPy int64).  Synchronizes with the current stream on the GPU."""
+        from . import pages
+
+        with self._guard():
+            return pages.load_pages(self, path, blocks)

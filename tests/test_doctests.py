@@ -12,7 +12,7 @@ import importlib
 import pytest
 
 MODULES = ["fp4cache.calibrate", "fp4cache.codec", "fp4cache.cache", "fp4cache.longlive",
-           "fp4cache._plans"]
+           "fp4cache._plans", "fp4cache.pages"]
 FLAGS = doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE
 
 

@@ -21,16 +21,13 @@ from __future__ import annotations
 import ml_dtypes
 import numpy as np
 import pytest
-from conftest import gpu_available
+
+from fp4cache import PagedKVCache
 
 pytestmark = pytest.mark.gpu
-if not gpu_available():
-    pytest.skip("needs a CUDA GPU with CuPy", allow_module_level=True)
+cp = pytest.importorskip("cupy")
 
-import cupy as cp  # noqa: E402
-
-from fp4cache import PagedKVCache  # noqa: E402
-from fp4cache import _cupy_attention as ca  # noqa: E402
+from fp4cache import _cupy_attention as ca  # noqa: E402  (imports CuPy)
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
 NB, T, H, D, HQ = 8192, 16, 8, 128, 32
