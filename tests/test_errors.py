@@ -733,3 +733,20 @@ def test_lists_name_the_parameter(device):
     # index arrays as lists still work
     c.cache.decode_attention(q, [[0, 1], [1, -1]], [3, 3])
     c.cache.gather_dequant([0, 1])
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("call", [
+    lambda c, x: c.cache.copy_blocks([0], [1], validate=x),
+    lambda c, x: c.cache.read_blocks([0], validate=x),
+    lambda c, x: c.cache.write_blocks([1], c.cache.read_blocks([0]), validate=x),
+    lambda c, x: fp4cache.slot_mapping(np.array([[0, 1]]), np.array([[0, 3]]), block_size=T,
+                                       validate=x),
+], ids=["copy_blocks", "read_blocks", "write_blocks", "slot_mapping"])
+def test_page_moving_flags_must_be_bools(device, call):
+    c = make_ctx(device)
+    before = host(c.cache.buffer).copy()
+    with pytest.raises(TypeError, match=r"validate must be True or False.*'no'"):
+        call(c, "no")
+    np.testing.assert_array_equal(host(c.cache.buffer), before)
+    call(c, np.bool_(True))
