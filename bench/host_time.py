@@ -78,8 +78,10 @@ class HostTime:
         ids = xp.arange(4, dtype=np.int32)
         out = xp.empty((1, 4 * Tb, H, D), dtype=BF16)
         self._host_row("fp4cache LongLive dequantize_pool 4 blocks",
-                       lambda: longlive.dequantize_pool(vals, sfs, am, ids, H, Tb, out=out),
+                       lambda: longlive.dequantize_pool(vals, sfs, am, ids, H, Tb, out=out,
+                                                        scale_rule="4over6"),
                        n, empty)
         lv, ls, la = list(vals[:4]), list(sfs[:4]), list(am[:4])
         self._host_row("fp4cache LongLive dequantize (list) 4 blocks",
-                       lambda: longlive.dequantize(lv, ls, la, H, Tb), n, empty)
+                       lambda: longlive.dequantize(lv, ls, la, H, Tb,
+                                                   scale_rule="4over6"), n, empty)

@@ -52,21 +52,23 @@ class LongLiveBench:
         values, sf, amax, ids, outs, lists, nbytes = self._longlive_inputs(H, D, Tb, nb, 31)
         case = f"LongLive {label} H={H} Tb={Tb} x{nb}"
         self._log_longlive_sizes(case, H, D, Tb, nb)
-        calls = [bind(longlive.dequantize, *lst, H, Tb) for lst in lists]
+        calls = [bind(longlive.dequantize, *lst, H, Tb, scale_rule="4over6") for lst in lists]
         self.timed("longlive", case, "fp4cache dequantize", calls, nbytes,
                    batch=2 * len(calls), frac_target=TARGETS["longlive"],
                    note="list API: repeat call (launch and pointer tables reused)")
-        calls = [bind(longlive.dequantize_pool, values, sf, amax, ids[i], H, Tb, out=outs[i])
+        calls = [bind(longlive.dequantize_pool, values, sf, amax, ids[i], H, Tb, out=outs[i],
+                      scale_rule="4over6")
                  for i in range(2)]
         self.timed("longlive", case, "fp4cache dequantize_pool", calls, nbytes + nb * 4,
                    batch=2 * len(calls), frac_target=TARGETS["longlive"])
         # bit-exactness against the NumPy backend on a few blocks
         nchk = min(nb, self.sz["ll_check_values"] // (R * D))
         if nchk >= 1 and env.gpu:
-            got = longlive.dequantize(*(x[:nchk] for x in lists[0]), H, Tb)
+            got = longlive.dequantize(*(x[:nchk] for x in lists[0]), H, Tb, scale_rule="4over6")
             ref = longlive.dequantize([env.asnumpy(a) for a in lists[0][0][:nchk]],
                                       [env.asnumpy(a) for a in lists[0][1][:nchk]],
-                                      [env.asnumpy(a) for a in lists[0][2][:nchk]], H, Tb)
+                                      [env.asnumpy(a) for a in lists[0][2][:nchk]], H, Tb,
+                                      scale_rule="4over6")
             same = float(np.mean(same_bf16(env.asnumpy(got), ref)))
             self.checks.append(dict(check=f"{case}: GPU vs NumPy backend ({nchk} blocks)",
                                     bits_identical=same))
@@ -109,20 +111,21 @@ class LongLiveBench:
                 longlive._LIST_FAST.clear()
                 env.sync()
                 t0 = time.perf_counter()
-                longlive.dequantize(*lists[0], H, Tb)
+                longlive.dequantize(*lists[0], H, Tb, scale_rule="4over6")
                 env.sync()
                 firsts.append(time.perf_counter() - t0)
             self.add(Row("longlive", case, "fp4cache dequantize (list), first call",
                          time_s=float(np.median(firsts)),
                          note="host + device, synchronized: checks, pointer tables, copy"))
         row_list = self.timed("longlive", case, "fp4cache dequantize (list)",
-                              [bind(longlive.dequantize, *lst, H, Tb) for lst in lists],
+                              [bind(longlive.dequantize, *lst, H, Tb, scale_rule="4over6")
+                               for lst in lists],
                               nbytes, batch=4, reps=reps,
                               note="hot path: same block arrays as a checked call"
                               if env.gpu else "")
         self.timed("longlive", case, "fp4cache dequantize_pool",
                    [bind(longlive.dequantize_pool, values, sf, amax, ids[i], H, Tb,
-                          out=outs[i]) for i in range(2)],
+                          out=outs[i], scale_rule="4over6") for i in range(2)],
                    nbytes + nb * 4, batch=4, reps=reps)
         if env.gpu:
             cp = env.cp
@@ -148,11 +151,12 @@ class LongLiveBench:
                 sp = seed.time_s / row_list.time_s
                 seed.extra["fp4cache_speedup"] = sp
                 self.log(f"     list API is {sp:.2f}x faster than the seed's host protocol")
-            ref = longlive.dequantize(*lists[0], H, Tb)
+            ref = longlive.dequantize(*lists[0], H, Tb, scale_rule="4over6")
             same = float(cp.mean(same_bf16(seed_protocol(lists[0]), ref)))
             self.checks.append(dict(check=f"{case}: seed protocol vs list API", same=same))
             n = 200 if nb <= 256 else 50
-            t = env.host_per_call(bind(longlive.dequantize, *lists[0], H, Tb), n)
+            t = env.host_per_call(bind(longlive.dequantize, *lists[0], H, Tb,
+                                       scale_rule="4over6"), n)
             self.add(Row("host", "host time per call",
                          f"fp4cache LongLive dequantize (list) {nb} blocks", time_s=t,
                          extra=dict(calls=n)))

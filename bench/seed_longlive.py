@@ -127,7 +127,7 @@ def main(argv=None) -> int:
             return seed(tv, ts, ta, H, Tb, 0, 6.0, 256.0)
 
         def run_ours(cv=cv, cs=cs, ca=ca):
-            return longlive.dequantize(cv, cs, ca, H, Tb)
+            return longlive.dequantize(cv, cs, ca, H, Tb, scale_rule="4over6")
 
         batch = 20 if nb <= 256 else 5
         t_seed = wall_per_call(run_seed, sync, batch, args.reps)

@@ -17,7 +17,8 @@ from functools import cache
 import numpy as np
 
 __all__ = ["RULES", "LAYOUTS", "STAT_NAMES", "STAT", "STRUCTS", "struct_dtype", "header",
-           "fastdiv", "ATTN_CHUNK_TILES", "COPY_COLUMN_BYTES", "PAGE_MOVE_THREADS"]
+           "fastdiv", "ATTN_CHUNK_TILES", "COPY_COLUMN_BYTES", "PAGE_MOVE_THREADS",
+           "SCALE_SATURATES_ABOVE"]
 
 #: Scale rules: name -> value of the kernels' ``RULE`` template parameter.
 RULES: dict[str, int] = {"static6": 0, "4over6": 1}
@@ -30,13 +31,21 @@ STAT_NAMES: tuple[str, ...] = (
     "v_nonfinite_groups",
     "bad_slots",            # tokens whose slot was >= num_slots (not stored)
     "bad_block_ids",        # block ids outside [0, num_blocks) (gathered as NaN)
-    "k_saturated_groups",   # block scale clipped at E4M3's 448: the global scale is too small
+    "k_saturated_groups",   # block scale clipped at E4M3's 448 (SCALE_SATURATES_ABOVE): the
+                            # global scale is too small
     "v_saturated_groups",
     "k_underflow_groups",   # nonzero group whose block scale is zero or subnormal: too large
     "v_underflow_groups",
 )
 #: Counter name -> index.
 STAT: dict[str, int] = {name: i for i, name in enumerate(STAT_NAMES)}
+
+#: A group counts as saturated when the block scale its rule wants, ``fl(g * fl(m * c))``
+#: for the chosen candidate, is above this: only then does the satfinite clip to 448
+#: change the scale byte.  464 is the midpoint of 448 and 480 (the next E4M3 step, had the
+#: format one), and round-to-nearest-even takes it and everything below to 448 anyway: the
+#: calibrated maximum, ``fl(g * fl(amax * fl(1/6)))`` = 448.00003, is not saturated.
+SCALE_SATURATES_ABOVE = 464.0
 
 #: Decode attention, groups of 1..8 with block_size % 16 == 0: 16-token tiles per chunk (a
 #: warp's step of the chunk ring), by head_dim.  Measured on the H200 (bench/KERNEL_NOTES.md):
@@ -154,6 +163,9 @@ def header() -> str:
     out += [f"#define FP4C_LAYOUT_{k} {v}" for k, v in LAYOUTS.items()]
     out += [f"#define FP4C_STAT_{k.upper()} {i}" for i, k in enumerate(STAT_NAMES)]
     out.append(f"#define FP4C_NUM_STATS {len(STAT_NAMES)}")
+    sat_bits = int(np.float32(SCALE_SATURATES_ABOVE).view(np.uint32))
+    out.append(f"#define FP4C_SCALE_SATURATES_ABOVE_BITS {sat_bits:#010x}u  "
+               f"// float32 {SCALE_SATURATES_ABOVE:g}")
     out += [f"#define FP4C_ATTN_CHUNK_TILES_D{d} {t}" for d, t in ATTN_CHUNK_TILES.items()]
     out.append(f"#define FP4C_COPY_COLUMN_BYTES {COPY_COLUMN_BYTES}")
     out.append(f"#define FP4C_PAGE_MOVE_THREADS {PAGE_MOVE_THREADS}")

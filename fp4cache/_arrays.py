@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 import math
+import os
 from typing import Any
 
 import numpy as np
@@ -18,6 +19,7 @@ from .formats import resolve_dtype
 
 __all__ = [
     "gpu_available",
+    "gpu_unavailable_reason",
     "is_cupy",
     "backend_of",
     "to_backend",
@@ -26,6 +28,8 @@ __all__ = [
     "check_index_array",
     "check_values",
     "check_scale",
+    "check_real",
+    "check_bool",
     "check_out",
     "check_device",
     "check_strides",
@@ -33,15 +37,55 @@ __all__ = [
 ]
 
 
-@functools.lru_cache(maxsize=1)
 def gpu_available() -> bool:
     """True when CuPy imports and sees at least one CUDA device."""
+    return gpu_unavailable_reason() is None
+
+
+def _cuda_version(v: int) -> str:
+    return f"{v // 1000}.{v % 1000 // 10}"
+
+
+@functools.lru_cache(maxsize=1)
+def gpu_unavailable_reason() -> str | None:
+    """``None`` when a GPU is usable, else what is missing, in words: CuPy (then the extra
+    to install), the NVIDIA driver, a driver new enough for CuPy's CUDA, or a GPU the
+    driver sees.  Memoized: the answer of the first call holds for the process."""
     try:
         import cupy
-
-        return cupy.cuda.runtime.getDeviceCount() > 0
-    except Exception:  # ImportError, no driver, no device: all mean "no GPU"
-        return False
+    except ImportError:
+        return ("CuPy is not installed: pip install 'fp4cache[cuda12]' (CUDA 12) or "
+                "'fp4cache[cuda13]' (CUDA 13)")
+    except Exception as e:  # noqa: BLE001 - a broken install: say what it raised
+        return f"CuPy is installed but fails to import ({type(e).__name__}: {e})"
+    runtime = cupy.cuda.runtime
+    try:
+        if runtime.getDeviceCount() > 0:
+            return None
+        err = "0 devices"
+    except Exception as e:  # noqa: BLE001 - CUDARuntimeError: why is said below
+        err = str(e)
+    try:
+        drv = int(runtime.driverGetVersion())
+    except Exception:  # noqa: BLE001 - no libcuda at all
+        drv = 0
+    have = f"CuPy {cupy.__version__} is installed"
+    if drv == 0:
+        return (f"{have}, but no NVIDIA driver was found (the CUDA runtime says: {err}): "
+                "install the NVIDIA driver "
+                "on a machine with an NVIDIA GPU (the CUDA extra cannot provide it)")
+    if "InsufficientDriver" in err:
+        try:
+            rt = _cuda_version(int(runtime.runtimeGetVersion()))
+        except Exception:  # noqa: BLE001
+            rt = "a newer CUDA"
+        return (f"{have}, built for CUDA {rt}, but the NVIDIA driver supports CUDA up to "
+                f"{_cuda_version(drv)} ({err}): update the driver, or install the CuPy of "
+                "an older CUDA (fp4cache[cuda12])")
+    vis = os.environ.get("CUDA_VISIBLE_DEVICES")
+    return (f"{have} and the NVIDIA driver (CUDA {_cuda_version(drv)}) is loaded, but it "
+            f"sees no GPU ({err}"
+            + (f"; CUDA_VISIBLE_DEVICES={vis!r}" if vis is not None else "") + ")")
 
 
 def is_cupy(a: Any) -> bool:
@@ -73,9 +117,8 @@ def to_backend(a: Any, backend: str, name: str, *, allow_convert: bool = False):
     host-device copy lands on a hot path).  With ``allow_convert`` an empty list, tuple or range
     is an empty int64 index array, as ``np.asarray([], dtype=int)`` would be.
     """
-    if allow_convert and isinstance(a, (list, tuple, range)) and len(a) == 0:
-        # An empty id list is an empty index array (np.asarray([]) would be float64).
-        a = np.zeros(0, dtype=np.int64)
+    if isinstance(a, (list, tuple, range)):
+        a = _from_sequence(a, name, allow_convert)
     where = backend_of(a)
     if where != backend and not (allow_convert or isinstance(a, (list, tuple, range))):
         raise TypeError(
@@ -99,6 +142,26 @@ def to_backend(a: Any, backend: str, name: str, *, allow_convert: bool = False):
     if hasattr(a, "__dlpack__") and backend_of(a) == "cuda":
         return cupy.from_dlpack(a)
     return cupy.asarray(np.asarray(a))
+
+
+def _from_sequence(a, name: str, allow_convert: bool) -> np.ndarray:
+    """A Python list, tuple or range as a NumPy array: index arrays only (``allow_convert``;
+    an empty one is int64, as ``np.asarray([], dtype=int)`` would be).  Values (K, V, q,
+    outputs) are refused with a ``TypeError`` naming ``name``: NumPy would read a list as
+    float64, which no kernel takes; a ragged list is a ``ValueError`` naming ``name``."""
+    if not allow_convert:
+        raise TypeError(f"{name} must be an array (NumPy, CuPy or a DLPack producer such as "
+                        f"a torch tensor), got a Python {type(a).__name__}: make it one with "
+                        f"the dtype you mean, e.g. numpy.asarray({name}, dtype=numpy.float32)")
+    if len(a) == 0:
+        return np.zeros(0, dtype=np.int64)
+    try:
+        return np.asarray(a)
+    except ValueError:
+        lens = sorted({len(r) for r in a if hasattr(r, "__len__")})
+        raise ValueError(f"{name} must be a rectangular array: its rows have different "
+                         f"lengths {lens} (pad the shorter rows, as vLLM pads block tables "
+                         "with -1)") from None
 
 
 def array_module(backend: str):
@@ -150,14 +213,38 @@ def check_values(a, name: str, shape: tuple[int | None, ...]):
     return a
 
 
-def check_scale(value, name: str) -> np.float32:
-    """A positive, finite float32 scale (its float32 rounding too)."""
-    if isinstance(value, (bool, np.bool_)):
-        raise TypeError(f"{name} must be a positive finite number, got {value!r}")
+def check_real(value, name: str, what: str = "a real number") -> float:
+    """``value`` as a Python float when it is a real number (Python or NumPy int or
+    float, a 0-d array); a string (``"0.01"``), bytes, a bool or anything else
+    without ``__float__`` is a ``TypeError`` naming ``name``."""
+    if (isinstance(value, (str, bytes, bool, np.bool_))
+            or not hasattr(type(value), "__float__")
+            or getattr(value, "dtype", np.dtype(float)).kind not in "iuf"):
+        raise TypeError(f"{name} must be {what}, got {type(value).__name__} {value!r}")
     try:
-        f = float(value)
+        return float(value)
     except (TypeError, ValueError):
-        raise TypeError(f"{name} must be a positive finite number, got {value!r}") from None
+        raise TypeError(f"{name} must be {what}, got {type(value).__name__} "
+                        f"{value!r}") from None
+
+
+def check_bool(value, name: str, *, optional: bool = False) -> bool | None:
+    """``value`` as a bool when it is a ``bool`` or NumPy ``bool_`` (or ``None`` when
+    ``optional``); anything else (``"no"``, 0, 1) is a ``TypeError`` naming ``name``: a
+    string would otherwise read as True.  A plain bool costs one type comparison (hot
+    paths call this)."""
+    if value.__class__ is bool or (optional and value is None):
+        return value
+    if isinstance(value, (bool, np.bool_)):
+        return bool(value)
+    raise TypeError(f"{name} must be True or False{' (or None)' if optional else ''}, got "
+                    f"{type(value).__name__} {value!r}")
+
+
+def check_scale(value, name: str) -> np.float32:
+    """A positive, finite float32 scale (its float32 rounding too); a string or a bool
+    is a ``TypeError``."""
+    f = check_real(value, name, "a positive finite number")
     with np.errstate(over="ignore"):
         f32 = np.float32(f)
     if not math.isfinite(f) or f <= 0 or not f32 > 0 or not np.isfinite(f32):

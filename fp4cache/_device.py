@@ -44,12 +44,11 @@ def parse_device(device: Any) -> tuple[str, int | None]:
     else:
         raise ValueError(f"device must be 'cpu', 'cuda', 'cuda:N', an int or a "
                          f"cupy.cuda.Device, got {device!r}")
-    from ._arrays import gpu_available
+    from ._arrays import gpu_unavailable_reason
 
-    if not gpu_available():
-        raise RuntimeError(
-            f"device={device!r} needs CuPy and a CUDA GPU (pip install 'fp4cache[cuda12]' "
-            "or 'fp4cache[cuda13]'); none is usable here")
+    why = gpu_unavailable_reason()
+    if why is not None:
+        raise RuntimeError(f"device={device!r} needs CuPy and a CUDA GPU: {why}")
     import cupy
 
     count = cupy.cuda.runtime.getDeviceCount()

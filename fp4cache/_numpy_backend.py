@@ -14,7 +14,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from ._abi import STAT
+from ._abi import SCALE_SATURATES_ABOVE, STAT
 from .formats import (
     C4,
     C6,
@@ -35,7 +35,7 @@ _F32 = np.float32
 _ZERO = _F32(0.0)
 _ONE = _F32(1.0)
 
-_E4M3_MAX = _F32(448.0)
+_SATURATES_ABOVE = _F32(SCALE_SATURATES_ABOVE)  # 464: above it the clip to 448 matters
 _E4M3_MIN_NORMAL_BYTE = 8  # 2^-6: bytes below are zero or subnormal
 
 
@@ -45,7 +45,7 @@ class EncodedGroups(NamedTuple):
     codes: np.ndarray      # uint8 (n, 16) E2M1 codes, not yet packed
     sf: np.ndarray         # uint8 (n,) E4M3 block-scale bytes
     nonfinite: np.ndarray  # bool (n,): held a NaN/Inf (scale 0x7F, codes 0)
-    saturated: np.ndarray  # bool (n,): the chosen scale was clipped at 448
+    saturated: np.ndarray  # bool (n,): the chosen scale wanted more than 464 (clipped to 448)
     underflow: np.ndarray  # bool (n,): nonzero group, scale byte zero or subnormal
 
 
@@ -62,9 +62,10 @@ def encode_groups(x: np.ndarray, s, g, rule: str) -> EncodedGroups:
     Returns
     -------
     EncodedGroups
-        Codes, scale bytes, and which groups were non-finite, had their scale clipped
-        at 448 (``fl(g * fl(m * c)) > 448`` for the chosen candidate) or are nonzero
-        with a zero or subnormal scale byte.
+        Codes, scale bytes, and which groups were non-finite, had their scale saturated
+        (``fl(g * fl(m * c)) > 464`` for the chosen candidate: it would round above 448,
+        see ``_abi.SCALE_SATURATES_ABOVE``) or are nonzero with a zero or subnormal scale
+        byte.
     """
     x = np.asarray(x, dtype=_F32)
     s = np.asarray(s, dtype=_F32)
@@ -78,7 +79,7 @@ def encode_groups(x: np.ndarray, s, g, rule: str) -> EncodedGroups:
     with np.errstate(over="ignore", divide="ignore", invalid="ignore"):
         for c in candidates:
             arg = g * (m * c)
-            clipped = arg > _E4M3_MAX
+            clipped = arg > _SATURATES_ABOVE
             sf = e4m3_encode(arg)
             f = e4m3_decode(sf)
             # os = 0 if f == 0 else min(fl(1/fl(f*s)), FLT_MAX); 1/0 -> inf -> FLT_MAX.
@@ -164,7 +165,8 @@ def store(buffer, slot_mapping, k, v, *, geom: PageGeometry, rule, k_s, k_g, v_s
     nothing here: the last occurrence always wins, one of the outcomes it allows."""
     slots = np.asarray(slot_mapping).astype(np.int64)
     num_slots = buffer.shape[0] * geom.block_size
-    bad = slots >= num_slots
+    # -1 is vLLM's padding id (skipped, not counted); any other negative slot is bad
+    bad = (slots >= num_slots) | (slots < -1)
     if bad.any():
         stats[STAT["bad_slots"]] += np.uint64(bad.sum())
     idx = np.flatnonzero((slots >= 0) & ~bad)

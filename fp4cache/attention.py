@@ -31,6 +31,8 @@ __all__ = ["MAX_GROUP", "attention", "decode_attention", "signature", "varlen_si
 #: Largest GQA group (query heads per KV head) the kernels serve from one K/V load.
 MAX_GROUP = 16
 
+_FLAG = (bool, type(None))  # classes of an optional flag that need no check
+
 
 class _Args(NamedTuple):
     q: Any
@@ -49,8 +51,10 @@ def decode_attention(cache: PagedKVCache, q: ArrayLike, block_tables: IndexLike,
     with the cache's device current.  On the GPU without validation it leaves the
     prepared launch of these arguments in the cache's plans, under :func:`signature`:
     the method's hot path (``PagedKVCache._hot``) runs it for the next call like this."""
-    check = cache.validate if validate is None else bool(validate)
-    return_lse = bool(return_lse)
+    if validate.__class__ not in _FLAG or return_lse.__class__ is not bool:
+        validate = _arrays.check_bool(validate, "validate", optional=True)
+        return_lse = _arrays.check_bool(return_lse, "return_lse")
+    check = cache.validate if validate is None else validate
     a = _check_args(cache, q, block_tables, seq_lens, sm_scale, out, lse_out, return_lse)
     if check or cache.device == "cpu":
         _check_values(cache, a.block_tables, a.seq_lens, block_ids=check)

@@ -25,6 +25,7 @@ __all__ = ["PagedKVCache"]
 
 _STAT = _abi.STAT
 _NO_GUARD = contextlib.nullcontext()
+_FLAG = (bool, type(None))  # classes of an optional flag that need no check
 #: What :meth:`PagedKVCache._hot` returns when no launch is prepared for a signature.
 _MISS = object()
 
@@ -106,9 +107,11 @@ class PagedKVCache:
         Block-scale rule used by :meth:`store`.
     k_scale, v_scale : float
         Global dequantization multipliers (vLLM's ``k_scale``/``v_scale``), finite and
-        positive.  Calibrated checkpoints use ``amax / (6 * 448)``, what
-        :func:`fp4cache.calibrate_scale` computes; with 1.0, data far from unit magnitude
-        under- or overflows the E4M3 block scales.
+        positive.  Use ``fp4cache.calibrate_scale(x, scale_rule)`` with this cache's
+        ``scale_rule`` (the one rule, stated there: ``amax / (6 * 448)`` for
+        ``"static6"``, ``amax / (6 * 256)`` for ``"4over6"``, whose 4-candidate must stay
+        below 448); with 1.0, data far from unit magnitude under- or overflows the E4M3
+        block scales.
     swizzle_v_scales : bool
         Store V scales in trtllm-gen's swizzled order (what vLLM writes).  Needs
         ``block_size % 4 == 0`` and ``head_dim % 64 == 0``.
@@ -180,7 +183,9 @@ class PagedKVCache:
                  v_scale: float = 1.0, swizzle_v_scales: bool = True, device: str | None = None,
                  validate: bool | None = None, max_batch_size: int | None = None,
                  max_seq_len: int | None = None, num_query_heads: int | None = None) -> None:
-        geom = PageGeometry(num_heads, block_size, head_dim, layout, bool(swizzle_v_scales))
+        swizzle_v_scales = _arrays.check_bool(swizzle_v_scales, "swizzle_v_scales")
+        validate = _arrays.check_bool(validate, "validate", optional=True)
+        geom = PageGeometry(num_heads, block_size, head_dim, layout, swizzle_v_scales)
         geom.check()
         if (not isinstance(num_blocks, (int, np.integer)) or isinstance(num_blocks, bool)
                 or num_blocks <= 0):
@@ -328,7 +333,9 @@ class PagedKVCache:
         ``k/v_nonfinite_groups``: groups stored with a NaN/Inf (they decode to NaN);
         ``bad_slots``, ``bad_block_ids``: ids skipped by unvalidated GPU calls;
         ``k/v_saturated_groups``: groups whose block scale was clipped at E4M3's 448
-        (values lost: the global scale is too small); ``k/v_underflow_groups``: nonzero
+        (it wanted more than 464, so it would have rounded above 448: values lost, the
+        global scale is too small; a calibrated scale's top group wants 448.00003,
+        which rounds to 448 and is not counted); ``k/v_underflow_groups``: nonzero
         groups whose block scale came out zero or subnormal (precision lost: the global
         scale is too large).  :func:`fp4cache.calibrate_scale` picks a scale that avoids
         both.
@@ -348,7 +355,8 @@ class PagedKVCache:
 
     @property
     def saturated_groups(self) -> tuple[int, int]:
-        """Groups whose block scale saturated at 448 so far, ``(k_groups, v_groups)``."""
+        """Groups whose block scale saturated at 448 so far, ``(k_groups, v_groups)``:
+        the scale wanted more than 464 (see :attr:`stats`)."""
         st = self.stats
         return st["k_saturated_groups"], st["v_saturated_groups"]
 
@@ -375,7 +383,7 @@ class PagedKVCache:
         >>> cache.check()
         Traceback (most recent call last):
         ...
-        IndexError: 1 token(s) had a slot_mapping entry >= num_slots (32) and were not ...
+        IndexError: 1 token(s) had a slot_mapping entry outside [0, num_slots = 32) other ...
         >>> cache.check()                                       # the counters were cleared
         """
         st = self.stats
@@ -384,9 +392,10 @@ class PagedKVCache:
                 self._stats[_STAT["bad_slots"]] = 0
                 self._stats[_STAT["bad_block_ids"]] = 0
             raise IndexError(
-                f"{st['bad_slots']} token(s) had a slot_mapping entry >= num_slots "
-                f"({self.num_slots}) and were not stored; {st['bad_block_ids']} block id(s) "
-                f"were outside [0, {self.num_blocks}) and gathered as NaN"
+                f"{st['bad_slots']} token(s) had a slot_mapping entry outside [0, "
+                f"num_slots = {self.num_slots}) other than -1 and were not stored; "
+                f"{st['bad_block_ids']} block id(s) were outside [0, {self.num_blocks}) and "
+                "gathered as NaN"
             )
 
     def reset_counters(self) -> None:
@@ -439,8 +448,10 @@ class PagedKVCache:
         Parameters
         ----------
         slot_mapping : array of int32 or int64, shape (N,)
-            Slot of each token, ``block * block_size + offset``.  Negative entries are
-            skipped (padding).
+            Slot of each token, ``block * block_size + offset``.  ``-1`` (vLLM's padding
+            id) is skipped and not counted.  Any other negative entry, like one
+            ``>= num_slots``, is a bad slot: ``IndexError`` when validating, else the
+            token is skipped and counted in ``stats["bad_slots"]`` (:meth:`check` raises).
         k, v : array, shape (N, H, D), bfloat16, float16 or float32
             Keys and values, any token and head strides (same dtype for both).
         unique_slots : bool, default True
@@ -459,7 +470,8 @@ class PagedKVCache:
             Wrong dtype, shape, strides, device or backend, or (when validating) a
             repeated slot with ``unique_slots=True``; the buffer is untouched.
         IndexError
-            (when validating) a slot is ``>= num_slots``; nothing is written.
+            (when validating) a slot is ``>= num_slots`` or negative other than ``-1``;
+            nothing is written.
 
         Examples
         --------
@@ -471,6 +483,9 @@ class PagedKVCache:
         >>> kk[1:3, 0, :2].tolist(), vv[1, 0, 0].item(), bool(kk[0].any())
         ([[6.0, 6.0], [6.0, 6.0]], -6.0, False)
         """
+        if unique_slots.__class__ is not bool or validate.__class__ not in _FLAG:
+            unique_slots = _arrays.check_bool(unique_slots, "unique_slots")
+            validate = _arrays.check_bool(validate, "validate", optional=True)
         check = self.validate if validate is None else validate
         # Hot path of a decode step: arguments whose kind, shape, dtype, strides,
         # alignment and devices were checked before go straight to their launch.
@@ -501,12 +516,12 @@ class PagedKVCache:
         if k.shape[0] == 0:
             return
         if check:
-            hi = int(slots.max())
-            if hi >= self.num_slots:
-                i = int((slots >= self.num_slots).argmax())
+            lo, hi = int(slots.min()), int(slots.max())
+            if hi >= self.num_slots or lo < -1:
+                i = int(((slots >= self.num_slots) | (slots < -1)).argmax())
                 raise IndexError(
                     f"slot_mapping[{i}] = {int(slots[i])} is out of range: slots must be "
-                    f"< num_slots = {self.num_slots} (negative slots are skipped); "
+                    f"in [0, num_slots = {self.num_slots}), or -1 for padding (skipped); "
                     "nothing was stored"
                 )
             if unique_slots:
@@ -582,6 +597,8 @@ class PagedKVCache:
         >>> cache.gather_dequant([])[0].shape                # an empty gather
         (0, 2, 64)
         """
+        if validate.__class__ not in _FLAG:
+            validate = _arrays.check_bool(validate, "validate", optional=True)
         check = self.validate if validate is None else validate
         if self._state is not None and not check:
             res = self._hot(_gather_signature(blocks, dtype, out), blocks, out)
@@ -730,6 +747,9 @@ class PagedKVCache:
         (the first one may take workspace, see the class notes: under CUDA-graph capture
         it raises ``RuntimeError`` rather than allocate).
         """
+        if validate.__class__ not in _FLAG or return_lse.__class__ is not bool:
+            validate = _arrays.check_bool(validate, "validate", optional=True)
+            return_lse = _arrays.check_bool(return_lse, "return_lse")
         if self._state is not None and not (self.validate if validate is None else validate):
             res = self._hot(attention.signature(q, block_tables, seq_lens, sm_scale, out,
                                                 lse_out, return_lse),

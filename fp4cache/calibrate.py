@@ -20,8 +20,10 @@ def calibrate_scale(x: ArrayLike, scale_rule: str = "static6") -> float:
     ``amax / (6 * M)`` in float32 (one exact division, ``fl(amax / fl(6 * M))``), where
     ``amax = max |x|`` and ``M = 448`` for ``"static6"`` (E4M3's largest value) or
     ``M = 256`` for ``"4over6"`` (so that the 4-candidate, 1.5x the 6-candidate, stays
-    below 448: the same ``M`` as LongLive's per-block rule).  This is what vLLM's
-    exporters compute for ``k_scale``: with the default ``k_scale = 1.0`` data of small
+    below 448: the same ``M`` as LongLive's per-block rule).  This is the library's one
+    scale rule: every cache, codec call, notebook and document uses it (``M`` from
+    ``fp4cache.formats.RULE_E4M3_MAX``), and for static6 it is what vLLM's exporters
+    compute for ``k_scale``: with the default ``k_scale = 1.0`` data of small
     magnitude underflows the E4M3 block scales (std 1e-4: every scale 0, the cache holds
     zeros) and large data saturates them.
 

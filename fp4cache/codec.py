@@ -22,11 +22,9 @@ def backend_module(backend: str) -> ModuleType:
 
         return _numpy_backend
     if backend == "cuda":
-        if not _arrays.gpu_available():
-            raise RuntimeError(
-                "device='cuda' needs CuPy and a CUDA GPU (pip install 'fp4cache[cuda12]' "
-                "or 'fp4cache[cuda13]'); none is usable here"
-            )
+        why = _arrays.gpu_unavailable_reason()
+        if why is not None:
+            raise RuntimeError(f"device='cuda' needs CuPy and a CUDA GPU: {why}")
         from . import _cupy_backend
 
         return _cupy_backend

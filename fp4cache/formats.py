@@ -142,5 +142,6 @@ def resolve_dtype(dtype, *, name: str = "dtype") -> np.dtype:
 
 def float32_to(x: np.ndarray, dtype: np.dtype) -> np.ndarray:
     """Round float32 ``x`` to ``dtype`` (bfloat16/float16/float32), nearest even."""
-    with np.errstate(over="ignore"):  # beyond the target's range rounds to +-inf
+    # beyond the target's range rounds to +-inf, below it to subnormals or zero: intended
+    with np.errstate(over="ignore", under="ignore"):
         return np.asarray(x, dtype=_F32).astype(dtype)

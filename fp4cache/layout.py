@@ -144,7 +144,11 @@ class PageGeometry:
         return self.data_bytes + self._row_index(t, h) * S + s
 
     def check(self) -> None:
-        """Raise ``ValueError`` if the geometry cannot be laid out."""
+        """Raise ``ValueError`` if the geometry cannot be laid out (``TypeError`` for a
+        ``swizzle_v_scales`` that is not a bool)."""
+        if not isinstance(self.swizzle_v_scales, (bool, np.bool_)):
+            raise TypeError("swizzle_v_scales must be True or False, got "
+                            f"{type(self.swizzle_v_scales).__name__} {self.swizzle_v_scales!r}")
         for name in ("num_heads", "block_size", "head_dim"):
             value = getattr(self, name)
             if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value <= 0:

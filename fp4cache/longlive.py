@@ -12,8 +12,11 @@ here, LongLive's own convention) is read with ``e4m3_max=256``, LongLive's reade
 default; a ``"static6"`` block with ``e4m3_max=448``.  Read with the wrong one, every
 value is off by 448/256 (relative RMSE about 0.76) and nothing in the arrays says so:
 :func:`quantize_block` therefore returns a :class:`LongLiveBlock`, which unpacks like the
-three arrays but remembers its rule, and :func:`dequantize` takes a list of such blocks
-and picks (or checks) ``e4m3_max`` itself.
+three arrays but remembers its rule and its ``(Tb, H)``, and :func:`dequantize` takes a
+list of such blocks and picks (or checks) ``e4m3_max``, ``num_heads`` and
+``block_token_size`` itself.  Raw arrays carry neither: :func:`dequantize` and
+:func:`dequantize_pool` then need the rule said (``scale_rule=`` or ``e4m3_max=``; no
+default), and only the product ``Tb*H`` (padded to 128) can be checked against them.
 """
 
 from __future__ import annotations
@@ -81,31 +84,36 @@ class LongLiveBlock(_BlockArrays):
     """One quantized LongLive block: ``(values, scale_factors, amax)`` plus its rule.
 
     A tuple of the three arrays (``values, sf, amax = block`` works, and so does
-    ``zip(*blocks)``), with two attributes: ``scale_rule`` and ``e4m3_max`` (256 for
-    ``"4over6"``, 448 for ``"static6"``), the maximum :func:`dequantize` must use.  Pass
-    the blocks themselves to :func:`dequantize` and the rule cannot be lost; once split
-    into plain arrays, the caller must pass the right ``e4m3_max``.
+    ``zip(*blocks)``), with the attributes ``scale_rule``, ``e4m3_max`` (256 for
+    ``"4over6"``, 448 for ``"static6"``), the maximum :func:`dequantize` must use, and
+    ``block_token_size``, ``num_heads`` (``Tb``, ``H`` of the quantized block; ``None``
+    when not known).  Pass the blocks themselves to :func:`dequantize` and neither the
+    rule nor the row order can be lost; once split into plain arrays, the caller must
+    state the rule (``scale_rule=`` or ``e4m3_max=``).
 
     Examples
     --------
     >>> import numpy as np
     >>> from fp4cache import longlive
     >>> block = longlive.quantize_block(np.ones((2, 1, 64), np.float32), "static6")
-    >>> block.scale_rule, block.e4m3_max, len(block)
-    ('static6', 448.0, 3)
+    >>> block.scale_rule, block.e4m3_max, len(block), (block.block_token_size, block.num_heads)
+    ('static6', 448.0, 3, (2, 1))
     >>> values, scale_factors, amax = block
     >>> values.shape, scale_factors.shape, amax.tolist()
     ((128, 32), (512,), [1.0])
     """
 
-    def __new__(cls, values: Array, scale_factors: Array, amax: Array,
-                scale_rule: str) -> LongLiveBlock:
+    def __new__(cls, values: Array, scale_factors: Array, amax: Array, scale_rule: str,
+                block_token_size: int | None = None,
+                num_heads: int | None = None) -> LongLiveBlock:
         self = super().__new__(cls, values, scale_factors, amax)
         self.scale_rule = check_rule(scale_rule)
+        self.block_token_size = block_token_size
+        self.num_heads = num_heads
         return self
 
-    def __getnewargs__(self) -> tuple[Array, Array, Array, str]:
-        return (*self, self.scale_rule)
+    def __getnewargs__(self) -> tuple:
+        return (*self, self.scale_rule, self.block_token_size, self.num_heads)
 
     @property
     def e4m3_max(self) -> float:
@@ -179,24 +187,62 @@ def quantize_block(x: ArrayLike, scale_rule: str = "4over6") -> LongLiveBlock:
     sf = xp.empty((Rp * (D // GROUP),), dtype=np.uint8)
     amax = xp.empty((1,), dtype=np.float32)
     impl.longlive_quantize(xp.ascontiguousarray(x), scale_rule, values, sf, amax)
-    return LongLiveBlock(values, sf, amax, scale_rule)
+    return LongLiveBlock(values, sf, amax, scale_rule, Tb, H)
 
 
-def _resolve_e4m3_max(e4m3_max, rules: set) -> float:
-    """``e4m3_max`` of a call: the blocks' rule's, checked against an explicit one."""
-    if len(rules) > 1:
+def _resolve_e4m3_max(e4m3_max, scale_rule, rules: set | None) -> float:
+    """``e4m3_max`` of a call: the blocks' rule's (``rules``: the LongLiveBlock rules,
+    ``None`` for raw arrays, which must name theirs), checked against explicit ones."""
+    if scale_rule is not None:
+        check_rule(scale_rule)
+    if rules is not None and len(rules) > 1:
         raise ValueError("the blocks were quantized with different scale rules "
                          f"({', '.join(sorted(rules))}); decode each rule's blocks in its "
                          "own call")
-    if not rules:
-        return LONGLIVE_E4M3_MAX if e4m3_max is None else e4m3_max
-    rule = next(iter(rules))
+    if rules:
+        rule = next(iter(rules))
+        if scale_rule is not None and scale_rule != rule:
+            raise ValueError(f"scale_rule={scale_rule!r} does not match the blocks: they were "
+                             f"quantized with scale_rule={rule!r} (leave it out to use it)")
+        src = "the blocks"
+    elif scale_rule is not None:
+        rule, src = scale_rule, f"scale_rule={scale_rule!r}"
+    elif e4m3_max is None:
+        raise TypeError(
+            "raw LongLive arrays do not say which scale rule quantized them: pass "
+            "scale_rule='4over6' (e4m3_max=256, LongLive's own) or scale_rule='static6' "
+            "(e4m3_max=448), or e4m3_max=..., or the LongLiveBlock list that "
+            "quantize_block returns (read with the wrong rule, every value is off by "
+            "448/256)")
+    else:
+        return e4m3_max
     want = RULE_E4M3_MAX[rule]
-    if e4m3_max is not None and float(e4m3_max) != want:
-        raise ValueError(f"e4m3_max={e4m3_max!r} does not match the blocks: they were "
-                         f"quantized with scale_rule={rule!r}, which is read with "
-                         f"e4m3_max={want:g} (leave e4m3_max out to use it)")
+    if e4m3_max is not None and _arrays.check_real(e4m3_max, "e4m3_max") != want:
+        raise ValueError(f"e4m3_max={e4m3_max!r} does not match {src}: scale_rule={rule!r} "
+                         f"is read with e4m3_max={want:g} (leave e4m3_max out to use it)")
     return want
+
+
+def _check_block_shapes(blocks, num_heads, block_token_size):
+    """``(num_heads, block_token_size)`` of a LongLiveBlock list: what the blocks recorded
+    when quantized, checked against the arguments given (a swap of the two, whose
+    product is the same, is caught here)."""
+    shapes = set(map(attrgetter("block_token_size", "num_heads"), blocks))
+    shapes.discard((None, None))
+    if len(shapes) > 1:
+        raise ValueError("the blocks have different shapes (block_token_size, num_heads) "
+                         f"{sorted(shapes)}: decode each shape's blocks in its own call")
+    if not shapes:
+        return num_heads, block_token_size
+    tb, h = next(iter(shapes))
+    for name, got, want in (("num_heads", num_heads, h),
+                            ("block_token_size", block_token_size, tb)):
+        if got is not None and (isinstance(got, bool) or got != want):
+            raise ValueError(
+                f"{name}={got!r} does not match the blocks: they were quantized with "
+                f"num_heads={h} and block_token_size={tb} (x of shape ({tb}, {h}, D)); "
+                "leave both out to use them")
+    return h, tb
 
 
 @on_input_device
@@ -204,7 +250,8 @@ def dequantize(values: Sequence[ArrayLike] | Sequence[LongLiveBlock],
                scale_factors: Sequence[ArrayLike] | None = None,
                amax: Sequence[ArrayLike] | None = None, num_heads: int | None = None,
                block_token_size: int | None = None, dtype: DTypeLike = "bfloat16",
-               e2m1_max: float = LONGLIVE_E2M1_MAX, e4m3_max: float | None = None) -> Array:
+               e2m1_max: float = LONGLIVE_E2M1_MAX, e4m3_max: float | None = None, *,
+               scale_rule: str | None = None) -> Array:
     """Decode LongLive cache blocks, like LongLive's ``dequantize_kv_cache_fp4``.
 
     Two forms: LongLive's, ``dequantize(values, scale_factors, amax, num_heads,
@@ -221,16 +268,22 @@ def dequantize(values: Sequence[ArrayLike] | Sequence[LongLiveBlock],
     amax : sequence of float32 arrays, each (1,)
         Omitted (None) when ``values`` holds LongLiveBlock.
     num_heads, block_token_size : int
-        ``H`` and ``Tb``.  ``Rp`` must be ``Tb*H`` rounded up to 128: a mismatch with the
-        arrays is a ``ValueError`` (only the product can be checked: 8 heads x 32 tokens
-        and 4 heads x 64 tokens have the same rows).
+        ``H`` and ``Tb``.  LongLiveBlock input: optional, the blocks' own (a value that
+        contradicts them, such as the two swapped, is a ``ValueError``).  Raw arrays:
+        required, and only their product can be checked (``Rp`` must be ``Tb*H``
+        rounded up to 128, else ``ValueError``): 8 heads x 32 tokens and 32 heads x 8
+        tokens have the same rows, so a swap decodes scrambled rows.
     dtype : {"bfloat16", "float16", "float32"}
     e2m1_max : float, default 6.0
     e4m3_max : float, optional
-        The global scale is ``amax * fl(1/fl(e2m1_max*e4m3_max))``.  Default: the blocks'
-        own (LongLiveBlock input), else 256, LongLive's default, right for blocks
-        quantized with ``"4over6"``; pass 448 for ``"static6"`` blocks.  A value that
-        contradicts LongLiveBlock input is a ``ValueError``.
+        The global scale is ``amax * fl(1/fl(e2m1_max*e4m3_max))``: 256 for blocks
+        quantized with ``"4over6"`` (LongLive's default), 448 for ``"static6"``.
+        LongLiveBlock input: the blocks' own.  Raw arrays: no default (they do not say
+        their rule): pass this or ``scale_rule``, else ``TypeError``.  A value that
+        contradicts the blocks or ``scale_rule`` is a ``ValueError``.
+    scale_rule : {"4over6", "static6"}, optional
+        The rule that quantized raw arrays (sets ``e4m3_max``); checked against
+        LongLiveBlock input.
 
     Returns
     -------
@@ -256,16 +309,28 @@ def dequantize(values: Sequence[ArrayLike] | Sequence[LongLiveBlock],
     ...                                   "static6") for _ in range(3)]
     >>> longlive.dequantize(blocks, num_heads=8, block_token_size=32).shape  # e4m3_max 448
     (1, 96, 8, 64)
-    >>> vals, sfs, ams = zip(*blocks)                  # LongLive's form: say e4m3_max
-    >>> y = longlive.dequantize(vals, sfs, ams, 8, 32, e4m3_max=448.0)
-    >>> longlive.dequantize(vals, sfs, ams, num_heads=4, block_token_size=32)
+    >>> longlive.dequantize(blocks, num_heads=32, block_token_size=8)  # swapped
+    Traceback (most recent call last):
+    ...
+    ValueError: num_heads=32 does not match the blocks: ...
+    >>> vals, sfs, ams = zip(*blocks)                  # LongLive's form: say the rule
+    >>> y = longlive.dequantize(vals, sfs, ams, 8, 32, scale_rule="static6")
+    >>> y = longlive.dequantize(vals, sfs, ams, 8, 32, e4m3_max=448.0)  # the same
+    >>> longlive.dequantize(vals, sfs, ams, 8, 32)
+    Traceback (most recent call last):
+    ...
+    TypeError: raw LongLive arrays do not say which scale rule quantized them: ...
+    >>> longlive.dequantize(vals, sfs, ams, num_heads=4, block_token_size=32,
+    ...                     scale_rule="static6")
     Traceback (most recent call last):
     ...
     ValueError: num_heads=4 and block_token_size=32 do not match the blocks: ...
     """
     if scale_factors is None and amax is None and _all_blocks(values):
         vals, sfs, ams = zip(*values)
-        e4m3_max = _resolve_e4m3_max(e4m3_max, set(map(_RULE_OF, values)))
+        e4m3_max = _resolve_e4m3_max(e4m3_max, scale_rule, set(map(_RULE_OF, values)))
+        num_heads, block_token_size = _check_block_shapes(values, num_heads,
+                                                          block_token_size)
     elif scale_factors is None or amax is None:
         if scale_factors is None and amax is None:
             raise TypeError("values must be a non-empty list of LongLiveBlock (what "
@@ -274,8 +339,7 @@ def dequantize(values: Sequence[ArrayLike] | Sequence[LongLiveBlock],
                         "LongLiveBlock as values)")
     else:
         vals, sfs, ams = values, scale_factors, amax
-        if e4m3_max is None:
-            e4m3_max = LONGLIVE_E4M3_MAX
+        e4m3_max = _resolve_e4m3_max(e4m3_max, scale_rule, None)
     args = (num_heads, block_token_size, dtype, e2m1_max, e4m3_max)
     hit = _list_hit(vals, sfs, ams, args)
     if hit is not None:  # the same arrays as a checked earlier call: launch at once
@@ -426,7 +490,8 @@ def _list_remember(vals, sfs, ams, args, launch) -> None:
 def dequantize_pool(values: ArrayLike, scale_factors: ArrayLike, amax: ArrayLike,
                     block_ids: IndexLike, num_heads: int, block_token_size: int,
                     dtype: DTypeLike = "bfloat16", e2m1_max: float = LONGLIVE_E2M1_MAX,
-                    e4m3_max: float = LONGLIVE_E4M3_MAX, *, out: Array | None = None) -> Array:
+                    e4m3_max: float | None = None, *, scale_rule: str | None = None,
+                    out: Array | None = None) -> Array:
     """Decode blocks ``block_ids`` of a pool of LongLive blocks.
 
     Parameters
@@ -440,12 +505,16 @@ def dequantize_pool(values: ArrayLike, scale_factors: ArrayLike, amax: ArrayLike
         writes NaN for its tokens (no host synchronization).
     num_heads, block_token_size : int
         ``H`` and ``Tb``; ``Tb*H`` rounded up to 128 must be ``Rp`` (``ValueError``).
+        Only the product can be checked: a swap of the two decodes scrambled rows.
     dtype : {"bfloat16", "float16", "float32"}
         Ignored when ``out`` is given.
     e2m1_max : float, default 6.0
-    e4m3_max : float, default 256.0
+    e4m3_max : float, optional
         256 (LongLive's default) for blocks quantized with ``"4over6"``, 448 for
-        ``"static6"``: a stacked pool no longer knows its rule, so say it here.
+        ``"static6"``.  A stacked pool no longer knows its rule: pass this or
+        ``scale_rule`` (no default: ``TypeError`` when both are missing).
+    scale_rule : {"4over6", "static6"}, optional
+        The rule that quantized the pool (sets ``e4m3_max``).
     out : ndarray, optional
         ``(1, n*Tb, H, D)`` output.
 
@@ -462,15 +531,15 @@ def dequantize_pool(values: ArrayLike, scale_factors: ArrayLike, amax: ArrayLike
     >>> values, scale_factors, amax = (np.stack(a) for a in zip(*blocks))
     >>> values.shape, scale_factors.shape, amax.shape
     ((4, 128, 32), (4, 512), (4, 1))
-    >>> y = longlive.dequantize_pool(values, scale_factors, amax, np.array([3, 0]), 2, 8)
+    >>> y = longlive.dequantize_pool(values, scale_factors, amax, np.array([3, 0]), 2, 8,
+    ...                              scale_rule="4over6")
     >>> y.shape
     (1, 16, 2, 64)
-    >>> bool((y[0, :8] == longlive.dequantize([blocks[3]], num_heads=2,
-    ...                                        block_token_size=8)[0]).all())
+    >>> bool((y[0, :8] == longlive.dequantize([blocks[3]])[0]).all())
     True
     """
     key = _signature("pool", (values, scale_factors, amax, block_ids), num_heads,
-                     block_token_size, dtype, e2m1_max, e4m3_max, out)
+                     block_token_size, dtype, e2m1_max, e4m3_max, out, scale_rule)
     hit = _FAST.get(key) if key is not None else None
     if hit is not None:  # same arrays as a validated earlier call: launch straight away
         run, shape, dt = hit
@@ -479,6 +548,7 @@ def dequantize_pool(values: ArrayLike, scale_factors: ArrayLike, amax: ArrayLike
         run(out)
         return out
     H, Tb = _check_counts(num_heads, block_token_size)
+    e4m3_max = _resolve_e4m3_max(e4m3_max, scale_rule, None)
     backend = _arrays.backend_of(values)
     values = _arrays.to_backend(values, backend, "values")
     scale_factors = _arrays.as_scale_bytes(

@@ -164,6 +164,7 @@ def _overlaps_pool(cache, a) -> bool:
 # -- copy ----------------------------------------------------------------------------------
 def copy_blocks(cache, src, dst, validate: bool | None = None) -> None:
     """See :meth:`PagedKVCache.copy_blocks`."""
+    validate = _arrays.check_bool(validate, "validate", optional=True)
     check = cache.validate if validate is None else validate
     s, hs = _ids(cache, src, "src")
     d, hd = _ids(cache, dst, "dst")
@@ -193,6 +194,7 @@ def copy_blocks(cache, src, dst, validate: bool | None = None) -> None:
 # -- read / write --------------------------------------------------------------------------
 def read_blocks(cache, blocks, out=None, validate: bool | None = None):
     """See :meth:`PagedKVCache.read_blocks`."""
+    validate = _arrays.check_bool(validate, "validate", optional=True)
     check = cache.validate if validate is None else validate
     b, hb = _ids(cache, blocks, "blocks")
     _arrays.check_device({"blocks": b}, cache.buffer)
@@ -227,6 +229,7 @@ def read_blocks(cache, blocks, out=None, validate: bool | None = None):
 def write_blocks(cache, blocks, data, page_format: Any = None,
                  validate: bool | None = None) -> None:
     """See :meth:`PagedKVCache.write_blocks`."""
+    validate = _arrays.check_bool(validate, "validate", optional=True)
     check = cache.validate if validate is None else validate
     if page_format is not None:
         check_page_format(page_format, cache)
@@ -586,7 +589,7 @@ def slot_mapping(block_tables, positions, *, block_size: int, validate: bool = T
         blk = xp.full(pos.shape, -1, np.int64)
     else:
         blk = xp.take_along_axis(tables, col, axis=1).astype(np.int64)
-    if validate:
+    if _arrays.check_bool(validate, "validate"):
         for bad, exc, what in (
                 (pos < -1, ValueError, "is below -1 (only -1 marks padding)"),
                 (past, IndexError, f"is past the block table ({max_blocks} pages of "

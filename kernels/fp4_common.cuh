@@ -361,7 +361,8 @@ struct Encoded16 {
   u32 lo, hi;   // 16 nibbles: element 2i low nibble of byte i
   u32 scale;    // E4M3 byte
   bool nonfinite;
-  bool saturated;  // the chosen candidate's scale was clipped at 448 (fl(g*fl(m*c)) > 448)
+  bool saturated;  // the chosen candidate's scale saturated: fl(g*fl(m*c)) > 464, i.e. it
+                   // would round above 448 (FP4C_SCALE_SATURATES_ABOVE_BITS)
   bool underflow;  // nonzero group whose scale byte is zero or subnormal (< 2^-6)
 };
 
@@ -461,7 +462,8 @@ template <bool AUX>
 FP4C_DEVICE void candidate_scale(float m, float c, float s, float g, u32& sf, float& f, float& os,
                                  bool& clipped, const EncodeAux& aux) {
   const float a = f_mul(g, f_mul(m, c));
-  clipped = __float_as_uint(a) > 0x43E00000u;  // a > 448 (a >= 0, never NaN)
+  // a > 464 (a >= 0, never NaN): at or below it the clip to 448 changes nothing
+  clipped = __float_as_uint(a) > FP4C_SCALE_SATURATES_ABOVE_BITS;
   sf = e4m3_encode_nonneg(a);
   f = e4m3_decode(sf);
   if (AUX) {

@@ -97,12 +97,13 @@ FP4C_DEVICE void scan_last_occurrences(const void* slots, u32 n, i64* s_slot, u8
 }
 
 // Whether token it.i writes slot `slot` (a valid slot, no later duplicate), counting
-// out-of-range slots once per token.  dedup: 1 = the scan's verdict (last), 2 = claim
-// table (the claim pass left i + 1 of the last token with this slot).
+// bad slots once per token: -1 is vLLM's padding id (skipped, not counted); any other
+// negative slot, like one >= num_slots, is bad.  dedup: 1 = the scan's verdict (last),
+// 2 = claim table (the claim pass left i + 1 of the last token with this slot).
 FP4C_DEVICE bool store_slot_live(i64 slot, const StoreItem& it, const StoreParams& P,
                                  const u8* last) {
-  if (slot < 0) return false;
-  if (slot >= P.num_slots) {
+  if (slot == -1) return false;
+  if ((u64)slot >= (u64)P.num_slots) {  // negative (as u64: huge) or past the pool
     if (it.rem == 0) atomicAdd((u64*)P.stats + FP4C_STAT_BAD_SLOTS, 1ull);
     return false;
   }

@@ -394,7 +394,7 @@ def test_out_and_lse_out_are_written_and_returned():
     (dict(out=np.empty((2, 4, 32), BF16)), ValueError, r"out must have shape \(2, 4, 64\)"),
     (dict(out=np.empty((2, 4, 64), np.float32)), TypeError, "out must have dtype bfloat16"),
     (dict(out=np.empty((2, 4, 128), BF16)[..., ::2]), ValueError, "out must be C-contiguous"),
-    (dict(out=[[0.0]]), ValueError, "out must have shape"),
+    (dict(out=[[0.0]]), TypeError, "out must be an array .*got a Python list"),
     (dict(lse_out=np.empty((2, 4), np.float32)), ValueError, "lse_out .*return_lse"),
     (dict(lse_out=np.empty((2, 4), np.float64), return_lse=True), TypeError,
      "lse_out must have dtype float32"),
@@ -612,3 +612,47 @@ def test_gpu_validate_true_refuses_before_the_backend(gpu_cache):
     cache.decode_attention(q, bt, cupy.asarray([20, 0]), validate=True)  # row 1 unused
     cache.decode_attention(q, bt.get(), [20, 3])  # index arrays from the host are converted
     assert len(backend.calls) == 2
+
+
+@pytest.mark.parametrize("dtype", [BF16, F16, F32])
+@pytest.mark.parametrize("return_lse", [False, True])
+@pytest.mark.parametrize("pages", [3, 70])  # one chunk; many (the CPU works in chunks)
+def test_nan_q_warns_nothing_and_stays_in_its_head(dtype, return_lse, pages):
+    """Issue 23: a NaN q on the CPU must not leak a NumPy RuntimeWarning ("All-NaN
+    slice encountered" was reported); run with warnings as errors.  NaN stays where it
+    belongs: the NaN query heads give NaN, every other head and a length-0 row are
+    exact as without the NaN."""
+    import warnings
+
+    T, H, D = 16, 2, 64
+    c = PagedKVCache(2 * pages + 1, T, H, D, device="cpu")
+    rng = np.random.default_rng(pages)
+    n = c.num_slots
+    c.store(np.arange(n), rng.standard_normal((n, H, D)).astype(F32),
+            rng.standard_normal((n, H, D)).astype(F32))
+    q = rng.standard_normal((4, 4 * H, D)).astype(F32)
+    clean = q.astype(dtype)
+    q[0, 3] = np.nan          # one query head of row 0
+    q[1] = np.nan             # every head of row 1
+    q[2, :, 5] = np.nan       # one channel of every head of row 2
+    q[3] = np.nan             # row 3 has length 0
+    q = q.astype(dtype)
+    tables = np.arange(4 * pages).reshape(4, pages) % c.num_blocks
+    lens = np.array([pages * T, pages * T - 5, 17, 0])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with np.errstate(all="raise"):  # NumPy's floating-point warnings raise too
+            got = c.decode_attention(q, tables, lens, return_lse=return_lse)
+    want = c.decode_attention(clean, tables, lens, return_lse=return_lse)
+    out, lse = got if return_lse else (got, None)
+    ref_out, ref_lse = want if return_lse else (want, None)
+    out, ref_out = out.astype(F32), ref_out.astype(F32)
+    assert np.isnan(out[0, 3]).all() and np.isnan(out[1]).all() and np.isnan(out[2]).all()
+    keep = np.ones(4 * H, bool)
+    keep[3] = False
+    assert np.array_equal(out[0, keep], ref_out[0, keep])
+    assert not out[3].any()
+    if return_lse:
+        assert np.isnan(lse[0, 3]) and np.isnan(lse[1]).all() and np.isnan(lse[2]).all()
+        assert np.array_equal(lse[0, keep], ref_lse[0, keep])
+        assert np.isneginf(lse[3]).all()

@@ -160,17 +160,25 @@ def test_non_contiguous_k_v():
     check_against_model(cache, model)
 
 
-def test_negative_slots_are_skipped():
+def test_padding_slots_are_skipped_other_negatives_are_bad():
+    """-1 (vLLM's padding id) is skipped and not counted; -100, -2**40, -7 are bad slots:
+    IndexError when validating (nothing stored), counted when not."""
     rng = np.random.default_rng(4)
     kw = dict(num_blocks=2, block_size=4, num_heads=1, head_dim=64)
     cache, model = make_pair(kw)
     k, v = rand_kv(rng, 4, 1, 64)
-    cache.store(np.array([-1, -1, -100, -(2**40)], np.int64), k, v)
-    assert not cache.buffer.any()
-    cache.store(np.array([-1, 5, -7, 2], np.int32), k, v)
+    cache.store(np.array([-1, -1, -1, -1], np.int64), k, v)
+    assert not cache.buffer.any() and cache.stats["bad_slots"] == 0
+    for slots in ([-1, -1, -100, -(2**40)], [-1, 5, -7, 2]):
+        with pytest.raises(IndexError, match=r"slot_mapping\[2\] = -\d+ is out of range"):
+            cache.store(np.array(slots, np.int64), k, v)
+        assert not cache.buffer.any()
+    cache.store(np.array([-1, -1, -100, -(2**40)], np.int64), k, v, validate=False)
+    assert not cache.buffer.any() and cache.stats["bad_slots"] == 2
+    cache.store(np.array([-1, 5, -7, 2], np.int32), k, v, validate=False)
     model.store([-1, 5, -7, 2], k, v)
     check_against_model(cache, model)
-    assert cache.stats["bad_slots"] == 0
+    assert cache.stats["bad_slots"] == 3
 
 
 def test_duplicate_slots_last_occurrence_wins():

@@ -129,3 +129,29 @@ def test_zero_empty_tiny_and_wrong_inputs(device):
         fp4cache.calibrate_scale(xp.ones((4, 16), np.float64))
     with pytest.raises(ValueError, match="scale_rule"):
         fp4cache.calibrate_scale(xp.ones((4, 16), F32), "6over4")
+
+
+_ROOT = __import__("pathlib").Path(__file__).resolve().parents[1]
+
+
+def test_one_scale_rule_in_the_docs():
+    """The scale guidance is one rule: wherever the library's docstrings, the README or
+    docs/ state ``amax / (6 * 448)``, the same passage gives 4over6's ``6 * 256`` (so no
+    text tells a 4over6 user to use 448), and the PagedKVCache docstring sends the user to
+    ``calibrate_scale(x, scale_rule)``."""
+    import re
+
+    files = [*sorted((_ROOT / "fp4cache").glob("*.py")), _ROOT / "README.md",
+             *sorted((_ROOT / "docs").glob("*.md"))]
+    pat = re.compile(r"6\s*[*·×]\s*448")
+    bad = []
+    for path in files:
+        text = path.read_text(encoding="utf-8")
+        for m in pat.finditer(text):
+            window = text[max(0, m.start() - 400):m.end() + 400]
+            if not re.search(r"6\s*[*·×]\s*256", window):
+                bad.append(f"{path.name}:{text.count(chr(10), 0, m.start()) + 1}")
+    assert not bad, f"amax/(6*448) stated without the 4over6 rule at {bad}"
+    doc = " ".join(fp4cache.PagedKVCache.__doc__.split())
+    assert "calibrate_scale(x, scale_rule)" in doc
+    assert "6 * 256" in doc

@@ -3,12 +3,14 @@ arrays from another GPU.  The multi-GPU tests run only where two GPUs are visibl
 
 from __future__ import annotations
 
+import re
 import threading
 
 import ml_dtypes
 import numpy as np
 import pytest
 
+import fp4cache.codec
 from fp4cache import PagedKVCache, gpu_available
 from fp4cache._device import DeviceGuard, array_device, parse_device
 
@@ -338,3 +340,84 @@ def test_graph_on_gpu1_while_gpu0_holds_a_cache():
                 stream.synchronize()
         assert np.array_equal(c1.buffer.get(), ref.buffer)
     assert not c0.buffer.any()
+
+
+# -- what is missing when no GPU is usable (issue 23) ---------------------------------
+@pytest.mark.skipif(gpu_available(), reason="checks the no-GPU error")
+def test_no_gpu_error_says_what_is_missing_not_to_install_the_extra():
+    """With CuPy installed but no driver or GPU, the error used to say to install the
+    CUDA extra, which is installed: it says what is missing now (this machine's case
+    when CuPy imports: a CPU runner with the extra installed)."""
+    pytest.importorskip("cupy")
+    with pytest.raises(RuntimeError) as err:
+        PagedKVCache(4, 16, 2, 64, device="cuda")
+    msg = str(err.value)
+    assert msg.startswith("device='cuda' needs CuPy and a CUDA GPU: CuPy ")
+    assert "is installed" in msg and "pip install" not in msg
+    assert re.search(r"no NVIDIA driver|driver supports CUDA up to|sees no GPU", msg), msg
+    with pytest.raises(RuntimeError, match="needs CuPy and a CUDA GPU: CuPy .* is installed"):
+        fp4cache.codec.backend_module("cuda")
+
+
+class _FakeRuntime:
+    def __init__(self, count, driver, err=None, runtime=12090):
+        self.count, self.driver, self.err, self.runtime = count, driver, err, runtime
+
+    def getDeviceCount(self):
+        if self.err:
+            raise RuntimeError(self.err)
+        return self.count
+
+    def driverGetVersion(self):
+        return self.driver
+
+    def runtimeGetVersion(self):
+        return self.runtime
+
+
+@pytest.mark.parametrize("rt, want", [
+    (_FakeRuntime(0, 0, "cudaErrorInsufficientDriver: CUDA driver version is insufficient"),
+     r"CuPy 9\.9 is installed, but no NVIDIA driver was found .* install the NVIDIA driver"),
+    (_FakeRuntime(0, 12020, "cudaErrorInsufficientDriver: CUDA driver version is "
+                            "insufficient"),
+     r"built for CUDA 12\.9, but the NVIDIA driver supports CUDA up to 12\.2 .*update the "
+     r"driver"),
+    (_FakeRuntime(0, 12090, "cudaErrorNoDevice: no CUDA-capable device is detected"),
+     r"NVIDIA driver \(CUDA 12\.9\) is loaded, but it sees no GPU \(cudaErrorNoDevice.*"
+     r"CUDA_VISIBLE_DEVICES=''"),
+    (_FakeRuntime(2, 12090), None),
+])
+def test_gpu_unavailable_reason_names_the_missing_piece(monkeypatch, rt, want):
+    import sys
+    import types
+
+    from fp4cache import _arrays
+
+    fake = types.ModuleType("cupy")
+    fake.__version__ = "9.9"
+    fake.cuda = types.SimpleNamespace(runtime=rt)
+    monkeypatch.setitem(sys.modules, "cupy", fake)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    _arrays.gpu_unavailable_reason.cache_clear()
+    try:
+        why = _arrays.gpu_unavailable_reason()
+        if want is None:
+            assert why is None and _arrays.gpu_available()
+        else:
+            assert re.search(want, why), why
+            assert "pip install" not in why
+    finally:
+        _arrays.gpu_unavailable_reason.cache_clear()
+
+
+def test_gpu_unavailable_reason_without_cupy_names_the_extra(monkeypatch):
+    import sys
+
+    from fp4cache import _arrays
+
+    monkeypatch.setitem(sys.modules, "cupy", None)  # import cupy -> ImportError
+    _arrays.gpu_unavailable_reason.cache_clear()
+    try:
+        assert "pip install 'fp4cache[cuda12]'" in _arrays.gpu_unavailable_reason()
+    finally:
+        _arrays.gpu_unavailable_reason.cache_clear()

@@ -304,23 +304,44 @@ CODEC_CASES = [
     ("ll-rule", lambda: longlive.quantize_block(np.ones((4, 2, 64), F32), "x"), ValueError,
      "scale_rule"),
     ("ll-deq-lengths", lambda: longlive.dequantize([np.zeros((128, 32), np.uint8)], [], [],
-                                                   2, 4), ValueError, "same length"),
-    ("ll-deq-empty", lambda: longlive.dequantize([], [], [], 2, 4), ValueError, "values"),
+                                                   2, 4, scale_rule="4over6"),
+     ValueError, "same length"),
+    ("ll-deq-empty", lambda: longlive.dequantize([], [], [], 2, 4, scale_rule="4over6"),
+     ValueError, "values"),
     ("ll-deq-heads", lambda: longlive.dequantize(
-        [np.zeros((128, 32), np.uint8)], [np.zeros(512, np.uint8)], [np.ones(1, F32)], 0, 4),
+        [np.zeros((128, 32), np.uint8)], [np.zeros(512, np.uint8)], [np.ones(1, F32)], 0, 4,
+        scale_rule="4over6"),
      ValueError, "num_heads"),
     ("ll-deq-rows", lambda: longlive.dequantize(
-        [np.zeros((100, 32), np.uint8)], [np.zeros(400, np.uint8)], [np.ones(1, F32)], 2, 4),
+        [np.zeros((100, 32), np.uint8)], [np.zeros(400, np.uint8)], [np.ones(1, F32)], 2, 4,
+        scale_rule="4over6"),
      ValueError, "rows"),
     ("ll-deq-sf-size", lambda: longlive.dequantize(
-        [np.zeros((128, 32), np.uint8)], [np.zeros(500, np.uint8)], [np.ones(1, F32)], 2, 4),
+        [np.zeros((128, 32), np.uint8)], [np.zeros(500, np.uint8)], [np.ones(1, F32)], 2, 4,
+        scale_rule="4over6"),
      ValueError, "scale_factors"),
     ("ll-deq-amax", lambda: longlive.dequantize(
-        [np.zeros((128, 32), np.uint8)], [np.zeros(512, np.uint8)], [np.ones(1)], 2, 4),
+        [np.zeros((128, 32), np.uint8)], [np.zeros(512, np.uint8)], [np.ones(1)], 2, 4,
+        scale_rule="4over6"),
      TypeError, "amax"),
     ("ll-deq-e4m3-max", lambda: longlive.dequantize(
         [np.zeros((128, 32), np.uint8)], [np.zeros(512, np.uint8)], [np.ones(1, F32)], 2, 4,
         e4m3_max=0.0), ValueError, "e4m3_max"),
+    ("ll-deq-no-rule", lambda: longlive.dequantize(
+        [np.zeros((128, 32), np.uint8)], [np.zeros(512, np.uint8)], [np.ones(1, F32)], 2, 4),
+     TypeError, "scale_rule="),
+    ("ll-pool-no-rule", lambda: longlive.dequantize_pool(
+        np.zeros((1, 128, 32), np.uint8), np.zeros((1, 512), np.uint8), np.ones(1, F32), [0],
+        2, 4), TypeError, "scale_rule="),
+    ("ll-deq-rule-conflict", lambda: longlive.dequantize(
+        [np.zeros((128, 32), np.uint8)], [np.zeros(512, np.uint8)], [np.ones(1, F32)], 2, 4,
+        e4m3_max=256, scale_rule="static6"), ValueError, "e4m3_max=256 does not match"),
+    ("ll-deq-bad-rule", lambda: longlive.dequantize(
+        [np.zeros((128, 32), np.uint8)], [np.zeros(512, np.uint8)], [np.ones(1, F32)], 2, 4,
+        scale_rule="6over4"), ValueError, "scale_rule"),
+    ("ll-deq-e4m3-str", lambda: longlive.dequantize(
+        [np.zeros((128, 32), np.uint8)], [np.zeros(512, np.uint8)], [np.ones(1, F32)], 2, 4,
+        e4m3_max="448"), TypeError, "e4m3_max"),
 ]
 
 
@@ -382,12 +403,38 @@ def test_duplicates_and_negative_slots(device):
                            v_scale=2.0)
     model.store(host(c.slots), host(c.k).astype(F32), host(c.v).astype(F32))
     rng = np.random.default_rng(1)
-    slots = np.array([5, -1, 5, 20, 5, -7, 20, 0, 31], np.int64)
+    slots = np.array([5, -1, 5, 20, 5, -1, 20, 0, 31], np.int64)
     k = rng.standard_normal((len(slots), H, D)).astype(BF16)
     v = rng.standard_normal((len(slots), H, D)).astype(BF16)
     c.cache.store(c.arr(slots), c.arr(k), c.arr(v), unique_slots=False)
     model.store(slots, k, v)
     np.testing.assert_array_equal(host(c.cache.buffer), model.buffer())
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("slot_dtype", [np.int32, np.int64])
+@pytest.mark.parametrize("unique", [True, False])
+@pytest.mark.parametrize("n_pad", [0, 200])  # GPU: the scan path, then the claim path
+def test_negative_slots_other_than_minus_one_are_bad(device, slot_dtype, unique, n_pad):
+    """-1 is vLLM's padding id: skipped, not counted.  Any other negative slot is a bug
+    in the caller's slot arithmetic: IndexError when validating (nothing stored), else
+    skipped and counted in bad_slots like a slot >= num_slots, on both backends."""
+    c = make_ctx(device, layout="HND", scale_rule="static6")
+    base = c.cache.stats["bad_slots"]
+    slots = np.concatenate([[-1, -7, 3, -(2**31), 70], np.full(n_pad, -1)]).astype(slot_dtype)
+    k = np.full((len(slots), H, D), 6.0 * 0.5, F32)
+    before = host(c.cache.buffer).copy()
+    with pytest.raises(IndexError, match=r"slot_mapping\[1\] = -7 is out of range.*-1 for "
+                                         "padding"):
+        c.cache.store(c.arr(slots), c.arr(k), c.arr(k), unique_slots=unique, validate=True)
+    np.testing.assert_array_equal(host(c.cache.buffer), before)
+    c.cache.store(c.arr(slots), c.arr(k), c.arr(k), unique_slots=unique, validate=False)
+    assert c.cache.stats["bad_slots"] == base + 3  # -7, -2**31, 70; -1 (x 1 + n_pad) not
+    after = host(c.cache.buffer)
+    changed = np.flatnonzero((after != before).any(axis=(1, 2)))
+    assert changed.tolist() == [0]  # only slot 3 (page 0) was written
+    with pytest.raises(IndexError, match=r"3 token\(s\) had a slot_mapping entry outside"):
+        c.cache.check()
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -399,7 +446,7 @@ def test_many_duplicates_last_wins(device, n):
                            v_scale=2.0)
     model.store(host(c.slots), host(c.k), host(c.v))
     rng = np.random.default_rng(n)
-    slots = rng.integers(-2, NB * T, n).astype(np.int32)
+    slots = rng.integers(-1, NB * T, n).astype(np.int32)  # -1: padding
     k = rng.standard_normal((n, H, D)).astype(np.float16)
     v = rng.standard_normal((n, H, D)).astype(np.float16)
     k[rng.integers(0, n, 5), 0, 3] = np.nan
@@ -528,7 +575,7 @@ def test_fuzz_store_and_gather(device, call):
         expected.add(TypeError)
     if fault != "none":
         expected.add(ValueError)
-    if not expected and (sarr >= nslots).any():
+    if not expected and ((sarr >= nslots) | (sarr < -1)).any():  # -1 alone is padding
         expected.add(IndexError)
     before = host(cache.buffer).copy()
     try:
@@ -581,3 +628,125 @@ def test_store_unique_slots_refuses_repeats_when_validating(device, slots):
     cache.store(ok, x[:3], x[:3], unique_slots=True)
     plain.store(ok, x[:3], x[:3])
     assert bool((cache.buffer == plain.buffer).all()) and not bool((cache.buffer == before).all())
+
+
+# -- flags must be bools (issue 23) ---------------------------------------------------------
+FLAG_CALLS = {
+    "store-unique_slots": ("unique_slots", lambda c, x: c.cache.store(
+        c.slots, c.k, c.v, unique_slots=x)),
+    "store-validate": ("validate", lambda c, x: c.cache.store(c.slots, c.k, c.v, validate=x)),
+    "gather-validate": ("validate", lambda c, x: c.cache.gather_dequant(
+        c.arr([0, 1], np.int64), validate=x)),
+    "attention-validate": ("validate", lambda c, x: c.cache.decode_attention(
+        c.arr(np.ones((1, H, D), F32)), c.arr([[0, 1]], np.int64), c.arr([9], np.int64),
+        validate=x)),
+    "attention-return_lse": ("return_lse", lambda c, x: c.cache.decode_attention(
+        c.arr(np.ones((1, H, D), F32)), c.arr([[0, 1]], np.int64), c.arr([9], np.int64),
+        return_lse=x)),
+    "init-validate": ("validate", lambda c, x: PagedKVCache(
+        NB, T, H, D, device=c.cache.device, validate=x)),
+    "init-swizzle_v_scales": ("swizzle_v_scales", lambda c, x: PagedKVCache(
+        NB, T, H, D, device=c.cache.device, swizzle_v_scales=x)),
+}
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("case", list(FLAG_CALLS))
+@pytest.mark.parametrize("bad", ["no", "False", 0, 1, 1.0, [True]])
+def test_flags_must_be_bools(device, case, bad):
+    """A string read as a flag used to act as True (``unique_slots="no"`` then even said
+    ``unique_slots=True promises...``): a TypeError naming the parameter, the buffer
+    untouched.  ``numpy.bool_`` is accepted."""
+    name, call = FLAG_CALLS[case]
+    c = make_ctx(device)
+    before = host(c.cache.buffer).copy()
+    with pytest.raises(TypeError, match=rf"{name} must be True or False") as err:
+        call(c, bad)
+    assert repr(bad) in str(err.value)
+    np.testing.assert_array_equal(host(c.cache.buffer), before)
+    call(c, np.bool_(True))  # NumPy's bool is a bool
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_optional_flags_take_none_required_flags_do_not(device):
+    c = make_ctx(device)
+    c.cache.store(c.slots, c.k, c.v, validate=None)
+    c.cache.gather_dequant(c.arr([0], np.int64), validate=None)
+    for call in (lambda: c.cache.store(c.slots, c.k, c.v, unique_slots=None),
+                 lambda: PagedKVCache(NB, T, H, D, device=device, swizzle_v_scales=None)):
+        with pytest.raises(TypeError, match="must be True or False, got NoneType"):
+            call()
+
+
+# -- numbers must be numbers; lists name the parameter (issue 23) ---------------------------
+NUMBER_CALLS = {
+    "k_scale": lambda c, x: PagedKVCache(NB, T, H, D, device=c.cache.device, k_scale=x),
+    "v_scale": lambda c, x: PagedKVCache(NB, T, H, D, device=c.cache.device, v_scale=x),
+    "sm_scale": lambda c, x: c.cache.decode_attention(
+        c.arr(np.ones((1, H, D), F32)), c.arr([[0, 1]], np.int64), c.arr([9], np.int64),
+        sm_scale=x),
+    "scale": lambda c, x: fp4cache.quantize(c.arr(np.ones((2, 64), F32)), scale=x),
+    "e2m1_max": lambda c, x: longlive.dequantize(
+        [np.zeros((128, 32), np.uint8)], [np.zeros(512, np.uint8)], [np.ones(1, F32)], 2, 4,
+        e2m1_max=x, e4m3_max=256),
+}
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("name", list(NUMBER_CALLS))
+@pytest.mark.parametrize("bad", ["0.01", "0.1", b"1", True, None, [0.5]])
+def test_numbers_must_be_real_numbers(device, name, bad):
+    """``k_scale="0.01"`` or ``sm_scale="0.1"`` used to be accepted (float() parses
+    strings) while ``"abc"`` raised: every number is a real number now, and the
+    TypeError names the parameter."""
+    c = make_ctx(device)
+    before = host(c.cache.buffer).copy()
+    if bad is None and name == "sm_scale":
+        NUMBER_CALLS[name](c, bad)  # None: the default 1/sqrt(D)
+        return
+    with pytest.raises(TypeError, match=rf"^{name} must be a (positive finite|real) number"):
+        NUMBER_CALLS[name](c, bad)
+    np.testing.assert_array_equal(host(c.cache.buffer), before)
+    NUMBER_CALLS[name](c, np.float32(0.5) if name != "e2m1_max" else 6)  # numbers still work
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_lists_name_the_parameter(device):
+    """A ragged block table used to give NumPy's raw 'inhomogeneous shape' error and a
+    nested list for K '... got float64': both name the parameter now."""
+    c = make_ctx(device)
+    before = host(c.cache.buffer).copy()
+    q = c.arr(np.ones((2, H, D), F32))
+    with pytest.raises(ValueError, match=r"^block_tables must be a rectangular array: .*"
+                                         r"\[1, 3\].*pad"):
+        c.cache.decode_attention(q, [[0, 1, 2], [1]], [3, 3])
+    with pytest.raises(ValueError, match=r"^slot_mapping must be a rectangular array"):
+        c.cache.store([[0, 1], [2]], c.k, c.v)
+    k_list = np.ones((2, H, D)).tolist()
+    with pytest.raises(TypeError, match=r"^k must be an array .*got a Python list"):
+        c.cache.store(c.arr([0, 1], np.int64), k_list, k_list)
+    with pytest.raises(TypeError, match=r"^q must be an array .*got a Python list"):
+        c.cache.decode_attention(np.ones((2, H, D)).tolist(), [[0], [1]], [3, 3])
+    with pytest.raises(TypeError, match=r"^x must be an array .*got a Python tuple"):
+        fp4cache.quantize(tuple(np.ones((2, 64)).tolist()))
+    np.testing.assert_array_equal(host(c.cache.buffer), before)
+    # index arrays as lists still work
+    c.cache.decode_attention(q, [[0, 1], [1, -1]], [3, 3])
+    c.cache.gather_dequant([0, 1])
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("call", [
+    lambda c, x: c.cache.copy_blocks([0], [1], validate=x),
+    lambda c, x: c.cache.read_blocks([0], validate=x),
+    lambda c, x: c.cache.write_blocks([1], c.cache.read_blocks([0]), validate=x),
+    lambda c, x: fp4cache.slot_mapping(np.array([[0, 1]]), np.array([[0, 3]]), block_size=T,
+                                       validate=x),
+], ids=["copy_blocks", "read_blocks", "write_blocks", "slot_mapping"])
+def test_page_moving_flags_must_be_bools(device, call):
+    c = make_ctx(device)
+    before = host(c.cache.buffer).copy()
+    with pytest.raises(TypeError, match=r"validate must be True or False.*'no'"):
+        call(c, "no")
+    np.testing.assert_array_equal(host(c.cache.buffer), before)
+    call(c, np.bool_(True))

@@ -144,17 +144,18 @@ def test_dequantize_pool_one_launch_ids_out_and_graph(id_dtype, dtype, D):
     pool_c = _pool(rng, 5, H, Tb, D)
     pool_g = [cp.asarray(a) for a in pool_c]
     ids = np.array([4, 0, 4, 2, 1], id_dtype)
-    ref = longlive.dequantize_pool(*pool_c, ids, H, Tb, dtype=dtype)
+    ref = longlive.dequantize_pool(*pool_c, ids, H, Tb, dtype=dtype, scale_rule="4over6")
     ids_d = cp.asarray(ids)
     out = cp.full(ref.shape, np.nan, dtype=ref.dtype)
-    got = longlive.dequantize_pool(*pool_g, ids_d, H, Tb, out=out)
+    got = longlive.dequantize_pool(*pool_g, ids_d, H, Tb, out=out, scale_rule="4over6")
     assert got is out
     assert_same_values(out, ref)
     # out of range on both sides: NaN rows for those blocks only
     bad = np.array([5, 1, -1, 2, 1 << 30], id_dtype)
-    got = longlive.dequantize_pool(*pool_g, cp.asarray(bad), H, Tb, dtype=dtype)
+    got = longlive.dequantize_pool(*pool_g, cp.asarray(bad), H, Tb, dtype=dtype,
+                                   scale_rule="4over6")
     exp = longlive.dequantize_pool(*pool_c, np.where((bad < 0) | (bad >= 5), 0, bad), H, Tb,
-                                   dtype=dtype)
+                                   dtype=dtype, scale_rule="4over6")
     for j in (0, 2, 4):
         exp[0, j * Tb:(j + 1) * Tb] = np.nan
     assert_same_values(got, exp)
@@ -163,13 +164,14 @@ def test_dequantize_pool_one_launch_ids_out_and_graph(id_dtype, dtype, D):
     with stream:
         out[...] = 0
         stream.begin_capture()
-        longlive.dequantize_pool(*pool_g, ids_d, H, Tb, out=out)
+        longlive.dequantize_pool(*pool_g, ids_d, H, Tb, out=out, scale_rule="4over6")
         graph = stream.end_capture()
         new_ids = np.array([1, 1, 3, 0, 2], id_dtype)
         ids_d.set(new_ids, stream=stream)
         graph.launch(stream)
         stream.synchronize()
-    assert_same_values(out, longlive.dequantize_pool(*pool_c, new_ids, H, Tb, dtype=dtype))
+    assert_same_values(out, longlive.dequantize_pool(*pool_c, new_ids, H, Tb, dtype=dtype,
+                                                     scale_rule="4over6"))
 
 
 def test_wide_decode_many_blocks_and_a_misaligned_block():
@@ -178,9 +180,10 @@ def test_wide_decode_many_blocks_and_a_misaligned_block():
     H, Tb, D = 2, 16, 64
     pool_c = _pool(rng, 70, H, Tb, D)
     ids = rng.integers(0, 70, 300)
-    ref = longlive.dequantize_pool(*pool_c, ids, H, Tb)
+    ref = longlive.dequantize_pool(*pool_c, ids, H, Tb, scale_rule="4over6")
     assert_same_values(
-        longlive.dequantize_pool(*[cp.asarray(a) for a in pool_c], cp.asarray(ids), H, Tb),
+        longlive.dequantize_pool(*[cp.asarray(a) for a in pool_c], cp.asarray(ids), H, Tb,
+                                 scale_rule="4over6"),
         ref)
     vals = [cp.asarray(pool_c[0][i]) for i in (3, 5)]
     raw = cp.zeros(vals[1].size + 1, cp.uint8)
@@ -189,8 +192,9 @@ def test_wide_decode_many_blocks_and_a_misaligned_block():
     sfs = [cp.asarray(pool_c[1][i]) for i in (3, 5)]
     ams = [cp.asarray(pool_c[2][i]) for i in (3, 5)]
     exp = longlive.dequantize([pool_c[0][3], pool_c[0][5]], [pool_c[1][3], pool_c[1][5]],
-                              [pool_c[2][3], pool_c[2][5]], H, Tb)
-    assert_same_values(longlive.dequantize([vals[0], odd], sfs, ams, H, Tb), exp)
+                              [pool_c[2][3], pool_c[2][5]], H, Tb, scale_rule="4over6")
+    assert_same_values(longlive.dequantize([vals[0], odd], sfs, ams, H, Tb,
+                                           scale_rule="4over6"), exp)
 
 
 def test_dequantize_list_reuses_pointer_tables_but_reads_new_contents():
@@ -201,17 +205,18 @@ def test_dequantize_list_reuses_pointer_tables_but_reads_new_contents():
     sfs = [cp.asarray(pool_c[1][i]) for i in range(3)]
     ams = [cp.asarray(pool_c[2][i]) for i in range(3)]
     ref = longlive.dequantize([a for a in pool_c[0]], [a for a in pool_c[1]],
-                              [a for a in pool_c[2]], H, Tb)
-    assert_same_values(longlive.dequantize(vals, sfs, ams, H, Tb), ref)
+                              [a for a in pool_c[2]], H, Tb, scale_rule="4over6")
+    assert_same_values(longlive.dequantize(vals, sfs, ams, H, Tb, scale_rule="4over6"), ref)
     # same blocks (same pointers), new contents: the cached tables still point at them
     vals[1][...] = cp.asarray(pool_c[0][2])
     sfs[1][...] = cp.asarray(pool_c[1][2])
     ams[1][...] = cp.asarray(pool_c[2][2])
     exp = ref.copy()
     exp[0, Tb:2 * Tb] = ref[0, 2 * Tb:3 * Tb]
-    assert_same_values(longlive.dequantize(vals, sfs, ams, H, Tb), exp)
+    assert_same_values(longlive.dequantize(vals, sfs, ams, H, Tb, scale_rule="4over6"), exp)
     # a different order is a different table
-    assert_same_values(longlive.dequantize(vals[::-1], sfs[::-1], ams[::-1], H, Tb)[0, :Tb],
+    assert_same_values(longlive.dequantize(vals[::-1], sfs[::-1], ams[::-1], H, Tb,
+                                           scale_rule="4over6")[0, :Tb],
                        ref[0, 2 * Tb:])
 
 

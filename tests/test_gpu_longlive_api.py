@@ -72,10 +72,11 @@ def test_longlive_hot_path_is_per_device_and_dtype():
     blocks = _blocks(rng, 3, Tb, H, D)
     vals, sfs, ams = (list(g) for g in zip(*blocks))
     ref = longlive.dequantize([a.get() for a in vals], [a.get() for a in sfs],
-                              [a.get() for a in ams], H, Tb, dtype="float16")
+                              [a.get() for a in ams], H, Tb, dtype="float16", scale_rule="4over6")
     for _ in range(3):
-        assert_same_values(longlive.dequantize(vals, sfs, ams, H, Tb, dtype="float16"), ref)
-        assert longlive.dequantize(vals, sfs, ams, H, Tb).dtype == BF16
+        assert_same_values(longlive.dequantize(vals, sfs, ams, H, Tb, dtype="float16",
+                                               scale_rule="4over6"), ref)
+        assert longlive.dequantize(vals, sfs, ams, H, Tb, scale_rule="4over6").dtype == BF16
 
 
 def test_longlive_mismatch_and_bad_blocks_refused_before_any_work(monkeypatch):
@@ -90,17 +91,26 @@ def test_longlive_mismatch_and_bad_blocks_refused_before_any_work(monkeypatch):
     monkeypatch.setattr(_cupy_backend, "longlive_list_launcher", no_work)
     monkeypatch.setattr(_cupy_backend, "longlive_pool_launcher", no_work)
     with pytest.raises(ValueError, match=r"num_heads=4 and block_token_size=32 do not match"):
-        longlive.dequantize(vals, sfs, ams, 4, Tb)
+        longlive.dequantize(vals, sfs, ams, 4, Tb, scale_rule="4over6")
+    # issue 23: raw arrays must say their rule; blocks refuse swapped counts
+    with pytest.raises(TypeError, match=r"scale_rule='4over6'.*scale_rule='static6'"):
+        longlive.dequantize(vals, sfs, ams, H, Tb)
+    with pytest.raises(TypeError, match=r"scale_rule='4over6'.*scale_rule='static6'"):
+        longlive.dequantize_pool(cp.stack(vals), cp.stack(sfs), cp.stack(ams),
+                                 np.array([0, 1]), H, Tb)
+    with pytest.raises(ValueError, match=r"num_heads=32 does not match the blocks"):
+        longlive.dequantize(blocks, num_heads=Tb, block_token_size=H)
     with pytest.raises(ValueError, match="do not match"):
         longlive.dequantize_pool(cp.stack(vals), cp.stack(sfs), cp.stack(ams),
-                                 np.array([0, 1]), H, 16)
+                                 np.array([0, 1]), H, 16, scale_rule="4over6")
     strided = cp.zeros((vals[1].shape[0], 2 * vals[1].shape[1]), cp.uint8)[:, ::2]
     with pytest.raises(ValueError, match=r"values\[1\] must be C-contiguous"):
-        longlive.dequantize([vals[0], strided], sfs, ams, H, Tb)
+        longlive.dequantize([vals[0], strided], sfs, ams, H, Tb, scale_rule="4over6")
     with pytest.raises(ValueError, match=r"scale_factors\[1\] must hold"):
-        longlive.dequantize(vals, [sfs[0], sfs[1][:-1]], ams, H, Tb)
+        longlive.dequantize(vals, [sfs[0], sfs[1][:-1]], ams, H, Tb, scale_rule="4over6")
     with pytest.raises(TypeError, match=r"amax\[0\]"):
-        longlive.dequantize(vals, sfs, [ams[0].astype(cp.float16), ams[1]], H, Tb)
+        longlive.dequantize(vals, sfs, [ams[0].astype(cp.float16), ams[1]], H, Tb,
+                            scale_rule="4over6")
 
 
 @pytest.mark.parametrize("bad, exc, match", [

@@ -101,7 +101,8 @@ def test_dequantize_multiple_blocks_per_element_formula(D, dtype):
     blocks = [longlive.quantize_block(
         (rng.standard_normal((Tb, H, D)) * m).astype(F32)) for m in (1.0, 1e-3, 300.0, 7.5)]
     vals, sfs, ams = (list(t) for t in zip(*blocks))
-    got = longlive.dequantize(vals, sfs, ams, num_heads=H, block_token_size=Tb, dtype=dtype)
+    got = longlive.dequantize(vals, sfs, ams, num_heads=H, block_token_size=Tb, dtype=dtype,
+                              scale_rule="4over6")
     assert got.shape == (1, 4 * Tb, H, D)
     assert_same_values(got, ref_dequantize(vals, sfs, ams, H, Tb, dtype))
 
@@ -117,8 +118,10 @@ def test_static6_block_read_with_e4m3_max_448(D):
     assert_same_values(got, ref_dequantize(vals, sfs, ams, H, Tb, "float32", e4m3_max=448.0))
     err = np.abs(got[0].reshape(2, Tb, H, D) - x)
     assert err.max() <= np.abs(x).max() / 4  # decodes the right thing, not just bytes
-    # reading a 448 block with the 256 default is wrong by 448/256, exactly per element
-    wrong = longlive.dequantize(vals, sfs, ams, H, Tb, dtype="float32")
+    assert_same_values(longlive.dequantize(vals, sfs, ams, H, Tb, dtype="float32",
+                                           scale_rule="static6"), got)
+    # reading a 448 block with 4over6's 256 is wrong by 448/256, exactly per element
+    wrong = longlive.dequantize(vals, sfs, ams, H, Tb, dtype="float32", e4m3_max=256.0)
     assert_same_values(wrong, ref_dequantize(vals, sfs, ams, H, Tb, "float32"))
     assert not np.array_equal(wrong, got)
 
@@ -128,7 +131,8 @@ def test_4over6_round_trip_accuracy_and_scale_equivalence():
     rng = np.random.default_rng(3)
     x = rng.standard_normal((16, 8, 128)).astype(F32)
     vals, sf, am = longlive.quantize_block(x)
-    got = longlive.dequantize([vals], [sf], [am], 8, 16, dtype="float32")[0]
+    got = longlive.dequantize([vals], [sf], [am], 8, 16, dtype="float32",
+                              scale_rule="4over6")[0]
     s = F32(am[0] * F32(F32(1) / F32(1536)))
     sfm = unblock(sf, 128, 8)
     want = ref.decode_values(vals, sfm, s).reshape(16, 8, 128)
@@ -140,9 +144,10 @@ def test_4over6_round_trip_accuracy_and_scale_equivalence():
 def test_scale_factor_inputs_any_shape_and_fp8_view():
     rng = np.random.default_rng(4)
     vals, sf, am = longlive.quantize_block(rng.standard_normal((16, 8, 64)).astype(F32))
-    want = longlive.dequantize([vals], [sf], [am], 8, 16)
+    want = longlive.dequantize([vals], [sf], [am], 8, 16, e4m3_max=256)
     for sf2 in (sf.reshape(128, 4), sf.reshape(-1, 16), sf.view(ml_dtypes.float8_e4m3fn)):
-        assert_same_values(longlive.dequantize([vals], [sf2], [am], 8, 16), want)
+        assert_same_values(longlive.dequantize([vals], [sf2], [am], 8, 16, e4m3_max=256),
+                           want)
 
 
 def test_zero_and_nonfinite_blocks():
@@ -158,7 +163,7 @@ def test_zero_and_nonfinite_blocks():
     g = np.full((4, 2, 64), 3.0, F32)
     gv, gsf, gam = longlive.quantize_block(g)
     out = longlive.dequantize([vals, nv, gv], [sf, nsf, gsf], [am, nam, gam], 2, 4,
-                              dtype="float32")
+                              dtype="float32", scale_rule="4over6")
     assert not out[0, :4].any()
     assert np.isnan(out[0, 4:8]).all()
     np.testing.assert_array_equal(out[0, 8:], 3.0)
@@ -176,17 +181,19 @@ def test_dequantize_pool_matches_list_form():
     sfs = np.stack([b[1] for b in blocks])
     ams = np.stack([b[2] for b in blocks])  # (N, 1)
     ids = np.array([4, 0, 0, 2], np.int32)
-    got = longlive.dequantize_pool(vals, sfs, ams, ids, H, Tb, dtype="float16")
+    got = longlive.dequantize_pool(vals, sfs, ams, ids, H, Tb, dtype="float16",
+                                   scale_rule="4over6")
     want = longlive.dequantize([vals[i] for i in ids], [sfs[i] for i in ids],
-                               [ams[i] for i in ids], H, Tb, dtype="float16")
+                               [ams[i] for i in ids], H, Tb, dtype="float16",
+                               scale_rule="4over6")
     assert_same_values(got, want)
     out = np.empty((1, 4 * Tb, H, D), F32)
-    r = longlive.dequantize_pool(vals, sfs, ams.ravel(), ids, H, Tb, out=out)
+    r = longlive.dequantize_pool(vals, sfs, ams.ravel(), ids, H, Tb, e4m3_max=256, out=out)
     assert np.shares_memory(r, out)
     assert_same_values(out, ref_dequantize([vals[i] for i in ids], [sfs[i] for i in ids],
                                            [ams[i] for i in ids], H, Tb, "float32"))
     with pytest.raises(IndexError, match="block_ids"):
-        longlive.dequantize_pool(vals, sfs, ams, np.array([5]), H, Tb)
+        longlive.dequantize_pool(vals, sfs, ams, np.array([5]), H, Tb, scale_rule="4over6")
 
 
 def test_longlive_equals_paged_cache_values():
@@ -259,10 +266,10 @@ def test_dequantize_takes_blocks_and_their_rule():
     with pytest.raises(TypeError, match="both scale_factors and amax"):
         longlive.dequantize([b.values for b in s6], [b.scale_factors for b in s6],
                             num_heads=H, block_token_size=Tb)
-    with pytest.raises(TypeError, match="num_heads and block_token_size"):
-        longlive.dequantize(s6)
-    # plain arrays keep LongLive's default (256): the caller owns the rule then
-    plain = longlive.dequantize(*zip(*s46), H, Tb, dtype="float32")
+    # the blocks know their shape: num_heads and block_token_size may be left out
+    assert_same_values(longlive.dequantize(s6, dtype="float32"), want)
+    # plain arrays do not know their rule: the caller must say it
+    plain = longlive.dequantize(*zip(*s46), H, Tb, dtype="float32", scale_rule="4over6")
     assert_same_values(plain, got46)
 
 
@@ -279,13 +286,16 @@ def test_dequantize_refuses_heads_tokens_that_do_not_match_the_rows(H, Tb, bad_H
     vals, sfs, ams = (list(t) for t in zip(*blocks))
     pattern = rf"num_heads={bad_H} and block_token_size={bad_Tb} do not match.*Rp = "
     with pytest.raises(ValueError, match=pattern):
-        longlive.dequantize(vals, sfs, ams, bad_H, bad_Tb)
-    with pytest.raises(ValueError, match=pattern):
+        longlive.dequantize(vals, sfs, ams, bad_H, bad_Tb, scale_rule="4over6")
+    with pytest.raises(ValueError, match=r"(num_heads|block_token_size)=\d+ does not match "
+                                         rf"the blocks: .*num_heads={H} and "
+                                         rf"block_token_size={Tb}"):
         longlive.dequantize(blocks, num_heads=bad_H, block_token_size=bad_Tb)
     with pytest.raises(ValueError, match=pattern):
         longlive.dequantize_pool(np.stack(vals), np.stack(sfs), np.stack(ams), [0, 1],
-                                 bad_H, bad_Tb)
-    assert longlive.dequantize(vals, sfs, ams, H, Tb).shape == (1, 2 * Tb, H, 128)
+                                 bad_H, bad_Tb, scale_rule="4over6")
+    assert longlive.dequantize(vals, sfs, ams, H, Tb, scale_rule="4over6").shape == \
+        (1, 2 * Tb, H, 128)
 
 
 @pytest.mark.parametrize("bad, exc, match", [
@@ -335,3 +345,39 @@ def test_list_fast_path_entries_die_with_their_arrays(monkeypatch):
     del sfs[1]  # the list drops it, but the array lives on in nothing else: it dies
     gc.collect()
     assert len(longlive._LIST_FAST) == 0
+
+
+def test_raw_lists_need_their_rule_and_blocks_catch_swapped_counts():
+    """Issue 23: a static6 block given as raw arrays decoded with 4over6's 256 silently
+    (max error 3.37 instead of 0.45); swapping num_heads and block_token_size (same
+    product) decoded scrambled rows.  Raw arrays now need the rule said; blocks know
+    their (Tb, H) and refuse a swap."""
+    rng = np.random.default_rng(13)
+    Tb, H, D = 32, 8, 64
+    x = rng.standard_normal((Tb, H, D)).astype(F32) * 3
+    block = longlive.quantize_block(x, "static6")
+    assert (block.block_token_size, block.num_heads) == (Tb, H)
+    vals, sfs, ams = ([a] for a in block)
+    for call in (lambda: longlive.dequantize(vals, sfs, ams, H, Tb, "float32"),
+                 lambda: longlive.dequantize_pool(*(a[0][None] for a in (vals, sfs, ams)),
+                                                  [0], H, Tb, "float32")):
+        with pytest.raises(TypeError, match=r"scale_rule='4over6'.*scale_rule='static6'"):
+            call()
+    good = longlive.dequantize(vals, sfs, ams, H, Tb, "float32", scale_rule="static6")
+    wrong = longlive.dequantize(vals, sfs, ams, H, Tb, "float32", scale_rule="4over6")
+    err_good, err_wrong = (float(np.abs(y[0] - x).max()) for y in (good, wrong))
+    assert err_good * 4 < err_wrong  # the rule matters: 448/256 on every value
+    assert_same_values(longlive.dequantize([block], dtype="float32"), good)
+    pool = longlive.dequantize_pool(*(a[0][None] for a in (vals, sfs, ams)), [0], H, Tb,
+                                    "float32", scale_rule="static6")
+    assert_same_values(pool, good)
+    with pytest.raises(ValueError, match=r"num_heads=32 does not match the blocks"):
+        longlive.dequantize([block], num_heads=Tb, block_token_size=H)
+    with pytest.raises(ValueError, match=r"scale_rule='4over6' does not match the blocks"):
+        longlive.dequantize([block], scale_rule="4over6")
+    with pytest.raises(ValueError, match="different shapes"):
+        longlive.dequantize([block, longlive.quantize_block(x.reshape(H, Tb, D), "static6")])
+    import pickle
+
+    back = pickle.loads(pickle.dumps(block))
+    assert (back.block_token_size, back.num_heads, back.scale_rule) == (Tb, H, "static6")
