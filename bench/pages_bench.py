@@ -55,7 +55,7 @@ for _p in (str(_ROOT), str(_ROOT / "bench")):
         sys.path.insert(0, _p)
 
 import fp4cache  # noqa: E402
-from bench import Env  # noqa: E402
+from timing import Env  # noqa: E402
 from fp4cache import pages  # noqa: E402
 
 TARGETS = {"copy_blocks": 0.85, "read_blocks": 0.80, "write_blocks": 0.80}
@@ -257,7 +257,7 @@ class PagesBench:
                              host[-3:])
         self.rows[-1]["check"] = "ok" if ok else "FAIL"
         log(f"   check read/write against the pool: {'ok' if ok else 'FAIL'}; staging "
-            f"{pages.scratch_nbytes(cache) >> 20} MiB")
+            f"(workspace) {cache.workspace_nbytes >> 20} MiB")
         self.save_load(cache, run, nbytes, host)
 
     def save_load(self, cache, run, nbytes, host) -> None:
