@@ -54,8 +54,9 @@ for _p in (str(_ROOT), str(_ROOT / "bench")):
     if _p not in sys.path:
         sys.path.insert(0, _p)
 
-import fp4cache  # noqa: E402
 from timing import Env  # noqa: E402
+
+import fp4cache  # noqa: E402
 from fp4cache import pages  # noqa: E402
 
 TARGETS = {"copy_blocks": 0.85, "read_blocks": 0.80, "write_blocks": 0.80}
