@@ -197,3 +197,17 @@ FP4C_DEVICE u32 pair_scale(u32 x) {
   return hmul2(h, 0x78007800u);
 #endif
 }
+
+// ---------------------------------------------------------------------------------------
+// ldmatrix (sm_75+): four 8x8 b16 matrices from shared memory; lane l gives the row address
+// of matrix l / 8, row l % 8 (16 bytes each); register k holds matrix k in the mma.sync
+// fragment layout (lane / 4 = row, lane % 4 = column pair), or its transpose (.trans).
+// ---------------------------------------------------------------------------------------
+FP4C_DEVICE void ldmatrix_x4(u32 addr, u32 (&r)[4]) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(addr) : "memory");
+}
+FP4C_DEVICE void ldmatrix_x4_trans(u32 addr, u32 (&r)[4]) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(addr) : "memory");
+}

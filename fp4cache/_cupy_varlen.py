@@ -1,0 +1,247 @@
+"""CuPy backend of ``PagedKVCache.attention``: paged attention over NVFP4 pages for any
+number of query tokens per sequence (``kernels/varlen_attention.cu``), on CuPy's current
+stream.
+
+The front end validates the arguments and calls :func:`attention`.  One launch serves a
+whole mixed batch: the grid is ``B * H * slots`` CTAs, ``slots = query tiles x splits``
+sized from ``max_query_len`` and the shapes only (never from device values), and each CTA
+finds its work on the device (``find_work`` in the kernel): a sequence of at most
+``_abi.VARLEN_SPLIT_ROWS`` rows (tokens x query heads per KV head) cuts its keys into up
+to ``min(slots, max_splits)`` splits merged through the workspace, a longer one takes one
+CTA per query tile, and slots past a sequence's work exit at once.  Everything that does
+not change from call to call (kernel, grid, packed ``VarlenParams``, workspace and merge
+tickets) is prepared once per signature in the cache-owned ``scratch``: a warm call is a
+dictionary lookup and one launch, no allocation and no synchronization (CUDA-graph safe).
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import cupy
+import numpy as np
+
+from . import _abi
+from . import _kernels as K
+from ._cupy_attention import split_plan
+from ._device import num_sms
+from .layout import PageGeometry
+
+__all__ = ["attention", "attention_runner", "workspace_alloc", "plan_shape", "scratch_nbytes",
+           "VARLEN_PARAMS_DTYPE", "WORKSPACE_WAVES"]
+
+_LOG2E = 1.4426950408889634
+#: numpy twin of ``struct VarlenParams`` (generated from :mod:`fp4cache._abi`).
+VARLEN_PARAMS_DTYPE = _abi.struct_dtype("VarlenParams")
+#: The workspace holds partials for at most this many waves of resident CTAs (splits per
+#: (sequence, KV head) = ceil(WORKSPACE_WAVES * resident / (B * H)), at most
+#: ``_abi.VARLEN_MAX_SPLITS``): the split merge's memory stays bounded for any batch.
+WORKSPACE_WAVES = 4
+_STATIC_SMEM_MAX = 48 * 1024
+
+
+def workspace_alloc(nbytes: int) -> cupy.ndarray:
+    """The one allocation of the varlen attention: ``nbytes`` of device memory (uint8) for
+    the split partials and merge tickets of one prepared launch (zeroed tickets are
+    written by the caller)."""
+    return cupy.empty(max(int(nbytes), 1), dtype=np.uint8)
+
+
+def _ceil(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+class PlanShape(NamedTuple):
+    row_warps: int   # 1: 16 query rows per CTA, 4: 64
+    qtiles: int      # query tiles of the longest sequence
+    nsplit: int      # splits per query tile (1 unless every sequence fits one tile)
+    slots: int       # CTAs per (sequence, KV head)
+    max_splits: int  # splits per (sequence, KV head) the workspace holds
+
+
+def _resident_ctas(fn, smem: int) -> int:
+    """CTAs of ``fn`` (with ``smem`` dynamic shared-memory bytes) that fit on the device."""
+    dev = cupy.cuda.Device()
+    threads = 32 * _abi.VARLEN_WARPS
+    regs = max(1, int(fn.num_regs))
+    by_regs = int(dev.attributes["MaxRegistersPerMultiprocessor"]) // (
+        threads * (-(-regs // 8) * 8))
+    per_cta = smem + int(fn.shared_size_bytes) + 1024
+    by_smem = int(dev.attributes["MaxSharedMemoryPerMultiprocessor"]) // per_cta
+    return num_sms() * max(1, min(by_regs, by_smem, 2048 // threads, 32))
+
+
+def plan_shape(batch: int, kv_heads: int, group: int, max_query_len: int, capacity: int,
+               resident: int) -> PlanShape:
+    """Grid shape for a batch: row warps from the longest sequence's rows, query tiles,
+    and (when every sequence fits one tile of at most ``_abi.VARLEN_SPLIT_ROWS`` rows) the
+    decode attention's split plan over the block-table capacity."""
+    rows = max(1, int(max_query_len)) * group
+    mw = 1 if rows <= _abi.MMA_ROWS else max(_abi.VARLEN_ROW_WARPS)
+    qtiles = _ceil(rows, _abi.MMA_ROWS * mw)
+    nsplit = 1
+    if rows <= _abi.VARLEN_SPLIT_ROWS:
+        nsplit = min(split_plan(batch, kv_heads, capacity, resident).nsplit,
+                     _abi.VARLEN_MAX_SPLITS)
+    slots = qtiles * nsplit
+    bh = max(1, batch * kv_heads)
+    max_splits = max(1, min(_abi.VARLEN_MAX_SPLITS, slots,
+                            _ceil(WORKSPACE_WAVES * resident, bh)))
+    return PlanShape(mw, qtiles, nsplit, slots, max_splits)
+
+
+class _VarlenPlan(NamedTuple):
+    fn: Any
+    grid: int
+    smem: int
+    params: Any  # np.void of VARLEN_PARAMS_DTYPE
+    keep: tuple  # the workspace and what the params point to
+
+
+def _dtype_name(dtype) -> str:
+    name = K.DTYPE_NAMES.get(np.dtype(dtype))
+    if name is None:
+        raise ValueError(f"q.dtype must be bfloat16, float16 or float32, got {dtype}")
+    return name
+
+
+def _make_plan(buffer, q, query_start_loc, block_tables, seq_lens, geom: PageGeometry,
+               max_query_len: int, causal: bool, k_s, v_s, sm_scale, stats) -> _VarlenPlan:
+    _, Hq, D = q.shape
+    B = int(query_start_loc.shape[0]) - 1
+    H, T = geom.num_heads, geom.block_size
+    if D != geom.head_dim:
+        raise ValueError(f"q.shape[2] must be head_dim={geom.head_dim}, got {D}")
+    if D not in K.ATTN_HEAD_DIMS:
+        raise ValueError(f"attention supports head_dim in {K.ATTN_HEAD_DIMS}, got {D}")
+    if Hq % H:
+        raise ValueError(f"q.shape[1] = {Hq} must be a multiple of num_heads = {H}")
+    group = Hq // H
+    if not 1 <= group <= 16:
+        raise ValueError(f"query heads per KV head must be 1..16, got {group}")
+    max_blocks = int(block_tables.shape[1])
+    if max_blocks * T >= 2**31:
+        raise ValueError(f"block_tables row capacity {max_blocks * T} tokens must be < 2**31")
+    if buffer.data.ptr % 16:
+        raise ValueError("the page pool must be 16-byte aligned")
+    for name, a in (("query_start_loc", query_start_loc), ("block_tables", block_tables),
+                    ("seq_lens", seq_lens)):
+        if np.dtype(a.dtype) not in (np.dtype(np.int32), np.dtype(np.int64)):
+            raise ValueError(f"{name}.dtype must be int32 or int64, got {a.dtype}")
+    shape0 = plan_shape(B, H, group, max_query_len, max_blocks * T, 1)
+    spec = K.varlen_attention_spec(_dtype_name(q.dtype), D, shape0.row_warps)
+    fn = K.get_kernel(spec)
+    smem = _abi.varlen_smem_bytes(D, shape0.row_warps, np.dtype(q.dtype).itemsize == 4)
+    if smem > _STATIC_SMEM_MAX:
+        fn.max_dynamic_shared_size_bytes = smem
+    ps = plan_shape(B, H, group, max_query_len, max_blocks * T, _resident_ctas(fn, smem))
+    grid = B * H * ps.slots
+    if grid >= 2**31:
+        raise ValueError(f"the launch needs {grid} CTAs (batch x num_heads x query tiles): "
+                         "more than 2**31 - 1")
+    # workspace: [tickets (B*H u32, 256-byte padded) | (m, l) partials | O partials]
+    bh = max(1, B * H)
+    n_part = bh * ps.max_splits * _abi.VARLEN_SPLIT_ROWS if ps.max_splits > 1 else 0
+    t_bytes = _ceil(bh * 4, 256) * 256
+    ml_bytes = _ceil(n_part * 2 * 4, 256) * 256
+    ws = workspace_alloc(t_bytes + ml_bytes + n_part * D * 4)
+    ws[:t_bytes].fill(0)
+    base = ws.data.ptr
+    td, tm, ts = _abi.fastdiv(T)
+    hnd = geom.layout == "HND"
+    qk = np.float32(float(sm_scale) * float(np.float32(k_s)) * 128.0 * _LOG2E)
+    p = np.zeros((), dtype=VARLEN_PARAMS_DTYPE)
+    for name, value in (
+            ("buffer", buffer.data.ptr), ("ws_o", base + t_bytes + ml_bytes),
+            ("ws_ml", base + t_bytes), ("counters", base), ("stats", stats.data.ptr),
+            ("num_blocks", buffer.shape[0]), ("side_bytes", geom.side_bytes),
+            ("data_bytes", geom.data_bytes), ("H", H), ("group", group), ("T", td),
+            ("t_m", tm), ("t_s", ts), ("max_blocks", max_blocks), ("slots", ps.slots),
+            ("max_splits", ps.max_splits), ("row_h", T if hnd else 1),
+            ("row_t", 1 if hnd else H), ("swizzle", 1 if geom.swizzle_v_scales else 0),
+            ("bt64", block_tables.dtype.itemsize == 8), ("sl64", seq_lens.dtype.itemsize == 8),
+            ("ql64", query_start_loc.dtype.itemsize == 8), ("causal", 1 if causal else 0),
+            ("smem", smem), ("qk_scale", qk),
+            ("out_scale", np.float32(float(np.float32(v_s)) * 128.0))):
+        p[name] = value
+    return _VarlenPlan(fn, grid, smem, p[()], (ws, buffer, stats, geom, ps))
+
+
+def _plan_key(buffer, q, query_start_loc, block_tables, seq_lens, geom, max_query_len, causal,
+              k_s, v_s, sm_scale, stats, stream_ptr) -> tuple:
+    # id(geom): the plan keeps geom alive, so the id is not reused while the key exists
+    return ("varlen", buffer.data.device_id, stream_ptr, buffer.data.ptr, buffer.shape[0],
+            id(geom), q.shape[1:], q.dtype, query_start_loc.shape[0], query_start_loc.dtype,
+            block_tables.shape[1], block_tables.dtype, seq_lens.dtype, int(max_query_len),
+            bool(causal), float(k_s), float(v_s), float(sm_scale), stats.data.ptr)
+
+
+def attention_runner(buffer, q, query_start_loc, block_tables, seq_lens, *, max_query_len: int,
+                     causal: bool, geom: PageGeometry, k_s, v_s, sm_scale, stats,
+                     scratch: dict):
+    """``run(q, query_start_loc, block_tables, seq_lens, out, lse)``: :func:`attention` for
+    arrays like these on the current stream, prepared once (one launch per call)."""
+    stream_ptr = cupy.cuda.get_current_stream().ptr
+    key = _plan_key(buffer, q, query_start_loc, block_tables, seq_lens, geom, max_query_len,
+                    causal, k_s, v_s, sm_scale, stats, stream_ptr)
+    plan = scratch.get(key)
+    if plan is None:
+        plan = _make_plan(buffer, q, query_start_loc, block_tables, seq_lens, geom,
+                          max_query_len, causal, k_s, v_s, sm_scale, stats)
+        scratch[key] = plan
+    fn, grid, smem, params = plan.fn, (plan.grid,), plan.smem, plan.params
+    block, zero = (32 * _abi.VARLEN_WARPS,), np.uint64(0)
+
+    def run(q, query_start_loc, block_tables, seq_lens, out, lse, _keep=plan):
+        fn(grid, block, (q, query_start_loc, block_tables, seq_lens, out,
+                         zero if lse is None else lse, params), shared_mem=smem)
+
+    return run
+
+
+def attention(buffer, q, query_start_loc, block_tables, seq_lens, out, lse, *,
+              max_query_len: int, causal: bool, geom: PageGeometry, k_s, v_s,
+              sm_scale: float, stats, scratch: dict) -> None:
+    """Paged attention over the NVFP4 page pool ``buffer`` for any query length per
+    sequence (see the module doc).
+
+    Parameters
+    ----------
+    buffer : cupy.ndarray, uint8, (num_blocks, 2, geom.side_bytes)
+        The page pool.
+    q : cupy.ndarray, (N, Hq, D), bfloat16 / float16 / float32, C-contiguous
+        The query tokens of all sequences, concatenated in order (vLLM's flattened
+        layout); ``Hq = group * num_heads``, ``group`` in 1..16.
+    query_start_loc : cupy.ndarray, int32 or int64, (B + 1,)
+        Sequence ``b`` owns query tokens ``query_start_loc[b] : query_start_loc[b+1]``.
+    block_tables : cupy.ndarray, int32 or int64, (B, max_blocks), C-contiguous
+    seq_lens : cupy.ndarray, int32 or int64, (B,)
+        Cached tokens of each sequence including its ``n_b`` query tokens; clamped to
+        ``[0, max_blocks * block_size]`` on the device.
+    out : cupy.ndarray, (N, Hq, D), q's dtype, C-contiguous (written)
+    lse : cupy.ndarray, float32, (N, Hq), or None
+        Natural log of the softmax denominator (``-inf`` for a row that sees no key).
+    max_query_len : int
+        A bound on every ``n_b`` (rows of a sequence beyond it are not computed).
+    causal : bool
+        Bottom-right causal mask: token ``i`` of sequence ``b`` sees keys ``0 ..
+        seq_lens[b] - n_b + i``; else every key.
+    geom, k_s, v_s, sm_scale, stats
+        Page geometry, global K/V scales, score scale, the cache's counters (index 3
+        counts bad block ids among the entries a query row uses, once per entry and call).
+    scratch : dict
+        Owned by the cache: prepared launches and workspaces, keyed by signature, device
+        and stream.
+    """
+    if q.shape[0] == 0 or query_start_loc.shape[0] < 2 or int(max_query_len) <= 0:
+        return
+    attention_runner(buffer, q, query_start_loc, block_tables, seq_lens,
+                     max_query_len=max_query_len, causal=causal, geom=geom, k_s=k_s, v_s=v_s,
+                     sm_scale=sm_scale, stats=stats, scratch=scratch)(
+        q, query_start_loc, block_tables, seq_lens, out, lse)
+
+
+def scratch_nbytes(scratch: dict) -> int:
+    """Device bytes of the workspaces the varlen plans in ``scratch`` hold."""
+    return sum(plan.keep[0].nbytes for plan in scratch.values()
+               if isinstance(plan, _VarlenPlan))
