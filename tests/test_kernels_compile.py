@@ -29,7 +29,8 @@ needs_nvrtc = pytest.mark.skipif(not _nvrtc_usable(), reason="cupy / NVRTC not i
 @pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
 def test_all_specializations_compile(arch):
     ptx = K.compile_all(arch)
-    assert set(ptx) == {"paged_kv.cu", "flat_codec.cu", "longlive.cu", "decode_attention.cu"}
+    assert set(ptx) == {"paged_kv.cu", "flat_codec.cu", "longlive.cu", "decode_attention.cu",
+                        "varlen_attention.cu"}
     names = {s.name for s in K.all_specs()}
     found = {n for n in names for text in ptx.values() if f".entry {n}(" in text}
     assert found == names
@@ -38,7 +39,7 @@ def test_all_specializations_compile(arch):
         assert ".local" not in text
         # compiled with CuPy's -ftz=true, still no flush-to-zero instruction anywhere but
         # the attention's softmax exponent (weights below 2^-126 of the row maximum are 0)
-        if file == "decode_attention.cu":
+        if file in ("decode_attention.cu", "varlen_attention.cu"):
             assert "ex2.approx.ftz.f32" in text
             text = text.replace("ex2.approx.ftz.f32", "")
         assert ".ftz" not in text
@@ -65,12 +66,13 @@ def test_source_assembly():
     with pytest.raises(ValueError):
         K.build_source("flat_codec.cu", [spec])
     families = {s.macro for s in K.all_specs()}
-    assert len(families) == 11
+    assert len(families) == 12
     assert len({s.name for s in K.all_specs()}) == len(K.all_specs())
 
 
 def test_kernel_dir_holds_sources():
     d = K.kernel_dir()
     assert (d / "fp4_common.cuh").is_file()
-    for f in ("paged_kv.cu", "flat_codec.cu", "longlive.cu", "decode_attention.cu"):
+    for f in ("paged_kv.cu", "flat_codec.cu", "longlive.cu", "decode_attention.cu",
+              "varlen_attention.cu", "attn_common.cuh"):
         assert (d / f).is_file()
