@@ -18,7 +18,7 @@ import numpy as np
 
 __all__ = ["RULES", "LAYOUTS", "STAT_NAMES", "STAT", "STRUCTS", "struct_dtype", "header",
            "fastdiv", "ATTN_CHUNK_TILES", "MMA_ROWS", "VARLEN_WARPS", "VARLEN_TILE_KEYS",
-           "VARLEN_ROW_WARPS", "VARLEN_SPLIT_ROWS", "VARLEN_MAX_SPLITS", "VARLEN_MIN_SPLIT",
+           "VARLEN_ROW_WARPS", "VARLEN_MAX_SPLITS", "VARLEN_MIN_SPLIT",
            "VARLEN_SMEM_PAD", "varlen_smem_bytes"]
 
 #: Scale rules: name -> value of the kernels' ``RULE`` template parameter.
@@ -50,16 +50,14 @@ ATTN_CHUNK_TILES: dict[int, int] = {64: 4, 128: 2, 256: 1}
 MMA_ROWS = 16
 #: Attention over any query length (kernels/varlen_attention.cu): warps per CTA; keys of the
 #: tile one warp decodes per step (a CTA step is VARLEN_WARPS tiles); the kernels' row
-#: warps (a CTA holds MMA_ROWS * row_warps query rows, (token, head) pairs; the other warps
-#: of the CTA split the keys): 1 for sequences of at most 16 rows (speculative
-#: verification, decode), 4 for prefill chunks.
+#: warps (a CTA holds MMA_ROWS * row_warps query rows, (token, head) pairs; the
+#: VARLEN_WARPS / row_warps warps of a row block split the step's keys): 1 for sequences
+#: of at most 16 rows (decode, speculative verification), 2 for at most 32, 4 for longer.
 VARLEN_WARPS = 4
 VARLEN_TILE_KEYS = 16
-VARLEN_ROW_WARPS = (1, 4)
-#: Only sequences of at most this many rows split their keys over several CTAs (a split's
-#: partial holds this many rows of the workspace); at most VARLEN_MAX_SPLITS splits of at
-#: least VARLEN_MIN_SPLIT keys.
-VARLEN_SPLIT_ROWS = 16
+VARLEN_ROW_WARPS = (1, 2, 4)
+#: A sequence whose rows fit one CTA splits its keys over at most VARLEN_MAX_SPLITS CTAs of
+#: at least VARLEN_MIN_SPLIT keys (partials of the CTA's rows in the workspace).
 VARLEN_MAX_SPLITS = 32
 VARLEN_MIN_SPLIT = 256
 #: f16 elements of padding per shared-memory row of decoded K / V / q (conflict-free ldmatrix).
@@ -135,6 +133,7 @@ STRUCTS: dict[str, tuple[tuple, ...]] = {
         ("row_h", "u32"), ("row_t", "u32"),  # row of (t, h) in a side: h*row_h + t*row_t
         ("swizzle", "u32"), ("bt64", "u32"), ("sl64", "u32"), ("ql64", "u32"),
         ("causal", "u32"), ("smem", "u32"),  # bottom-right causal mask; dynamic smem bytes
+        ("rows_lo", "u32"), ("rows_hi", "u32"),  # sequences of rows_lo < rows <= rows_hi
         ("qk_scale", "float"),  # sm_scale * k_scale * 2^7 * log2(e)
         ("out_scale", "float"),  # v_scale * 2^7
     ),
@@ -190,7 +189,6 @@ def header() -> str:
     out += [f"#define FP4C_ATTN_CHUNK_TILES_D{d} {t}" for d, t in ATTN_CHUNK_TILES.items()]
     out += [f"#define FP4C_MMA_ROWS {MMA_ROWS}", f"#define FP4C_VARLEN_WARPS {VARLEN_WARPS}",
             f"#define FP4C_VARLEN_TILE_KEYS {VARLEN_TILE_KEYS}",
-            f"#define FP4C_VARLEN_SPLIT_ROWS {VARLEN_SPLIT_ROWS}",
             f"#define FP4C_VARLEN_MAX_SPLITS {VARLEN_MAX_SPLITS}",
             f"#define FP4C_VARLEN_MIN_SPLIT {VARLEN_MIN_SPLIT}",
             f"#define FP4C_VARLEN_SMEM_PAD {VARLEN_SMEM_PAD}"]

@@ -2,13 +2,16 @@
 number of query tokens per sequence (``kernels/varlen_attention.cu``), on CuPy's current
 stream.
 
-The front end validates the arguments and calls :func:`attention`.  One launch serves a
-whole mixed batch: the grid is ``B * H * slots`` CTAs, ``slots = query tiles x splits``
-sized from ``max_query_len`` and the shapes only (never from device values), and each CTA
-finds its work on the device (``find_work`` in the kernel): a sequence of at most
-``_abi.VARLEN_SPLIT_ROWS`` rows (tokens x query heads per KV head) cuts its keys into up
-to ``min(slots, max_splits)`` splits merged through the workspace, a longer one takes one
-CTA per query tile, and slots past a sequence's work exit at once.  Everything that does
+The front end validates the arguments and calls :func:`attention`.  A launch's grid is
+``B * H * slots`` CTAs, ``slots = query tiles x splits`` sized from ``max_query_len`` and
+the shapes only (never from device values), and each CTA finds its work on the device
+(``find_work`` in the kernel): a sequence whose rows (tokens x query heads per KV head) fit
+one CTA cuts its keys into up to ``min(slots, max_splits)`` splits merged through the
+workspace, a longer one takes one CTA per query tile, and slots past a sequence's work exit
+at once.  With ``max_query_len * group <= 16`` (decode, speculative verification) a call
+is one launch of the 16-row kernel; otherwise two launches, whatever the batch: the 16-row
+kernel for the sequences of at most 16 rows, and the smallest kernel that holds the longest
+sequence (32 or 64 rows per CTA) for the others.  Everything that does
 not change from call to call (kernel, grid, packed ``VarlenParams``, workspace and merge
 tickets) is prepared once per signature in the cache-owned ``scratch``: a warm call is a
 dictionary lookup and one launch, no allocation and no synchronization (CUDA-graph safe).
@@ -28,6 +31,7 @@ from ._device import num_sms
 from .layout import PageGeometry
 
 __all__ = ["attention", "attention_runner", "workspace_alloc", "plan_shape", "scratch_nbytes",
+           "row_warps_for",
            "VARLEN_PARAMS_DTYPE", "WORKSPACE_WAVES"]
 
 _LOG2E = 1.4426950408889634
@@ -52,7 +56,7 @@ def _ceil(a: int, b: int) -> int:
 
 
 class PlanShape(NamedTuple):
-    row_warps: int   # 1: 16 query rows per CTA, 4: 64
+    row_warps: int   # query rows per CTA: _abi.MMA_ROWS * row_warps
     qtiles: int      # query tiles of the longest sequence
     nsplit: int      # splits per query tile (1 unless every sequence fits one tile)
     slots: int       # CTAs per (sequence, KV head)
@@ -71,23 +75,30 @@ def _resident_ctas(fn, smem: int) -> int:
     return num_sms() * max(1, min(by_regs, by_smem, 2048 // threads, 32))
 
 
-def plan_shape(batch: int, kv_heads: int, group: int, max_query_len: int, capacity: int,
+def row_warps_for(rows: int) -> int:
+    """The smallest kernel (row warps) whose CTA holds ``rows`` rows, else the largest."""
+    for mw in _abi.VARLEN_ROW_WARPS:
+        if rows <= _abi.MMA_ROWS * mw:
+            return mw
+    return max(_abi.VARLEN_ROW_WARPS)
+
+
+def plan_shape(batch: int, kv_heads: int, row_warps: int, rows: int, capacity: int,
                resident: int) -> PlanShape:
-    """Grid shape for a batch: row warps from the longest sequence's rows, query tiles,
-    and (when every sequence fits one tile of at most ``_abi.VARLEN_SPLIT_ROWS`` rows) the
-    decode attention's split plan over the block-table capacity."""
-    rows = max(1, int(max_query_len)) * group
-    mw = 1 if rows <= _abi.MMA_ROWS else max(_abi.VARLEN_ROW_WARPS)
-    qtiles = _ceil(rows, _abi.MMA_ROWS * mw)
+    """Grid shape of one launch whose longest sequence has ``rows`` rows: query tiles, and
+    (when that fits one CTA) the decode attention's split plan over the block-table
+    capacity; the workspace holds at most WORKSPACE_WAVES waves of partials."""
+    rows_cta = _abi.MMA_ROWS * row_warps
+    qtiles = _ceil(max(1, rows), rows_cta)
     nsplit = 1
-    if rows <= _abi.VARLEN_SPLIT_ROWS:
+    if qtiles == 1:
         nsplit = min(split_plan(batch, kv_heads, capacity, resident).nsplit,
                      _abi.VARLEN_MAX_SPLITS)
     slots = qtiles * nsplit
     bh = max(1, batch * kv_heads)
     max_splits = max(1, min(_abi.VARLEN_MAX_SPLITS, slots,
                             _ceil(WORKSPACE_WAVES * resident, bh)))
-    return PlanShape(mw, qtiles, nsplit, slots, max_splits)
+    return PlanShape(row_warps, qtiles, nsplit, slots, max_splits)
 
 
 class _VarlenPlan(NamedTuple):
@@ -95,7 +106,11 @@ class _VarlenPlan(NamedTuple):
     grid: int
     smem: int
     params: Any  # np.void of VARLEN_PARAMS_DTYPE
-    keep: tuple  # the workspace and what the params point to
+    keep: tuple  # the workspace, what the params point to, and the PlanShape last
+
+
+class _VarlenCall(NamedTuple):
+    launches: tuple  # _VarlenPlan, one or two (sequences of <= 16 rows, then the others)
 
 
 def _dtype_name(dtype) -> str:
@@ -105,43 +120,29 @@ def _dtype_name(dtype) -> str:
     return name
 
 
-def _make_plan(buffer, q, query_start_loc, block_tables, seq_lens, geom: PageGeometry,
-               max_query_len: int, causal: bool, k_s, v_s, sm_scale, stats) -> _VarlenPlan:
+def _make_launch(buffer, q, query_start_loc, block_tables, seq_lens, geom: PageGeometry,
+                 row_warps: int, rows: int, rows_lo: int, rows_hi: int, causal: bool, k_s,
+                 v_s, sm_scale, stats) -> _VarlenPlan:
+    """One launch for the sequences of ``rows_lo < rows <= rows_hi`` rows, the longest
+    ``rows``."""
     _, Hq, D = q.shape
     B = int(query_start_loc.shape[0]) - 1
     H, T = geom.num_heads, geom.block_size
-    if D != geom.head_dim:
-        raise ValueError(f"q.shape[2] must be head_dim={geom.head_dim}, got {D}")
-    if D not in K.ATTN_HEAD_DIMS:
-        raise ValueError(f"attention supports head_dim in {K.ATTN_HEAD_DIMS}, got {D}")
-    if Hq % H:
-        raise ValueError(f"q.shape[1] = {Hq} must be a multiple of num_heads = {H}")
     group = Hq // H
-    if not 1 <= group <= 16:
-        raise ValueError(f"query heads per KV head must be 1..16, got {group}")
     max_blocks = int(block_tables.shape[1])
-    if max_blocks * T >= 2**31:
-        raise ValueError(f"block_tables row capacity {max_blocks * T} tokens must be < 2**31")
-    if buffer.data.ptr % 16:
-        raise ValueError("the page pool must be 16-byte aligned")
-    for name, a in (("query_start_loc", query_start_loc), ("block_tables", block_tables),
-                    ("seq_lens", seq_lens)):
-        if np.dtype(a.dtype) not in (np.dtype(np.int32), np.dtype(np.int64)):
-            raise ValueError(f"{name}.dtype must be int32 or int64, got {a.dtype}")
-    shape0 = plan_shape(B, H, group, max_query_len, max_blocks * T, 1)
-    spec = K.varlen_attention_spec(_dtype_name(q.dtype), D, shape0.row_warps)
+    spec = K.varlen_attention_spec(_dtype_name(q.dtype), D, row_warps)
     fn = K.get_kernel(spec)
-    smem = _abi.varlen_smem_bytes(D, shape0.row_warps, np.dtype(q.dtype).itemsize == 4)
+    smem = _abi.varlen_smem_bytes(D, row_warps, np.dtype(q.dtype).itemsize == 4)
     if smem > _STATIC_SMEM_MAX:
         fn.max_dynamic_shared_size_bytes = smem
-    ps = plan_shape(B, H, group, max_query_len, max_blocks * T, _resident_ctas(fn, smem))
+    ps = plan_shape(B, H, row_warps, rows, max_blocks * T, _resident_ctas(fn, smem))
     grid = B * H * ps.slots
     if grid >= 2**31:
         raise ValueError(f"the launch needs {grid} CTAs (batch x num_heads x query tiles): "
                          "more than 2**31 - 1")
     # workspace: [tickets (B*H u32, 256-byte padded) | (m, l) partials | O partials]
     bh = max(1, B * H)
-    n_part = bh * ps.max_splits * _abi.VARLEN_SPLIT_ROWS if ps.max_splits > 1 else 0
+    n_part = bh * ps.max_splits * _abi.MMA_ROWS * row_warps if ps.max_splits > 1 else 0
     t_bytes = _ceil(bh * 4, 256) * 256
     ml_bytes = _ceil(n_part * 2 * 4, 256) * 256
     ws = workspace_alloc(t_bytes + ml_bytes + n_part * D * 4)
@@ -161,10 +162,46 @@ def _make_plan(buffer, q, query_start_loc, block_tables, seq_lens, geom: PageGeo
             ("row_t", 1 if hnd else H), ("swizzle", 1 if geom.swizzle_v_scales else 0),
             ("bt64", block_tables.dtype.itemsize == 8), ("sl64", seq_lens.dtype.itemsize == 8),
             ("ql64", query_start_loc.dtype.itemsize == 8), ("causal", 1 if causal else 0),
-            ("smem", smem), ("qk_scale", qk),
+            ("smem", smem), ("rows_lo", rows_lo), ("rows_hi", rows_hi), ("qk_scale", qk),
             ("out_scale", np.float32(float(np.float32(v_s)) * 128.0))):
         p[name] = value
     return _VarlenPlan(fn, grid, smem, p[()], (ws, buffer, stats, geom, ps))
+
+
+def _make_plan(buffer, q, query_start_loc, block_tables, seq_lens, geom: PageGeometry,
+               max_query_len: int, causal: bool, k_s, v_s, sm_scale, stats) -> _VarlenCall:
+    _, Hq, D = q.shape
+    H, T = geom.num_heads, geom.block_size
+    if D != geom.head_dim:
+        raise ValueError(f"q.shape[2] must be head_dim={geom.head_dim}, got {D}")
+    if D not in K.ATTN_HEAD_DIMS:
+        raise ValueError(f"attention supports head_dim in {K.ATTN_HEAD_DIMS}, got {D}")
+    if Hq % H:
+        raise ValueError(f"q.shape[1] = {Hq} must be a multiple of num_heads = {H}")
+    group = Hq // H
+    if not 1 <= group <= 16:
+        raise ValueError(f"query heads per KV head must be 1..16, got {group}")
+    if int(block_tables.shape[1]) * T >= 2**31:
+        raise ValueError(f"block_tables row capacity {block_tables.shape[1] * T} tokens must "
+                         "be < 2**31")
+    if buffer.data.ptr % 16:
+        raise ValueError("the page pool must be 16-byte aligned")
+    for name, a in (("query_start_loc", query_start_loc), ("block_tables", block_tables),
+                    ("seq_lens", seq_lens)):
+        if np.dtype(a.dtype) not in (np.dtype(np.int32), np.dtype(np.int64)):
+            raise ValueError(f"{name}.dtype must be int32 or int64, got {a.dtype}")
+    rows = max(1, int(max_query_len)) * group
+    args = (buffer, q, query_start_loc, block_tables, seq_lens, geom)
+    small = _abi.MMA_ROWS
+    if rows <= small:  # decode / speculative verification: one launch of the 16-row kernel
+        return _VarlenCall((_make_launch(*args, 1, rows, 0, 0xFFFFFFFF, causal, k_s, v_s,
+                                         sm_scale, stats),))
+    # mixed: sequences of <= 16 rows split their keys in the 16-row kernel, the others
+    # take the smallest kernel that holds the longest
+    return _VarlenCall((
+        _make_launch(*args, 1, small, 0, small, causal, k_s, v_s, sm_scale, stats),
+        _make_launch(*args, row_warps_for(rows), rows, small, 0xFFFFFFFF, causal, k_s, v_s,
+                     sm_scale, stats)))
 
 
 def _plan_key(buffer, q, query_start_loc, block_tables, seq_lens, geom, max_query_len, causal,
@@ -189,12 +226,14 @@ def attention_runner(buffer, q, query_start_loc, block_tables, seq_lens, *, max_
         plan = _make_plan(buffer, q, query_start_loc, block_tables, seq_lens, geom,
                           max_query_len, causal, k_s, v_s, sm_scale, stats)
         scratch[key] = plan
-    fn, grid, smem, params = plan.fn, (plan.grid,), plan.smem, plan.params
     block, zero = (32 * _abi.VARLEN_WARPS,), np.uint64(0)
+    launches = tuple((lp.fn, (lp.grid,), lp.smem, lp.params) for lp in plan.launches)
 
     def run(q, query_start_loc, block_tables, seq_lens, out, lse, _keep=plan):
-        fn(grid, block, (q, query_start_loc, block_tables, seq_lens, out,
-                         zero if lse is None else lse, params), shared_mem=smem)
+        args_tail = (out, zero if lse is None else lse)
+        for fn, grid, smem, params in launches:
+            fn(grid, block, (q, query_start_loc, block_tables, seq_lens) + args_tail + (params,),
+               shared_mem=smem)
 
     return run
 
@@ -243,5 +282,5 @@ def attention(buffer, q, query_start_loc, block_tables, seq_lens, out, lse, *,
 
 def scratch_nbytes(scratch: dict) -> int:
     """Device bytes of the workspaces the varlen plans in ``scratch`` hold."""
-    return sum(plan.keep[0].nbytes for plan in scratch.values()
-               if isinstance(plan, _VarlenPlan))
+    return sum(lp.keep[0].nbytes for plan in scratch.values()
+               if isinstance(plan, _VarlenCall) for lp in plan.launches)

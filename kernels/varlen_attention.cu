@@ -11,16 +11,18 @@
 // j / group, query head h * group + j % group.  Work unit (one CTA of FP4C_VARLEN_WARPS
 // warps) = (sequence, KV head, slot); the grid is B * H * slots, slots = query tiles x
 // splits sized on the host from max_query_len only.  On the device each CTA finds its unit:
-//   - a sequence of at most FP4C_VARLEN_SPLIT_ROWS rows (decode, speculative tokens with
-//     their group's heads) is one query tile whose keys are cut into up to
+//   - a sequence whose rows fit one CTA (decode, speculative tokens with their group's
+//     heads) is one query tile whose keys are cut into up to
 //     min(slots, max_splits) splits (no fewer than FP4C_VARLEN_MIN_SPLIT keys each),
 //     merged by the last CTA to finish (an atomic ticket per (sequence, KV head), reset by
 //     that CTA: CUDA-graph safe), as in decode_attention.cu;
 //   - a longer sequence has one CTA per query tile of MMA_ROWS * MW rows (no split);
-//   - slots past a sequence's work exit at once.
-// Kernels _r16 (MW = 1: the four warps share 16 rows and split each step's keys, merged in
-// shared memory at the end) and _r64 (MW = 4: warp w owns rows 16w .. 16w + 15 and every
-// key of a step).
+//   - slots past a sequence's work exit at once, and so do sequences outside the launch's
+//     rows_lo < rows <= rows_hi (a mixed batch takes two launches: the 16-row kernel for
+//     sequences of at most 16 rows, a larger one for the others).
+// Kernels _r16, _r32, _r64 (MW = 1, 2, 4 row warps): warp w owns rows 16 (w / KW) ..
+// + 15 and the tiles w % KW, w % KW + KW, ... of each step (KW = 4 / MW); the KW warps of
+// a row block are merged in shared memory at the end.
 //
 // A step covers FP4C_VARLEN_WARPS tiles of FP4C_VARLEN_TILE_KEYS keys.  Steps:
 //   load:    lane (token t = lane % 16, side = lane / 16) reads its key's code row and scale
@@ -64,7 +66,7 @@ struct VlDims {
   static constexpr int ROWS = FP4C_MMA_ROWS * MW;    // query rows of the CTA
   static constexpr int TK = FP4C_VARLEN_TILE_KEYS;   // keys per warp tile
   static constexpr int STEP = TK * W;                // keys per CTA step
-  static constexpr int NTL = MW == 1 ? 1 : W;        // tiles a warp computes per step
+  static constexpr int NTL = MW;                     // tiles a warp computes per step
   static constexpr int LD = D + FP4C_VARLEN_SMEM_PAD;  // f16 per shared row
   static constexpr int G = D / 16;                   // scales per row
   static constexpr int KS = D / 16;                  // k-steps of Q.K
@@ -109,13 +111,14 @@ FP4C_DEVICE bool find_work(const VarlenParams& P, const void* qsl, const void* s
   if (q1 <= q0 || q0 < 0) return false;
   W.qs0 = (u32)q0;
   W.n = (u32)(q1 - q0);
+  W.rows = W.n * P.group;
+  if (W.rows <= P.rows_lo || W.rows > P.rows_hi) return false;  // another launch's
   i64 len = load_index(seq_lens, W.b, P.sl64);
   const i64 cap = (i64)P.max_blocks * P.T;
   W.len = (u32)(len < 0 ? 0 : (len > cap ? cap : len));
-  W.rows = W.n * P.group;
   const u32 nqt = (W.rows + ROWS - 1) / ROWS;
   u32 qt;
-  if (W.rows <= FP4C_VARLEN_SPLIT_ROWS) {
+  if (nqt == 1u) {
     const u32 want = max(1u, (W.len + FP4C_VARLEN_MIN_SPLIT - 1) / FP4C_VARLEN_MIN_SPLIT);
     W.nsplit = min(min(P.slots, P.max_splits), want);
     W.split = slot;
@@ -334,9 +337,10 @@ FP4C_DEVICE void vl_decode(const VlRaw<D>& R, u32 key, u32 swizzle, u8* stage, u
 }
 
 // ---------------------------------------------------------------------------------------
-// One warp, NTL decoded tiles of 16 keys from key0 (tile j at smem address tiles + j *
-// tile_bytes, K rows then V rows): scores, softmax, P.V for the warp's 16 rows (lane rows
-// g, g + 8).  lim: the rows' key limits (split end included); rs: score scales.
+// One warp, NTL decoded tiles of 16 keys (tile j: keys key0 + j * kstride .., at smem
+// address tiles + j * tile_bytes, K rows then V rows): scores, softmax, P.V for the warp's
+// 16 rows (lane rows g, g + 8).  lim: the rows' key limits (split end included); rs: score
+// scales.
 // ---------------------------------------------------------------------------------------
 template <int D>
 struct VlRowState {
@@ -345,7 +349,7 @@ struct VlRowState {
 };
 
 template <int D, int NTL, int LD, bool SPLIT, bool QREG>
-FP4C_DEVICE void vl_tiles(u32 tiles, u32 tile_bytes, u32 key0, u32 wmax, u32 qaddr,
+FP4C_DEVICE void vl_tiles(u32 tiles, u32 tile_bytes, u32 key0, u32 kstride, u32 wmax, u32 qaddr,
                           u32 qladdr, const u32 (&qf)[QREG ? D / 16 : 1][4],
                           const u32 (&qlf)[QREG && SPLIT ? D / 16 : 1][4],
                           const u32 (&lim)[2], const float (&rs)[2],
@@ -374,7 +378,7 @@ FP4C_DEVICE void vl_tiles(u32 tiles, u32 tile_bytes, u32 key0, u32 wmax, u32 qad
     }
 #pragma unroll
     for (int j = 0; j < NTL; ++j) {
-      if (key0 + 16u * j >= wmax) continue;  // warp-uniform: no row sees this tile
+      if (key0 + kstride * j >= wmax) continue;  // warp-uniform: no row sees this tile
       u32 b[4];
       ldmatrix_x4(tiles + j * tile_bytes + koff + ks * 32u, b);
       mma_f16(s[j][0], a[0], a[1], a[2], a[3], b[0], b[1]);
@@ -397,7 +401,7 @@ FP4C_DEVICE void vl_tiles(u32 tiles, u32 tile_bytes, u32 key0, u32 wmax, u32 qad
       for (int nt = 0; nt < 2; ++nt)
 #pragma unroll
         for (int e = 0; e < 2; ++e) {
-          const u32 key = key0 + 16u * j + 8u * nt + 2u * c + e;
+          const u32 key = key0 + kstride * j + 8u * nt + 2u * c + e;
           x[j][nt][e] = key < lim[r] ? f_mul(s[j][nt][2 * r + e], rs[r]) : FP4C_NEG_INF;
           tmax = f_max(tmax, x[j][nt][e]);  // max.f32 drops NaN
         }
@@ -427,7 +431,7 @@ FP4C_DEVICE void vl_tiles(u32 tiles, u32 tile_bytes, u32 key0, u32 wmax, u32 qad
   const u32 voff = ((((mi & 1u) * 8u + r8) * LD) + (mi >> 1) * 8u) * 2u;
 #pragma unroll
   for (int j = 0; j < NTL; ++j) {
-    if (key0 + 16u * j >= wmax) continue;
+    if (key0 + kstride * j >= wmax) continue;
     const u32 vt = tiles + j * tile_bytes + 16u * LD * 2u + voff;
 #pragma unroll
     for (int np = 0; np < NT / 2; ++np) {
@@ -520,16 +524,17 @@ FP4C_DEVICE void vl_merge_warps(VlRowState<D>& st, float (*s_o)[D + 1],
 template <typename T, int D, int ROWS>
 FP4C_DEVICE void vl_finish(const VlWork& W, const VarlenParams& P, float (*s_o)[D + 1],
                            float* s_M, float* s_L,
-                           float (*s_w)[FP4C_VARLEN_MAX_SPLITS], u32& s_flag,
+                           float (*s_w)[FP4C_VARLEN_MAX_SPLITS],  // split weights per row
+                           u32& s_flag,
                            void* __restrict__ out, float* __restrict__ lse) {
   const u32 tid = threadIdx.x, lane = tid & 31u, warp = tid >> 5;
-  if (W.nsplit > 1u) {  // then rows_here <= FP4C_VARLEN_SPLIT_ROWS
+  if (W.nsplit > 1u) {  // one query tile
     const u32 base = (W.b * P.H + W.h) * P.max_splits;
     if (W.s0 < W.s1) {
-      float* wo = (float*)P.ws_o + (u64)(base + W.split) * FP4C_VARLEN_SPLIT_ROWS * D;
+      float* wo = (float*)P.ws_o + (u64)(base + W.split) * ROWS * D;
       for (u32 k = tid; k < W.rows_here * D; k += FP4C_VL_THREADS) wo[k] = s_o[k / D][k % D];
       if (tid < W.rows_here) {
-        float* wm = (float*)P.ws_ml + ((u64)(base + W.split) * FP4C_VARLEN_SPLIT_ROWS + tid) * 2;
+        float* wm = (float*)P.ws_ml + ((u64)(base + W.split) * ROWS + tid) * 2;
         wm[0] = s_M[tid];
         wm[1] = s_L[tid];
       }
@@ -550,13 +555,13 @@ FP4C_DEVICE void vl_finish(const VlWork& W, const VarlenParams& P, float (*s_o)[
       float M = FP4C_NEG_INF;
       for (u32 s = lane; s < used; s += 32u)
         M = f_max(M, ldcg_f32((const float*)P.ws_ml +
-                              ((u64)(base + s) * FP4C_VARLEN_SPLIT_ROWS + row) * 2));
+                              ((u64)(base + s) * ROWS + row) * 2));
 #pragma unroll
       for (int k = 16; k >= 1; k >>= 1) M = f_max(M, __shfl_xor_sync(0xFFFFFFFFu, M, k));
       float L = 0.0f;
       for (u32 s = lane; s < used; s += 32u) {
         const float* wm =
-            (const float*)P.ws_ml + ((u64)(base + s) * FP4C_VARLEN_SPLIT_ROWS + row) * 2;
+            (const float*)P.ws_ml + ((u64)(base + s) * ROWS + row) * 2;
         const float ms = ldcg_f32(wm);
         const float ws = is_neg_inf(ms) ? 0.0f : a_ex2(f_sub(ms, M));
         s_w[row][s] = ws;
@@ -573,10 +578,10 @@ FP4C_DEVICE void vl_finish(const VlWork& W, const VarlenParams& P, float (*s_o)[
     for (u32 k = 4u * tid; k < W.rows_here * D; k += 4u * FP4C_VL_THREADS) {
       const u32 row = k / D;
       float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-      const float* src = (const float*)P.ws_o + (u64)base * FP4C_VARLEN_SPLIT_ROWS * D + k;
+      const float* src = (const float*)P.ws_o + (u64)base * ROWS * D + k;
       for (u32 s = 0; s < used; ++s) {
         const float w = s_w[row][s];
-        const U32x4 v = ldcg_u32x4(src + (u64)s * FP4C_VARLEN_SPLIT_ROWS * D);
+        const U32x4 v = ldcg_u32x4(src + (u64)s * ROWS * D);
         acc[0] = f_fma(__uint_as_float(v.x), w, acc[0]);
         acc[1] = f_fma(__uint_as_float(v.y), w, acc[1]);
         acc[2] = f_fma(__uint_as_float(v.z), w, acc[2]);
@@ -621,7 +626,6 @@ FP4C_DEVICE void varlen_attn_impl(const void* __restrict__ q, const void* __rest
   extern __shared__ __align__(16) u8 smem[];
   __shared__ float s_m[A::KW][ROWS], s_l[A::KW][ROWS], s_M[ROWS], s_L[ROWS], s_rsc[ROWS];
   __shared__ u32 s_lim[ROWS];
-  __shared__ float s_w[FP4C_VARLEN_SPLIT_ROWS][FP4C_VARLEN_MAX_SPLITS];
   __shared__ u32 s_nan, s_flag, s_vnan[D / 16];
   {
     u32 dyn;
@@ -632,7 +636,7 @@ FP4C_DEVICE void varlen_attn_impl(const void* __restrict__ q, const void* __rest
   VlWork W;
   if (!find_work<ROWS, A::STEP>(P, qsl, seq_lens, W)) return;
   const u32 lane = threadIdx.x & 31u, warp = threadIdx.x >> 5, g = lane >> 2;
-  const u32 mw = warp / A::KW;
+  const u32 mw = warp / A::KW, kw = warp - mw * A::KW;
   u8* s_kv = smem;                        // W decoded tiles [K 16 x LD | V 16 x LD] f16
   u8* s_sc = smem + A::KV;                // W x [2][16][D/16] scale rows
   u16* sq = (u16*)(smem + A::KV + A::SC);  // q hi [ROWS][LD] (then lo)
@@ -701,19 +705,13 @@ FP4C_DEVICE void varlen_attn_impl(const void* __restrict__ q, const void* __rest
   for (u32 step = W.s0; step < W.s1; step += A::STEP) {
     vl_decode<D, LD>(R, step + my_key, P.swizzle, my_stage, my_tile, nan_key, s_vnan);
     if (step + A::STEP < W.s1) vl_load<D>(S, step + A::STEP + my_key, W.s1, R);
-    if constexpr (MW == 1) {
-      __syncwarp();
-      if (step + 16u * warp < wmax)
-        vl_tiles<D, 1, LD, SPLIT, A::QREG>(kv_s + warp * A::TILE, A::TILE, step + 16u * warp,
-                                           wmax, qaddr, qladdr, qf, qlf, lim, rs, st);
-      __syncwarp();
-    } else {
-      __syncthreads();
-      if (step < wmax)
-        vl_tiles<D, A::NTL, LD, SPLIT, A::QREG>(kv_s, A::TILE, step, wmax, qaddr, qladdr, qf,
-                                                qlf, lim, rs, st);
-      __syncthreads();
-    }
+    // warp (mw, kw) computes tiles kw, kw + KW, ... of the step (MW = 1: its own tile)
+    if constexpr (MW == 1) __syncwarp(); else __syncthreads();
+    if (step + 16u * kw < wmax)
+      vl_tiles<D, A::NTL, LD, SPLIT, A::QREG>(kv_s + kw * A::TILE, A::KW * A::TILE,
+                                              step + 16u * kw, 16u * A::KW, wmax, qaddr, qladdr,
+                                              qf, qlf, lim, rs, st);
+    if constexpr (MW == 1) __syncwarp(); else __syncthreads();
   }
 #pragma unroll
   for (int o = 1; o <= 16; o <<= 1) nan_key = min(nan_key, __shfl_xor_sync(0xFFFFFFFFu, nan_key, o));
@@ -722,6 +720,9 @@ FP4C_DEVICE void varlen_attn_impl(const void* __restrict__ q, const void* __rest
 
   float(*s_o)[D + 1] = reinterpret_cast<float(*)[D + 1]>(s_kv);
   vl_merge_warps<D, MW>(st, s_o, s_m, s_l, s_lim, s_nan, s_vnan, s_M, s_L);
+  // the split weights take q's place (q is no longer read)
+  static_assert(ROWS * FP4C_VARLEN_MAX_SPLITS * 4 <= A::QB, "split weights in q's place");
+  float(*s_w)[FP4C_VARLEN_MAX_SPLITS] = reinterpret_cast<float(*)[FP4C_VARLEN_MAX_SPLITS]>(sq);
   vl_finish<T, D, ROWS>(W, P, s_o, s_M, s_L, s_w, s_flag, out, lse);
 }
 

@@ -154,30 +154,35 @@ def test_block_sizes_and_page_edges(T, swizzle, layout):
     check(out, lse, ro, rl, "bfloat16", f"T={T}")
 
 
-@pytest.mark.parametrize("n,group", [(1, 4), (2, 4), (4, 4), (8, 2), (2, 8), (1, 16)])
+@pytest.mark.parametrize("n,group", [(1, 4), (2, 4), (4, 4), (8, 2), (2, 8), (1, 16),
+                                     (8, 4), (5, 5), (3, 16)])
 def test_speculative_split_kv(n, group):
-    """n * group <= 16 rows: one 16-row tile per (sequence, KV head), keys split over CTAs
-    and merged through the workspace (long sequences, different lengths)."""
+    """n * group <= 16 rows: one launch of the 16-row kernel; <= 32 (<= 64): the 32-row
+    (64-row) kernel.  One query tile per (sequence, KV head), keys split over CTAs and
+    merged through the workspace (long sequences, different lengths)."""
     rng = np.random.default_rng(100 + n * group)
     lens = [9000, 4099, 300, n]
     _, out, lse, ro, rl, scratch = case(rng, ns=[n] * 4, lens=lens, H=2, T=16, D=128,
                                         group=group)
     check(out, lse, ro, rl, "bfloat16", f"spec n={n}")
-    (plan,) = scratch.values()
-    assert plan.keep[-1].row_warps == 1 and plan.keep[-1].slots > 1
+    (call,) = scratch.values()
+    ps = call.launches[-1].keep[-1]
+    assert len(call.launches) == (1 if n * group <= 16 else 2)
+    assert ps.row_warps == cv.row_warps_for(n * group) and ps.slots > 1
 
 
 def test_mixed_batch_one_launch():
-    """Decode tokens, speculative tokens and a long chunk in one call (64-row kernel; the
-    short sequences still split their keys)."""
+    """Decode tokens, speculative tokens and a long chunk in one call: two launches (the
+    16-row kernel splits the keys of the sequences of <= 16 rows, the 64-row kernel takes
+    the others; its 24-row sequence fits one tile and splits too)."""
     rng = np.random.default_rng(11)
-    ns = [1, 4, 300, 1, 0, 2]
-    lens = [5000, 3000, 1000, 77, 50, 2]
+    ns = [1, 4, 300, 1, 0, 2, 6]
+    lens = [5000, 3000, 1000, 77, 50, 2, 4000]
     _, out, lse, ro, rl, scratch = case(rng, ns=ns, lens=lens, H=2, T=16, D=128, group=4)
     check(out, lse, ro, rl, "bfloat16", "mixed")
-    (plan,) = scratch.values()
-    ps = plan.keep[-1]
-    assert ps.row_warps == 4 and ps.max_splits > 1
+    (call,) = scratch.values()
+    small, big = (lp.keep[-1] for lp in call.launches)
+    assert small.row_warps == 1 and small.max_splits > 1 and big.row_warps == 4
 
 
 def test_rows_without_keys_and_empty_sequences():
@@ -288,8 +293,8 @@ def test_cuda_graph_capture_and_replay():
         cv.attention(cache.buffer, qd, qsld, td, ld, out, lse, **kw)
         graph = stream.end_capture()
         assert pool.used_bytes() == used
-    (plan,) = scratch.values()
-    assert plan.grid > B * H
+    (call,) = scratch.values()
+    assert len(call.launches) == 1 and call.launches[0].grid > B * H
     for rep, (ns, lens) in enumerate((([4, 4, 4], [5000, 100, 4]), ([1, 3, 4], [7, 5000, 4000]),
                                       ([0, 4, 2], [0, 4, 4096]), ([4, 0, 1], [2, 9, 1]))):
         qsl = qsl_of(ns)
