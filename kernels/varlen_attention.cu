@@ -76,7 +76,7 @@ struct VlDims {
   static constexpr int SC = W * 2 * TK * G;          // scale-row staging
   static constexpr int QB = ROWS * LD * 2;           // q hi (and as much again for lo)
   static constexpr int SMEM = KV + SC + QB * (SPLIT ? 2 : 1);  // = _abi.varlen_smem_bytes
-  static constexpr bool QREG = D * (SPLIT ? 2 : 1) <= 128;  // q fragments in registers
+  static constexpr bool QREG = MW > 1 && D * (SPLIT ? 2 : 1) <= 128;  // q fragments in registers
   static_assert(ROWS * (D + 1) * 4 <= KV, "the merged O reuses the K/V tiles");
   static_assert(TK == 16 && FP4C_MMA_ROWS == 16, "one m16n8k16 tile of keys and rows");
 };
@@ -391,6 +391,8 @@ FP4C_DEVICE void vl_tiles(u32 tiles, u32 tile_bytes, u32 key0, u32 kstride, u32 
   }
   // ---- softmax: per row, keys at or past the row's limit masked -------------------------
   u32 pa[NTL][4];
+  float alpha[2];
+  bool moved = false;
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
     float x[NTL][2][2];
@@ -409,7 +411,8 @@ FP4C_DEVICE void vl_tiles(u32 tiles, u32 tile_bytes, u32 key0, u32 kstride, u32 
     tmax = f_max(tmax, __shfl_xor_sync(0xFFFFFFFFu, tmax, 2));
     const float mn = f_max(st.m[r], tmax);
     const float ms = is_neg_inf(mn) ? 0.0f : mn;  // no key yet: weights 2^-inf = 0
-    const float alpha = a_ex2(f_sub(st.m[r], ms));
+    alpha[r] = a_ex2(f_sub(st.m[r], ms));
+    moved |= __float_as_uint(mn) != __float_as_uint(st.m[r]);
     st.m[r] = mn;
     float sum = 0.0f;
 #pragma unroll
@@ -420,11 +423,16 @@ FP4C_DEVICE void vl_tiles(u32 tiles, u32 tile_bytes, u32 key0, u32 kstride, u32 
         sum = f_add(sum, f_add(p0, p1));
         pa[j][2 * nt + r] = pack2(f16_t(), p0, p1);  // a0 / a1: keys 0..7, a2 / a3: 8..15
       }
-    st.l[r] = f_fma(st.l[r], alpha, sum);
+    st.l[r] = f_fma(st.l[r], alpha[r], sum);
+  }
+  // rescale O only when a row maximum of the warp moved (else every alpha is 1)
+  if (__any_sync(0xFFFFFFFFu, moved)) {
 #pragma unroll
     for (int i = 0; i < NT; ++i) {
-      st.o[i][2 * r] = f_mul(st.o[i][2 * r], alpha);
-      st.o[i][2 * r + 1] = f_mul(st.o[i][2 * r + 1], alpha);
+      st.o[i][0] = f_mul(st.o[i][0], alpha[0]);
+      st.o[i][1] = f_mul(st.o[i][1], alpha[0]);
+      st.o[i][2] = f_mul(st.o[i][2], alpha[1]);
+      st.o[i][3] = f_mul(st.o[i][3], alpha[1]);
     }
   }
   // ---- P.V: O += P V ----------------------------------------------------------------------
@@ -726,9 +734,12 @@ FP4C_DEVICE void varlen_attn_impl(const void* __restrict__ q, const void* __rest
   vl_finish<T, D, ROWS>(W, P, s_o, s_M, s_L, s_w, s_flag, out, lse);
 }
 
-// NAME, q/out value type, head_dim, row warps (1: 16 rows per CTA, 4: 64)
+// minimum resident CTAs per SM (register budget): 16-row kernels keep q in shared memory
+// to reach 3 (D = 128) / 4 (D = 64) CTAs per SM, enough loads in flight for long contexts
+#define FP4C_VL_MINB(D, MW) ((D) == 64 ? ((MW) == 1 ? 4 : 3) : (D) == 128 ? ((MW) == 1 ? 3 : 2) : 1)
+// NAME, q/out value type, head_dim, row warps (1, 2, 4: 16, 32, 64 rows per CTA)
 #define FP4C_VARLEN_KERNEL(NAME, T, D, MW)                                                   \
-  extern "C" __global__ void __launch_bounds__(FP4C_VL_THREADS, (D) == 256 ? 1 : 2)          \
+  extern "C" __global__ void __launch_bounds__(FP4C_VL_THREADS, FP4C_VL_MINB(D, MW))         \
       NAME(const void* __restrict__ q, const void* __restrict__ qsl,                         \
            const void* __restrict__ tables, const void* __restrict__ seq_lens,               \
            void* __restrict__ out, float* __restrict__ lse, const VarlenParams params) {     \
