@@ -191,6 +191,14 @@ def _make_plan(buffer, q, query_start_loc, block_tables, seq_lens, geom: PageGeo
         if np.dtype(a.dtype) not in (np.dtype(np.int32), np.dtype(np.int64)):
             raise ValueError(f"{name}.dtype must be int32 or int64, got {a.dtype}")
     rows = max(1, int(max_query_len)) * group
+    split_q = np.dtype(q.dtype).itemsize == 4
+    smem_max = int(cupy.cuda.Device().attributes["MaxSharedMemoryPerBlockOptin"]) - 4096
+    big = row_warps_for(rows)
+    while big > 1 and _abi.varlen_smem_bytes(D, big, split_q) > smem_max:
+        big //= 2  # e.g. head_dim 256 with float32 q on sm_80 (163 KB per CTA)
+    if _abi.varlen_smem_bytes(D, 1, split_q) > smem_max:
+        raise ValueError(f"head_dim {D} with {q.dtype} q needs more shared memory per CTA "
+                         f"than this device has ({smem_max + 4096} bytes)")
     args = (buffer, q, query_start_loc, block_tables, seq_lens, geom)
     small = _abi.MMA_ROWS
     if rows <= small:  # decode / speculative verification: one launch of the 16-row kernel
@@ -200,8 +208,8 @@ def _make_plan(buffer, q, query_start_loc, block_tables, seq_lens, geom: PageGeo
     # take the smallest kernel that holds the longest
     return _VarlenCall((
         _make_launch(*args, 1, small, 0, small, causal, k_s, v_s, sm_scale, stats),
-        _make_launch(*args, row_warps_for(rows), rows, small, 0xFFFFFFFF, causal, k_s, v_s,
-                     sm_scale, stats)))
+        _make_launch(*args, big, rows, small, 0xFFFFFFFF, causal, k_s, v_s, sm_scale,
+                     stats)))
 
 
 def _plan_key(buffer, q, query_start_loc, block_tables, seq_lens, geom, max_query_len, causal,

@@ -126,7 +126,8 @@ RAGGED = [0, 1, 2, 5, 16, 100]
 @pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
 @pytest.mark.parametrize("D,group,dtname,layout", [
     (128, 4, "bfloat16", "HND"), (64, 1, "float16", "NHD"), (256, 8, "bfloat16", "HND"),
-    (128, 16, "float32", "NHD"), (64, 3, "float32", "HND"), (256, 2, "float16", "NHD")])
+    (128, 16, "float32", "NHD"), (64, 3, "float32", "HND"), (256, 2, "float16", "NHD"),
+    (256, 4, "float32", "HND")])
 def test_ragged_matches_reference(D, group, dtname, layout, causal):
     rng = np.random.default_rng(zlib_seed(D, group, dtname, layout, causal))
     ns = RAGGED
