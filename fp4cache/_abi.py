@@ -18,7 +18,7 @@ import numpy as np
 
 __all__ = ["RULES", "LAYOUTS", "STAT_NAMES", "STAT", "STRUCTS", "struct_dtype", "header",
            "fastdiv", "ATTN_CHUNK_TILES", "MMA_ROWS", "VARLEN_WARPS", "VARLEN_TILE_KEYS",
-           "VARLEN_ROW_WARPS", "VARLEN_MAX_SPLITS", "VARLEN_STAGES", "VARLEN_MIN_SPLIT",
+           "VARLEN_ROW_WARPS", "VARLEN_MAX_SPLITS", "VARLEN_MIN_SPLIT",
            "VARLEN_SMEM_PAD", "varlen_smem_bytes"]
 
 #: Scale rules: name -> value of the kernels' ``RULE`` template parameter.
@@ -55,8 +55,6 @@ MMA_ROWS = 16
 #: of at most 16 rows (decode, speculative verification), 2 for at most 32, 4 for longer.
 VARLEN_WARPS = 4
 VARLEN_TILE_KEYS = 16
-#: cp.async ring stages per warp of raw page rows (STAGES - 1 steps of loads in flight)
-VARLEN_STAGES = 3
 VARLEN_ROW_WARPS = (1, 2, 4)
 #: A sequence whose rows fit one CTA splits its keys over at most VARLEN_MAX_SPLITS CTAs of
 #: at least VARLEN_MIN_SPLIT keys (partials of the CTA's rows in the workspace).
@@ -68,10 +66,10 @@ VARLEN_SMEM_PAD = 8
 
 def varlen_smem_bytes(head_dim: int, row_warps: int, split_q: bool) -> int:
     """Dynamic shared memory of a varlen kernel (the kernel checks it against its own
-    layout): decoded K and V tiles of every warp, the warps' raw rings, q (hi [+ lo])."""
+    layout): decoded K and V tiles of every warp, the scale-row staging, q (hi [+ lo])."""
     ld = head_dim + VARLEN_SMEM_PAD
     kv = VARLEN_WARPS * 2 * VARLEN_TILE_KEYS * ld * 2
-    sc = VARLEN_WARPS * VARLEN_STAGES * 2 * VARLEN_TILE_KEYS * (head_dim // 2 + head_dim // 16)
+    sc = VARLEN_WARPS * 2 * VARLEN_TILE_KEYS * (head_dim // 16)
     q = MMA_ROWS * row_warps * ld * 2 * (2 if split_q else 1)
     return kv + sc + q
 
@@ -191,7 +189,6 @@ def header() -> str:
     out += [f"#define FP4C_ATTN_CHUNK_TILES_D{d} {t}" for d, t in ATTN_CHUNK_TILES.items()]
     out += [f"#define FP4C_MMA_ROWS {MMA_ROWS}", f"#define FP4C_VARLEN_WARPS {VARLEN_WARPS}",
             f"#define FP4C_VARLEN_TILE_KEYS {VARLEN_TILE_KEYS}",
-            f"#define FP4C_VARLEN_STAGES {VARLEN_STAGES}",
             f"#define FP4C_VARLEN_MAX_SPLITS {VARLEN_MAX_SPLITS}",
             f"#define FP4C_VARLEN_MIN_SPLIT {VARLEN_MIN_SPLIT}",
             f"#define FP4C_VARLEN_SMEM_PAD {VARLEN_SMEM_PAD}"]

@@ -25,10 +25,9 @@
 // a row block are merged in shared memory at the end.
 //
 // A step covers FP4C_VARLEN_WARPS tiles of FP4C_VARLEN_TILE_KEYS keys.  Steps:
-//   load:    lane (token t = lane % 16, side = lane / 16) copies its key's code row and scale
-//            row into a per-warp cp.async ring in shared memory (FP4C_VARLEN_STAGES - 1
-//            steps in flight, the block-table entry read one step earlier); any block size,
-//            either layout, V scales swizzled or not.
+//   load:    lane (token t = lane % 16, side = lane / 16) reads its key's code row and scale
+//            row into registers (the next step's loads are in flight while this step is
+//            computed); any block size, either layout, V scales swizzled or not.
 //   decode:  the lane's row to f16 in shared memory ([16][D + pad] per side and tile):
 //            E2M1 pairs times the E4M3 scale pair (attn_common.cuh), so every page byte is
 //            decoded once per CTA; the columns of a word come in the pair order of
@@ -74,10 +73,7 @@ struct VlDims {
   static constexpr int NT = D / 8;                   // n8 tiles of O
   static constexpr int TILE = 2 * TK * LD * 2;       // bytes of one decoded K + V tile
   static constexpr int KV = W * TILE;
-  // raw ring: FP4C_VARLEN_STAGES stages per warp of [2 sides][16 rows] x (D/2 code bytes,
-  // 16-byte chunks XOR-swizzled by row; then D/16 scale bytes)
-  static constexpr int RAW_CODES = 2 * TK * (D / 2), RAW = RAW_CODES + 2 * TK * G;
-  static constexpr int SC = W * FP4C_VARLEN_STAGES * RAW;
+  static constexpr int SC = W * 2 * TK * G;          // scale-row staging
   static constexpr int QB = ROWS * LD * 2;           // q hi (and as much again for lo)
   static constexpr int SMEM = KV + SC + QB * (SPLIT ? 2 : 1);  // = _abi.varlen_smem_bytes
   static constexpr bool QREG = MW > 1 && D * (SPLIT ? 2 : 1) <= 128;  // q fragments in registers
@@ -211,9 +207,7 @@ FP4C_DEVICE void load_q(const void* q, const VlWork& W, const VarlenParams& P, u
 }
 
 // ---------------------------------------------------------------------------------------
-// load: lane (row t = lane % 16, side = lane / 16: K or V) copies its key's code row and
-// scale row into a stage of the warp's raw ring with cp.async (zeros for rows it need
-// not read); FP4C_VARLEN_STAGES - 1 steps are in flight while one is decoded
+// load: one key row (codes and scales) of K (lanes 0..15) or V (16..31) into registers
 // ---------------------------------------------------------------------------------------
 struct VlSeq {
   const u8* buffer;
@@ -224,72 +218,83 @@ struct VlSeq {
   u32 h, row_h, row_t, swizzle, bt64, count_bad, vec16;
 };
 
-// 16-byte chunk j of raw row t lives at chunk j ^ raw_swizzle(t): the 8 rows a quarter
-// warp reads at once cover all 8 chunk positions of 128 bytes (conflict-free)
 template <int D>
-FP4C_DEVICE u32 raw_swizzle(u32 t) {
-  constexpr u32 C = D / 32;  // chunks per row
-  return (t / (8u / C)) % C;
-}
-
-// Page of a key: block-table entry, read one issue ahead (its latency off the copy path).
-struct VlPage {
-  i64 id;
-  u32 t;  // row in the page
+struct VlRaw {
+  u32 w[D / 8];   // the row's codes
+  u32 sc[D / 64];  // its scale row (D/16 bytes)
+  u32 state;      // 0: zeros, 1: read, 2: bad page, 3: read for its scales only
 };
-FP4C_DEVICE VlPage vl_page(const VlSeq& S, u32 key, u32 end) {
-  VlPage pg{-1, 0u};
+
+template <int D>
+FP4C_DEVICE void vl_load(const VlSeq& S, u32 key, u32 end, VlRaw<D>& R) {
+  const u32 side = (threadIdx.x & 31u) >> 4;
+#pragma unroll
+  for (int i = 0; i < D / 8; ++i) R.w[i] = 0u;
+#pragma unroll
+  for (int i = 0; i < D / 64; ++i) R.sc[i] = 0u;
+  R.state = 0u;
   // swizzled V scales: the 4 rows of a 4-token block hold the scales of all 4 tokens (and
   // T % 4 == 0: the block lies in one page)
-  if (key < end || (S.swizzle && (key & ~3u) < end)) {
-    const u32 pe = fdiv(key, S.fT);
-    pg.t = key - pe * S.fT.d;
-    pg.id = S.bt64 ? ((const i64*)S.table)[pe] : (i64)((const int*)S.table)[pe];
-  }
-  return pg;
-}
-
-// Issue the copies of this lane's row of `key` into the stage at shared address dst;
-// returns the row's state: 0 zeros, 1 read, 2 bad page (zeros), 3 read for its scales only.
-template <int D>
-FP4C_DEVICE u32 vl_issue(const VlSeq& S, u32 key, u32 end, const VlPage& pg, u32 dst) {
-  constexpr int ROWB = D / 2, G = D / 16, CODES = 2 * 16 * ROWB;
-  const u32 lane = threadIdx.x & 31u, tr = lane & 15u, side = lane >> 4;
   const bool want = key < end || (S.swizzle && (key & ~3u) < end);
-  const bool ok = want && (u64)pg.id < (u64)S.num_blocks;
-  const u32 state = ok ? (key < end ? 1u : 3u) : (want && key < end ? 2u : 0u);
-  if (state == 2u && pg.t == 0u && side == 0u && S.count_bad)
-    atomicAdd((unsigned long long*)S.stats + FP4C_STAT_BAD_BLOCK_IDS, 1ull);
-  const u8* base = S.buffer + (ok ? pg.id : 0) * S.page_bytes + side * S.side_bytes;
-  const u32 row = S.h * S.row_h + pg.t * S.row_t;
-  const u8* src = base + (u64)row * ROWB;
-  const u32 cdst = dst + (side * 16u + tr) * ROWB, swz = raw_swizzle<D>(tr);
+  if (!want) return;
+  const u32 pe = fdiv(key, S.fT), t = key - pe * S.fT.d;
+  const i64 id = S.bt64 ? ((const i64*)S.table)[pe] : (i64)((const int*)S.table)[pe];
+  if ((u64)id >= (u64)S.num_blocks) {
+    if (key < end) {
+      R.state = 2u;
+      if (t == 0u && side == 0u && S.count_bad)
+        atomicAdd((unsigned long long*)S.stats + FP4C_STAT_BAD_BLOCK_IDS, 1ull);
+    }
+    return;
+  }
+  const u8* base = S.buffer + id * S.page_bytes + side * S.side_bytes;
+  const u32 row = S.h * S.row_h + t * S.row_t;
+  const u8* p = base + (u64)row * (D / 2);
   if (S.vec16) {
 #pragma unroll
-    for (int j = 0; j < D / 32; ++j)
-      cp_async<16>(cdst + ((j ^ swz) * 16u), src + 16 * j, ok ? 16u : 0u);
-  } else {  // rows only 4-byte aligned (D = 64 or 128 with an odd page geometry)
+    for (int i = 0; i < D / 32; ++i) {
+      const U32x4 a = ldg16(p + 16 * i);
+      R.w[4 * i] = a.x;
+      R.w[4 * i + 1] = a.y;
+      R.w[4 * i + 2] = a.z;
+      R.w[4 * i + 3] = a.w;
+    }
+  } else {
 #pragma unroll
-    for (int i = 0; i < D / 8; ++i)
-      cp_async<4>(cdst + (((i >> 2) ^ swz) * 16u + (i & 3) * 4u), src + 4 * i, ok ? 4u : 0u);
+    for (int i = 0; i < D / 8; ++i) R.w[i] = ldg_u32(p + 4 * i);
   }
-  cp_async<G>(dst + CODES + (side * 16u + tr) * G, base + S.data_bytes + (u64)row * G,
-              ok ? (u32)G : 0u);
-  return state;
+  const u8* sp = base + S.data_bytes + (u64)row * (D / 16);  // D/16-byte aligned
+  if constexpr (D == 64) {
+    R.sc[0] = ldg_u32(sp);
+  } else if constexpr (D == 128) {
+    const U32x2 a = ldg8(sp);
+    R.sc[0] = a.x;
+    R.sc[1] = a.y;
+  } else {
+    const U32x4 a = ldg16(sp);
+    R.sc[0] = a.x;
+    R.sc[1] = a.y;
+    R.sc[2] = a.z;
+    R.sc[3] = a.w;
+  }
+  R.state = key < end ? 1u : 3u;
 }
 
 // ---------------------------------------------------------------------------------------
-// decode: the lane's row of the raw stage to f16 in the warp's tile (K rows 0..15, V rows
-// 16..31).  nan_key: smallest key of a bad page (its K and V decode to 0); s_vnan[grp]:
-// smallest key whose V group grp is stored as NaN (it decodes to 0; the rows that see that
-// key get NaN in the group's 16 columns at the end).
+// decode: the lane's row to f16 in the warp's tile (K rows 0..15, V rows 16..31); `stage`
+// is the warp's [2][16][D/16] scale staging.  nan_key: smallest key of a bad page (its K
+// and V decode to 0); s_vnan[grp]: smallest key whose V group grp is stored as NaN (it
+// decodes to 0; the rows that see that key get NaN in the group's 16 columns at the end).
 // ---------------------------------------------------------------------------------------
 template <int D, int LD>
-FP4C_DEVICE void vl_decode(const u8* stage, u32 state, u32 key, u32 swizzle, u16* tile,
+FP4C_DEVICE void vl_decode(const VlRaw<D>& R, u32 key, u32 swizzle, u8* stage, u16* tile,
                            u32& nan_key, u32* s_vnan) {
-  constexpr int G = D / 16, SW = D / 64, ROWB = D / 2, CODES = 2 * 16 * ROWB;
+  constexpr int G = D / 16, SW = D / 64;
   const u32 lane = threadIdx.x & 31u, t = lane & 15u, side = lane >> 4;
-  const u8* scales = stage + CODES;
+  u32* mine = (u32*)(stage + (side * 16u + t) * G);
+#pragma unroll
+  for (int i = 0; i < SW; ++i) mine[i] = R.sc[i];
+  __syncwarp();
   u32 sb[SW];  // this key's scale bytes, group order
   if (side == 1u && swizzle) {
 #pragma unroll
@@ -298,42 +303,35 @@ FP4C_DEVICE void vl_decode(const u8* stage, u32 state, u32 key, u32 swizzle, u16
     for (int grp = 0; grp < G; ++grp) {
       u32 ts, gs;
       v_scale_swizzle(t, grp, grp / (G / 4), G / 4, ts, gs);
-      sb[grp >> 2] |= (u32)scales[(16u + ts) * G + gs] << (8 * (grp & 3));
+      sb[grp >> 2] |= (u32)stage[(16u + ts) * G + gs] << (8 * (grp & 3));
     }
   } else {
-    const u32* mine = (const u32*)(scales + (side * 16u + t) * G);
 #pragma unroll
     for (int i = 0; i < SW; ++i) sb[i] = mine[i];
   }
-  const bool live = state == 1u;
-  if (state == 2u) nan_key = min(nan_key, key);
-  const u8* crow = stage + (side * 16u + t) * ROWB;
-  const u32 swz = raw_swizzle<D>(t);
+  __syncwarp();  // the staging is read before the next step writes it
+  const bool live = R.state == 1u;
+  if (R.state == 2u) nan_key = min(nan_key, key);
   u16* dst = tile + (side * 16u + t) * LD;
 #pragma unroll
-  for (int j = 0; j < D / 32; ++j) {  // 16 bytes: code words 4j .. 4j + 3, groups 2j, 2j + 1
-    U32x4 c4 = *(const U32x4*)(crow + ((j ^ swz) * 16u));
-    const u32 words[4] = {c4.x, c4.y, c4.z, c4.w};
+  for (int grp = 0; grp < G; ++grp) {
+    u32 sbyte = live ? (sb[grp >> 2] >> (8 * (grp & 3))) & 0xFFu : 0u;
+    if (side == 1u && (sbyte & 0x7Fu) == 0x7Fu) {
+      atomicMin(&s_vnan[grp], key);
+      sbyte = 0u;
+    }
+    const u32 sf = pair_scale(sbyte * 0x0101u);
 #pragma unroll
-    for (int hg = 0; hg < 2; ++hg) {
-      const int grp = 2 * j + hg;
-      u32 sbyte = live ? (sb[grp >> 2] >> (8 * (grp & 3))) & 0xFFu : 0u;
-      if (side == 1u && (sbyte & 0x7Fu) == 0x7Fu) {
-        atomicMin(&s_vnan[grp], key);
-        sbyte = 0u;
-      }
-      const u32 sf = pair_scale(sbyte * 0x0101u);
-#pragma unroll
-      for (int hw = 0; hw < 2; ++hw) {
-        u32 r[4];
-        e2m1_pairs(live ? words[2 * hg + hw] : 0u, r);
-        U32x4 o;
-        o.x = hmul2(r[0], sf);
-        o.y = hmul2(r[1], sf);
-        o.z = hmul2(r[2], sf);
-        o.w = hmul2(r[3], sf);
-        *(U32x4*)(dst + 8 * (4 * j + 2 * hg + hw)) = o;
-      }
+    for (int hw = 0; hw < 2; ++hw) {
+      const int w = 2 * grp + hw;
+      u32 r[4];
+      e2m1_pairs(live ? R.w[w] : 0u, r);
+      U32x4 o;
+      o.x = hmul2(r[0], sf);
+      o.y = hmul2(r[1], sf);
+      o.z = hmul2(r[2], sf);
+      o.w = hmul2(r[3], sf);
+      *(U32x4*)(dst + 8 * w) = o;
     }
   }
 }
@@ -648,7 +646,7 @@ FP4C_DEVICE void varlen_attn_impl(const void* __restrict__ q, const void* __rest
   const u32 lane = threadIdx.x & 31u, warp = threadIdx.x >> 5, g = lane >> 2;
   const u32 mw = warp / A::KW, kw = warp - mw * A::KW;
   u8* s_kv = smem;                        // W decoded tiles [K 16 x LD | V 16 x LD] f16
-  u8* s_sc = smem + A::KV;                // W raw rings of STAGES stages
+  u8* s_sc = smem + A::KV;                // W x [2][16][D/16] scale rows
   u16* sq = (u16*)(smem + A::KV + A::SC);  // q hi [ROWS][LD] (then lo)
   u16* sql = sq + ROWS * LD;
   if (threadIdx.x == 0) s_nan = FP4C_VL_NOKEY;
@@ -705,35 +703,16 @@ FP4C_DEVICE void varlen_attn_impl(const void* __restrict__ q, const void* __rest
   for (int i = 0; i < A::NT; ++i) st.o[i][0] = st.o[i][1] = st.o[i][2] = st.o[i][3] = 0.0f;
   u32 nan_key = FP4C_VL_NOKEY;
 
-  // ---- the steps: load (STAGES - 1 steps ahead), decode, scores / softmax / P.V ---------
-  constexpr int NST = FP4C_VARLEN_STAGES;
+  // ---- the steps: load (one step ahead), decode, scores / softmax / P.V -----------------
   const u32 my_key = 16u * warp + (lane & 15u);
-  u8* ring = s_sc + warp * (NST * A::RAW);
-  const u32 ring_s = smem_u32(ring);
+  u8* my_stage = s_sc + warp * (2 * 16 * A::G);
   u16* my_tile = (u16*)(s_kv + warp * A::TILE);
   const u32 kv_s = smem_u32(s_kv);
-  u32 states = 0u;  // 2 bits per stage: the lane's row state (vl_issue)
-  u32 issue_step = W.s0;
-  VlPage nxt = vl_page(S, W.s0 + my_key, W.s1);
-  auto issue = [&](u32 stg) {  // the next step's copies into stage stg (nothing past s1)
-    if (issue_step < W.s1) {
-      const VlPage cur = nxt;
-      nxt = vl_page(S, issue_step + A::STEP + my_key, W.s1);  // one issue ahead
-      const u32 stt = vl_issue<D>(S, issue_step + my_key, W.s1, cur, ring_s + stg * A::RAW);
-      states = (states & ~(3u << (2 * stg))) | (stt << (2 * stg));
-    }
-    cp_async_commit();
-    issue_step += A::STEP;
-  };
-#pragma unroll
-  for (int i = 0; i < NST - 1; ++i) issue(i);
-  u32 stg = 0u;
+  VlRaw<D> R;
+  if (W.s0 < W.s1) vl_load<D>(S, W.s0 + my_key, W.s1, R);
   for (u32 step = W.s0; step < W.s1; step += A::STEP) {
-    issue(stg == 0u ? NST - 1 : stg - 1);  // the stage decoded one step ago
-    cp_async_wait<NST - 1>();
-    __syncwarp();  // every lane's copies of this stage have landed
-    vl_decode<D, LD>(ring + stg * A::RAW, (states >> (2 * stg)) & 3u, step + my_key,
-                     P.swizzle, my_tile, nan_key, s_vnan);
+    vl_decode<D, LD>(R, step + my_key, P.swizzle, my_stage, my_tile, nan_key, s_vnan);
+    if (step + A::STEP < W.s1) vl_load<D>(S, step + A::STEP + my_key, W.s1, R);
     // warp (mw, kw) computes tiles kw, kw + KW, ... of the step (MW = 1: its own tile)
     if constexpr (MW == 1) __syncwarp(); else __syncthreads();
     if (step + 16u * kw < wmax)
@@ -741,9 +720,7 @@ FP4C_DEVICE void varlen_attn_impl(const void* __restrict__ q, const void* __rest
                                               step + 16u * kw, 16u * A::KW, wmax, qaddr, qladdr,
                                               qf, qlf, lim, rs, st);
     if constexpr (MW == 1) __syncwarp(); else __syncthreads();
-    stg = stg == NST - 1 ? 0u : stg + 1u;
   }
-  cp_async_wait<0>();
 #pragma unroll
   for (int o = 1; o <= 16; o <<= 1) nan_key = min(nan_key, __shfl_xor_sync(0xFFFFFFFFu, nan_key, o));
   if (lane == 0u && nan_key != FP4C_VL_NOKEY) atomicMin(&s_nan, nan_key);
