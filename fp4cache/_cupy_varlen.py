@@ -31,7 +31,7 @@ from ._device import num_sms
 from .layout import PageGeometry
 
 __all__ = ["attention", "attention_runner", "workspace_alloc", "plan_shape", "scratch_nbytes",
-           "row_warps_for",
+           "row_warps_for", "GRID_WAVES",
            "VARLEN_PARAMS_DTYPE", "WORKSPACE_WAVES"]
 
 _LOG2E = 1.4426950408889634
@@ -41,6 +41,10 @@ VARLEN_PARAMS_DTYPE = _abi.struct_dtype("VarlenParams")
 #: (sequence, KV head) = ceil(WORKSPACE_WAVES * resident / (B * H)), at most
 #: ``_abi.VARLEN_MAX_SPLITS``): the split merge's memory stays bounded for any batch.
 WORKSPACE_WAVES = 4
+#: A launch has at most this many waves of resident CTAs; each CTA loops over the work
+#: items ``blockIdx.x, + gridDim.x, ...`` (B * H * slots of them, most of them empty for
+#: a mixed batch: an empty item costs a loop turn instead of a CTA launch).
+GRID_WAVES = 8
 _STATIC_SMEM_MAX = 48 * 1024
 
 
@@ -136,10 +140,14 @@ def _make_launch(buffer, q, query_start_loc, block_tables, seq_lens, geom: PageG
     if smem > _STATIC_SMEM_MAX:
         fn.max_dynamic_shared_size_bytes = smem
     ps = plan_shape(B, H, row_warps, rows, max_blocks * T, _resident_ctas(fn, smem))
-    grid = B * H * ps.slots
-    if grid >= 2**31:
-        raise ValueError(f"the launch needs {grid} CTAs (batch x num_heads x query tiles): "
-                         "more than 2**31 - 1")
+    # (the plan depends on shapes only; items past a sequence's work are skipped on the
+    # device)
+    items = B * H * ps.slots
+    if items >= 2**32:
+        raise ValueError(f"the launch has {items} work items (batch x num_heads x query "
+                         "tiles): more than 2**32 - 1")
+    resident = _resident_ctas(fn, smem)
+    grid = max(1, min(items, GRID_WAVES * resident))
     # workspace: [tickets (B*H u32, 256-byte padded) | (m, l) partials | O partials]
     bh = max(1, B * H)
     n_part = bh * ps.max_splits * _abi.MMA_ROWS * row_warps if ps.max_splits > 1 else 0
@@ -162,7 +170,8 @@ def _make_launch(buffer, q, query_start_loc, block_tables, seq_lens, geom: PageG
             ("row_t", 1 if hnd else H), ("swizzle", 1 if geom.swizzle_v_scales else 0),
             ("bt64", block_tables.dtype.itemsize == 8), ("sl64", seq_lens.dtype.itemsize == 8),
             ("ql64", query_start_loc.dtype.itemsize == 8), ("causal", 1 if causal else 0),
-            ("smem", smem), ("rows_lo", rows_lo), ("rows_hi", rows_hi), ("qk_scale", qk),
+            ("smem", smem), ("rows_lo", rows_lo), ("rows_hi", rows_hi), ("items", items),
+            ("qk_scale", qk),
             ("out_scale", np.float32(float(np.float32(v_s)) * 128.0))):
         p[name] = value
     return _VarlenPlan(fn, grid, smem, p[()], (ws, buffer, stats, geom, ps))

@@ -100,11 +100,11 @@ FP4C_DEVICE u32 row_limit(const VlWork& W, u32 i, u32 causal) {
   return lim <= 0 ? 0u : (u32)lim;
 }
 
-// This CTA's unit; false when the slot has no work (the whole CTA exits).
+// Work item `item` (= (b * H + h) * slots + slot); false when it has none.
 template <int ROWS, int STEP>
-FP4C_DEVICE bool find_work(const VarlenParams& P, const void* qsl, const void* seq_lens,
-                           VlWork& W) {
-  const u32 bh = blockIdx.x / P.slots, slot = blockIdx.x - bh * P.slots;
+FP4C_DEVICE bool find_work(const VarlenParams& P, u32 item, const void* qsl,
+                           const void* seq_lens, VlWork& W) {
+  const u32 bh = item / P.slots, slot = item - bh * P.slots;
   W.b = bh / P.H;
   W.h = bh - W.b * P.H;
   const i64 q0 = load_index(qsl, W.b, P.ql64), q1 = load_index(qsl, W.b + 1, P.ql64);
@@ -621,13 +621,13 @@ FP4C_DEVICE void vl_finish(const VlWork& W, const VarlenParams& P, float (*s_o)[
 }
 
 // ---------------------------------------------------------------------------------------
-// The kernel
+// One work item: a (sequence, KV head, query tile, split) unit
 // ---------------------------------------------------------------------------------------
 template <typename T, int D, int MW>
-FP4C_DEVICE void varlen_attn_impl(const void* __restrict__ q, const void* __restrict__ qsl,
-                                  const void* __restrict__ tables,
-                                  const void* __restrict__ seq_lens, void* __restrict__ out,
-                                  float* __restrict__ lse, const VarlenParams& P) {
+FP4C_DEVICE void varlen_item(u32 item, const void* __restrict__ q, const void* __restrict__ qsl,
+                             const void* __restrict__ tables, const void* __restrict__ seq_lens,
+                             void* __restrict__ out, float* __restrict__ lse,
+                             const VarlenParams& P) {
   constexpr bool SPLIT = T::kBytes == 4;
   using A = VlDims<D, MW, SPLIT>;
   constexpr int ROWS = A::ROWS, LD = A::LD;
@@ -635,14 +635,8 @@ FP4C_DEVICE void varlen_attn_impl(const void* __restrict__ q, const void* __rest
   __shared__ float s_m[A::KW][ROWS], s_l[A::KW][ROWS], s_M[ROWS], s_L[ROWS], s_rsc[ROWS];
   __shared__ u32 s_lim[ROWS];
   __shared__ u32 s_nan, s_flag, s_vnan[D / 16];
-  {
-    u32 dyn;
-    asm("mov.u32 %0, %%dynamic_smem_size;" : "=r"(dyn));
-    // the host sized it by _abi.varlen_smem_bytes: it must be this layout
-    if (dyn < (u32)A::SMEM || P.smem != (u32)A::SMEM) __trap();
-  }
   VlWork W;
-  if (!find_work<ROWS, A::STEP>(P, qsl, seq_lens, W)) return;
+  if (!find_work<ROWS, A::STEP>(P, item, qsl, seq_lens, W)) return;
   const u32 lane = threadIdx.x & 31u, warp = threadIdx.x >> 5, g = lane >> 2;
   const u32 mw = warp / A::KW, kw = warp - mw * A::KW;
   u8* s_kv = smem;                        // W decoded tiles [K 16 x LD | V 16 x LD] f16
@@ -737,6 +731,27 @@ FP4C_DEVICE void varlen_attn_impl(const void* __restrict__ q, const void* __rest
 // minimum resident CTAs per SM (register budget): 16-row kernels keep q in shared memory
 // to reach 3 (D = 128) / 4 (D = 64) CTAs per SM, enough loads in flight for long contexts
 #define FP4C_VL_MINB(D, MW) ((D) == 64 ? ((MW) == 1 ? 4 : 3) : (D) == 128 ? ((MW) == 1 ? 3 : 2) : 1)
+// ---------------------------------------------------------------------------------------
+// The kernel: a CTA takes the work items blockIdx.x, + gridDim.x, ... (the grid is capped
+// at a few waves of resident CTAs, so the items a mixed batch's launch leaves empty cost a
+// loop turn, not a CTA launch)
+// ---------------------------------------------------------------------------------------
+template <typename T, int D, int MW>
+FP4C_DEVICE void varlen_attn_impl(const void* __restrict__ q, const void* __restrict__ qsl,
+                                  const void* __restrict__ tables,
+                                  const void* __restrict__ seq_lens, void* __restrict__ out,
+                                  float* __restrict__ lse, const VarlenParams& P) {
+  using A = VlDims<D, MW, T::kBytes == 4>;
+  u32 dyn;
+  asm("mov.u32 %0, %%dynamic_smem_size;" : "=r"(dyn));
+  // the host sized it by _abi.varlen_smem_bytes: it must be this layout
+  if (dyn < (u32)A::SMEM || P.smem != (u32)A::SMEM) __trap();
+  for (u32 item = blockIdx.x; item < P.items; item += gridDim.x) {
+    varlen_item<T, D, MW>(item, q, qsl, tables, seq_lens, out, lse, P);
+    __syncthreads();  // the next item reuses the shared memory
+  }
+}
+
 // NAME, q/out value type, head_dim, row warps (1, 2, 4: 16, 32, 64 rows per CTA)
 #define FP4C_VARLEN_KERNEL(NAME, T, D, MW)                                                   \
   extern "C" __global__ void __launch_bounds__(FP4C_VL_THREADS, FP4C_VL_MINB(D, MW))         \

@@ -186,6 +186,19 @@ def test_mixed_batch_one_launch():
     assert small.row_warps == 1 and small.max_splits > 1 and big.row_warps == 4
 
 
+def test_one_cta_takes_every_work_item(monkeypatch):
+    """A grid of one CTA per launch (GRID_WAVES = 0): it loops over every work item,
+    splits of one sequence included (their ticket merge never waits)."""
+    monkeypatch.setattr(cv, "GRID_WAVES", 0)
+    rng = np.random.default_rng(19)
+    ns = [1, 4, 70, 0, 3]
+    lens = [3000, 700, 500, 9, 2000]
+    _, out, lse, ro, rl, scratch = case(rng, ns=ns, lens=lens, H=2, T=16, D=64, group=4)
+    check(out, lse, ro, rl, "bfloat16", "one CTA")
+    (call,) = scratch.values()
+    assert [lp.grid for lp in call.launches] == [1, 1]
+
+
 def test_rows_without_keys_and_empty_sequences():
     """n_b > seq_len (no validation): the first rows see no key -> zeros, lse = -inf;
     seq_len 0; n_b = 0 rows are never written by anyone else."""
