@@ -220,7 +220,7 @@ struct VlSeq {
 
 template <int D>
 struct VlRaw {
-  u32 w[D / 8];   // the row's codes
+  u32 w[D / 8];   // the row's codes (0 unless state 1)
   u32 sc[D / 64];  // its scale row (D/16 bytes)
   u32 state;      // 0: zeros, 1: read, 2: bad page, 3: read for its scales only
 };
@@ -250,7 +250,9 @@ FP4C_DEVICE void vl_load(const VlSeq& S, u32 key, u32 end, VlRaw<D>& R) {
   const u8* base = S.buffer + id * S.page_bytes + side * S.side_bytes;
   const u32 row = S.h * S.row_h + t * S.row_t;
   const u8* p = base + (u64)row * (D / 2);
-  if (S.vec16) {
+  if (key >= end) {
+    // read for its scales only (other lanes' swizzled V scales): codes stay 0
+  } else if (S.vec16) {
 #pragma unroll
     for (int i = 0; i < D / 32; ++i) {
       const U32x4 a = ldg16(p + 16 * i);
@@ -325,7 +327,7 @@ FP4C_DEVICE void vl_decode(const VlRaw<D>& R, u32 key, u32 swizzle, u8* stage, u
     for (int hw = 0; hw < 2; ++hw) {
       const int w = 2 * grp + hw;
       u32 r[4];
-      e2m1_pairs(live ? R.w[w] : 0u, r);
+      e2m1_pairs(R.w[w], r);  // 0 unless read (vl_load)
       U32x4 o;
       o.x = hmul2(r[0], sf);
       o.y = hmul2(r[1], sf);
