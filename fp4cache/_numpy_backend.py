@@ -312,73 +312,158 @@ def decode_pages(pages: np.ndarray, geom: PageGeometry, side: int, s) -> np.ndar
     return vals.reshape(lead + (H, T, D))
 
 
-def decode_attention(buffer, q, block_tables, seq_lens, out, lse, *, geom: PageGeometry, k_s,
-                     v_s, sm_scale, stats, scratch=None) -> None:
-    """``softmax(sm_scale * q K^T) V`` over the first ``seq_lens[b]`` tokens of each row.
+#: Query rows (consecutive query tokens of one sequence) per work item of :func:`attention`:
+#: a sequence with more is cut into items of this many rows (bounds memory, and lets an
+#: item of early causal rows skip the pages that only later rows see).
+_ATTN_ITEM_ROWS = 64
+
+
+def attention(buffer, q, query_start_loc, block_tables, seq_lens, out, lse, *, geom: PageGeometry,
+              k_s, v_s, sm_scale, stats, causal: bool = True, max_query_len=None,
+              scratch=None) -> None:
+    """``softmax(sm_scale * q K^T) V`` for the query tokens of each sequence (any number).
 
     Parameters
     ----------
-    q : (B, Hq, D), query head ``h`` reads KV head ``h // (Hq // H)``.
+    q : (N, Hq, D), the query tokens of all sequences concatenated; query head ``h`` reads
+        KV head ``h // (Hq // H)``.
+    query_start_loc : (B + 1,) int, non-decreasing from 0 to ``N`` (the front end checks):
+        sequence ``b`` owns rows ``query_start_loc[b] : query_start_loc[b + 1]``
+        (``n_b`` of them, possibly none).
     block_tables : (B, max_blocks) int; entries past ``ceil(seq_lens[b] / T)`` are not read.
-    seq_lens : (B,) int; clamped to ``[0, max_blocks * T]`` (the front end refuses others).
-    out : (B, Hq, D), written in its dtype; lse : (B, Hq) float32 or None.
-    scratch : unused (the GPU backend keeps its plans there).
+    seq_lens : (B,) int, clamped to ``[0, max_blocks * T]``: the cached tokens of each
+        sequence, this step's ``n_b`` included.
+    out : (N, Hq, D), written in its dtype; lse : (N, Hq) float32 or None.
+    causal : row ``i`` of sequence ``b`` sees keys ``0 .. seq_lens[b] - n_b + i``
+        (bottom-right alignment); ``False``: every row sees all ``seq_lens[b]`` keys.
+    max_query_len, scratch : unused (the GPU backend's launch bound and plans).
 
     K and V are the float32 values :func:`gather_dequant` returns; scores, softmax and
     the weighted sum are computed in float64 (online softmax over chunks of pages, all
-    sequences and heads of a chunk at once), and rounded to ``out.dtype`` at the end.
-    A block id outside the pool in the used part of a row is counted in
-    ``stats[STAT["bad_block_ids"]]`` and reads as NaN (so that row's outputs are NaN); nothing
-    outside the pool is read.  A row of length 0 gives zeros and ``lse = -inf``.
+    rows of many sequences at once), and rounded to ``out.dtype`` at the end.  A row
+    that sees no key (a sequence of length 0, or ``n_b > seq_lens[b]``, which the front
+    end refuses) gives zeros and ``lse = -inf``.  A block id outside the pool in the used
+    part of a row of a sequence with queries is counted once in
+    ``stats[STAT["bad_block_ids"]]`` and its page reads as NaN: the rows that see one of
+    its tokens are NaN; nothing outside the pool is read.  A NaN group stored in a
+    token reaches exactly the rows that see that token.
     """
-    B, Hq, D = q.shape
-    H, T = geom.num_heads, geom.block_size
-    G = Hq // H
+    N = q.shape[0]
+    T = geom.block_size
+    starts = np.asarray(query_start_loc).astype(np.int64)
+    nq = starts[1:] - starts[:-1]
     max_blocks = block_tables.shape[1]
     lens = np.clip(np.asarray(seq_lens).astype(np.int64), 0, max_blocks * T)
-    nblk = -(-lens // T)
-    # Longest rows first: the rows still active at page column j form a prefix.
-    order = np.argsort(-nblk, kind="stable")
-    lens, nblk = lens[order], nblk[order]
-    NB = int(nblk[0]) if B else 0
-    ids = np.asarray(block_tables)[order, :NB].astype(np.int64)
-    used = np.arange(NB)[None, :] < nblk[:, None]
-    bad = used & ((ids < 0) | (ids >= buffer.shape[0]))
+    ids = np.asarray(block_tables).astype(np.int64)
+    num_blocks = buffer.shape[0]
+    used = (np.arange(max_blocks)[None, :] < -(-lens // T)[:, None]) & (nq > 0)[:, None]
+    bad = used & ((ids < 0) | (ids >= num_blocks))
     if bad.any():
         stats[STAT["bad_block_ids"]] += np.uint64(bad.sum())
-    safe = np.where(used & ~bad, ids, 0)
-    q64 = np.asarray(q).astype(np.float64)[order].reshape(B, 1, H, G, D)
-    m = np.full((B, H, G), -np.inf)
-    den = np.zeros((B, H, G))
-    acc = np.zeros((B, H, G, D))
+    # The keys each query row sees: tokens [0, limit).
+    seq = np.repeat(np.arange(nq.size), nq)
+    limit = lens[seq]
+    if causal:
+        limit = np.maximum(limit - (starts[seq + 1] - 1 - np.arange(N)), 0)
+    out[...] = 0
+    if lse is not None:
+        lse[...] = -np.inf
+    # Work items: up to _ATTN_ITEM_ROWS consecutive rows of one sequence, grouped by their
+    # row count rounded up to a power of two (padding wastes at most half of a group).
+    first = [np.arange(starts[b], starts[b + 1], _ATTN_ITEM_ROWS) for b in np.flatnonzero(nq)]
+    if not first:
+        return
+    item0 = np.concatenate(first)
+    item1 = np.minimum(item0 + _ATTN_ITEM_ROWS, starts[seq[item0] + 1])
+    width = 1 << np.ceil(np.log2(item1 - item0)).astype(np.int64)
+    for R in np.unique(width):
+        sel = width == R
+        rows = item0[sel][:, None] + np.arange(R)[None, :]  # [S, R]
+        valid = rows < item1[sel][:, None]
+        rows = np.where(valid, rows, item0[sel][:, None])
+        lim = np.where(valid, limit[rows], 0)
+        res, row_lse = _attend(buffer, q[rows], lim, ids[seq[item0[sel]]], bad[seq[item0[sel]]],
+                               geom=geom, k_s=k_s, v_s=v_s, sm_scale=sm_scale)
+        keep = valid & (lim > 0)
+        out[rows[keep]] = float32_to(res[keep].astype(np.float32), out.dtype)
+        if lse is not None:
+            lse[rows[keep]] = row_lse[keep].astype(np.float32)
+
+
+def _attend(buffer, q, limit, ids, bad, *, geom: PageGeometry, k_s, v_s, sm_scale):
+    """Attention of work items of ``R`` query rows each: ``q [S, R, Hq, D]``, row ``r`` of
+    item ``i`` seeing tokens ``[0, limit[i, r])`` of the pages ``ids[i]`` (``bad[i]``:
+    entries outside the pool).  Returns float64 ``out [S, R, Hq, D]`` and ``lse [S, R,
+    Hq]`` (undefined where ``limit`` is 0)."""
+    S, R, Hq, D = q.shape
+    H, T = geom.num_heads, geom.block_size
+    G = Hq // H
+    M = R * G  # score rows per KV head: (query row, head of the group), row-major
+    npages = -(-limit.max(axis=1) // T)
+    # Items needing the most pages first: the items still active at page column j form a
+    # prefix.
+    order = np.argsort(-npages, kind="stable")
+    npages, ids, bad = npages[order], ids[order], bad[order]
+    NB = int(npages[0])
+    ids, bad = ids[:, :NB], bad[:, :NB]
+    read = np.arange(NB)[None, :] < npages[:, None]
+    page_bad = read & bad
+    safe = np.where(read & ~bad, ids, 0)
+    q64 = q.astype(np.float64)[order].reshape(S, R, H, G, D).transpose(0, 2, 1, 3, 4)
+    q64 = q64.reshape(S, H, M, D)
+    lim = np.repeat(limit[order], G, axis=1)[:, None, :, None]  # [S, 1, M, 1]
+    m = np.full((S, H, M), -np.inf)
+    den = np.zeros((S, H, M))
+    acc = np.zeros((S, H, M, D))
     j0 = 0
     with np.errstate(invalid="ignore", over="ignore", divide="ignore"):
         while j0 < NB:
-            na = int((nblk > j0).sum())  # rows with a live token in page column j0
-            j1 = min(NB, j0 + max(1, _ATTN_CHUNK_VALUES // (na * T * H * D)))
+            na = int((npages > j0).sum())  # items with a page in column j0
+            j1 = min(NB, j0 + max(1, _ATTN_CHUNK_VALUES // (na * T * H * max(D, M))))
             pages = buffer[safe[:na, j0:j1]]  # [na, c, 2, side_bytes]
             k = decode_pages(pages[:, :, 0], geom, 0, k_s)  # [na, c, H, T, D] float32
             v = decode_pages(pages[:, :, 1], geom, 1, v_s)
-            page_bad = bad[:na, j0:j1]
-            if page_bad.any():  # what the kernels do: such a page reads as NaN
-                k[page_bad] = np.nan
-                v[page_bad] = np.nan
-            tok = np.arange(j0 * T, j1 * T).reshape(1, -1, 1, 1, T)
-            live = tok < lens[:na, None, None, None, None]  # [na, c, 1, 1, T]
-            s = np.matmul(q64[:na], k.astype(np.float64).swapaxes(-1, -2))  # [na,c,H,G,T]
-            s = np.where(live, s * sm_scale, -np.inf)
-            m_new = np.maximum(m[:na], s.max(axis=(1, 4)))  # NaN propagates
+            chunk_bad = page_bad[:na, j0:j1]
+            if chunk_bad.any():  # what the kernels do: such a page reads as NaN
+                k[chunk_bad] = np.nan
+                v[chunk_bad] = np.nan
+            # The chunk's keys in order, [na, H, L = c*T, D]: one matmul per (item, head).
+            k = k.astype(np.float64).transpose(0, 2, 1, 3, 4).reshape(na, H, -1, D)
+            v = v.astype(np.float64).transpose(0, 2, 1, 3, 4).reshape(na, H, -1, D)
+            seen = np.arange(j0 * T, j1 * T) < lim[:na]  # [na, 1, M, L]
+            s = np.matmul(q64[:na], k.swapaxes(-1, -2))  # [na, H, M, L]
+            s *= sm_scale
+            np.copyto(s, -np.inf, where=~seen)
+            m_new = np.maximum(m[:na], s.max(axis=-1))  # NaN propagates
             alpha = np.exp(m[:na] - m_new)  # exp(-inf) = 0 on a row's first chunk
-            p = np.exp(s - m_new[:, None, :, :, None])
-            v = np.where(live.swapaxes(-1, -2), v, 0).astype(np.float64)  # [na,c,H,T,D]
-            den[:na] = den[:na] * alpha + p.sum(axis=(1, 4))
-            acc[:na] = acc[:na] * alpha[..., None] + np.matmul(p, v).sum(axis=1)
+            s -= m_new[..., None]
+            p = np.exp(s, out=s)  # 0 for the tokens a row does not see
+            v_nan = np.isnan(v)
+            if v_nan.any():
+                # 0 * NaN is NaN: a NaN value reaches only the rows that see its token.
+                hit = np.matmul(seen.astype(np.float64), v_nan.astype(np.float64)) > 0
+                pv = np.where(hit, np.nan, np.matmul(p, np.where(v_nan, 0.0, v)))
+            else:
+                pv = np.matmul(p, v)  # [na, H, M, D]
+            den[:na] = den[:na] * alpha + p.sum(axis=-1)
+            acc[:na] = acc[:na] * alpha[..., None] + pv
             m[:na] = m_new
             j0 = j1
         res = acc / den[..., None]
-        res[lens == 0] = 0.0
-        inv = np.empty_like(order)
-        inv[order] = np.arange(B)
-        out[...] = float32_to(res.reshape(B, Hq, D)[inv].astype(np.float32), out.dtype)
-        if lse is not None:
-            lse[...] = (m + np.log(den)).reshape(B, Hq)[inv].astype(np.float32)
+        row_lse = m + np.log(den)
+    inv = np.empty_like(order)
+    inv[order] = np.arange(S)
+    res = res.reshape(S, H, R, G, D).transpose(0, 2, 1, 3, 4).reshape(S, R, Hq, D)[inv]
+    row_lse = row_lse.reshape(S, H, R, G).transpose(0, 2, 1, 3).reshape(S, R, Hq)[inv]
+    return res, row_lse
+
+
+def decode_attention(buffer, q, block_tables, seq_lens, out, lse, *, geom: PageGeometry, k_s,
+                     v_s, sm_scale, stats, scratch=None) -> None:
+    """``softmax(sm_scale * q K^T) V`` over the first ``seq_lens[b]`` tokens of each row:
+    :func:`attention` with one query token per sequence (``q`` is ``(B, Hq, D)``), whose
+    notes apply (a sequence of length 0 gives zeros and ``lse = -inf``; a bad block id
+    in the used part of a row makes that sequence's outputs NaN)."""
+    B = q.shape[0]
+    attention(buffer, q, np.arange(B + 1), block_tables, seq_lens, out, lse, geom=geom,
+              k_s=k_s, v_s=v_s, sm_scale=sm_scale, stats=stats, causal=False)

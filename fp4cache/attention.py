@@ -1,9 +1,12 @@
-"""Decode attention over the NVFP4 pages of a :class:`~fp4cache.PagedKVCache`.
+"""Attention over the NVFP4 pages of a :class:`~fp4cache.PagedKVCache`.
 
-The front end of ``PagedKVCache.decode_attention``: argument checks (the exceptions of
-``docs/errors.md``), the GPU hot path for repeated argument signatures, and the call
-into the backend (``_numpy_backend.decode_attention`` or the CUDA kernels), which both
-compute ``softmax(sm_scale * q K^T) V`` over the values ``gather_dequant`` returns.
+The front ends of ``PagedKVCache.decode_attention`` (one query token per sequence) and
+``PagedKVCache.attention`` (any number of query tokens per sequence, vLLM's flattened
+layout): argument checks (the exceptions of ``docs/errors.md``; both methods share
+them), the GPU hot path for repeated argument signatures, and the call into the backend
+(``_numpy_backend.decode_attention`` / ``attention``, or the CUDA kernels of
+``_cupy_attention`` / ``_cupy_varlen``), which compute ``softmax(sm_scale * q K^T) V``
+over the values ``gather_dequant`` returns.
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ from .formats import resolve_dtype
 if TYPE_CHECKING:
     from .cache import PagedKVCache
 
-__all__ = ["MAX_GROUP", "decode_attention"]
+__all__ = ["MAX_GROUP", "attention", "decode_attention"]
 
 #: Largest GQA group (query heads per KV head) the kernels serve from one K/V load.
 MAX_GROUP = 16
@@ -79,6 +82,84 @@ def decode_attention(cache: PagedKVCache, q: Any, block_tables: Any, seq_lens: A
     return (a.out, a.lse) if return_lse else a.out
 
 
+def attention(cache: PagedKVCache, q: Any, query_start_loc: Any, block_tables: Any,
+              seq_lens: Any, max_query_len: int | None, causal: bool, sm_scale: float | None,
+              out: Any, lse_out: Any, return_lse: bool, validate: bool | None):
+    """Implementation of :meth:`PagedKVCache.attention` (see its docstring); the method
+    passes every argument by position."""
+    check = cache.validate if validate is None else bool(validate)
+    return_lse = bool(return_lse)
+    if causal is not True and causal is not False:
+        causal = _check_flag(causal, "causal")
+    bound = max_query_len
+    if bound is not None and (type(bound) is not int or bound < 0):
+        bound = _check_max_query_len(bound)
+    sig = None
+    if not check and cache.device == "cuda" and bound is not None:
+        # Hot path (a speculative-decoding or mixed step with the same shapes as before):
+        # arguments whose kind, shape, dtype and strides were checked before go straight
+        # to the backend.
+        sig = _varlen_signature(q, query_start_loc, block_tables, seq_lens, sm_scale, out,
+                                lse_out, return_lse, causal, bound)
+        try:
+            hit = cache._state.plans.get(sig) if sig is not None else None
+        except TypeError:  # an unhashable sm_scale just takes the checked path
+            hit = sig = None
+        if hit is not None:
+            if out is None:
+                out = _cupy().empty(q.shape, dtype=q.dtype)
+            if return_lse and lse_out is None:
+                lse_out = _cupy().empty(q.shape[:2], dtype=np.float32)
+            if q.shape[0]:
+                hit(q, query_start_loc, block_tables, seq_lens, out, lse_out)
+            return (out, lse_out) if return_lse else out
+    q_in, qsl_in, bt_in, sl_in = q, query_start_loc, block_tables, seq_lens
+    q = _check_q(cache, q, "num_tokens")
+    qsl = _check_query_start_loc(cache, query_start_loc)
+    bt, sl = _check_tables(cache, block_tables, seq_lens, qsl.shape[0] - 1, "query_start_loc")
+    a = _finish_args(cache, q, bt, sl, sm_scale, out, lse_out, return_lse)
+    _arrays.check_device({"query_start_loc": qsl}, cache.buffer)
+    if check or cache.device == "cpu":
+        _check_values(cache, a.block_tables, a.seq_lens, block_ids=check)
+        longest = _check_query_values(qsl, a.seq_lens, a.q.shape[0], causal, bound)
+        bound = longest if bound is None else bound
+    res = (a.out, a.lse) if return_lse else a.out
+    if not a.q.shape[0]:
+        return res
+    if cache.device == "cpu":
+        cache._impl.attention(
+            cache.buffer, a.q, qsl, a.block_tables, a.seq_lens, a.out, a.lse,
+            geom=cache.geometry, k_s=cache._k_s, v_s=cache._v_s, sm_scale=a.sm_scale,
+            stats=cache._stats, causal=causal, max_query_len=bound,
+            scratch=cache._attn_scratch)
+        return res
+    if bound is None:
+        # The one host synchronization of an unvalidated call without max_query_len.
+        bound = int((qsl[1:] - qsl[:-1]).max().get()) if qsl.shape[0] > 1 else 0
+    run = _varlen_runner(cache, a.sm_scale, causal, bound)
+    run(a.q, qsl, a.block_tables, a.seq_lens, a.out, a.lse)
+    if (sig is not None and a.q is q_in and qsl is qsl_in and a.block_tables is bt_in
+            and a.seq_lens is sl_in and (out is None or a.out is out)
+            and (lse_out is None or a.lse is lse_out)):
+        cache._state.plans.put(sig, run)
+    return res
+
+
+def _varlen_runner(cache: PagedKVCache, sm_scale: float, causal: bool, max_query_len: int):
+    """The GPU call of :func:`attention` with everything but the arrays bound."""
+    from ._cupy_varlen import attention as launch
+
+    buffer, geom, k_s, v_s = cache.buffer, cache.geometry, cache._k_s, cache._v_s
+    stats, scratch = cache._stats, cache._attn_scratch
+
+    def run(q, query_start_loc, block_tables, seq_lens, out, lse) -> None:
+        launch(buffer, q, query_start_loc, block_tables, seq_lens, out, lse,
+               max_query_len=max_query_len, causal=causal, geom=geom, k_s=k_s, v_s=v_s,
+               sm_scale=sm_scale, stats=stats, scratch=scratch)
+
+    return run
+
+
 def _launch(cache: PagedKVCache, q, block_tables, seq_lens, out, lse, sm_scale: float) -> None:
     cache._impl.decode_attention(
         cache.buffer, q, block_tables, seq_lens, out, lse, geom=cache.geometry,
@@ -90,17 +171,26 @@ def _launch(cache: PagedKVCache, q, block_tables, seq_lens, out, lse, sm_scale: 
 # -- checks --------------------------------------------------------------------------------
 def _check_args(cache: PagedKVCache, q, block_tables, seq_lens, sm_scale, out, lse_out,
                 return_lse: bool) -> _Args:
-    """Kinds, dtypes, shapes and devices of every argument; touches no values."""
-    be = cache.device
+    """Kinds, dtypes, shapes and devices of every argument of ``decode_attention``;
+    touches no values."""
+    q = _check_q(cache, q)
+    bt, sl = _check_tables(cache, block_tables, seq_lens, q.shape[0], "q")
+    return _finish_args(cache, q, bt, sl, sm_scale, out, lse_out, return_lse)
+
+
+def _check_q(cache: PagedKVCache, q, rows: str = "B"):
+    """``q``: on the cache's backend, bf16 / f16 / f32, ``(rows, Hq, head_dim)`` with a
+    GQA group of 1..MAX_GROUP query heads per KV head (``rows`` names the first axis in
+    messages)."""
     H, D = cache.num_heads, cache.head_dim
-    q = _arrays.to_backend(q, be, "q")
+    q = _arrays.to_backend(q, cache.device, "q")
     try:
         resolve_dtype(q.dtype, name="q.dtype")
     except TypeError:
         raise TypeError(f"q must have dtype bfloat16, float16 or float32, got {q.dtype}") from None
     if q.ndim != 3:
-        raise ValueError(f"q must be 3-D (B, Hq, head_dim), got shape {tuple(q.shape)}")
-    B, Hq, qd = q.shape
+        raise ValueError(f"q must be 3-D ({rows}, Hq, head_dim), got shape {tuple(q.shape)}")
+    _, Hq, qd = q.shape
     if qd != D:
         raise ValueError(f"q.shape[2] must equal the cache's head_dim ({D}), got {qd}")
     if Hq % H or not 1 <= Hq // H <= MAX_GROUP:
@@ -108,6 +198,14 @@ def _check_args(cache: PagedKVCache, q, block_tables, seq_lens, sm_scale, out, l
             f"q.shape[1] (Hq = {Hq}) must be a multiple of the cache's num_heads ({H}) "
             f"with Hq // num_heads between 1 and {MAX_GROUP} (query heads per KV head)"
         )
+    return q
+
+
+def _check_tables(cache: PagedKVCache, block_tables, seq_lens, B: int, source: str):
+    """``block_tables (B, max_blocks)`` and ``seq_lens (B,)``, int32/int64, on the cache's
+    backend (host arrays are converted), C-contiguous; ``source`` names where ``B`` came
+    from."""
+    be = cache.device
     bt = _arrays.to_backend(block_tables, be, "block_tables", allow_convert=True)
     _check_int_dtype(bt, "block_tables")
     if bt.ndim != 2:
@@ -115,30 +213,37 @@ def _check_args(cache: PagedKVCache, q, block_tables, seq_lens, sm_scale, out, l
             f"block_tables must be 2-D (B, max_blocks), got shape {tuple(bt.shape)}"
         )
     if bt.shape[0] != B:
-        raise ValueError(
-            f"block_tables must have one row per sequence (B = {B}, from q), got {bt.shape[0]}"
-        )
+        raise ValueError(f"block_tables must have one row per sequence (B = {B}, from "
+                         f"{source}), got {bt.shape[0]}")
     sl = _arrays.to_backend(seq_lens, be, "seq_lens", allow_convert=True)
     _check_int_dtype(sl, "seq_lens")
     if sl.ndim != 1:
         raise ValueError(f"seq_lens must be 1-D (B,), got shape {tuple(sl.shape)}")
     if sl.shape[0] != B:
-        raise ValueError(
-            f"seq_lens must have one entry per sequence (B = {B}, from q), got {sl.shape[0]}"
-        )
-    scale = _arrays.check_scale(1.0 / math.sqrt(D) if sm_scale is None else sm_scale,
-                                "sm_scale")
+        raise ValueError(f"seq_lens must have one entry per sequence (B = {B}, from "
+                         f"{source}), got {sl.shape[0]}")
+    xp = _arrays.array_module(be)
+    bt = bt if bt.flags.c_contiguous else xp.ascontiguousarray(bt)
+    sl = sl if sl.flags.c_contiguous else xp.ascontiguousarray(sl)
+    return bt, sl
+
+
+def _finish_args(cache: PagedKVCache, q, bt, sl, sm_scale, out, lse_out,
+                 return_lse: bool) -> _Args:
+    """The scale, ``q`` made C-contiguous, the outputs (checked or allocated: ``out`` like
+    ``q``, ``lse`` ``q.shape[:2]`` float32) and the devices of all arrays."""
+    be = cache.device
+    scale = _arrays.check_scale(1.0 / math.sqrt(cache.head_dim) if sm_scale is None
+                                else sm_scale, "sm_scale")
     xp = _arrays.array_module(be)
     # The backends read C-contiguous inputs (the copies are small: no K/V), q at its
     # alignment.
     q = _arrays.aligned(q, "q")
     q = q if q.flags.c_contiguous else xp.ascontiguousarray(q)
-    bt = bt if bt.flags.c_contiguous else xp.ascontiguousarray(bt)
-    sl = sl if sl.flags.c_contiguous else xp.ascontiguousarray(sl)
     if out is None:
-        out = xp.empty((B, Hq, D), dtype=q.dtype)
+        out = xp.empty(q.shape, dtype=q.dtype)
     else:
-        out = _arrays.check_out(out, "out", (B, Hq, D), q.dtype, be)
+        out = _arrays.check_out(out, "out", q.shape, q.dtype, be)
         if _overlap(out, q):
             raise ValueError("out must not overlap q")
     if lse_out is not None and not return_lse:
@@ -146,9 +251,9 @@ def _check_args(cache: PagedKVCache, q, block_tables, seq_lens, sm_scale, out, l
     if not return_lse:
         lse = None
     elif lse_out is None:
-        lse = xp.empty((B, Hq), dtype=np.float32)
+        lse = xp.empty(q.shape[:2], dtype=np.float32)
     else:
-        lse = _arrays.check_out(lse_out, "lse_out", (B, Hq), np.dtype(np.float32), be)
+        lse = _arrays.check_out(lse_out, "lse_out", q.shape[:2], np.dtype(np.float32), be)
         if _overlap(lse, q) or _overlap(lse, out):
             raise ValueError("lse_out must not overlap q or out")
     _arrays.check_device({"q": q, "block_tables": bt, "seq_lens": sl, "out": out,
@@ -160,7 +265,7 @@ def _check_values(cache: PagedKVCache, block_tables, seq_lens, *, block_ids: boo
     """Lengths within each row's capacity and (``block_ids``) block ids inside the pool in
     the used part of each row (a host synchronization on the GPU).  The CPU always checks
     the lengths; its ``validate=False`` defers only the block ids, as the GPU does."""
-    sl = seq_lens.get() if _arrays.is_cupy(seq_lens) else np.asarray(seq_lens)
+    sl = _host(seq_lens)
     T = cache.block_size
     max_blocks = block_tables.shape[1]
     cap = max_blocks * T
@@ -188,6 +293,76 @@ def _check_values(cache: PagedKVCache, block_tables, seq_lens, *, block_ids: boo
             f"[0, {cache.num_blocks}) in the first ceil(seq_lens[b] / block_size) entries of "
             "each row (later entries are ignored); nothing was computed"
         )
+
+
+def _check_query_start_loc(cache: PagedKVCache, query_start_loc):
+    """``query_start_loc (B + 1,)`` int32/int64 on the cache's backend (host arrays are
+    converted), C-contiguous; touches no values."""
+    qsl = _arrays.to_backend(query_start_loc, cache.device, "query_start_loc",
+                             allow_convert=True)
+    _check_int_dtype(qsl, "query_start_loc")
+    if qsl.ndim != 1 or qsl.shape[0] < 1:
+        raise ValueError("query_start_loc must be 1-D (B + 1,) with at least one entry "
+                         f"(0 for no sequence), got shape {tuple(qsl.shape)}")
+    if not qsl.flags.c_contiguous:
+        qsl = _arrays.array_module(cache.device).ascontiguousarray(qsl)
+    return qsl
+
+
+def _check_query_values(query_start_loc, seq_lens, num_tokens: int, causal: bool,
+                        max_query_len: int | None) -> int:
+    """``query_start_loc`` non-decreasing from 0 to ``num_tokens``, each sequence's query
+    count ``n_b`` at most ``max_query_len`` and (``causal``) at most ``seq_lens[b]`` (a
+    host synchronization on the GPU).  Returns the largest ``n_b``."""
+    qsl = _host(query_start_loc).astype(np.int64)
+    if qsl[0] != 0:
+        raise ValueError(f"query_start_loc[0] must be 0, got {int(qsl[0])}")
+    n = np.diff(qsl)
+    if (n < 0).any():
+        b = int((n < 0).argmax())
+        raise ValueError(
+            f"query_start_loc must be non-decreasing: query_start_loc[{b + 1}] = "
+            f"{int(qsl[b + 1])} < query_start_loc[{b}] = {int(qsl[b])}")
+    if qsl[-1] != num_tokens:
+        raise ValueError(
+            f"query_start_loc[-1] must equal the number of query tokens (q.shape[0] = "
+            f"{num_tokens}), got {int(qsl[-1])}")
+    longest = int(n.max()) if n.size else 0
+    if max_query_len is not None and longest > max_query_len:
+        b = int(n.argmax())
+        raise ValueError(
+            f"max_query_len = {max_query_len} is smaller than the {longest} query tokens "
+            f"of sequence {b} (query_start_loc[{b + 1}] - query_start_loc[{b}])")
+    if causal:
+        sl = _host(seq_lens).astype(np.int64)
+        wrong = n > sl
+        if wrong.any():
+            b = int(wrong.argmax())
+            raise ValueError(
+                f"sequence {b} has {int(n[b])} query tokens but seq_lens[{b}] = {int(sl[b])}:"
+                " seq_lens counts the cached tokens including this step's queries (store "
+                "them first), so with causal=True each sequence needs n_b <= seq_lens[b]")
+    return longest
+
+
+def _check_flag(value, name: str) -> bool:
+    if not isinstance(value, (bool, np.bool_)):
+        raise TypeError(f"{name} must be True or False, got {value!r}")
+    return bool(value)
+
+
+def _check_max_query_len(value) -> int:
+    """A host integer >= 0 (a device array would need a synchronization to read)."""
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
+        raise TypeError("max_query_len must be a Python or NumPy int (a host bound on the "
+                        f"query tokens per sequence) or None, got {type(value).__name__}")
+    if value < 0:
+        raise ValueError(f"max_query_len must be >= 0, got {value}")
+    return int(value)
+
+
+def _host(a) -> np.ndarray:
+    return a.get() if _arrays.is_cupy(a) else np.asarray(a)
 
 
 def _check_int_dtype(a, name: str) -> None:
@@ -240,3 +415,15 @@ def _signature(q, block_tables, seq_lens, sm_scale, out, lse_out, return_lse: bo
             block_tables.data.device_id, seq_lens.shape, seq_lens.dtype, seq_lens.strides,
             seq_lens.data.device_id, type(sm_scale), sm_scale, return_lse, o, e,
             cupy.cuda.get_current_stream().ptr)  # the prepared launch's workspace: per stream
+
+
+def _varlen_signature(q, query_start_loc, block_tables, seq_lens, sm_scale, out, lse_out,
+                      return_lse: bool, causal: bool, max_query_len: int):
+    """:func:`_signature` for :func:`attention`: plus ``query_start_loc``'s kind, shape,
+    dtype, strides and device, ``causal`` and ``max_query_len``."""
+    base = _signature(q, block_tables, seq_lens, sm_scale, out, lse_out, return_lse)
+    if base is None or type(query_start_loc) is not _cupy().ndarray:
+        return None
+    return ("attention",) + base[1:] + (
+        query_start_loc.shape, query_start_loc.dtype, query_start_loc.strides,
+        query_start_loc.data.device_id, causal, max_query_len)

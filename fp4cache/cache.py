@@ -650,3 +650,118 @@ class PagedKVCache:
         with DeviceGuard(self.device_id):
             return attention.decode_attention(self, q, block_tables, seq_lens, sm_scale, out,
                                               lse_out, return_lse, validate)
+
+    def attention(self, q: Any, query_start_loc: Any, block_tables: Any, seq_lens: Any, *,
+                  max_query_len: int | None = None, causal: bool = True,
+                  sm_scale: float | None = None, out: Any = None, lse_out: Any = None,
+                  return_lse: bool = False, validate: bool | None = None):
+        """Attention of any number of query tokens per sequence over its cached K/V pages.
+
+        Serves speculative-decoding verification (a few query tokens per sequence),
+        chunked prefill and mixed batches (hundreds of tokens for some sequences, one for
+        others) in one call, in vLLM's flattened layout: ``softmax(sm_scale * q K^T) V``
+        where K and V are exactly the float32 values :meth:`gather_dequant` returns
+        (global scales included), read from the pages without a bf16 copy.
+        :meth:`decode_attention` is the case of one query token per sequence.
+
+        Parameters
+        ----------
+        q : array, shape (num_tokens, Hq, D), bfloat16, float16 or float32
+            The query tokens of all sequences concatenated in order.  ``Hq`` is a
+            multiple of ``num_heads`` with ``Hq // num_heads`` in 1..16 (GQA): query head
+            ``h`` reads KV head ``h // (Hq // num_heads)``.
+        query_start_loc : array of int32 or int64, shape (B + 1,)
+            Non-decreasing from 0 to ``num_tokens`` (vLLM's ``query_start_loc``,
+            FlashInfer's ``qo_indptr``, FlashAttention's ``cu_seqlens_q``): sequence
+            ``b`` owns the rows ``query_start_loc[b] : query_start_loc[b + 1]`` of ``q``,
+            ``n_b`` of them (0 is allowed).
+        block_tables : array of int32 or int64, shape (B, max_blocks)
+            vLLM's block table, as in :meth:`decode_attention`.
+        seq_lens : array of int32 or int64, shape (B,)
+            Cached tokens of each sequence, *including* this step's ``n_b`` query tokens
+            (store them first), ``0 <= seq_lens[b] <= max_blocks * block_size``.
+        max_query_len : int, optional
+            A host bound on every ``n_b`` (vLLM's and FlashAttention's
+            ``max_query_len`` / ``max_seqlen_q``): with it, a GPU call neither
+            synchronizes nor (given ``out`` and ``lse_out``) allocates, so it can be
+            captured in a CUDA graph.  Omitted, it is computed from
+            ``query_start_loc``, which on the GPU is one host synchronization (a
+            device-to-host copy of one integer).
+        causal : bool, default True
+            Query ``i`` of sequence ``b`` (``0 <= i < n_b``) sees the keys ``0 ..
+            seq_lens[b] - n_b + i``: the query tokens are the last ``n_b`` cached tokens
+            (bottom-right alignment, as in FlashInfer and FlashAttention).  ``False``:
+            every query sees all ``seq_lens[b]`` keys.
+        sm_scale : float, optional
+            Multiplier of the scores, finite and > 0; default ``1/sqrt(D)`` (used in
+            float32).
+        out : array, optional
+            C-contiguous ``(num_tokens, Hq, D)`` array of ``q``'s dtype for the result.
+        lse_out : array, optional
+            C-contiguous ``(num_tokens, Hq)`` float32 array for the log-sum-exp (needs
+            ``return_lse=True``).
+        return_lse : bool, default False
+            Also return ``lse``, the natural log of each softmax denominator.
+        validate : bool, optional
+            Override the cache's ``validate`` for this call.
+
+        Returns
+        -------
+        out : array, shape (num_tokens, Hq, D), ``q``'s dtype
+            A query that sees no key (a sequence of length 0 with ``causal=False``)
+            gives zeros.
+        lse : array of float32, shape (num_tokens, Hq)
+            Only with ``return_lse``; ``-inf`` where a query sees no key.
+
+        Raises
+        ------
+        TypeError, ValueError
+            Wrong kind, dtype or shape of an argument, a bad ``sm_scale``, ``causal`` or
+            ``max_query_len``; (on the CPU, or when validating) a ``seq_lens`` entry
+            outside ``[0, max_blocks * block_size]``, a ``query_start_loc`` that does not
+            rise from 0 to ``num_tokens``, an ``n_b`` above ``max_query_len`` or (with
+            ``causal``) above ``seq_lens[b]``.
+        IndexError
+            (when validating) a block id outside ``[0, num_blocks)`` in the used part of
+            a row; nothing is computed.
+
+        Notes
+        -----
+        The rules of :meth:`decode_attention` hold row by row.  Without validation (the
+        GPU default) a bad block id is counted (``stats["bad_block_ids"]``,
+        :meth:`check` raises) and the rows that see a token of its page are NaN (other
+        rows of that sequence are exact on the CPU; on the GPU they may be NaN too);
+        nothing outside the pool is read.  A K group stored as NaN makes the outputs of
+        the query heads whose rows see its token NaN (a V group: those 16 channels).  On
+        the GPU without validation, ``n_b > seq_lens[b]`` is not checked: a row that sees
+        no key gives zeros and ``lse = -inf``; ``query_start_loc`` must hold the values
+        above and ``max_query_len`` must bound every ``n_b``, or the results are
+        undefined (nothing outside the arguments and the pool is read or written).
+
+        Examples
+        --------
+        Two sequences: one verifies 3 speculative tokens after 17 cached ones, the other
+        decodes one token after 4.
+
+        >>> import numpy as np, fp4cache
+        >>> cache = fp4cache.PagedKVCache(8, 16, 2, 64, device="cpu")
+        >>> rng = np.random.default_rng(0)
+        >>> kv = rng.standard_normal((cache.num_slots, 2, 64), dtype=np.float32)
+        >>> cache.store(np.arange(cache.num_slots), kv, kv)
+        >>> q = rng.standard_normal((4, 8, 64), dtype=np.float32)     # 3 + 1 tokens, GQA 4
+        >>> out = cache.attention(q, np.array([0, 3, 4]), np.array([[0, 1], [2, -1]]),
+        ...                       np.array([20, 5]), max_query_len=3)
+        >>> out.shape
+        (4, 8, 64)
+        >>> dec = cache.decode_attention(q[3:], np.array([[2, -1]]), np.array([5]))
+        >>> bool(np.array_equal(out[3], dec[0]))                       # n_b = 1 is decode
+        True
+        """
+        if self._state is None or _get_device()() == self.device_id:
+            return attention.attention(self, q, query_start_loc, block_tables, seq_lens,
+                                       max_query_len, causal, sm_scale, out, lse_out,
+                                       return_lse, validate)
+        with DeviceGuard(self.device_id):
+            return attention.attention(self, q, query_start_loc, block_tables, seq_lens,
+                                       max_query_len, causal, sm_scale, out, lse_out,
+                                       return_lse, validate)

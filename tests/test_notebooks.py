@@ -49,7 +49,8 @@ def _read(path: Path):
 def test_notebooks_exist():
     names = [p.name for p in NOTEBOOKS]
     for want in ("01_quickstart.ipynb", "02_accuracy.ipynb", "03_layouts.ipynb",
-                 "04_performance.ipynb", "05_decode_attention.ipynb"):
+                 "04_performance.ipynb", "05_decode_attention.ipynb",
+                 "06_any_query_attention.ipynb"):
         assert want in names, f"notebooks/{want} is missing (found {names})"
 
 
