@@ -293,57 +293,39 @@ FP4C_DEVICE void vl_decode(const VlRaw<D>& R, u32 key, u32 swizzle, u8* stage, u
                            u32& nan_key, u32* s_vnan) {
   constexpr int G = D / 16, SW = D / 64;
   const u32 lane = threadIdx.x & 31u, t = lane & 15u, side = lane >> 4;
+  u32* mine = (u32*)(stage + (side * 16u + t) * G);
+#pragma unroll
+  for (int i = 0; i < SW; ++i) mine[i] = R.sc[i];
+  __syncwarp();
   u32 sb[SW];  // this key's scale bytes, group order
-  if (swizzle) {  // V rows hold the scales of their 4-token block: gather through the stage
-    u32* mine = (u32*)(stage + (side * 16u + t) * G);
-#pragma unroll
-    for (int i = 0; i < SW; ++i) mine[i] = R.sc[i];
-    __syncwarp();
-#pragma unroll
-    for (int i = 0; i < SW; ++i) sb[i] = R.sc[i];
-    if (side == 1u) {
-#pragma unroll
-      for (int i = 0; i < SW; ++i) sb[i] = 0u;
-#pragma unroll
-      for (int grp = 0; grp < G; ++grp) {
-        u32 ts, gs;
-        v_scale_swizzle(t, grp, grp / (G / 4), G / 4, ts, gs);
-        sb[grp >> 2] |= (u32)stage[(16u + ts) * G + gs] << (8 * (grp & 3));
-      }
-    }
-    __syncwarp();  // the staging is read before the next step writes it
-  } else {
-#pragma unroll
-    for (int i = 0; i < SW; ++i) sb[i] = R.sc[i];
-  }
-  if (R.state != 1u) {  // zeros (codes are 0 too): a NaN scale must not make 0 * NaN
+  if (side == 1u && swizzle) {
 #pragma unroll
     for (int i = 0; i < SW; ++i) sb[i] = 0u;
-    if (R.state == 2u) nan_key = min(nan_key, key);
-  }
-  if (side == 1u) {
-    // V groups stored as NaN (scale byte 0x7F / 0xFF): SWAR test of four bytes at once
 #pragma unroll
-    for (int i = 0; i < SW; ++i) {
-      if (((sb[i] & 0x7F7F7F7Fu) + 0x01010101u) & 0x80808080u) {
-#pragma unroll
-        for (int k = 0; k < 4; ++k) {
-          if (((sb[i] >> (8 * k)) & 0x7Fu) == 0x7Fu) {
-            atomicMin(&s_vnan[4 * i + k], key);
-            sb[i] &= ~(0xFFu << (8 * k));
-          }
-        }
-      }
+    for (int grp = 0; grp < G; ++grp) {
+      u32 ts, gs;
+      v_scale_swizzle(t, grp, grp / (G / 4), G / 4, ts, gs);
+      sb[grp >> 2] |= (u32)stage[(16u + ts) * G + gs] << (8 * (grp & 3));
     }
+  } else {
+#pragma unroll
+    for (int i = 0; i < SW; ++i) sb[i] = mine[i];
   }
+  __syncwarp();  // the staging is read before the next step writes it
+  const bool live = R.state == 1u;
+  if (R.state == 2u) nan_key = min(nan_key, key);
   u16* dst = tile + (side * 16u + t) * LD;
 #pragma unroll
-  for (int g2 = 0; g2 < G; g2 += 2) {  // two groups: one scale-pair conversion
-    const u32 pair = pair_scale((sb[g2 >> 2] >> (8 * (g2 & 3))) & 0xFFFFu);
-    const u32 sf2[2] = {__byte_perm(pair, 0u, 0x1010u), __byte_perm(pair, 0u, 0x3232u)};
+  for (int grp = 0; grp < G; ++grp) {
+    u32 sbyte = live ? (sb[grp >> 2] >> (8 * (grp & 3))) & 0xFFu : 0u;
+    if (side == 1u && (sbyte & 0x7Fu) == 0x7Fu) {
+      atomicMin(&s_vnan[grp], key);
+      sbyte = 0u;
+    }
+    const u32 sf = pair_scale(sbyte * 0x0101u);
 #pragma unroll
-    for (int w = 4 * (g2 / 2); w < 4 * (g2 / 2) + 4; ++w) {  // words of groups g2, g2 + 1
-      const u32 sf = sf2[(w >> 1) & 1];
+    for (int hw = 0; hw < 2; ++hw) {
+      const int w = 2 * grp + hw;
       u32 r[4];
       e2m1_pairs(R.w[w], r);  // 0 unless read (vl_load)
       U32x4 o;
