@@ -2,14 +2,16 @@
 number of query tokens per sequence (``kernels/varlen_attention.cu``), on CuPy's current
 stream.
 
-The front end validates the arguments and calls :func:`attention`.  A launch's grid is
-``B * H * slots`` CTAs, ``slots = query tiles x splits`` sized from ``max_query_len`` and
-the shapes only (never from device values), and each CTA finds its work on the device
-(``find_work`` in the kernel): a sequence whose rows (tokens x query heads per KV head) fit
-one CTA cuts its keys into up to ``min(slots, max_splits)`` splits merged through the
-workspace, a longer one takes one CTA per query tile, and slots past a sequence's work exit
-at once.  With ``max_query_len * group <= 16`` (decode, speculative verification) a call
-is one launch of the 16-row kernel; otherwise two launches, whatever the batch: the 16-row
+The front end validates the arguments and calls :func:`attention` (or keeps the run of
+:func:`attention_runner` for its hot path).  A launch has ``B * H * slots`` work items,
+``slots = query tiles x splits`` sized from ``max_query_len`` and the shapes only (never
+from device values); its CTAs (at most ``GRID_WAVES`` waves of resident ones) loop over the
+items and find their work on the device (``find_work`` in the kernel): a sequence whose
+rows (tokens x query heads per KV head) fit one CTA cuts its keys into up to
+``min(slots, max_splits)`` splits merged through the workspace, a longer one takes one item
+per query tile, and items past a sequence's work are skipped.  With
+``max_query_len * group <= 16`` (decode, speculative verification) a call is one launch of
+the 16-row kernel; otherwise two launches, whatever the batch: the 16-row
 kernel for the sequences of at most 16 rows, and the smallest kernel that holds the longest
 sequence (32 or 64 rows per CTA) for the others.  Everything that does
 not change from call to call (kernel, grid, packed ``VarlenParams``, workspace and merge

@@ -8,16 +8,19 @@
 //   (bottom-right), else all seq_lens[b] keys; K, V the values gather_dequant returns.
 //
 // Rows are (query token, query head) pairs: row j of sequence b and KV head h is token
-// j / group, query head h * group + j % group.  Work unit (one CTA of FP4C_VARLEN_WARPS
-// warps) = (sequence, KV head, slot); the grid is B * H * slots, slots = query tiles x
-// splits sized on the host from max_query_len only.  On the device each CTA finds its unit:
+// j / group, query head h * group + j % group.  Work item (taken by one CTA of
+// FP4C_VARLEN_WARPS warps) = (sequence, KV head, slot): B * H * slots of them, slots =
+// query tiles x splits sized on the host from max_query_len only; a CTA loops over the
+// items blockIdx.x, + gridDim.x, ... (the grid is a few waves of resident CTAs).  On the
+// device each CTA finds the work of its item:
 //   - a sequence whose rows fit one CTA (decode, speculative tokens with their group's
 //     heads) is one query tile whose keys are cut into up to
 //     min(slots, max_splits) splits (no fewer than FP4C_VARLEN_MIN_SPLIT keys each),
 //     merged by the last CTA to finish (an atomic ticket per (sequence, KV head), reset by
 //     that CTA: CUDA-graph safe), as in decode_attention.cu;
 //   - a longer sequence has one CTA per query tile of MMA_ROWS * MW rows (no split);
-//   - slots past a sequence's work exit at once, and so do sequences outside the launch's
+//   - items past a sequence's work are skipped at once, and so are sequences outside the
+//     launch's
 //     rows_lo < rows <= rows_hi (a mixed batch takes two launches: the 16-row kernel for
 //     sequences of at most 16 rows, a larger one for the others).
 // Kernels _r16, _r32, _r64 (MW = 1, 2, 4 row warps): warp w owns rows 16 (w / KW) ..
@@ -27,7 +30,8 @@
 // A step covers FP4C_VARLEN_WARPS tiles of FP4C_VARLEN_TILE_KEYS keys.  Steps:
 //   load:    lane (token t = lane % 16, side = lane / 16) reads its key's code row and scale
 //            row into registers (the next step's loads are in flight while this step is
-//            computed); any block size, either layout, V scales swizzled or not.
+//            computed; a cp.async ring measured slower, bench/KERNEL_NOTES.md); any block
+//            size, either layout, V scales swizzled or not.
 //   decode:  the lane's row to f16 in shared memory ([16][D + pad] per side and tile):
 //            E2M1 pairs times the E4M3 scale pair (attn_common.cuh), so every page byte is
 //            decoded once per CTA; the columns of a word come in the pair order of
