@@ -16,7 +16,8 @@ kernel for the sequences of at most 16 rows, and the smallest kernel that holds 
 sequence (32 or 64 rows per CTA) for the others.  Everything that does
 not change from call to call (kernel, grid, packed ``VarlenParams``, workspace and merge
 tickets) is prepared once per signature in the cache-owned ``scratch``: a warm call is a
-dictionary lookup and one launch, no allocation and no synchronization (CUDA-graph safe).
+dictionary lookup and one or two launches, no allocation and no synchronization (CUDA-graph
+safe).
 """
 
 from __future__ import annotations

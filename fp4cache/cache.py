@@ -228,12 +228,15 @@ class PagedKVCache:
     def nbytes(self) -> int:
         """Memory the cache owns, in bytes: the page pool, plus on the GPU its counters,
         encode table, duplicate-slot claim table (4 bytes per slot) and the split-KV
-        workspaces of :meth:`decode_attention` (one per call signature and stream, kept
-        for the cache's lifetime so that captured CUDA graphs stay valid)."""
+        workspaces of :meth:`decode_attention` and :meth:`attention` (one per call
+        signature and stream, kept for the cache's lifetime so that captured CUDA graphs
+        stay valid)."""
         if self._state is not None:
             from ._cupy_attention import scratch_nbytes
+            from ._cupy_varlen import scratch_nbytes as varlen_nbytes
 
-            return self._state.nbytes + scratch_nbytes(self._attn_scratch)
+            return (self._state.nbytes + scratch_nbytes(self._attn_scratch)
+                    + varlen_nbytes(self._attn_scratch))
         return self.buffer.nbytes + self._stats.nbytes
 
     def _guard(self):
