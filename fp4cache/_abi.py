@@ -134,7 +134,8 @@ STRUCTS: dict[str, tuple[tuple, ...]] = {
         ("swizzle", "u32"), ("bt64", "u32"), ("sl64", "u32"), ("ql64", "u32"),
         ("causal", "u32"), ("smem", "u32"),  # bottom-right causal mask; dynamic smem bytes
         ("rows_lo", "u32"), ("rows_hi", "u32"),  # sequences of rows_lo < rows <= rows_hi
-        ("items", "u32"), ("_pad", "u32"),  # work items: B * H * slots
+        ("items", "u32"),  # work items: B * H * slots
+        ("num_tokens", "u32"),  # q's rows: query_start_loc is clamped to [0, num_tokens]
         ("qk_scale", "float"),  # sm_scale * k_scale * 2^7 * log2(e)
         ("out_scale", "float"),  # v_scale * 2^7
     ),

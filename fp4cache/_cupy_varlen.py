@@ -146,6 +146,8 @@ def _make_launch(buffer, q, query_start_loc, block_tables, seq_lens, geom: PageG
     # (the plan depends on shapes only; items past a sequence's work are skipped on the
     # device)
     items = B * H * ps.slots
+    if q.shape[0] >= 2**32:
+        raise ValueError(f"q must have fewer than 2**32 tokens, got {q.shape[0]}")
     if items >= 2**32:
         raise ValueError(f"the launch has {items} work items (batch x num_heads x query "
                          "tiles): more than 2**32 - 1")
@@ -174,6 +176,7 @@ def _make_launch(buffer, q, query_start_loc, block_tables, seq_lens, geom: PageG
             ("bt64", block_tables.dtype.itemsize == 8), ("sl64", seq_lens.dtype.itemsize == 8),
             ("ql64", query_start_loc.dtype.itemsize == 8), ("causal", 1 if causal else 0),
             ("smem", smem), ("rows_lo", rows_lo), ("rows_hi", rows_hi), ("items", items),
+            ("num_tokens", q.shape[0]),
             ("qk_scale", qk),
             ("out_scale", np.float32(float(np.float32(v_s)) * 128.0))):
         p[name] = value
@@ -228,7 +231,7 @@ def _plan_key(buffer, q, query_start_loc, block_tables, seq_lens, geom, max_quer
               k_s, v_s, sm_scale, stats, stream_ptr) -> tuple:
     # id(geom): the plan keeps geom alive, so the id is not reused while the key exists
     return ("varlen", buffer.data.device_id, stream_ptr, buffer.data.ptr, buffer.shape[0],
-            id(geom), q.shape[1:], q.dtype, query_start_loc.shape[0], query_start_loc.dtype,
+            id(geom), q.shape, q.dtype, query_start_loc.shape[0], query_start_loc.dtype,
             block_tables.shape[1], block_tables.dtype, seq_lens.dtype, int(max_query_len),
             bool(causal), float(k_s), float(v_s), float(sm_scale), stats.data.ptr)
 

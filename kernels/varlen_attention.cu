@@ -111,8 +111,12 @@ FP4C_DEVICE bool find_work(const VarlenParams& P, u32 item, const void* qsl,
   const u32 bh = item / P.slots, slot = item - bh * P.slots;
   W.b = bh / P.H;
   W.h = bh - W.b * P.H;
-  const i64 q0 = load_index(qsl, W.b, P.ql64), q1 = load_index(qsl, W.b + 1, P.ql64);
-  if (q1 <= q0 || q0 < 0) return false;
+  // query_start_loc clamped to q's rows: an unvalidated bad entry never reads or writes
+  // outside q and out
+  i64 q0 = load_index(qsl, W.b, P.ql64), q1 = load_index(qsl, W.b + 1, P.ql64);
+  q0 = q0 < 0 ? 0 : (q0 > (i64)P.num_tokens ? (i64)P.num_tokens : q0);
+  q1 = q1 > (i64)P.num_tokens ? (i64)P.num_tokens : q1;
+  if (q1 <= q0) return false;
   W.qs0 = (u32)q0;
   W.n = (u32)(q1 - q0);
   W.rows = W.n * P.group;

@@ -260,6 +260,30 @@ def test_nan_groups():
     check(out, lse, ro, rl, "bfloat16", "nan groups")
 
 
+def test_query_start_loc_clamped_to_q():
+    """Unvalidated query_start_loc past q's rows (or decreasing): the kernel clamps it to
+    [0, num_tokens], so nothing outside q and out is read or written."""
+    rng = np.random.default_rng(20)
+    H, T, D, group = 2, 16, 64, 2
+    lens = [40, 30, 50, 20]
+    num_blocks = 16
+    cache, kd, vd = make_cache(rng, H=H, T=T, D=D, num_blocks=num_blocks)
+    tab = tables_for(rng, lens, T, num_blocks, 4)
+    N = 9
+    qsl = np.array([0, 3, 5, 1_000_000, 2], np.int64)
+    q = make_q(rng, N, H * group, D, "bfloat16")
+    guard = cp.zeros((N + 64, H * group, D), dtype=BF16)  # out plus rows that must stay 0
+    out = guard[:N]
+    cv.attention(cache.buffer, cp.asarray(q), cp.asarray(qsl), cp.asarray(tab),
+                 cp.asarray(np.array(lens, np.int32)), out, None, max_query_len=16,
+                 causal=True, geom=cache.geometry, k_s=cache._k_s, v_s=cache._v_s,
+                 sm_scale=1 / np.sqrt(D), stats=cache._stats, scratch={})
+    ro, rl = reference(kd, vd, q, np.clip(qsl, 0, N), tab, lens, T, 1 / np.sqrt(D),
+                       num_blocks, True)
+    check(out, None, ro, rl, "bfloat16", "clamped query_start_loc")
+    assert not cp.asnumpy(guard[N:]).astype(np.float32).any()
+
+
 def test_lengths_clamped_and_int64():
     rng = np.random.default_rng(16)
     T, max_blocks, num_blocks = 16, 3, 16
