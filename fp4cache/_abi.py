@@ -18,7 +18,9 @@ import numpy as np
 
 __all__ = ["RULES", "LAYOUTS", "STAT_NAMES", "STAT", "STRUCTS", "struct_dtype", "header",
            "fastdiv", "ATTN_CHUNK_TILES", "COPY_COLUMN_BYTES", "PAGE_MOVE_THREADS",
-           "SCALE_SATURATES_ABOVE"]
+           "SCALE_SATURATES_ABOVE", "MMA_ROWS", "VARLEN_WARPS", "VARLEN_TILE_KEYS",
+           "VARLEN_ROW_WARPS", "VARLEN_MAX_SPLITS", "VARLEN_MIN_SPLIT", "VARLEN_SMEM_PAD",
+           "varlen_smem_bytes"]
 
 #: Scale rules: name -> value of the kernels' ``RULE`` template parameter.
 RULES: dict[str, int] = {"static6": 0, "4over6": 1}
@@ -59,6 +61,33 @@ ATTN_CHUNK_TILES: dict[int, int] = {64: 4, 128: 2, 256: 1}
 COPY_COLUMN_BYTES = 32
 #: Threads per CTA of the page-moving kernels (copy, read, write).
 PAGE_MOVE_THREADS = 512
+#: Rows of one mma.sync m16n8k16 tile (the A operand's m side).
+MMA_ROWS = 16
+#: Attention over any query length (kernels/varlen_attention.cu): warps per CTA; keys of the
+#: tile one warp decodes per step (a CTA step is VARLEN_WARPS tiles); the kernels' row
+#: warps (a CTA holds MMA_ROWS * row_warps query rows, (token, head) pairs; the
+#: VARLEN_WARPS / row_warps warps of a row block split the step's keys): 1 for sequences
+#: of at most 16 rows (decode, speculative verification), 2 for at most 32, 4 for longer.
+VARLEN_WARPS = 4
+VARLEN_TILE_KEYS = 16
+VARLEN_ROW_WARPS = (1, 2, 4)
+#: A sequence whose rows fit one CTA splits its keys over at most VARLEN_MAX_SPLITS CTAs of
+#: at least VARLEN_MIN_SPLIT keys (partials of the CTA's rows in the workspace).
+VARLEN_MAX_SPLITS = 32
+VARLEN_MIN_SPLIT = 256
+#: f16 elements of padding per shared-memory row of decoded K / V / q (conflict-free ldmatrix).
+VARLEN_SMEM_PAD = 8
+
+
+def varlen_smem_bytes(head_dim: int, row_warps: int, split_q: bool) -> int:
+    """Dynamic shared memory of a varlen kernel (the kernel checks it against its own
+    layout): decoded K and V tiles of every warp, the scale-row staging, q (hi [+ lo])."""
+    ld = head_dim + VARLEN_SMEM_PAD
+    kv = VARLEN_WARPS * 2 * VARLEN_TILE_KEYS * ld * 2
+    sc = VARLEN_WARPS * 2 * VARLEN_TILE_KEYS * (head_dim // 16)
+    q = MMA_ROWS * row_warps * ld * 2 * (2 if split_q else 1)
+    return kv + sc + q
+
 
 _CTYPES = {"u32": np.uint32, "u64": np.uint64, "i64": np.int64, "float": np.float32}
 
@@ -103,6 +132,25 @@ STRUCTS: dict[str, tuple[tuple, ...]] = {
         ("row_h", "u32"), ("row_t", "u32"),  # row of (t, h) in a side: h*row_h + t*row_t
         ("swizzle", "u32"), ("tile_in_page", "u32"),  # V scales swizzled; T % 16 == 0
         ("bt64", "u32"), ("sl64", "u32"),  # int64 block tables / sequence lengths
+        ("qk_scale", "float"),  # sm_scale * k_scale * 2^7 * log2(e)
+        ("out_scale", "float"),  # v_scale * 2^7
+    ),
+    # kernels/varlen_attention.cu, every non-pointer argument of the varlen attention
+    "VarlenParams": (
+        ("buffer", "u64"), ("ws_o", "u64"), ("ws_ml", "u64"),  # u8 pool, f32 partials
+        ("counters", "u64"), ("stats", "u64"),  # u32 merge tickets [B*H], u64 counters
+        ("num_blocks", "i64"), ("side_bytes", "i64"), ("data_bytes", "i64"),
+        ("H", "u32"), ("group", "u32"),  # KV heads, query heads per KV head
+        ("T", "u32"), ("t_m", "u32"), ("t_s", "u32"),  # tokens per page (FastDiv)
+        ("max_blocks", "u32"),
+        ("slots", "u32"),  # CTAs per (sequence, KV head): query tiles x splits
+        ("max_splits", "u32"),  # splits per (sequence, KV head) of the workspace
+        ("row_h", "u32"), ("row_t", "u32"),  # row of (t, h) in a side: h*row_h + t*row_t
+        ("swizzle", "u32"), ("bt64", "u32"), ("sl64", "u32"), ("ql64", "u32"),
+        ("causal", "u32"), ("smem", "u32"),  # bottom-right causal mask; dynamic smem bytes
+        ("rows_lo", "u32"), ("rows_hi", "u32"),  # sequences of rows_lo < rows <= rows_hi
+        ("items", "u32"),  # work items: B * H * slots
+        ("num_tokens", "u32"),  # q's rows: query_start_loc is clamped to [0, num_tokens]
         ("qk_scale", "float"),  # sm_scale * k_scale * 2^7 * log2(e)
         ("out_scale", "float"),  # v_scale * 2^7
     ),
@@ -169,6 +217,11 @@ def header() -> str:
     out += [f"#define FP4C_ATTN_CHUNK_TILES_D{d} {t}" for d, t in ATTN_CHUNK_TILES.items()]
     out.append(f"#define FP4C_COPY_COLUMN_BYTES {COPY_COLUMN_BYTES}")
     out.append(f"#define FP4C_PAGE_MOVE_THREADS {PAGE_MOVE_THREADS}")
+    out += [f"#define FP4C_MMA_ROWS {MMA_ROWS}", f"#define FP4C_VARLEN_WARPS {VARLEN_WARPS}",
+            f"#define FP4C_VARLEN_TILE_KEYS {VARLEN_TILE_KEYS}",
+            f"#define FP4C_VARLEN_MAX_SPLITS {VARLEN_MAX_SPLITS}",
+            f"#define FP4C_VARLEN_MIN_SPLIT {VARLEN_MIN_SPLIT}",
+            f"#define FP4C_VARLEN_SMEM_PAD {VARLEN_SMEM_PAD}"]
     for name, fields in STRUCTS.items():
         dt = struct_dtype(name)
         out.append(f"struct {name} {{")

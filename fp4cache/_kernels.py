@@ -57,6 +57,7 @@ __all__ = [
     "page_copy_spec",
     "page_read_spec",
     "page_write_spec",
+    "varlen_attention_spec",
 ]
 
 #: Options of every compile: C++17, no FMA contraction (bit-exact float32 arithmetic).
@@ -247,6 +248,19 @@ def decode_attention_spec(dtype: str, head_dim: int, wide: bool, paged16: bool =
                  "true" if paged16 else "false"))
 
 
+def varlen_attention_spec(dtype: str, head_dim: int, row_warps: int) -> Spec:
+    """Paged attention over NVFP4 pages for any query length (``kernels/varlen_attention.cu``),
+    ``dtype`` q/out; ``row_warps`` in ``_abi.VARLEN_ROW_WARPS``: query rows per CTA are
+    ``_abi.MMA_ROWS * row_warps``."""
+    if head_dim not in ATTN_HEAD_DIMS:
+        raise ValueError(f"head_dim must be one of {ATTN_HEAD_DIMS}, got {head_dim}")
+    if row_warps not in _abi.VARLEN_ROW_WARPS:
+        raise ValueError(f"row_warps must be one of {_abi.VARLEN_ROW_WARPS}, got {row_warps}")
+    name = f"fp4cache_varlen_attn_{dtype}_d{head_dim}_r{_abi.MMA_ROWS * row_warps}"
+    return Spec("varlen_attention.cu", "FP4C_VARLEN_KERNEL", name,
+                (VALUE_TYPES[dtype], str(head_dim), str(row_warps)))
+
+
 def attention_head_dim(spec: Spec) -> int:
     """head_dim of a :func:`decode_attention_spec` specialization."""
     return int(spec.args[1])
@@ -304,6 +318,8 @@ def all_specs() -> list[Spec]:
               for w in (False, True) for p in (True, False)]
     specs += [f(ix, vw) for f in (page_copy_spec, page_read_spec, page_write_spec)
               for ix in INDEX_TYPES for vw in PAGE_VEC_BYTES]
+    specs += [varlen_attention_spec(dt, d, mw) for dt in VALUE_TYPES for d in ATTN_HEAD_DIMS
+              for mw in _abi.VARLEN_ROW_WARPS]
     return specs
 
 

@@ -111,7 +111,10 @@ def attention(cache: PagedKVCache, q: Any, query_start_loc: Any, block_tables: A
     if bound is None:
         # The one host synchronization of an unvalidated call without max_query_len.
         bound = int((qsl[1:] - qsl[:-1]).max().get()) if qsl.shape[0] > 1 else 0
-    run = _varlen_runner(cache, a.sm_scale, causal, bound)
+    if bound <= 0 or qsl.shape[0] < 2:
+        return res
+    run = _varlen_runner(cache, a.q, qsl, a.block_tables, a.seq_lens, a.sm_scale, causal,
+                         bound)
     run(a.q, qsl, a.block_tables, a.seq_lens, a.out, a.lse)
     if (not check and max_query_len is not None and a.q is q_in and qsl is qsl_in
             and a.block_tables is bt_in and a.seq_lens is sl_in
@@ -123,19 +126,16 @@ def attention(cache: PagedKVCache, q: Any, query_start_loc: Any, block_tables: A
     return res
 
 
-def _varlen_runner(cache: PagedKVCache, sm_scale: float, causal: bool, max_query_len: int):
-    """The GPU call of :func:`attention` with everything but the arrays bound."""
-    from ._cupy_varlen import attention as launch
+def _varlen_runner(cache: PagedKVCache, q, query_start_loc, block_tables, seq_lens,
+                   sm_scale: float, causal: bool, max_query_len: int):
+    """The prepared GPU launch of :func:`attention` for arrays like these (the hot path
+    keeps it): ``run(q, query_start_loc, block_tables, seq_lens, out, lse)``."""
+    from ._cupy_varlen import attention_runner
 
-    buffer, geom, k_s, v_s = cache.buffer, cache.geometry, cache._k_s, cache._v_s
-    stats, scratch = cache._stats, cache._state
-
-    def run(q, query_start_loc, block_tables, seq_lens, out, lse) -> None:
-        launch(buffer, q, query_start_loc, block_tables, seq_lens, out, lse,
-               max_query_len=max_query_len, causal=causal, geom=geom, k_s=k_s, v_s=v_s,
-               sm_scale=sm_scale, stats=stats, scratch=scratch)
-
-    return run
+    return attention_runner(cache.buffer, q, query_start_loc, block_tables, seq_lens,
+                            max_query_len=max_query_len, causal=causal, geom=cache.geometry,
+                            k_s=cache._k_s, v_s=cache._v_s, sm_scale=sm_scale,
+                            stats=cache._stats, scratch=cache._state)
 
 
 def _launch(cache: PagedKVCache, q, block_tables, seq_lens, out, lse, sm_scale: float) -> None:

@@ -352,16 +352,20 @@ def test_nan_groups_propagate():
 
 # -- the front end on the GPU -----------------------------------------------------------------
 class _Recorder:
-    """Stands in for ``fp4cache._cupy_varlen.attention``: records what the front end
-    hands to the backend."""
+    """Stands in for ``fp4cache._cupy_varlen.attention_runner``: records what the front end
+    hands to the backend, once per launch (the prepared launch's arguments with the
+    arrays of the call)."""
 
     def __init__(self):
         self.calls = []
 
-    def __call__(self, buffer, q, query_start_loc, block_tables, seq_lens, out, lse, **kw):
-        self.calls.append(dict(q=q, query_start_loc=query_start_loc,
-                               block_tables=block_tables, seq_lens=seq_lens, out=out,
-                               lse=lse, **kw))
+    def __call__(self, buffer, q, query_start_loc, block_tables, seq_lens, **kw):
+        def run(q, query_start_loc, block_tables, seq_lens, out, lse):
+            self.calls.append(dict(q=q, query_start_loc=query_start_loc,
+                                   block_tables=block_tables, seq_lens=seq_lens, out=out,
+                                   lse=lse, **kw))
+
+        return run
 
 
 @pytest.fixture
@@ -369,7 +373,7 @@ def recorded(monkeypatch):
     from fp4cache import _cupy_varlen
 
     rec = _Recorder()
-    monkeypatch.setattr(_cupy_varlen, "attention", rec)
+    monkeypatch.setattr(_cupy_varlen, "attention_runner", rec)
     return rec
 
 

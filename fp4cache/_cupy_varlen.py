@@ -1,0 +1,304 @@
+"""CuPy backend of ``PagedKVCache.attention``: paged attention over NVFP4 pages for any
+number of query tokens per sequence (``kernels/varlen_attention.cu``), on CuPy's current
+stream.
+
+The front end validates the arguments and calls :func:`attention` (or keeps the run of
+:func:`attention_runner` for its hot path).  A launch has ``B * H * slots`` work items,
+``slots = query tiles x splits`` sized from ``max_query_len`` and the shapes only (never
+from device values); its CTAs (at most ``GRID_WAVES`` waves of resident ones) loop over the
+items and find their work on the device (``find_work`` in the kernel): a sequence whose
+rows (tokens x query heads per KV head) fit one CTA cuts its keys into up to
+``min(slots, max_splits)`` splits merged through the workspace, a longer one takes one item
+per query tile, and items past a sequence's work are skipped.  With
+``max_query_len * group <= 16`` (decode, speculative verification) a call is one launch of
+the 16-row kernel; otherwise two launches, whatever the batch: the 16-row
+kernel for the sequences of at most 16 rows, and the smallest kernel that holds the longest
+sequence (32 or 64 rows per CTA) for the others.  Everything that does
+not change from call to call (kernel, grid, packed ``VarlenParams``, workspace and merge
+tickets) is prepared once per signature in the owner's plan cache (``scratch.plans``); the
+split partials and merge tickets are views of the owner's one workspace
+(``scratch.workspace``, :class:`fp4cache._plans.Workspace`, shared with decode attention):
+a warm call is one or two launches, no allocation and no synchronization (CUDA-graph
+safe).
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import cupy
+import numpy as np
+
+from . import _abi
+from . import _kernels as K
+from ._cupy_attention import split_plan
+from ._device import num_sms
+from .layout import PageGeometry
+
+__all__ = ["attention", "attention_runner", "plan_shape", "row_warps_for", "GRID_WAVES",
+           "VARLEN_PARAMS_DTYPE", "WORKSPACE_WAVES"]
+
+_LOG2E = 1.4426950408889634
+#: numpy twin of ``struct VarlenParams`` (generated from :mod:`fp4cache._abi`).
+VARLEN_PARAMS_DTYPE = _abi.struct_dtype("VarlenParams")
+#: The workspace holds partials for at most this many waves of resident CTAs (splits per
+#: (sequence, KV head) = ceil(WORKSPACE_WAVES * resident / (B * H)), at most
+#: ``_abi.VARLEN_MAX_SPLITS``): the split merge's memory stays bounded for any batch.
+WORKSPACE_WAVES = 4
+#: A launch has at most this many waves of resident CTAs; each CTA loops over the work
+#: items ``blockIdx.x, + gridDim.x, ...`` (B * H * slots of them, most of them empty for
+#: a mixed batch: an empty item costs a loop turn instead of a CTA launch).
+GRID_WAVES = 8
+_STATIC_SMEM_MAX = 48 * 1024
+
+
+def _ceil(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+class PlanShape(NamedTuple):
+    row_warps: int   # query rows per CTA: _abi.MMA_ROWS * row_warps
+    qtiles: int      # query tiles of the longest sequence
+    nsplit: int      # splits per query tile (1 unless every sequence fits one tile)
+    slots: int       # CTAs per (sequence, KV head)
+    max_splits: int  # splits per (sequence, KV head) the workspace holds
+
+
+def _resident_ctas(fn, smem: int) -> int:
+    """CTAs of ``fn`` (with ``smem`` dynamic shared-memory bytes) that fit on the device."""
+    dev = cupy.cuda.Device()
+    threads = 32 * _abi.VARLEN_WARPS
+    regs = max(1, int(fn.num_regs))
+    by_regs = int(dev.attributes["MaxRegistersPerMultiprocessor"]) // (
+        threads * (-(-regs // 8) * 8))
+    per_cta = smem + int(fn.shared_size_bytes) + 1024
+    by_smem = int(dev.attributes["MaxSharedMemoryPerMultiprocessor"]) // per_cta
+    return num_sms() * max(1, min(by_regs, by_smem, 2048 // threads, 32))
+
+
+def row_warps_for(rows: int) -> int:
+    """The smallest kernel (row warps) whose CTA holds ``rows`` rows, else the largest."""
+    for mw in _abi.VARLEN_ROW_WARPS:
+        if rows <= _abi.MMA_ROWS * mw:
+            return mw
+    return max(_abi.VARLEN_ROW_WARPS)
+
+
+def plan_shape(batch: int, kv_heads: int, row_warps: int, rows: int, capacity: int,
+               resident: int) -> PlanShape:
+    """Grid shape of one launch whose longest sequence has ``rows`` rows: query tiles, and
+    (when that fits one CTA) the decode attention's split plan over the block-table
+    capacity; the workspace holds at most WORKSPACE_WAVES waves of partials."""
+    rows_cta = _abi.MMA_ROWS * row_warps
+    qtiles = _ceil(max(1, rows), rows_cta)
+    nsplit = 1
+    if qtiles == 1:
+        nsplit = min(split_plan(batch, kv_heads, capacity, resident).nsplit,
+                     _abi.VARLEN_MAX_SPLITS)
+    slots = qtiles * nsplit
+    bh = max(1, batch * kv_heads)
+    max_splits = max(1, min(_abi.VARLEN_MAX_SPLITS, slots,
+                            _ceil(WORKSPACE_WAVES * resident, bh)))
+    return PlanShape(row_warps, qtiles, nsplit, slots, max_splits)
+
+
+class _VarlenPlan(NamedTuple):
+    fn: Any
+    grid: int
+    smem: int
+    params: Any  # np.void of VARLEN_PARAMS_DTYPE
+    keep: tuple  # the workspace, what the params point to, and the PlanShape last
+
+
+class _VarlenCall(NamedTuple):
+    launches: tuple  # _VarlenPlan, one or two (sequences of <= 16 rows, then the others)
+
+
+def _dtype_name(dtype) -> str:
+    name = K.DTYPE_NAMES.get(np.dtype(dtype))
+    if name is None:
+        raise ValueError(f"q.dtype must be bfloat16, float16 or float32, got {dtype}")
+    return name
+
+
+def _make_launch(buffer, q, query_start_loc, block_tables, seq_lens, geom: PageGeometry,
+                 row_warps: int, rows: int, rows_lo: int, rows_hi: int, causal: bool, k_s,
+                 v_s, sm_scale, stats, workspace) -> _VarlenPlan:
+    """One launch for the sequences of ``rows_lo < rows <= rows_hi`` rows, the longest
+    ``rows``."""
+    _, Hq, D = q.shape
+    B = int(query_start_loc.shape[0]) - 1
+    H, T = geom.num_heads, geom.block_size
+    group = Hq // H
+    max_blocks = int(block_tables.shape[1])
+    spec = K.varlen_attention_spec(_dtype_name(q.dtype), D, row_warps)
+    fn = K.get_kernel(spec)
+    smem = _abi.varlen_smem_bytes(D, row_warps, np.dtype(q.dtype).itemsize == 4)
+    if smem > _STATIC_SMEM_MAX:
+        fn.max_dynamic_shared_size_bytes = smem
+    ps = plan_shape(B, H, row_warps, rows, max_blocks * T, _resident_ctas(fn, smem))
+    # (the plan depends on shapes only; items past a sequence's work are skipped on the
+    # device)
+    items = B * H * ps.slots
+    if q.shape[0] >= 2**32:
+        raise ValueError(f"q must have fewer than 2**32 tokens, got {q.shape[0]}")
+    if items >= 2**32:
+        raise ValueError(f"the launch has {items} work items (batch x num_heads x query "
+                         "tiles): more than 2**32 - 1")
+    resident = _resident_ctas(fn, smem)
+    grid = max(1, min(items, GRID_WAVES * resident))
+    # workspace: (m, l) and O partials of the splits, B*H merge tickets (zero at rest)
+    bh = max(1, B * H)
+    n_part = bh * ps.max_splits * _abi.MMA_ROWS * row_warps if ps.max_splits > 1 else 0
+    ws_ml, ws_o, counters = (a.data.ptr for a in workspace.get(
+        [(n_part * 2, np.float32), (n_part * D, np.float32)], tickets=bh,
+        hint=f"attention of {B} sequences x {max_blocks * T} tokens x {Hq} query heads"))
+    td, tm, ts = _abi.fastdiv(T)
+    hnd = geom.layout == "HND"
+    qk = np.float32(float(sm_scale) * float(np.float32(k_s)) * 128.0 * _LOG2E)
+    p = np.zeros((), dtype=VARLEN_PARAMS_DTYPE)
+    for name, value in (
+            ("buffer", buffer.data.ptr), ("ws_o", ws_o), ("ws_ml", ws_ml),
+            ("counters", counters), ("stats", stats.data.ptr),
+            ("num_blocks", buffer.shape[0]), ("side_bytes", geom.side_bytes),
+            ("data_bytes", geom.data_bytes), ("H", H), ("group", group), ("T", td),
+            ("t_m", tm), ("t_s", ts), ("max_blocks", max_blocks), ("slots", ps.slots),
+            ("max_splits", ps.max_splits), ("row_h", T if hnd else 1),
+            ("row_t", 1 if hnd else H), ("swizzle", 1 if geom.swizzle_v_scales else 0),
+            ("bt64", block_tables.dtype.itemsize == 8), ("sl64", seq_lens.dtype.itemsize == 8),
+            ("ql64", query_start_loc.dtype.itemsize == 8), ("causal", 1 if causal else 0),
+            ("smem", smem), ("rows_lo", rows_lo), ("rows_hi", rows_hi), ("items", items),
+            ("num_tokens", q.shape[0]),
+            ("qk_scale", qk),
+            ("out_scale", np.float32(float(np.float32(v_s)) * 128.0))):
+        p[name] = value
+    return _VarlenPlan(fn, grid, smem, p[()], (buffer, stats, geom, ps))
+
+
+def _make_plan(buffer, q, query_start_loc, block_tables, seq_lens, geom: PageGeometry,
+               max_query_len: int, causal: bool, k_s, v_s, sm_scale, stats,
+               workspace) -> _VarlenCall:
+    _, Hq, D = q.shape
+    H, T = geom.num_heads, geom.block_size
+    if D != geom.head_dim:
+        raise ValueError(f"q.shape[2] must be head_dim={geom.head_dim}, got {D}")
+    if D not in K.ATTN_HEAD_DIMS:
+        raise ValueError(f"attention supports head_dim in {K.ATTN_HEAD_DIMS}, got {D}")
+    if Hq % H:
+        raise ValueError(f"q.shape[1] = {Hq} must be a multiple of num_heads = {H}")
+    group = Hq // H
+    if not 1 <= group <= 16:
+        raise ValueError(f"query heads per KV head must be 1..16, got {group}")
+    if int(block_tables.shape[1]) * T >= 2**31:
+        raise ValueError(f"block_tables row capacity {block_tables.shape[1] * T} tokens must "
+                         "be < 2**31")
+    if buffer.data.ptr % 16:
+        raise ValueError("the page pool must be 16-byte aligned")
+    for name, a in (("query_start_loc", query_start_loc), ("block_tables", block_tables),
+                    ("seq_lens", seq_lens)):
+        if np.dtype(a.dtype) not in (np.dtype(np.int32), np.dtype(np.int64)):
+            raise ValueError(f"{name}.dtype must be int32 or int64, got {a.dtype}")
+    rows = max(1, int(max_query_len)) * group
+    split_q = np.dtype(q.dtype).itemsize == 4
+    smem_max = int(cupy.cuda.Device().attributes["MaxSharedMemoryPerBlockOptin"]) - 4096
+    big = row_warps_for(rows)
+    while big > 1 and _abi.varlen_smem_bytes(D, big, split_q) > smem_max:
+        big //= 2  # e.g. head_dim 256 with float32 q on sm_80 (163 KB per CTA)
+    if _abi.varlen_smem_bytes(D, 1, split_q) > smem_max:
+        raise ValueError(f"head_dim {D} with {q.dtype} q needs more shared memory per CTA "
+                         f"than this device has ({smem_max + 4096} bytes)")
+    args = (buffer, q, query_start_loc, block_tables, seq_lens, geom)
+    small = _abi.MMA_ROWS
+    if rows <= small:  # decode / speculative verification: one launch of the 16-row kernel
+        return _VarlenCall((_make_launch(*args, 1, rows, 0, 0xFFFFFFFF, causal, k_s, v_s,
+                                         sm_scale, stats, workspace),))
+    # mixed: sequences of <= 16 rows split their keys in the 16-row kernel, the others
+    # take the smallest kernel that holds the longest
+    return _VarlenCall((
+        _make_launch(*args, 1, small, 0, small, causal, k_s, v_s, sm_scale, stats, workspace),
+        _make_launch(*args, big, rows, small, 0xFFFFFFFF, causal, k_s, v_s, sm_scale,
+                     stats, workspace)))
+
+
+def _plan_key(buffer, q, query_start_loc, block_tables, seq_lens, geom, max_query_len, causal,
+              k_s, v_s, sm_scale, stats) -> tuple:
+    # id(geom): the plan keeps geom alive, so the id is not reused while the key exists.
+    # No stream: the workspace is the owner's, shared by every stream (calls on different
+    # streams are ordered by the caller, see Workspace).
+    return ("varlen", buffer.data.device_id, buffer.data.ptr, buffer.shape[0],
+            id(geom), q.shape, q.dtype, query_start_loc.shape[0], query_start_loc.dtype,
+            block_tables.shape[1], block_tables.dtype, seq_lens.dtype, int(max_query_len),
+            bool(causal), float(k_s), float(v_s), float(sm_scale), stats.data.ptr)
+
+
+def attention_runner(buffer, q, query_start_loc, block_tables, seq_lens, *, max_query_len: int,
+                     causal: bool, geom: PageGeometry, k_s, v_s, sm_scale, stats,
+                     scratch):
+    """``run(q, query_start_loc, block_tables, seq_lens, out, lse)``: :func:`attention` for
+    arrays like these on the current stream, prepared once (one or two launches per call;
+    the front end keeps it for its hot path)."""
+    key = _plan_key(buffer, q, query_start_loc, block_tables, seq_lens, geom, max_query_len,
+                    causal, k_s, v_s, sm_scale, stats)
+    plan = scratch.plans.get(key)
+    if plan is None:
+        plan = _make_plan(buffer, q, query_start_loc, block_tables, seq_lens, geom,
+                          max_query_len, causal, k_s, v_s, sm_scale, stats, scratch.workspace)
+        scratch.plans.put(key, plan)
+    block, zero = (32 * _abi.VARLEN_WARPS,), np.uint64(0)
+    launches = tuple((lp.fn, (lp.grid,), lp.smem, lp.params) for lp in plan.launches)
+
+    def run(q, query_start_loc, block_tables, seq_lens, out, lse, _keep=plan):
+        args_tail = (out, zero if lse is None else lse)
+        for fn, grid, smem, params in launches:
+            fn(grid, block, (q, query_start_loc, block_tables, seq_lens) + args_tail + (params,),
+               shared_mem=smem)
+
+    return run
+
+
+def attention(buffer, q, query_start_loc, block_tables, seq_lens, out, lse, *,
+              max_query_len: int, causal: bool, geom: PageGeometry, k_s, v_s,
+              sm_scale: float, stats, scratch) -> None:
+    """Paged attention over the NVFP4 page pool ``buffer`` for any query length per
+    sequence (see the module doc).
+
+    Parameters
+    ----------
+    buffer : cupy.ndarray, uint8, (num_blocks, 2, geom.side_bytes)
+        The page pool.
+    q : cupy.ndarray, (N, Hq, D), bfloat16 / float16 / float32, C-contiguous
+        The query tokens of all sequences, concatenated in order (vLLM's flattened
+        layout); ``Hq = group * num_heads``, ``group`` in 1..16.
+    query_start_loc : cupy.ndarray, int32 or int64, (B + 1,)
+        Sequence ``b`` owns query tokens ``query_start_loc[b] : query_start_loc[b+1]``.
+    block_tables : cupy.ndarray, int32 or int64, (B, max_blocks), C-contiguous
+    seq_lens : cupy.ndarray, int32 or int64, (B,)
+        Cached tokens of each sequence including its ``n_b`` query tokens; clamped to
+        ``[0, max_blocks * block_size]`` on the device.
+    out : cupy.ndarray, (N, Hq, D), q's dtype, C-contiguous (written)
+    lse : cupy.ndarray, float32, (N, Hq), or None
+        Natural log of the softmax denominator (``-inf`` for a row that sees no key).
+    max_query_len : int
+        A bound on every ``n_b`` (rows of a sequence beyond it are not computed).
+    causal : bool
+        Bottom-right causal mask: token ``i`` of sequence ``b`` sees keys ``0 ..
+        seq_lens[b] - n_b + i``; else every key.
+    geom, k_s, v_s, sm_scale, stats
+        Page geometry, global K/V scales, score scale, the cache's counters (index 3
+        counts bad block ids among the entries a query row uses, once per entry and call).
+    scratch : CacheState or Scratch
+        The owner's ``plans`` (prepared launches, by signature) and ``workspace`` (split
+        partials and merge tickets).
+
+    Raises
+    ------
+    RuntimeError
+        The launch needs more workspace than the owner holds while the current stream
+        is capturing a CUDA graph (nothing is allocated during a capture).
+    """
+    if q.shape[0] == 0 or query_start_loc.shape[0] < 2 or int(max_query_len) <= 0:
+        return
+    attention_runner(buffer, q, query_start_loc, block_tables, seq_lens,
+                     max_query_len=max_query_len, causal=causal, geom=geom, k_s=k_s, v_s=v_s,
+                     sm_scale=sm_scale, stats=stats, scratch=scratch)(
+        q, query_start_loc, block_tables, seq_lens, out, lse)

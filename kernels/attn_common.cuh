@@ -1,0 +1,213 @@
+// fp4cache: device helpers of the attention kernels (decode_attention.cu, varlen_attention.cu):
+// PTX float/exp helpers without .ftz, cp.async, mma.sync m16n8k16 f16, movmatrix, and the
+// NVFP4 -> f16 pair decode (E2M1 codes by bit moves or, on sm_89+, E4M3 conversions).
+// Needs fp4_common.cuh and the tuning macros (FP4C_E4M3_CVT) before it.
+#pragma once
+
+#define FP4C_NEG_INF __uint_as_float(0xFF800000u)
+
+// ---------------------------------------------------------------------------------------
+// Small PTX helpers (no .ftz anywhere: CuPy compiles with -ftz=true)
+// ---------------------------------------------------------------------------------------
+// x == -inf on the bit pattern (a float compare would be .ftz under CuPy's flags)
+FP4C_DEVICE bool is_neg_inf(float x) { return __float_as_uint(x) == 0xFF800000u; }
+// 2^x, approximate (2 ulp); ex2(-inf) = 0; results below 2^-126 flush to 0 (a softmax
+// weight that small next to the row's maximum of 1 changes nothing)
+FP4C_DEVICE float a_ex2(float x) {
+  float r;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(x));
+  return r;
+}
+FP4C_DEVICE float a_lg2(float x) {
+  float r;
+  asm("lg2.approx.f32 %0, %1;" : "=f"(r) : "f"(x));
+  return r;
+}
+FP4C_DEVICE u32 hmul2(u32 a, u32 b) {
+  u32 r;
+  asm("mul.rn.f16x2 %0, %1, %2;" : "=r"(r) : "r"(a), "r"(b));
+  return r;
+}
+FP4C_DEVICE float ldcg_f32(const float* p) {  // L2 only: data other CTAs of this grid wrote
+  float r;
+  asm volatile("ld.global.cg.f32 %0, [%1];" : "=f"(r) : "l"(p));
+  return r;
+}
+FP4C_DEVICE U32x4 ldcg_u32x4(const float* p) {  // the same, 16 bytes (16-byte aligned)
+  U32x4 r;
+  asm volatile("ld.global.cg.v4.u32 {%0, %1, %2, %3}, [%4];"
+               : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w) : "l"(p));
+  return r;
+}
+FP4C_DEVICE u32 ldg_u16(const u8* p) {
+  unsigned short r;
+  asm("ld.global.nc.u16 %0, [%1];" : "=h"(r) : "l"(p));
+  return r;
+}
+FP4C_DEVICE u32 ldg_u32(const u8* p) {
+  u32 r;
+  asm("ld.global.nc.u32 %0, [%1];" : "=r"(r) : "l"(p));
+  return r;
+}
+
+// cp.async (sm_80+): global -> shared without registers; src_size 0 fills zeros and
+// reads nothing.
+FP4C_DEVICE u32 smem_u32(const void* p) {
+  u32 a;
+  asm("{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }" : "=r"(a) : "l"(p));
+  return a;
+}
+template <int N>
+FP4C_DEVICE void cp_async(u32 dst, const void* src, u32 src_size) {
+  if constexpr (N == 16) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(dst), "l"(src),
+                 "r"(src_size) : "memory");
+  } else {
+    asm volatile("cp.async.ca.shared.global [%0], [%1], %2, %3;" ::"r"(dst), "l"(src), "n"(N),
+                 "r"(src_size) : "memory");
+  }
+}
+FP4C_DEVICE void cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
+template <int N>
+FP4C_DEVICE void cp_async_wait() {
+  asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory");
+}
+
+// D = A * B + C, m16n8k16, f16 inputs, f32 accumulators
+FP4C_DEVICE void mma_f16(float* d, u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1) {
+  asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, "
+      "{%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+// The same with only the first accumulator row (rows 8..15 of A are zero): the other two
+// results are discarded.
+FP4C_DEVICE void mma_f16_top(float* d, u32 a0, u32 a2, u32 b0, u32 b1) {
+  float x, y;
+  asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, "
+      "{%4, %5, %6, %7}, {%8, %9}, {%0, %1, %10, %10};"
+      : "+f"(d[0]), "+f"(d[1]), "=f"(x), "=f"(y)
+      : "r"(a0), "r"(0u), "r"(a2), "r"(0u), "r"(b0), "r"(b1), "f"(0.0f));
+}
+
+// Transpose of an 8x8 b16 matrix held one register per lane (lane/4 = row, pairs of columns)
+FP4C_DEVICE u32 movmatrix_trans(u32 a) {
+  u32 d;
+  asm("movmatrix.sync.aligned.m8n8.trans.b16 %0, %1;" : "=r"(d) : "r"(a));
+  return d;
+}
+
+// ---------------------------------------------------------------------------------------
+// NVFP4 -> f16 pairs
+// ---------------------------------------------------------------------------------------
+// Pair p (0..3) of a word x of 8 codes is the f16 pair (lo, hi) of the codes at nibbles
+// pair_nibble(p, 0) and pair_nibble(p, 1), as e2m1 * 2^E; pair_scale of two E4M3 scale
+// bytes is the f16 pair (sf_lo, sf_hi) * 2^(-7 - E), so one f16x2 multiply gives e2m1 *
+// sf * 2^-7, exact (at most 6 significant bits, >= 2^-17).  The 2^-7 and the global
+// scales are folded into the score scale (K) and the final rescale (V).  Two routes:
+//   sm_89+ (FP4C_E4M3_CVT): the codes become E4M3 bytes s 0 0 e1 e0 m 0 0 (= e2m1 * 2^-6,
+//     code 1 is the subnormal 2^-7), the even nibbles in one word and the odd ones in
+//     another (4 LOP3 + 3 shifts per 8 codes), and the conversion instruction makes f16
+//     pairs of bytes 0, 1 and 2, 3: pairs (5, 7), (4, 6), (1, 3), (0, 2); E = -6.
+//   else (bits): with the codes at nibbles n and n + 4 moved to bits 12..15 of each half,
+//     (x & 0x80008000) | ((x >> 3) & 0x0E000E00) is an f16 pair whose values are e2m1 *
+//     2^-14 (code 1 is the subnormal 2^-15): pairs (3, 7), (2, 6), (1, 5), (0, 4); E = -14.
+// The V side pairs the same d of two tokens a, b: v_pair_word(a, b, hh) interleaves their
+// bytes 2hh, 2hh + 1 so that pair p holds d-nibble 4hh + 3 - p of a (lo) and b (hi) on
+// both routes.  Scale byte 0x7F decodes to NaN, so a group stored as NaN makes what
+// attends it NaN.
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890 && FP4C_E4M3_CVT
+#define FP4C_ATTN_E4M3 1
+#else
+#define FP4C_ATTN_E4M3 0
+#endif
+
+FP4C_DEVICE constexpr int pair_nibble(int p, int half) {
+  return FP4C_ATTN_E4M3 ? (p == 0 ? 5 : p == 1 ? 4 : p == 2 ? 1 : 0) + 2 * half
+                        : (half ? 7 : 3) - p;
+}
+
+#if FP4C_ATTN_E4M3
+// f16 pairs of E4M3 bytes (0, 1) and (2, 3) of x
+FP4C_DEVICE void e4m3x4_to_f16(u32 x, u32& lo, u32& hi) {
+  asm("{ .reg .b16 l, h; mov.b32 {l, h}, %2; cvt.rn.f16x2.e4m3x2 %0, l; "
+      "cvt.rn.f16x2.e4m3x2 %1, h; }" : "=r"(lo), "=r"(hi) : "r"(x));
+}
+// The shifts as multiplies by values ptxas cannot see (constant memory, never written):
+// IMAD runs on the FMA pipe, where SHF would take issue slots of the ALU pipe that the
+// LOP3s and conversions fill (measured: 2 % faster at head_dim 128, bench/KERNEL_NOTES.md).
+__constant__ u32 c_e2m1_shift[3] = {4u, 16u, 1u << 30};  // x << 2, x << 4, hi(x << 30)
+FP4C_DEVICE void e2m1_pairs(u32 x, u32* r) {
+  const u32 even = ((x * c_e2m1_shift[0]) & 0x1C1C1C1Cu) |  // nibbles 0, 2, 4, 6
+                   ((x * c_e2m1_shift[1]) & 0x80808080u);
+  const u32 odd = (__umulhi(x, c_e2m1_shift[2]) & 0x1C1C1C1Cu) |  // nibbles 1, 3, 5, 7
+                  (x & 0x80808080u);
+  e4m3x4_to_f16(odd, r[2], r[0]);
+  e4m3x4_to_f16(even, r[3], r[1]);
+}
+// The same value, one pair (the table kernel's cross-check)
+FP4C_DEVICE u32 e2m1_pair(u32 x, int p) {
+  const u32 y = x >> (4 * pair_nibble(p, 0));  // the pair's nibbles n, n + 2 at bits 0, 8
+  const u32 b = ((y << 2) & 0x1C1Cu) | ((y << 4) & 0x8080u);
+  u32 h;
+  asm("cvt.rn.f16x2.e4m3x2 %0, %1;" : "=r"(h) : "h"((unsigned short)b));
+  return h;
+}
+#define FP4C_V_SEL_LO 0x5140u  // a.b0, b.b0, a.b1, b.b1
+#define FP4C_V_SEL_HI 0x7362u  // a.b2, b.b2, a.b3, b.b3
+#define FP4C_PAIR_SCALE 0x38003800u  // 2^-1
+#else
+FP4C_DEVICE u32 e2m1_pair(u32 x, int p) {
+  const u32 y = x << (4 * p);
+  return (y & 0x80008000u) | ((y >> 3) & 0x0E000E00u);
+}
+// All four pairs of x (the same values as e2m1_pair(x, p), p = 0..3), sharing the shifts:
+// the masks are applied before the final shift.
+FP4C_DEVICE void e2m1_pairs(u32 x, u32* r) {
+  const u32 z = x >> 3;
+  r[0] = (x & 0x80008000u) | (z & 0x0E000E00u);
+  r[1] = ((x & 0x08000800u) | (z & 0x00E000E0u)) << 4;
+  r[2] = ((x & 0x00800080u) | (z & 0x000E000Eu)) << 8;
+  r[3] = (((x << 3) & 0x00400040u) | (x & 0x00070007u)) << 9;
+}
+#define FP4C_V_SEL_LO 0x5410u  // a.b0, a.b1, b.b0, b.b1
+#define FP4C_V_SEL_HI 0x7632u  // a.b2, a.b3, b.b2, b.b3
+#define FP4C_PAIR_SCALE 0x58005800u  // 2^7
+#endif
+
+// The word whose pairs are the V values of tokens a (lo) and b (hi) at d-nibbles 4hh + 3 - p
+FP4C_DEVICE u32 v_pair_word(u32 a, u32 b, int hh) {
+  return __byte_perm(a, b, hh ? FP4C_V_SEL_HI : FP4C_V_SEL_LO);
+}
+
+// pair_scale: the f16 pair of the two E4M3 bytes of x = 0xHHLL (any sign; 0x7F / 0xFF give
+// NaN) times 2^(-7 - E), exact.  sm_89+ (FP4C_E4M3_CVT): the conversion instruction, then
+// one exact multiply.  Else by bits: (b & 0x7F) << 7 is the f16 of |sf| * 2^-8 (E4M3 and f16
+// subnormals line up) and the multiply by 2^15 is exact.
+FP4C_DEVICE u32 pair_scale(u32 x) {
+#if FP4C_ATTN_E4M3
+  u32 h;
+  asm("cvt.rn.f16x2.e4m3x2 %0, %1;" : "=r"(h) : "h"((unsigned short)x));
+  return hmul2(h, FP4C_PAIR_SCALE);
+#else
+  x = __byte_perm(x, 0u, 0x4140u);  // 0x00HH00LL
+  const u32 mag = x & 0x007F007Fu;
+  const u32 nan = (mag + 0x00010001u) & 0x00800080u;  // bit 7 set where mag == 0x7F
+  const u32 h = (mag << 7) | ((x & 0x00800080u) << 8) | (nan * 0xF8u);  // exp all ones
+  return hmul2(h, 0x78007800u);
+#endif
+}
+
+// ---------------------------------------------------------------------------------------
+// ldmatrix (sm_75+): four 8x8 b16 matrices from shared memory; lane l gives the row address
+// of matrix l / 8, row l % 8 (16 bytes each); register k holds matrix k in the mma.sync
+// fragment layout (lane / 4 = row, lane % 4 = column pair), or its transpose (.trans).
+// ---------------------------------------------------------------------------------------
+FP4C_DEVICE void ldmatrix_x4(u32 addr, u32 (&r)[4]) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(addr) : "memory");
+}
+FP4C_DEVICE void ldmatrix_x4_trans(u32 addr, u32 (&r)[4]) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(addr) : "memory");
+}
