@@ -8,11 +8,13 @@ expected and what was given.
 
 from __future__ import annotations
 
+import ctypes
 import functools
 import math
 import os
 from typing import Any
 
+import ml_dtypes
 import numpy as np
 
 from .formats import resolve_dtype
@@ -23,6 +25,7 @@ __all__ = [
     "is_cupy",
     "backend_of",
     "to_backend",
+    "from_dlpack_cpu",
     "array_module",
     "as_scale_bytes",
     "check_index_array",
@@ -133,7 +136,11 @@ def to_backend(a: Any, backend: str, name: str, *, allow_convert: bool = False):
         if is_cupy(a):
             return a.get()
         if hasattr(a, "__dlpack__") and not isinstance(a, (list, tuple)):
-            return np.from_dlpack(a)
+            try:
+                return np.from_dlpack(a)
+            except (BufferError, RuntimeError, TypeError):
+                pass  # bfloat16, which NumPy cannot import: read the DLTensor below
+            return from_dlpack_cpu(a, name)
         return np.asarray(a)
     import cupy
 
@@ -142,6 +149,154 @@ def to_backend(a: Any, backend: str, name: str, *, allow_convert: bool = False):
     if hasattr(a, "__dlpack__") and backend_of(a) == "cuda":
         return cupy.from_dlpack(a)
     return cupy.asarray(np.asarray(a))
+
+
+# --- DLPack intake on the host, for what np.from_dlpack cannot import (bfloat16) ----------
+# The structs of dlpack.h (DLPack 1.x; the legacy DLManagedTensor and the versioned one).
+
+
+class _DLDevice(ctypes.Structure):
+    _fields_ = [("device_type", ctypes.c_int32), ("device_id", ctypes.c_int32)]
+
+
+class _DLDataType(ctypes.Structure):
+    _fields_ = [("code", ctypes.c_uint8), ("bits", ctypes.c_uint8), ("lanes", ctypes.c_uint16)]
+
+
+class _DLTensor(ctypes.Structure):
+    _fields_ = [("data", ctypes.c_void_p), ("device", _DLDevice), ("ndim", ctypes.c_int32),
+                ("dtype", _DLDataType), ("shape", ctypes.POINTER(ctypes.c_int64)),
+                ("strides", ctypes.POINTER(ctypes.c_int64)), ("byte_offset", ctypes.c_uint64)]
+
+
+class _DLManagedTensor(ctypes.Structure):
+    _fields_ = [("dl_tensor", _DLTensor), ("manager_ctx", ctypes.c_void_p),
+                ("deleter", ctypes.c_void_p)]
+
+
+class _DLPackVersion(ctypes.Structure):
+    _fields_ = [("major", ctypes.c_uint32), ("minor", ctypes.c_uint32)]
+
+
+class _DLManagedTensorVersioned(ctypes.Structure):
+    _fields_ = [("version", _DLPackVersion), ("manager_ctx", ctypes.c_void_p),
+                ("deleter", ctypes.c_void_p), ("flags", ctypes.c_uint64),
+                ("dl_tensor", _DLTensor)]
+
+
+_DLPACK_FLAG_READ_ONLY = 1
+_DL_CPU, _DL_CUDA_HOST = 1, 3           # host memory: kDLCPU, kDLCUDAHost (pinned)
+_DL_DEVICES = {2: "kDLCUDA", 4: "kDLOpenCL", 7: "kDLVulkan", 8: "kDLMetal", 10: "kDLROCM",
+               11: "kDLROCMHost", 13: "kDLCUDAManaged", 14: "kDLOneAPI"}
+_DL_CODES = {0: "kDLInt", 1: "kDLUInt", 2: "kDLFloat", 3: "kDLOpaqueHandle", 4: "kDLBfloat",
+             5: "kDLComplex", 6: "kDLBool"}
+#: (DLPack type code, bits) -> the NumPy dtype of a lanes=1 element.
+_DL_DTYPES = {
+    (0, 8): np.dtype(np.int8), (0, 16): np.dtype(np.int16), (0, 32): np.dtype(np.int32),
+    (0, 64): np.dtype(np.int64), (1, 8): np.dtype(np.uint8), (1, 16): np.dtype(np.uint16),
+    (1, 32): np.dtype(np.uint32), (1, 64): np.dtype(np.uint64),
+    (2, 16): np.dtype(np.float16), (2, 32): np.dtype(np.float32), (2, 64): np.dtype(np.float64),
+    (4, 16): np.dtype(ml_dtypes.bfloat16),
+    (5, 64): np.dtype(np.complex64), (5, 128): np.dtype(np.complex128),
+    (6, 8): np.dtype(np.bool_),
+}
+
+# Capsule names; PyCapsule_SetName keeps the pointer, so the "used" names live as long as
+# this module (the buffers below).
+_NAME = {False: b"dltensor", True: b"dltensor_versioned"}
+_USED = {False: ctypes.create_string_buffer(b"used_dltensor"),
+         True: ctypes.create_string_buffer(b"used_dltensor_versioned")}
+# Prototypes of our own (rather than argtypes set on the shared ctypes.pythonapi functions).
+_capsule_is_valid = ctypes.PYFUNCTYPE(ctypes.c_int, ctypes.py_object, ctypes.c_char_p)(
+    ("PyCapsule_IsValid", ctypes.pythonapi))
+_capsule_get_pointer = ctypes.PYFUNCTYPE(ctypes.c_void_p, ctypes.py_object, ctypes.c_char_p)(
+    ("PyCapsule_GetPointer", ctypes.pythonapi))
+_capsule_set_name = ctypes.PYFUNCTYPE(ctypes.c_int, ctypes.py_object, ctypes.c_void_p)(
+    ("PyCapsule_SetName", ctypes.pythonapi))
+_Deleter = ctypes.CFUNCTYPE(None, ctypes.c_void_p)
+
+
+class _DLPackOwner:
+    """The base of an array imported from a DLPack capsule: it exposes the tensor's memory
+    through ``__array_interface__`` and, when the last array on it is gone, calls the
+    producer's deleter, once."""
+
+    __slots__ = ("__array_interface__", "_managed", "_deleter")
+
+    def __init__(self, managed: int, deleter: int | None):
+        self._managed = managed
+        self._deleter = deleter
+
+    def release(self) -> None:
+        deleter, self._deleter = self._deleter, None
+        if deleter:
+            _Deleter(deleter)(self._managed)
+
+    def __del__(self):
+        self.release()
+
+
+def from_dlpack_cpu(a: Any, name: str) -> np.ndarray:
+    """Import a host DLPack tensor into NumPy by reading its ``DLManagedTensor`` (or, from
+    producers of DLPack 1.x, ``DLManagedTensorVersioned``) with ctypes: zero copy, the
+    producer's strides and byte offset kept, read-only when the producer says so.  This is
+    how a bfloat16 tensor (``kDLBfloat``, 16 bits), which ``np.from_dlpack`` refuses, comes in
+    as an ``ml_dtypes.bfloat16`` array.  The producer's deleter runs once, when the last
+    array on the memory is garbage collected.
+
+    A dtype NumPy has no type for (or with ``lanes != 1``) is a ``TypeError``, and memory
+    the CPU cannot read (a GPU tensor) a ``TypeError`` naming ``name``; a DLPack major
+    version other than 1 is a ``BufferError``.  In every refusal the capsule is left
+    unconsumed, so that its producer frees it.
+    """
+    try:
+        capsule = a.__dlpack__(max_version=(1, 0))
+    except TypeError:  # a producer older than DLPack 1.0: no max_version
+        capsule = a.__dlpack__()
+    for versioned in (True, False):
+        if _capsule_is_valid(capsule, _NAME[versioned]):
+            break
+    else:
+        raise TypeError(f"{name}.__dlpack__() returned {capsule!r}, not an unconsumed DLPack "
+                        "capsule (named 'dltensor' or 'dltensor_versioned')")
+    ptr = _capsule_get_pointer(capsule, _NAME[versioned])
+    if versioned:
+        managed = _DLManagedTensorVersioned.from_address(ptr)
+        if managed.version.major != 1:
+            raise BufferError(f"{name} is a DLPack {managed.version.major}."
+                              f"{managed.version.minor} tensor; fp4cache reads DLPack 1.x")
+        readonly = bool(managed.flags & _DLPACK_FLAG_READ_ONLY)
+    else:
+        managed = _DLManagedTensor.from_address(ptr)
+        readonly = False
+    t = managed.dl_tensor
+    dev = t.device.device_type
+    if dev not in (_DL_CPU, _DL_CUDA_HOST):
+        raise TypeError(f"{name} is a DLPack tensor on device type {dev} "
+                        f"({_DL_DEVICES.get(dev, 'not host memory')}), which the CPU backend "
+                        "cannot read: copy it to the host first (e.g. tensor.cpu())")
+    code, bits, lanes = t.dtype.code, t.dtype.bits, t.dtype.lanes
+    dtype = _DL_DTYPES.get((code, bits)) if lanes == 1 else None
+    if dtype is None:
+        raise TypeError(f"{name} has DLPack dtype code {code} "
+                        f"({_DL_CODES.get(code, 'unknown')}), {bits} bits, {lanes} lane(s), "
+                        "which has no NumPy dtype: the cache takes bfloat16, float16 or "
+                        "float32 values and int32/int64 indices")
+    shape = tuple(t.shape[i] for i in range(t.ndim))
+    strides = (None if not t.strides else
+               tuple(t.strides[i] * dtype.itemsize for i in range(t.ndim)))
+    if _capsule_set_name(capsule, ctypes.addressof(_USED[versioned])):
+        raise RuntimeError("PyCapsule_SetName failed")  # pragma: no cover - cannot fail
+    # Consumed from here on: the owner calls the deleter when the array is gone.
+    owner = _DLPackOwner(ptr, managed.deleter)
+    if math.prod(shape) == 0:
+        owner.release()
+        return np.empty(shape, dtype)
+    owner.__array_interface__ = {
+        "version": 3, "shape": shape, "typestr": f"|V{dtype.itemsize}", "strides": strides,
+        "data": ((t.data or 0) + t.byte_offset, readonly),
+    }
+    return np.asarray(owner).view(dtype)
 
 
 def _from_sequence(a, name: str, allow_convert: bool) -> np.ndarray:
