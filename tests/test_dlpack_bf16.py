@@ -116,14 +116,15 @@ class Producer:
         """The last export was consumed (its capsule renamed "used_...") and deleted once;
         every earlier one (offered to np.from_dlpack, which refused it) neither."""
         *refused, last = self.exports
-        return (not BAD_DELETES and all(a not in DELETED for a in refused) and DELETED.get(last) == 1
-                and capsule_name(self.capsules[-1]).startswith("used_")
+        return (not BAD_DELETES and all(a not in DELETED for a in refused)
+                and DELETED.get(last) == 1 and capsule_name(self.capsules[-1]).startswith("used_")
                 and not any(capsule_name(c).startswith("used_") for c in self.capsules[:-1]))
 
     def none_consumed(self) -> bool:
         """fp4cache refused every capsule: none renamed, no tensor deleted (its producer
         frees it)."""
-        return (not BAD_DELETES and bool(self.exports) and all(a not in DELETED for a in self.exports)
+        return (not BAD_DELETES and bool(self.exports)
+                and all(a not in DELETED for a in self.exports)
                 and not any(capsule_name(c).startswith("used_") for c in self.capsules))
 
 
