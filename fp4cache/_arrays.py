@@ -114,7 +114,9 @@ def backend_of(a: Any) -> str:
 def to_backend(a: Any, backend: str, name: str, *, allow_convert: bool = False):
     """Return ``a`` as an array of ``backend`` (``"cpu"`` NumPy or ``"cuda"`` CuPy).
 
-    Arrays from other libraries come in through DLPack (zero copy).  An array on the
+    Arrays from other libraries come in through DLPack (zero copy): ``np.from_dlpack`` on
+    the CPU, and, for what it refuses (a bfloat16 tensor), :func:`from_dlpack_cpu`, which
+    gives an ``ml_dtypes.bfloat16`` view or a ``TypeError`` naming ``name``.  An array on the
     other backend is refused with ``TypeError`` unless ``allow_convert`` is set (the
     small index arrays are converted; K/V and outputs never are, so that no hidden
     host-device copy lands on a hot path).  With ``allow_convert`` an empty list, tuple or range
