@@ -17,7 +17,7 @@ from functools import cache
 import numpy as np
 
 __all__ = ["RULES", "LAYOUTS", "STAT_NAMES", "STAT", "STRUCTS", "struct_dtype", "header",
-           "fastdiv", "ATTN_CHUNK_TILES", "COPY_COLUMN_BYTES", "PAGE_MOVE_THREADS",
+           "fastdiv", "ATTN_CHUNK_TILES", "COPY_UNROLL", "COPY_TABLES", "PAGE_MOVE_THREADS",
            "SCALE_SATURATES_ABOVE"]
 
 #: Scale rules: name -> value of the kernels' ``RULE`` template parameter.
@@ -53,10 +53,12 @@ SCALE_SATURATES_ABOVE = 464.0
 #: the 48 KB of static shared memory), D = 256 1 (registers).
 ATTN_CHUNK_TILES: dict[int, int] = {64: 4, 128: 2, 256: 1}
 
-#: copy_blocks (kernels/page_copy.cu): bytes of every page that one CTA owns, at most (a
-#: whole 32-byte DRAM sector, so that no store is a partial-sector write); the host makes
-#: a CTA's columns narrower when n copies of them would not fit in shared memory.
-COPY_COLUMN_BYTES = 32
+#: copy_blocks (kernels/page_copy.cu): vectors each thread loads before it stores them
+#: (loads in flight per thread while a CTA streams a page).
+COPY_UNROLL = 4
+#: copy_blocks: uint32 tables of ``num_blocks`` entries each (readers, arrived, dst_of),
+#: the cache's workspace tickets, zero before and after every call.
+COPY_TABLES = 3
 #: Threads per CTA of the page-moving kernels (copy, read, write).
 PAGE_MOVE_THREADS = 512
 
@@ -116,10 +118,12 @@ STRUCTS: dict[str, tuple[tuple, ...]] = {
     # kernels/page_copy.cu, every non-pointer argument of copy / read / write of whole pages
     "PageMoveParams": (
         ("buffer", "u64"), ("stats", "u64"),  # u8 pool, u64 counters
+        ("tables", "u64"),  # copy: u32 readers, arrived, dst_of [num_blocks] each (zero)
+        ("staging", "u64"),  # copy: u8 rows [n, page_bytes] (workspace scratch)
         ("num_blocks", "i64"), ("page_bytes", "i64"), ("side_bytes", "i64"),
         ("data_bytes", "i64"),
         ("n", "u32"),  # pages moved
-        ("col_units", "u32"),  # copy: vectors per page that one CTA owns
+        ("_pad", "u32"),
     ),
 }
 
@@ -167,7 +171,8 @@ def header() -> str:
     out.append(f"#define FP4C_SCALE_SATURATES_ABOVE_BITS {sat_bits:#010x}u  "
                f"// float32 {SCALE_SATURATES_ABOVE:g}")
     out += [f"#define FP4C_ATTN_CHUNK_TILES_D{d} {t}" for d, t in ATTN_CHUNK_TILES.items()]
-    out.append(f"#define FP4C_COPY_COLUMN_BYTES {COPY_COLUMN_BYTES}")
+    out.append(f"#define FP4C_COPY_UNROLL {COPY_UNROLL}")
+    out.append(f"#define FP4C_COPY_TABLES {COPY_TABLES}")
     out.append(f"#define FP4C_PAGE_MOVE_THREADS {PAGE_MOVE_THREADS}")
     for name, fields in STRUCTS.items():
         dt = struct_dtype(name)

@@ -1,26 +1,70 @@
 // fp4cache: moving whole pages of the paged pool as raw bytes (issue 24).  No decoding: the
 // same kernels serve every geometry, layout and scale rule.
 //
-//   copy:   page dst[i] <- page src[i], i < n, in one launch, every read before any write.
+//   mark + copy:  page dst[i] <- page src[i], i < n, in two launches, every read of a page
+//                 before any write of it (copy_blocks).
 //   read:   row out[i] <- page blocks[i] (rows of page_bytes, contiguous): read_blocks, and
 //           the device side of a transfer to host memory.
 //   write:  page blocks[i] <- row data[i]: write_blocks, and the device side of a transfer
 //           from host memory.
 //
-// Why copy needs no scratch and no grid-wide barrier: a copy moves byte o of page src[i]
-// to byte o of page dst[i]; the offset inside the page never changes.  CTA c owns the
-// columns [c*W, (c+1)*W) of EVERY page (W = col_units * VW bytes): no other CTA reads or
-// writes those bytes, for any pair.  It loads column c of all n source pages into shared
-// memory, waits for the loads (cp.async.wait_all, __syncthreads), and only then stores
-// them into the n destination pages.  So every read of a byte happens before any write of
-// that byte, whatever the overlap of src and dst as sets; nothing else orders the CTAs.
-// The host picks W so that n * W bytes fit in shared memory (W = COPY_COLUMN_BYTES, one
-// DRAM sector, when they do; narrower columns for larger n).
+// copy_blocks.  Three uint32 tables of num_blocks entries each (the cache's workspace
+// tickets: zero before and after every call), indexed by page P:
+//   readers[P]  pairs that read P (src[i] == P),
+//   arrived[P]  pairs that are done with P (its readers, and its staging writer),
+//   dst_of[P]   i + 1 for the pair i that writes P (dst[i] == P), else 0,
+// and n staging rows of page_bytes (workspace scratch, row i for pair i).
+// A pair "moves" when both ids are in [0, num_blocks) and src[i] != dst[i]; other pairs are
+// skipped by both launches (a self-copy leaves its page as it is, which is its copy).
+//
+//   launch 1, mark (a thread per pair): readers[src[i]] += 1, dst_of[dst[i]] = max(., i + 1);
+//             every id outside the pool counted once in stats[BAD_BLOCK_IDS].
+//   launch 2, copy (a CTA per pair, grid-stride): pair i with s = src[i], d = dst[i]
+//     1. route (thread 0):  not the writer of d (dst_of[d] != i + 1: a later pair repeats d,
+//        only unvalidated device ids can) -> write nothing;  readers[d] == 0 -> DIRECT;
+//        every reader of d already arrived (arrived[d] == readers[d]) -> DIRECT, and this
+//        pair finishes d itself (resets its entries);  else STAGE.
+//     2. stream: page s -> page d (DIRECT) or -> staging row i (STAGE), 16-byte vectors,
+//        several loads in flight per thread; every read of the pool and of the staging
+//        goes to L2 (ld.global.cg), the point of coherence of the CTAs.
+//     3. arrive (thread 0, after every thread's __threadfence and a __syncthreads): at s as
+//        a reader and, when it staged, at d as its writer.  Page P has readers[P] +
+//        (dst_of[P] != 0) participants; the arrival that completes them finishes P.
+//     4. finish P: if dst_of[P] != 0, the CTA copies staging row dst_of[P] - 1 -> page P
+//        (after a fence, with L2 loads); readers[P] = arrived[P] = dst_of[P] = 0.
+//
+// Why no write to a page precedes a read of it: page P is read only by its readers
+// (readers[P] pairs, counted by launch 1, complete before launch 2 starts).  It is written
+// (a) by its writer streaming directly, only when readers[P] == 0 (nobody reads P) or when
+// arrived[P] == readers[P] (every reader has arrived); (b) by the finisher of P, the last of
+// its participants to arrive.  A reader arrives after its loads of P have returned (they
+// fed its stores, all threads fenced, then __syncthreads, then the atomic), and the one
+// who writes observed that arrival (the atomic's result or arrived[P]) and fenced before
+// its CTA's stores.  The staging row a finisher reads was written, fenced and published
+// by its writer's arrival before the finisher's atomic saw it.  Nobody waits on another
+// CTA: no co-residency assumption, no deadlock, any grid size.
+//
+// Why every table entry is 0 again after launch 2 (so graph replays start from zeros):
+// readers[P] and arrived[P] are nonzero only for a page with readers; dst_of[P] only for a
+// written page.  A page with readers gets all its arrivals (every reader arrives, skipped
+// or not, and a staging writer too); the one that completes them, or a DIRECT writer that
+// saw them complete, zeroes the three entries.  A written page nobody reads is zeroed by
+// its writer (DIRECT).  Entries are read before the reading CTA's own arrival, so no
+// reset can race with a read that matters: P cannot finish before every participant has
+// arrived, and a participant reads readers[P] and dst_of[P] before its arrival.
+//
+// Fan-out (src repeats): readers[P] counts every pair, P is written after all of them.
+// Cycles and swaps: every page of a cycle has a reader, so at least one pair stages and
+// the last arrival writes it back.  Disjoint src and dst: every pair streams directly
+// (2 * page_bytes of DRAM traffic per pair, as a device copy); a staged pair costs
+// 4 * page_bytes.  Repeated dst (unvalidated device ids only): the pair with the largest
+// i writes the page, the others write nothing; the tables still end at 0.
 //
 // Ids outside [0, num_blocks) (only met by unvalidated calls): counted in
-// stats[BAD_BLOCK_IDS] once per bad entry; copy and write skip the pair / row (nothing is
-// written outside the pool, a valid destination of a bad source keeps its bytes); read
-// writes a page that decodes to NaN (data 0, every scale byte 0x7F), like the gather.
+// stats[BAD_BLOCK_IDS] once per bad entry (mark; read and write: once per row); copy and
+// write skip the pair / row (nothing is written outside the pool, a valid destination of a
+// bad source keeps its bytes); read writes a page that decodes to NaN (data 0, every scale
+// byte 0x7F), like the gather.
 #include "fp4_common.cuh"
 
 // One memory access of VW bytes (VW divides page_bytes and the rows' alignment).
@@ -49,56 +93,191 @@ FP4C_DEVICE u8* page_ptr(const PageMoveParams& P, i64 id) {
 }
 
 // ---------------------------------------------------------------------------
-// copy
+// copy: helpers
 // ---------------------------------------------------------------------------
-// Load piece e = i * k + j (pair i, vector j of this CTA's columns) into shared memory:
-// cp.async for 16-byte vectors (sm_80+, no registers), a plain load otherwise.
+// The three tables (workspace tickets): readers, arrived, dst_of, num_blocks entries each.
+static_assert(FP4C_COPY_TABLES == 3, "copy_blocks tables: readers, arrived, dst_of");
+struct CopyTables {
+  u32* readers;
+  u32* arrived;
+  u32* dst_of;
+};
+
+FP4C_DEVICE CopyTables copy_tables(const PageMoveParams& P) {
+  u32* t = (u32*)P.tables;
+  const u64 nb = (u64)P.num_blocks;
+  return CopyTables{t, t + nb, t + 2 * nb};
+}
+
+// Table entries other CTAs change during the launch: read from L2, never from L1.
+FP4C_DEVICE u32 ld_table(const u32* p) { return *(const volatile u32*)p; }
+
+FP4C_DEVICE void reset_page(const CopyTables& T, i64 p) {
+  T.readers[p] = 0u;
+  T.arrived[p] = 0u;
+  T.dst_of[p] = 0u;
+}
+
+// Pair i: its ids, and whether it moves bytes (both ids in the pool, src != dst).  The same
+// answer in both launches.
+template <typename IdT>
+FP4C_DEVICE bool copy_pair(const void* src, const void* dst, u32 i, const PageMoveParams& P,
+                           i64& s, i64& d) {
+  s = load_page_id<IdT>(src, i);
+  d = load_page_id<IdT>(dst, i);
+  return page_in_pool(s, P) && page_in_pool(d, P) && s != d;
+}
+
+// One VW-byte load from L2 (ld.global.cg): pool pages and staging rows that other CTAs of
+// the launch write.
 template <int VW>
-FP4C_DEVICE void copy_load(const u8* src, typename PageVec<VW>::type* s_piece) {
-  typedef typename PageVec<VW>::type V;
+FP4C_DEVICE typename PageVec<VW>::type ld_cg(const void* p) {
+  typename PageVec<VW>::type r;
   if constexpr (VW == 16) {
-    u32 dst;
-    asm("{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }"
-        : "=r"(dst) : "l"(s_piece));
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(dst), "l"(src) : "memory");
+    asm volatile("ld.global.cg.v4.u32 {%0, %1, %2, %3}, [%4];"
+                 : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w) : "l"(p));
+  } else if constexpr (VW == 8) {
+    asm volatile("ld.global.cg.v2.u32 {%0, %1}, [%2];" : "=r"(r.x), "=r"(r.y) : "l"(p));
+  } else if constexpr (VW == 4) {
+    asm volatile("ld.global.cg.u32 %0, [%1];" : "=r"(r) : "l"(p));
+  } else if constexpr (VW == 2) {
+    asm volatile("ld.global.cg.u16 %0, [%1];" : "=h"(r) : "l"(p));
   } else {
-    *s_piece = *(const V*)src;
+    u16 h;
+    asm volatile("ld.global.cg.u8 %0, [%1];" : "=h"(h) : "l"(p));
+    r = (u8)h;
   }
+  return r;
+}
+
+// The CTA copies page_bytes from `from` to `to`: FP4C_COPY_UNROLL loads in flight per
+// thread, then their stores; every warp access contiguous on both sides.
+template <int VW>
+FP4C_DEVICE void stream_page(const u8* from, u8* to, const PageMoveParams& P) {
+  typedef typename PageVec<VW>::type V;
+  constexpr u32 U = FP4C_COPY_UNROLL;
+  const u32 vecs = (u32)((u64)P.page_bytes / VW);
+  V* out = (V*)to;
+  for (u32 j0 = threadIdx.x; j0 < vecs; j0 += U * blockDim.x) {
+    V r[U];
+#pragma unroll
+    for (u32 u = 0; u < U; ++u) {
+      const u32 j = j0 + u * blockDim.x;
+      if (j < vecs) r[u] = ld_cg<VW>(from + (u64)j * VW);
+    }
+#pragma unroll
+    for (u32 u = 0; u < U; ++u) {
+      const u32 j = j0 + u * blockDim.x;
+      if (j < vecs) out[j] = r[u];
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------
+// copy, launch 1: mark
+// ---------------------------------------------------------------------------
+template <typename IdT>
+FP4C_DEVICE void mark_impl(const void* __restrict__ src, const void* __restrict__ dst,
+                           const PageMoveParams& P) {
+  const u32 i = blockIdx.x * blockDim.x + threadIdx.x;
+  if (i >= P.n) return;
+  i64 s, d;
+  const bool moves = copy_pair<IdT>(src, dst, i, P, s, d);
+  count_bad_ids(P, (page_in_pool(s, P) ? 0u : 1u) + (page_in_pool(d, P) ? 0u : 1u));
+  if (!moves) return;
+  const CopyTables T = copy_tables(P);
+  atomicAdd(T.readers + s, 1u);
+  atomicMax(T.dst_of + d, i + 1u);  // repeated dst (unchecked ids): the last pair writes
+}
+
+// ---------------------------------------------------------------------------
+// copy, launch 2: route, stream, arrive, finish
+// ---------------------------------------------------------------------------
+enum CopyRoute : u32 { ROUTE_NONE = 0, ROUTE_DIRECT = 1, ROUTE_STAGE = 2 };
+
+// Step 1 (thread 0): where pair i streams page s.  Resets d's entries when it is sure to
+// be the last to touch them (DIRECT).
+FP4C_DEVICE u32 route_pair(const CopyTables& T, u32 i, i64 d) {
+  if (ld_table(T.dst_of + d) != i + 1u) return ROUTE_NONE;  // another pair writes d
+  const u32 r = ld_table(T.readers + d);
+  if (r == 0u) {  // nobody reads d
+    T.dst_of[d] = 0u;
+    return ROUTE_DIRECT;
+  }
+  if (ld_table(T.arrived + d) == r) {  // every reader of d is done with it
+    __threadfence();  // their arrivals before this CTA's stores to d
+    reset_page(T, d);
+    return ROUTE_DIRECT;
+  }
+  return ROUTE_STAGE;
+}
+
+// Step 3 (thread 0): one arrival at page p.  When it is the last of p's participants, p's
+// entries go back to 0 and the result is dst_of[p] (the staging row + 1 to copy into p,
+// 0: p has no writer); otherwise 0.  readers[p] and dst_of[p] are read before the atomic:
+// p cannot finish (and be reset) before this arrival.
+FP4C_DEVICE u32 arrive(const CopyTables& T, i64 p) {
+  const u32 writer = ld_table(T.dst_of + p);
+  const u32 total = ld_table(T.readers + p) + (writer != 0u ? 1u : 0u);
+  if (atomicAdd(T.arrived + p, 1u) + 1u != total) return 0u;
+  reset_page(T, p);
+  return writer;
 }
 
 template <typename IdT, int VW>
 FP4C_DEVICE void copy_impl(const void* __restrict__ src, const void* __restrict__ dst,
                            const PageMoveParams& P) {
-  typedef typename PageVec<VW>::type V;
-  extern __shared__ __align__(16) u8 s_raw[];
-  V* s_cols = (V*)s_raw;  // [n][k]: column pieces of the n source pages
-  const u64 page_vecs = (u64)P.page_bytes / VW;
-  const u64 col0 = (u64)blockIdx.x * P.col_units;  // first vector this CTA owns
-  const u32 k = (u32)min((u64)P.col_units, page_vecs - col0);
-  const u32 pieces = P.n * k;
-  // step 1, load: column pieces of every source page
-  for (u32 e = threadIdx.x; e < pieces; e += blockDim.x) {
-    const u32 i = e / k, j = e - i * k;
-    const i64 s = load_page_id<IdT>(src, i), d = load_page_id<IdT>(dst, i);
-    const bool s_ok = page_in_pool(s, P), d_ok = page_in_pool(d, P);
-    if (blockIdx.x == 0 && j == 0) count_bad_ids(P, (s_ok ? 0u : 1u) + (d_ok ? 0u : 1u));
-    if (s_ok && d_ok) copy_load<VW>(page_ptr(P, s) + (col0 + j) * VW, s_cols + e);
-  }
-  // step 2: every load of this CTA's columns has landed before any store to them
-  if constexpr (VW == 16) asm volatile("cp.async.wait_all;" ::: "memory");
-  __syncthreads();
-  // step 3, store: the pieces into the destination pages
-  for (u32 e = threadIdx.x; e < pieces; e += blockDim.x) {
-    const u32 i = e / k, j = e - i * k;
-    const i64 s = load_page_id<IdT>(src, i), d = load_page_id<IdT>(dst, i);
-    if (page_in_pool(s, P) && page_in_pool(d, P)) {
-      *(V*)(page_ptr(P, d) + (col0 + j) * VW) = s_cols[e];
+  __shared__ u32 s_route;
+  __shared__ i64 s_fin_page[2];  // pages this CTA finishes (-1: none)
+  __shared__ u32 s_fin_row[2];   // staging row copied into each
+  const CopyTables T = copy_tables(P);
+  u8* staging = (u8*)P.staging;
+  for (u32 i = blockIdx.x; i < P.n; i += gridDim.x) {
+    i64 s, d;
+    if (!copy_pair<IdT>(src, dst, i, P, s, d)) continue;  // the same for every thread
+    // step 1, route
+    if (threadIdx.x == 0) s_route = route_pair(T, i, d);
+    __syncthreads();
+    const u32 route = s_route;
+    __threadfence();
+    // step 2, stream page s
+    if (route == ROUTE_DIRECT) {
+      stream_page<VW>(page_ptr(P, s), page_ptr(P, d), P);
+    } else if (route == ROUTE_STAGE) {
+      stream_page<VW>(page_ptr(P, s), staging + (u64)i * (u64)P.page_bytes, P);
+    }
+    // step 3, arrive: every load of s and store of this CTA done and visible first
+    __threadfence();
+    __syncthreads();
+    if (threadIdx.x == 0) {
+      const u32 row_s = arrive(T, s);
+      s_fin_page[0] = row_s ? s : (i64)-1;
+      s_fin_row[0] = row_s - 1u;
+      u32 row_d = 0u;
+      if (route == ROUTE_STAGE) row_d = arrive(T, d);
+      s_fin_page[1] = row_d ? d : (i64)-1;
+      s_fin_row[1] = row_d - 1u;
+    }
+    __syncthreads();
+    // step 4, finish: staging rows of writers whose arrivals are complete -> their pages
+#pragma unroll
+    for (int k = 0; k < 2; ++k) {
+      const i64 p = s_fin_page[k];
+      if (p < 0) continue;
+      __threadfence();
+      stream_page<VW>(staging + (u64)s_fin_row[k] * (u64)P.page_bytes, page_ptr(P, p), P);
     }
   }
 }
 
 #define FP4C_COPY_PARAMS \
   const void *__restrict__ src, const void *__restrict__ dst, const PageMoveParams params
+
+// NAME, id type
+#define FP4C_PAGE_MARK_KERNEL(NAME, ID)                                                    \
+  extern "C" __global__ void __launch_bounds__(FP4C_PAGE_MOVE_THREADS) NAME(FP4C_COPY_PARAMS) { \
+    mark_impl<ID>(src, dst, params);                                                       \
+  }
 
 // NAME, id type, vector bytes
 #define FP4C_PAGE_COPY_KERNEL(NAME, ID, VW)                                                \
