@@ -56,9 +56,9 @@ ATTN_CHUNK_TILES: dict[int, int] = {64: 4, 128: 2, 256: 1}
 #: copy_blocks (kernels/page_copy.cu): vectors each thread loads before it stores them
 #: (loads in flight per thread while a CTA streams a page).
 COPY_UNROLL = 4
-#: copy_blocks: uint32 tables of ``num_blocks`` entries each (readers, arrived, dst_of),
-#: the cache's workspace tickets, zero before and after every call.
-COPY_TABLES = 3
+#: copy_blocks: uint32 tables of ``num_blocks`` entries each (pending, dst_of), the
+#: cache's workspace tickets, zero before and after every call.
+COPY_TABLES = 2
 #: Threads per CTA of the page-moving kernels (copy, read, write).
 PAGE_MOVE_THREADS = 512
 
@@ -118,7 +118,7 @@ STRUCTS: dict[str, tuple[tuple, ...]] = {
     # kernels/page_copy.cu, every non-pointer argument of copy / read / write of whole pages
     "PageMoveParams": (
         ("buffer", "u64"), ("stats", "u64"),  # u8 pool, u64 counters
-        ("tables", "u64"),  # copy: u32 readers, arrived, dst_of [num_blocks] each (zero)
+        ("tables", "u64"),  # copy: u32 pending, dst_of [num_blocks] each (zero at rest)
         ("staging", "u64"),  # copy: u8 rows [n, page_bytes] (workspace scratch)
         ("num_blocks", "i64"), ("page_bytes", "i64"), ("side_bytes", "i64"),
         ("data_bytes", "i64"),

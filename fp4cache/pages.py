@@ -313,7 +313,7 @@ def _contig_ids(a):
 def copy_workspace(cache, n: int):
     """``(staging, tables)`` of a GPU copy of ``n`` pairs, views of the cache's workspace:
     ``(n, page_bytes)`` uint8 staging rows (scratch) and the ``COPY_TABLES * num_blocks``
-    uint32 tables readers, arrived, dst_of (tickets: zero before and after every call).
+    uint32 tables pending, dst_of (tickets: zero before and after every call).
     Taken at the first call, kept (and grown to the largest ``n``) by the workspace."""
     P = cache.geometry.page_bytes
     return cache._state.workspace.get(

@@ -8,57 +8,59 @@
 //   write:  page blocks[i] <- row data[i]: write_blocks, and the device side of a transfer
 //           from host memory.
 //
-// copy_blocks.  Three uint32 tables of num_blocks entries each (the cache's workspace
-// tickets: zero before and after every call), indexed by page P:
-//   readers[P]  pairs that read P (src[i] == P),
-//   arrived[P]  pairs that are done with P (its readers, and its staging writer),
-//   dst_of[P]   i + 1 for the pair i that writes P (dst[i] == P), else 0,
+// copy_blocks.  Two uint32 tables of num_blocks entries each (FP4C_COPY_TABLES, the
+// cache's workspace tickets: zero before and after every call), indexed by page P:
+//   pending[P]  participants of P not yet done with it: every pair that reads P (src[i] ==
+//               P) and every pair that names P as its destination (dst[i] == P),
+//   dst_of[P]   i + 1 for the pair i that writes P (the largest i with dst[i] == P), else 0,
 // and n staging rows of page_bytes (workspace scratch, row i for pair i).
 // A pair "moves" when both ids are in [0, num_blocks) and src[i] != dst[i]; other pairs are
 // skipped by both launches (a self-copy leaves its page as it is, which is its copy).
 //
-//   launch 1, mark (a thread per pair): readers[src[i]] += 1, dst_of[dst[i]] = max(., i + 1);
-//             every id outside the pool counted once in stats[BAD_BLOCK_IDS].
+//   launch 1, mark (a thread per pair): pending[src[i]] += 1, pending[dst[i]] += 1,
+//             dst_of[dst[i]] = max(., i + 1); every id outside the pool counted once in
+//             stats[BAD_BLOCK_IDS].
 //   launch 2, copy (a CTA per pair, grid-stride): pair i with s = src[i], d = dst[i]
 //     1. route (thread 0):  not the writer of d (dst_of[d] != i + 1: a later pair repeats d,
-//        only unvalidated device ids can) -> write nothing;  readers[d] == 0 -> DIRECT;
-//        every reader of d already arrived (arrived[d] == readers[d]) -> DIRECT, and this
-//        pair finishes d itself (resets its entries);  else STAGE.
+//        only unvalidated device ids can) -> NONE, write nothing;  pending[d] == 1 (nobody
+//        reads d, or every other participant of d is done) -> DIRECT, and d's entries go
+//        back to 0 (nobody else touches them any more);  else STAGE.
 //     2. stream: page s -> page d (DIRECT) or -> staging row i (STAGE), 16-byte vectors,
-//        several loads in flight per thread; every read of the pool and of the staging
-//        goes to L2 (ld.global.cg), the point of coherence of the CTAs.
-//     3. arrive (thread 0, after every thread's __threadfence and a __syncthreads): at s as
-//        a reader and, when it staged, at d as its writer.  Page P has readers[P] +
-//        (dst_of[P] != 0) participants; the arrival that completes them finishes P.
-//     4. finish P: if dst_of[P] != 0, the CTA copies staging row dst_of[P] - 1 -> page P
-//        (after a fence, with L2 loads); readers[P] = arrived[P] = dst_of[P] = 0.
+//        several loads in flight per thread.  Every read of the pool and of the staging
+//        rows goes to L2 (ld.global.cg), the point of coherence of the CTAs.
+//     3. arrive (thread 0, after a __syncthreads and a __threadfence; the threads of a
+//        STAGE pair fence their stores first): atomicSub(pending[s], 1), and, unless it
+//        went DIRECT, atomicSub(pending[d], 1).  The arrival that takes pending[P] to 0
+//        finishes P.
+//     4. finish P: if dst_of[P] != 0 the CTA (after a fence) copies staging row
+//        dst_of[P] - 1 -> page P, and dst_of[P] = 0.
 //
-// Why no write to a page precedes a read of it: page P is read only by its readers
-// (readers[P] pairs, counted by launch 1, complete before launch 2 starts).  It is written
-// (a) by its writer streaming directly, only when readers[P] == 0 (nobody reads P) or when
-// arrived[P] == readers[P] (every reader has arrived); (b) by the finisher of P, the last of
-// its participants to arrive.  A reader arrives after its loads of P have returned (they
-// fed its stores, all threads fenced, then __syncthreads, then the atomic), and the one
-// who writes observed that arrival (the atomic's result or arrived[P]) and fenced before
-// its CTA's stores.  The staging row a finisher reads was written, fenced and published
-// by its writer's arrival before the finisher's atomic saw it.  Nobody waits on another
-// CTA: no co-residency assumption, no deadlock, any grid size.
+// Why no write to a page precedes a read of it: page P is read only by the pairs counted in
+// pending[P] as its readers (counted by launch 1, complete before launch 2 starts), and
+// each of them arrives at P after its loads of P have returned (they fed its stores; then
+// __syncthreads, a fence, the atomic).  P is written either by its writer directly, when
+// it reads pending[P] == 1, i.e. every other participant has arrived, or by the finisher of
+// P, the last participant to arrive.  Either one observed every reader's arrival (the value
+// read, or the atomic's result) and fenced before its CTA's stores.  The staging row a
+// finisher reads was written, fenced and published by its writer's arrival before the
+// finisher's atomic saw it.  Nobody waits on another CTA: no co-residency assumption, no
+// deadlock, any grid size.
 //
-// Why every table entry is 0 again after launch 2 (so graph replays start from zeros):
-// readers[P] and arrived[P] are nonzero only for a page with readers; dst_of[P] only for a
-// written page.  A page with readers gets all its arrivals (every reader arrives, skipped
-// or not, and a staging writer too); the one that completes them, or a DIRECT writer that
-// saw them complete, zeroes the three entries.  A written page nobody reads is zeroed by
-// its writer (DIRECT).  Entries are read before the reading CTA's own arrival, so no
-// reset can race with a read that matters: P cannot finish before every participant has
-// arrived, and a participant reads readers[P] and dst_of[P] before its arrival.
+// Why both tables are 0 again after launch 2 (so graph replays start from zeros): every
+// participant that launch 1 counted in pending[P] either arrives at P (one decrement) or is
+// P's writer going DIRECT, which sees pending[P] == 1 (itself) and sets it to 0.  So
+// pending[P] ends at 0.  dst_of[P] != 0 only for a written page, and P's writer either
+// goes DIRECT (and zeroes it) or stages and arrives, and then P's last arrival zeroes it.
+// dst_of[P] is read by its writer before its arrival, by losers (who only compare it with
+// their own i + 1, which it never equals) and by P's finisher (the last to arrive): no
+// reset races with a read that matters.
 //
-// Fan-out (src repeats): readers[P] counts every pair, P is written after all of them.
-// Cycles and swaps: every page of a cycle has a reader, so at least one pair stages and
-// the last arrival writes it back.  Disjoint src and dst: every pair streams directly
-// (2 * page_bytes of DRAM traffic per pair, as a device copy); a staged pair costs
-// 4 * page_bytes.  Repeated dst (unvalidated device ids only): the pair with the largest
-// i writes the page, the others write nothing; the tables still end at 0.
+// Fan-out (src repeats): pending[P] counts every reader, P is written after all of them.
+// Cycles and swaps: the first pair of a cycle to run finds its destination still to be
+// read and stages; the last arrival writes it back.  Disjoint src and dst: every pair goes
+// DIRECT (2 * page_bytes of DRAM traffic per pair, as a device copy); a staged pair costs
+// 4 * page_bytes.  Repeated dst (unvalidated device ids only): the pair with the largest i
+// writes the page whole, the others write nothing; the tables still end at 0.
 //
 // Ids outside [0, num_blocks) (only met by unvalidated calls): counted in
 // stats[BAD_BLOCK_IDS] once per bad entry (mark; read and write: once per row); copy and
@@ -95,28 +97,20 @@ FP4C_DEVICE u8* page_ptr(const PageMoveParams& P, i64 id) {
 // ---------------------------------------------------------------------------
 // copy: helpers
 // ---------------------------------------------------------------------------
-// The three tables (workspace tickets): readers, arrived, dst_of, num_blocks entries each.
-static_assert(FP4C_COPY_TABLES == 3, "copy_blocks tables: readers, arrived, dst_of");
+// The tables (workspace tickets): pending, dst_of, num_blocks entries each.
+static_assert(FP4C_COPY_TABLES == 2, "copy_blocks tables: pending, dst_of");
 struct CopyTables {
-  u32* readers;
-  u32* arrived;
+  u32* pending;
   u32* dst_of;
 };
 
 FP4C_DEVICE CopyTables copy_tables(const PageMoveParams& P) {
   u32* t = (u32*)P.tables;
-  const u64 nb = (u64)P.num_blocks;
-  return CopyTables{t, t + nb, t + 2 * nb};
+  return CopyTables{t, t + (u64)P.num_blocks};
 }
 
-// Table entries other CTAs change during the launch: read from L2, never from L1.
+// A table entry other CTAs change during the launch: read from L2, never from L1.
 FP4C_DEVICE u32 ld_table(const u32* p) { return *(const volatile u32*)p; }
-
-FP4C_DEVICE void reset_page(const CopyTables& T, i64 p) {
-  T.readers[p] = 0u;
-  T.arrived[p] = 0u;
-  T.dst_of[p] = 0u;
-}
 
 // Pair i: its ids, and whether it moves bytes (both ids in the pool, src != dst).  The same
 // answer in both launches.
@@ -186,8 +180,9 @@ FP4C_DEVICE void mark_impl(const void* __restrict__ src, const void* __restrict_
   count_bad_ids(P, (page_in_pool(s, P) ? 0u : 1u) + (page_in_pool(d, P) ? 0u : 1u));
   if (!moves) return;
   const CopyTables T = copy_tables(P);
-  atomicAdd(T.readers + s, 1u);
-  atomicMax(T.dst_of + d, i + 1u);  // repeated dst (unchecked ids): the last pair writes
+  atomicAdd(T.pending + s, 1u);     // a reader of s
+  atomicAdd(T.pending + d, 1u);     // a writer of d (losers of a repeated d too)
+  atomicMax(T.dst_of + d, i + 1u);  // repeated d (unchecked ids): the last pair writes it
 }
 
 // ---------------------------------------------------------------------------
@@ -195,32 +190,24 @@ FP4C_DEVICE void mark_impl(const void* __restrict__ src, const void* __restrict_
 // ---------------------------------------------------------------------------
 enum CopyRoute : u32 { ROUTE_NONE = 0, ROUTE_DIRECT = 1, ROUTE_STAGE = 2 };
 
-// Step 1 (thread 0): where pair i streams page s.  Resets d's entries when it is sure to
-// be the last to touch them (DIRECT).
+// Step 1 (thread 0): where pair i streams page s.  DIRECT when every other participant of
+// d is done with it (or there is none): d's entries go back to 0 at once.
 FP4C_DEVICE u32 route_pair(const CopyTables& T, u32 i, i64 d) {
   if (ld_table(T.dst_of + d) != i + 1u) return ROUTE_NONE;  // another pair writes d
-  const u32 r = ld_table(T.readers + d);
-  if (r == 0u) {  // nobody reads d
-    T.dst_of[d] = 0u;
-    return ROUTE_DIRECT;
-  }
-  if (ld_table(T.arrived + d) == r) {  // every reader of d is done with it
-    __threadfence();  // their arrivals before this CTA's stores to d
-    reset_page(T, d);
-    return ROUTE_DIRECT;
-  }
-  return ROUTE_STAGE;
+  if (ld_table(T.pending + d) != 1u) return ROUTE_STAGE;    // d still has readers to come
+  __threadfence();  // the readers' arrivals before this CTA's stores to d
+  T.pending[d] = 0u;
+  T.dst_of[d] = 0u;
+  return ROUTE_DIRECT;
 }
 
-// Step 3 (thread 0): one arrival at page p.  When it is the last of p's participants, p's
-// entries go back to 0 and the result is dst_of[p] (the staging row + 1 to copy into p,
-// 0: p has no writer); otherwise 0.  readers[p] and dst_of[p] are read before the atomic:
-// p cannot finish (and be reset) before this arrival.
+// Step 3 (thread 0): one arrival at page p.  The last one (pending[p] 1 -> 0) gets
+// dst_of[p] (the staging row + 1 to copy into p; 0: p keeps its bytes) and zeroes it;
+// every other arrival gets 0.
 FP4C_DEVICE u32 arrive(const CopyTables& T, i64 p) {
+  if (atomicSub(T.pending + p, 1u) != 1u) return 0u;
   const u32 writer = ld_table(T.dst_of + p);
-  const u32 total = ld_table(T.readers + p) + (writer != 0u ? 1u : 0u);
-  if (atomicAdd(T.arrived + p, 1u) + 1u != total) return 0u;
-  reset_page(T, p);
+  if (writer) T.dst_of[p] = 0u;
   return writer;
 }
 
@@ -229,7 +216,7 @@ FP4C_DEVICE void copy_impl(const void* __restrict__ src, const void* __restrict_
                            const PageMoveParams& P) {
   __shared__ u32 s_route;
   __shared__ i64 s_fin_page[2];  // pages this CTA finishes (-1: none)
-  __shared__ u32 s_fin_row[2];   // staging row copied into each
+  __shared__ u32 s_fin_row[2];   // the staging row copied into each
   const CopyTables T = copy_tables(P);
   u8* staging = (u8*)P.staging;
   for (u32 i = blockIdx.x; i < P.n; i += gridDim.x) {
@@ -239,33 +226,33 @@ FP4C_DEVICE void copy_impl(const void* __restrict__ src, const void* __restrict_
     if (threadIdx.x == 0) s_route = route_pair(T, i, d);
     __syncthreads();
     const u32 route = s_route;
-    __threadfence();
     // step 2, stream page s
     if (route == ROUTE_DIRECT) {
       stream_page<VW>(page_ptr(P, s), page_ptr(P, d), P);
     } else if (route == ROUTE_STAGE) {
       stream_page<VW>(page_ptr(P, s), staging + (u64)i * (u64)P.page_bytes, P);
+      __threadfence();  // the staging row visible before the arrival that publishes it
     }
-    // step 3, arrive: every load of s and store of this CTA done and visible first
-    __threadfence();
+    // step 3, arrive: every load of s by this CTA has returned
     __syncthreads();
     if (threadIdx.x == 0) {
+      __threadfence();
       const u32 row_s = arrive(T, s);
+      const u32 row_d = route == ROUTE_DIRECT ? 0u : arrive(T, d);
+      if (row_s | row_d) __threadfence();  // the writers' arrivals before the staging reads
       s_fin_page[0] = row_s ? s : (i64)-1;
       s_fin_row[0] = row_s - 1u;
-      u32 row_d = 0u;
-      if (route == ROUTE_STAGE) row_d = arrive(T, d);
       s_fin_page[1] = row_d ? d : (i64)-1;
       s_fin_row[1] = row_d - 1u;
     }
     __syncthreads();
-    // step 4, finish: staging rows of writers whose arrivals are complete -> their pages
+    // step 4, finish: the staging rows of pages whose participants are all done
 #pragma unroll
     for (int k = 0; k < 2; ++k) {
       const i64 p = s_fin_page[k];
-      if (p < 0) continue;
-      __threadfence();
-      stream_page<VW>(staging + (u64)s_fin_row[k] * (u64)P.page_bytes, page_ptr(P, p), P);
+      if (p >= 0) {
+        stream_page<VW>(staging + (u64)s_fin_row[k] * (u64)P.page_bytes, page_ptr(P, p), P);
+      }
     }
   }
 }

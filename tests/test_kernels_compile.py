@@ -46,6 +46,23 @@ def test_all_specializations_compile(arch):
 
 
 @needs_nvrtc
+def test_page_copy_streams_through_l2_without_shared_staging():
+    """copy_blocks' copy kernel reads the pool and the staging rows from L2 (other CTAs of
+    the launch write them: never through the non-coherent read-only path) and holds no
+    page bytes in shared memory (no limit on the pages of a call)."""
+    import re
+
+    specs = [K.page_mark_spec("i32"), K.page_copy_spec("i32", 16), K.page_copy_spec("i64", 1)]
+    ptx = K.compile_all("sm_90", specs)["page_copy.cu"]
+    for spec in specs[1:]:
+        body = re.search(rf"\.entry {spec.name}\(.*?\n}}\n", ptx, re.S).group(0)
+        assert ".extern .shared" not in body
+        wide = "v4.u32" if spec.args[1] == "16" else "u8"
+        assert f"ld.global.cg.{wide}" in body and f"ld.global.nc.{wide}" not in body
+        assert "atom.global.add.u32" in body and "membar.gl" in body
+
+
+@needs_nvrtc
 def test_compile_error_names_the_real_file_and_line():
     src = K.build_source("flat_codec.cu", [K.dequantize_spec("bf16")])
     broken = src.replace("FP4C_DEVICE u32 fdiv(", "FP4C_DEVICE u32 fdiv(this is not C++ ", 1)
