@@ -83,7 +83,7 @@ def test_source_assembly():
     with pytest.raises(ValueError):
         K.build_source("flat_codec.cu", [spec])
     families = {s.macro for s in K.all_specs()}
-    assert len(families) == 14
+    assert len(families) == 15
     assert len({s.name for s in K.all_specs()}) == len(K.all_specs())
 
 
