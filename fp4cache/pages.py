@@ -6,8 +6,10 @@ What :class:`~fp4cache.PagedKVCache`'s ``copy_blocks``, ``read_blocks``, ``write
 page is moved as its raw bytes (``PageGeometry.page_bytes`` of them: K side, V side, data
 and scales), so every move is byte-exact and both backends give identical bytes.
 
-GPU kernels: ``kernels/page_copy.cu`` (copy, read, write), loaded by
-:mod:`fp4cache._kernels`.  Host transfers go through staging rows in the cache's workspace
+GPU kernels: ``kernels/page_copy.cu`` (copy in two launches, mark and copy; read;
+write), loaded by :mod:`fp4cache._kernels`.  A copy of ``n`` pairs takes ``n`` staging
+rows and two uint32 counters per page (zero between calls) from the cache's workspace
+(:func:`copy_workspace`).  Host transfers go through staging rows in the cache's workspace
 (at most :data:`STAGING_BYTES`, counted in ``cache.nbytes``): a chunk of
 pages is gathered into it on the device and copied with one ``cudaMemcpyAsync``; a run of
 consecutive page ids given on the host is copied directly, in one transfer.

@@ -21,39 +21,41 @@
 //             dst_of[dst[i]] = max(., i + 1); every id outside the pool counted once in
 //             stats[BAD_BLOCK_IDS].
 //   launch 2, copy (a CTA per pair, grid-stride): pair i with s = src[i], d = dst[i]
-//     1. route (thread 0):  not the writer of d (dst_of[d] != i + 1: a later pair repeats d,
-//        only unvalidated device ids can) -> NONE, write nothing;  pending[d] == 1 (nobody
-//        reads d, or every other participant of d is done) -> DIRECT, and d's entries go
-//        back to 0 (nobody else touches them any more);  else STAGE.
+//     1. route (thread 0, while the CTA's first loads of page s are in flight: s cannot
+//        change before this pair arrives at it):  not the writer of d (dst_of[d] != i + 1:
+//        a later pair repeats d, only unvalidated device ids can) -> NONE, write nothing;
+//        pending[d] == 1 (nobody reads d, or every other participant of d is done) ->
+//        DIRECT, and d's entries go back to 0 (nobody else touches them any more);  else
+//        STAGE.
 //     2. stream: page s -> page d (DIRECT) or -> staging row i (STAGE), 16-byte vectors,
-//        several loads in flight per thread.  Every read of the pool and of the staging
-//        rows goes to L2 (ld.global.cg), the point of coherence of the CTAs.
-//     3. arrive (thread 0, after a __syncthreads and a __threadfence; the threads of a
-//        STAGE pair fence their stores first): atomicSub(pending[s], 1), and, unless it
-//        went DIRECT, atomicSub(pending[d], 1).  The arrival that takes pending[P] to 0
-//        finishes P.
+//        FP4C_COPY_UNROLL loads in flight per thread.  Every read of the pool and of the
+//        staging rows goes to L2 (ld.global.cg), the point of coherence of the CTAs.
+//     3. arrive (thread 0, after a __syncthreads; the threads of a STAGE pair fence their
+//        stores first): atomicSub(pending[s], 1), and, unless it went DIRECT,
+//        atomicSub(pending[d], 1).  The arrival that takes pending[P] to 0 finishes P.
 //     4. finish P: if dst_of[P] != 0 the CTA (after a fence) copies staging row
 //        dst_of[P] - 1 -> page P, and dst_of[P] = 0.
 //
 // Why no write to a page precedes a read of it: page P is read only by the pairs counted in
 // pending[P] as its readers (counted by launch 1, complete before launch 2 starts), and
-// each of them arrives at P after its loads of P have returned (they fed its stores; then
-// __syncthreads, a fence, the atomic).  P is written either by its writer directly, when
-// it reads pending[P] == 1, i.e. every other participant has arrived, or by the finisher of
-// P, the last participant to arrive.  Either one observed every reader's arrival (the value
-// read, or the atomic's result) and fenced before its CTA's stores.  The staging row a
-// finisher reads was written, fenced and published by its writer's arrival before the
-// finisher's atomic saw it.  Nobody waits on another CTA: no co-residency assumption, no
-// deadlock, any grid size.
+// each of them arrives at P only after its loads of P have returned: their values were
+// stored (to d or to the staging row) before the __syncthreads that precedes the atomic.
+// P is written either by its writer directly, when it reads pending[P] == 1, i.e. every
+// other participant has arrived, or by the finisher of P, the last participant to arrive.
+// Either one observed every reader's arrival (the value read, or the atomic's result) and
+// fenced before its CTA's stores.  The staging row a finisher reads was written and fenced
+// by every thread of its writer's CTA before that CTA's arrival, which the finisher's
+// atomic saw.  Nobody waits on another CTA: no co-residency assumption, no deadlock, any
+// grid size.
 //
 // Why both tables are 0 again after launch 2 (so graph replays start from zeros): every
 // participant that launch 1 counted in pending[P] either arrives at P (one decrement) or is
 // P's writer going DIRECT, which sees pending[P] == 1 (itself) and sets it to 0.  So
 // pending[P] ends at 0.  dst_of[P] != 0 only for a written page, and P's writer either
 // goes DIRECT (and zeroes it) or stages and arrives, and then P's last arrival zeroes it.
-// dst_of[P] is read by its writer before its arrival, by losers (who only compare it with
-// their own i + 1, which it never equals) and by P's finisher (the last to arrive): no
-// reset races with a read that matters.
+// dst_of[P] matters only to P's writer (read before its own arrival, so before any reset)
+// and to P's last participant (nobody resets it before that one does); losers of a
+// repeated d only compare it with their own i + 1, which it never equals.
 //
 // Fan-out (src repeats): pending[P] counts every reader, P is written after all of them.
 // Cycles and swaps: the first pair of a cycle to run finds its destination still to be
@@ -144,27 +146,54 @@ FP4C_DEVICE typename PageVec<VW>::type ld_cg(const void* p) {
   return r;
 }
 
-// The CTA copies page_bytes from `from` to `to`: FP4C_COPY_UNROLL loads in flight per
-// thread, then their stores; every warp access contiguous on both sides.
+// A page is streamed in rounds: each thread loads FP4C_COPY_UNROLL vectors (all in flight
+// at once), then stores them; every warp access contiguous on both sides.  A round starts
+// at vector j0 (threadIdx.x + k * FP4C_COPY_UNROLL * blockDim.x); one round covers a page
+// of up to 32 KB (16-byte vectors, 512 threads).
 template <int VW>
-FP4C_DEVICE void stream_page(const u8* from, u8* to, const PageMoveParams& P) {
-  typedef typename PageVec<VW>::type V;
-  constexpr u32 U = FP4C_COPY_UNROLL;
-  const u32 vecs = (u32)((u64)P.page_bytes / VW);
-  V* out = (V*)to;
-  for (u32 j0 = threadIdx.x; j0 < vecs; j0 += U * blockDim.x) {
-    V r[U];
+struct Round {
+  typename PageVec<VW>::type r[FP4C_COPY_UNROLL];
+
+  FP4C_DEVICE void load(const u8* from, u32 j0, u32 vecs) {
 #pragma unroll
-    for (u32 u = 0; u < U; ++u) {
+    for (u32 u = 0; u < FP4C_COPY_UNROLL; ++u) {
       const u32 j = j0 + u * blockDim.x;
       if (j < vecs) r[u] = ld_cg<VW>(from + (u64)j * VW);
     }
+  }
+  FP4C_DEVICE void store(u8* to, u32 j0, u32 vecs) const {
 #pragma unroll
-    for (u32 u = 0; u < U; ++u) {
+    for (u32 u = 0; u < FP4C_COPY_UNROLL; ++u) {
       const u32 j = j0 + u * blockDim.x;
-      if (j < vecs) out[j] = r[u];
+      if (j < vecs) ((typename PageVec<VW>::type*)to)[j] = r[u];
     }
   }
+};
+
+FP4C_DEVICE u32 page_vecs(const PageMoveParams& P, int vw) {
+  return (u32)((u64)P.page_bytes / (u64)vw);
+}
+
+// The rest of a page after a first round `first` already loaded: its stores, then every
+// further round.
+template <int VW>
+FP4C_DEVICE void stream_rest(const Round<VW>& first, const u8* from, u8* to,
+                             const PageMoveParams& P) {
+  const u32 vecs = page_vecs(P, VW), step = FP4C_COPY_UNROLL * blockDim.x;
+  first.store(to, threadIdx.x, vecs);
+  for (u32 j0 = threadIdx.x + step; j0 < vecs; j0 += step) {
+    Round<VW> r;
+    r.load(from, j0, vecs);
+    r.store(to, j0, vecs);
+  }
+}
+
+// The CTA copies page_bytes from `from` to `to`.
+template <int VW>
+FP4C_DEVICE void stream_page(const u8* from, u8* to, const PageMoveParams& P) {
+  Round<VW> first;
+  first.load(from, threadIdx.x, page_vecs(P, VW));
+  stream_rest<VW>(first, from, to, P);
 }
 
 // ---------------------------------------------------------------------------
@@ -190,23 +219,35 @@ FP4C_DEVICE void mark_impl(const void* __restrict__ src, const void* __restrict_
 // ---------------------------------------------------------------------------
 enum CopyRoute : u32 { ROUTE_NONE = 0, ROUTE_DIRECT = 1, ROUTE_STAGE = 2 };
 
+// What thread 0 reads of the tables for pair i, all at once (three loads in flight):
+// dst_of[d], pending[d] and dst_of[s].  dst_of[s] and dst_of[d] are only used when this
+// pair turns out to be the last participant of that page, and then nobody has changed
+// them since launch 1 (only the last participant, or a DIRECT writer that sees that
+// everybody else has arrived and therefore never arrives itself, resets them).
+struct PairTables {
+  u32 writer_d, pending_d, writer_s;
+};
+
+FP4C_DEVICE PairTables read_tables(const CopyTables& T, i64 s, i64 d) {
+  return PairTables{ld_table(T.dst_of + d), ld_table(T.pending + d), ld_table(T.dst_of + s)};
+}
+
 // Step 1 (thread 0): where pair i streams page s.  DIRECT when every other participant of
 // d is done with it (or there is none): d's entries go back to 0 at once.
-FP4C_DEVICE u32 route_pair(const CopyTables& T, u32 i, i64 d) {
-  if (ld_table(T.dst_of + d) != i + 1u) return ROUTE_NONE;  // another pair writes d
-  if (ld_table(T.pending + d) != 1u) return ROUTE_STAGE;    // d still has readers to come
+FP4C_DEVICE u32 route_pair(const CopyTables& T, const PairTables& t, u32 i, i64 d) {
+  if (t.writer_d != i + 1u) return ROUTE_NONE;  // another pair writes d
+  if (t.pending_d != 1u) return ROUTE_STAGE;    // d still has readers to come
   __threadfence();  // the readers' arrivals before this CTA's stores to d
   T.pending[d] = 0u;
   T.dst_of[d] = 0u;
   return ROUTE_DIRECT;
 }
 
-// Step 3 (thread 0): one arrival at page p.  The last one (pending[p] 1 -> 0) gets
-// dst_of[p] (the staging row + 1 to copy into p; 0: p keeps its bytes) and zeroes it;
-// every other arrival gets 0.
-FP4C_DEVICE u32 arrive(const CopyTables& T, i64 p) {
+// Step 3 (thread 0): one arrival at page p (its writer: dst_of[p] as read in step 1).  The
+// last one (pending[p] 1 -> 0) zeroes dst_of[p] and returns it (the staging row + 1 to
+// copy into p; 0: p keeps its bytes); every other arrival returns 0.
+FP4C_DEVICE u32 arrive(const CopyTables& T, i64 p, u32 writer) {
   if (atomicSub(T.pending + p, 1u) != 1u) return 0u;
-  const u32 writer = ld_table(T.dst_of + p);
   if (writer) T.dst_of[p] = 0u;
   return writer;
 }
@@ -222,23 +263,29 @@ FP4C_DEVICE void copy_impl(const void* __restrict__ src, const void* __restrict_
   for (u32 i = blockIdx.x; i < P.n; i += gridDim.x) {
     i64 s, d;
     if (!copy_pair<IdT>(src, dst, i, P, s, d)) continue;  // the same for every thread
-    // step 1, route
-    if (threadIdx.x == 0) s_route = route_pair(T, i, d);
+    // step 1, route, while the first round of page s is loading (page s cannot change
+    // before this pair has arrived at it)
+    Round<VW> first;
+    first.load(page_ptr(P, s), threadIdx.x, page_vecs(P, VW));
+    PairTables t;
+    if (threadIdx.x == 0) {
+      t = read_tables(T, s, d);
+      s_route = route_pair(T, t, i, d);
+    }
     __syncthreads();
     const u32 route = s_route;
     // step 2, stream page s
     if (route == ROUTE_DIRECT) {
-      stream_page<VW>(page_ptr(P, s), page_ptr(P, d), P);
+      stream_rest<VW>(first, page_ptr(P, s), page_ptr(P, d), P);
     } else if (route == ROUTE_STAGE) {
-      stream_page<VW>(page_ptr(P, s), staging + (u64)i * (u64)P.page_bytes, P);
+      stream_rest<VW>(first, page_ptr(P, s), staging + (u64)i * (u64)P.page_bytes, P);
       __threadfence();  // the staging row visible before the arrival that publishes it
     }
-    // step 3, arrive: every load of s by this CTA has returned
+    // step 3, arrive: every load of s by this CTA has returned (its values were stored)
     __syncthreads();
     if (threadIdx.x == 0) {
-      __threadfence();
-      const u32 row_s = arrive(T, s);
-      const u32 row_d = route == ROUTE_DIRECT ? 0u : arrive(T, d);
+      const u32 row_s = arrive(T, s, t.writer_s);
+      const u32 row_d = route == ROUTE_DIRECT ? 0u : arrive(T, d, t.writer_d);
       if (row_s | row_d) __threadfence();  // the writers' arrivals before the staging reads
       s_fin_page[0] = row_s ? s : (i64)-1;
       s_fin_row[0] = row_s - 1u;
