@@ -113,7 +113,7 @@ def test_copy_blocks_overlap_patterns(case, on_device):
     src, dst = {
         "swap": ([4, 5], [5, 4]),
         "cycle": (ids[:50], np.roll(ids[:50], 1)),  # a 50-page cycle
-        "reverse": (np.arange(nb), np.arange(nb)[::-1]),  # pairs of swaps, one fixed page
+        "reverse": (np.arange(nb), np.arange(nb)[::-1]),  # every page swapped with its mirror
         "permutation": (np.arange(nb), ids),  # every page read and written
         "fan_out": ([7] * 40, ids[ids != 7][:40]),  # one page copied to 40
         "self": ([3, 9, 12], [3, 9, 12]),  # every pair a self-copy: nothing changes
