@@ -17,7 +17,8 @@ from functools import cache
 import numpy as np
 
 __all__ = ["RULES", "LAYOUTS", "STAT_NAMES", "STAT", "STRUCTS", "struct_dtype", "header",
-           "fastdiv", "ATTN_CHUNK_TILES", "COPY_UNROLL", "COPY_TABLES", "PAGE_MOVE_THREADS",
+           "fastdiv", "ATTN_CHUNK_TILES", "COPY_UNROLL", "COPY_MIN_CTAS", "COPY_TABLES",
+           "PAGE_MOVE_THREADS",
            "SCALE_SATURATES_ABOVE"]
 
 #: Scale rules: name -> value of the kernels' ``RULE`` template parameter.
@@ -56,6 +57,9 @@ ATTN_CHUNK_TILES: dict[int, int] = {64: 4, 128: 2, 256: 1}
 #: copy_blocks (kernels/page_copy.cu): vectors each thread loads before it stores them
 #: (loads in flight per thread while a CTA streams a page).
 COPY_UNROLL = 4
+#: copy_blocks: ``__launch_bounds__`` minimum CTAs per SM of the copy kernel: 4 x 512
+#: threads fill an SM (32 registers; without the bound ptxas took 40 to 98, i.e. 1 to 3 CTAs).
+COPY_MIN_CTAS = 4
 #: copy_blocks: uint32 tables of ``num_blocks`` entries each (pending, dst_of), the
 #: cache's workspace tickets, zero before and after every call.
 COPY_TABLES = 2
@@ -172,6 +176,7 @@ def header() -> str:
                f"// float32 {SCALE_SATURATES_ABOVE:g}")
     out += [f"#define FP4C_ATTN_CHUNK_TILES_D{d} {t}" for d, t in ATTN_CHUNK_TILES.items()]
     out.append(f"#define FP4C_COPY_UNROLL {COPY_UNROLL}")
+    out.append(f"#define FP4C_COPY_MIN_CTAS {COPY_MIN_CTAS}")
     out.append(f"#define FP4C_COPY_TABLES {COPY_TABLES}")
     out.append(f"#define FP4C_PAGE_MOVE_THREADS {PAGE_MOVE_THREADS}")
     for name, fields in STRUCTS.items():

@@ -287,8 +287,6 @@ def _check_rows(cache, a, name: str, shape: tuple[int, int], *, writable: bool) 
 _PARAMS = _abi.struct_dtype("PageMoveParams")
 _THREADS = _abi.PAGE_MOVE_THREADS
 _IDS = {np.dtype(np.int32): "i32", np.dtype(np.int64): "i64"}
-#: Most CTAs of a copy launch (a CTA per pair up to this, a grid-stride loop beyond).
-_MAX_COPY_CTAS = 1 << 20
 
 
 def _vec_width(*sizes: int) -> int:
@@ -338,7 +336,7 @@ def _gpu_copy(cache, s, d) -> None:
     mark = K.get_kernel(K.page_mark_spec(ids))
     copy = K.get_kernel(K.page_copy_spec(ids, _vec_width(cache.geometry.page_bytes)))
     mark(((n + _THREADS - 1) // _THREADS,), (_THREADS,), (s, d, p))
-    copy((min(n, _MAX_COPY_CTAS),), (_THREADS,), (s, d, p))
+    copy((n,), (_THREADS,), (s, d, p))  # a CTA per pair
 
 
 def _grid_pages(n: int) -> int:

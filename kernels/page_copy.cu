@@ -20,10 +20,10 @@
 //   launch 1, mark (a thread per pair): pending[src[i]] += 1, pending[dst[i]] += 1,
 //             dst_of[dst[i]] = max(., i + 1); every id outside the pool counted once in
 //             stats[BAD_BLOCK_IDS].
-//   launch 2, copy (a CTA per pair, grid-stride): pair i with s = src[i], d = dst[i]
-//     1. route (thread 0, while the CTA's first loads of page s are in flight: s cannot
-//        change before this pair arrives at it):  not the writer of d (dst_of[d] != i + 1:
-//        a later pair repeats d, only unvalidated device ids can) -> NONE, write nothing;
+//   launch 2, copy (a CTA per pair): pair i with s = src[i], d = dst[i]
+//     1. route (thread 0, three table loads at once):  not the writer of d (dst_of[d] !=
+//        i + 1: a later pair repeats d, only unvalidated device ids can) -> NONE, write
+//        nothing;
 //        pending[d] == 1 (nobody reads d, or every other participant of d is done) ->
 //        DIRECT, and d's entries go back to 0 (nobody else touches them any more);  else
 //        STAGE.
@@ -124,24 +124,27 @@ FP4C_DEVICE bool copy_pair(const void* src, const void* dst, u32 i, const PageMo
   return page_in_pool(s, P) && page_in_pool(d, P) && s != d;
 }
 
-// One VW-byte load from L2 (ld.global.cg): pool pages and staging rows that other CTAs of
-// the launch write.
+// One VW-byte load from L2 (ld.global.cg, the __ldcg builtin): pool pages and staging rows
+// that other CTAs of the launch write.
 template <int VW>
 FP4C_DEVICE typename PageVec<VW>::type ld_cg(const void* p) {
   typename PageVec<VW>::type r;
   if constexpr (VW == 16) {
-    asm volatile("ld.global.cg.v4.u32 {%0, %1, %2, %3}, [%4];"
-                 : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w) : "l"(p));
+    const uint4 v = __ldcg((const uint4*)p);
+    r.x = v.x;
+    r.y = v.y;
+    r.z = v.z;
+    r.w = v.w;
   } else if constexpr (VW == 8) {
-    asm volatile("ld.global.cg.v2.u32 {%0, %1}, [%2];" : "=r"(r.x), "=r"(r.y) : "l"(p));
+    const uint2 v = __ldcg((const uint2*)p);
+    r.x = v.x;
+    r.y = v.y;
   } else if constexpr (VW == 4) {
-    asm volatile("ld.global.cg.u32 %0, [%1];" : "=r"(r) : "l"(p));
+    r = __ldcg((const unsigned int*)p);
   } else if constexpr (VW == 2) {
-    asm volatile("ld.global.cg.u16 %0, [%1];" : "=h"(r) : "l"(p));
+    r = __ldcg((const unsigned short*)p);
   } else {
-    u16 h;
-    asm volatile("ld.global.cg.u8 %0, [%1];" : "=h"(h) : "l"(p));
-    r = (u8)h;
+    r = __ldcg((const unsigned char*)p);
   }
   return r;
 }
@@ -149,23 +152,24 @@ FP4C_DEVICE typename PageVec<VW>::type ld_cg(const void* p) {
 // A page is streamed in rounds: each thread loads FP4C_COPY_UNROLL vectors (all in flight
 // at once), then stores them; every warp access contiguous on both sides.  A round starts
 // at vector j0 (threadIdx.x + k * FP4C_COPY_UNROLL * blockDim.x); one round covers a page
-// of up to 32 KB (16-byte vectors, 512 threads).
+// of up to 32 KB (16-byte vectors, 512 threads).  Plain loads (no asm): the compiler
+// orders them with the fences and barriers around them.
 template <int VW>
 struct Round {
   typename PageVec<VW>::type r[FP4C_COPY_UNROLL];
 
   FP4C_DEVICE void load(const u8* from, u32 j0, u32 vecs) {
+    const u8* p = from + (u64)j0 * VW;
 #pragma unroll
-    for (u32 u = 0; u < FP4C_COPY_UNROLL; ++u) {
-      const u32 j = j0 + u * blockDim.x;
-      if (j < vecs) r[u] = ld_cg<VW>(from + (u64)j * VW);
+    for (u32 u = 0; u < FP4C_COPY_UNROLL; ++u, p += blockDim.x * VW) {
+      if (j0 + u * blockDim.x < vecs) r[u] = ld_cg<VW>(p);
     }
   }
   FP4C_DEVICE void store(u8* to, u32 j0, u32 vecs) const {
+    u8* p = to + (u64)j0 * VW;
 #pragma unroll
-    for (u32 u = 0; u < FP4C_COPY_UNROLL; ++u) {
-      const u32 j = j0 + u * blockDim.x;
-      if (j < vecs) ((typename PageVec<VW>::type*)to)[j] = r[u];
+    for (u32 u = 0; u < FP4C_COPY_UNROLL; ++u, p += blockDim.x * VW) {
+      if (j0 + u * blockDim.x < vecs) *(typename PageVec<VW>::type*)p = r[u];
     }
   }
 };
@@ -174,26 +178,17 @@ FP4C_DEVICE u32 page_vecs(const PageMoveParams& P, int vw) {
   return (u32)((u64)P.page_bytes / (u64)vw);
 }
 
-// The rest of a page after a first round `first` already loaded: its stores, then every
-// further round.
+// The CTA copies page_bytes from `from` to `to`, a round at a time (not unrolled: the
+// copy kernel fits 4 CTAs of 512 threads per SM, FP4C_COPY_MIN_CTAS).
 template <int VW>
-FP4C_DEVICE void stream_rest(const Round<VW>& first, const u8* from, u8* to,
-                             const PageMoveParams& P) {
-  const u32 vecs = page_vecs(P, VW), step = FP4C_COPY_UNROLL * blockDim.x;
-  first.store(to, threadIdx.x, vecs);
-  for (u32 j0 = threadIdx.x + step; j0 < vecs; j0 += step) {
+FP4C_DEVICE void stream_page(const u8* from, u8* to, const PageMoveParams& P) {
+  const u32 vecs = page_vecs(P, VW);
+#pragma unroll 1
+  for (u32 j0 = threadIdx.x; j0 < vecs; j0 += FP4C_COPY_UNROLL * blockDim.x) {
     Round<VW> r;
     r.load(from, j0, vecs);
     r.store(to, j0, vecs);
   }
-}
-
-// The CTA copies page_bytes from `from` to `to`.
-template <int VW>
-FP4C_DEVICE void stream_page(const u8* from, u8* to, const PageMoveParams& P) {
-  Round<VW> first;
-  first.load(from, threadIdx.x, page_vecs(P, VW));
-  stream_rest<VW>(first, from, to, P);
 }
 
 // ---------------------------------------------------------------------------
@@ -258,48 +253,45 @@ FP4C_DEVICE void copy_impl(const void* __restrict__ src, const void* __restrict_
   __shared__ u32 s_route;
   __shared__ i64 s_fin_page[2];  // pages this CTA finishes (-1: none)
   __shared__ u32 s_fin_row[2];   // the staging row copied into each
+  __shared__ u32 s_writer[2];    // dst_of[s], dst_of[d] as read in step 1
+  const u32 i = blockIdx.x;      // one CTA per pair
+  i64 s, d;
+  if (i >= P.n || !copy_pair<IdT>(src, dst, i, P, s, d)) return;  // the same for all threads
   const CopyTables T = copy_tables(P);
   u8* staging = (u8*)P.staging;
-  for (u32 i = blockIdx.x; i < P.n; i += gridDim.x) {
-    i64 s, d;
-    if (!copy_pair<IdT>(src, dst, i, P, s, d)) continue;  // the same for every thread
-    // step 1, route, while the first round of page s is loading (page s cannot change
-    // before this pair has arrived at it)
-    Round<VW> first;
-    first.load(page_ptr(P, s), threadIdx.x, page_vecs(P, VW));
-    PairTables t;
-    if (threadIdx.x == 0) {
-      t = read_tables(T, s, d);
-      s_route = route_pair(T, t, i, d);
-    }
-    __syncthreads();
-    const u32 route = s_route;
-    // step 2, stream page s
-    if (route == ROUTE_DIRECT) {
-      stream_rest<VW>(first, page_ptr(P, s), page_ptr(P, d), P);
-    } else if (route == ROUTE_STAGE) {
-      stream_rest<VW>(first, page_ptr(P, s), staging + (u64)i * (u64)P.page_bytes, P);
-      __threadfence();  // the staging row visible before the arrival that publishes it
-    }
-    // step 3, arrive: every load of s by this CTA has returned (its values were stored)
-    __syncthreads();
-    if (threadIdx.x == 0) {
-      const u32 row_s = arrive(T, s, t.writer_s);
-      const u32 row_d = route == ROUTE_DIRECT ? 0u : arrive(T, d, t.writer_d);
-      if (row_s | row_d) __threadfence();  // the writers' arrivals before the staging reads
-      s_fin_page[0] = row_s ? s : (i64)-1;
-      s_fin_row[0] = row_s - 1u;
-      s_fin_page[1] = row_d ? d : (i64)-1;
-      s_fin_row[1] = row_d - 1u;
-    }
-    __syncthreads();
-    // step 4, finish: the staging rows of pages whose participants are all done
-#pragma unroll
-    for (int k = 0; k < 2; ++k) {
-      const i64 p = s_fin_page[k];
-      if (p >= 0) {
-        stream_page<VW>(staging + (u64)s_fin_row[k] * (u64)P.page_bytes, page_ptr(P, p), P);
-      }
+  // step 1, route
+  if (threadIdx.x == 0) {
+    const PairTables t = read_tables(T, s, d);
+    s_route = route_pair(T, t, i, d);
+    s_writer[0] = t.writer_s;  // kept for step 3 (shared: no registers while streaming)
+    s_writer[1] = t.writer_d;
+  }
+  __syncthreads();
+  const u32 route = s_route;
+  // step 2, stream page s
+  u8* to = route == ROUTE_DIRECT ? page_ptr(P, d)
+           : route == ROUTE_STAGE ? staging + (u64)i * (u64)P.page_bytes : nullptr;
+  if (to != nullptr) stream_page<VW>(page_ptr(P, s), to, P);
+  if (route == ROUTE_STAGE) __threadfence();  // the staging row visible before the arrival
+                                              // that publishes it
+  // step 3, arrive: every load of s by this CTA has returned (its values were stored)
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    const u32 row_s = arrive(T, s, s_writer[0]);
+    const u32 row_d = route == ROUTE_DIRECT ? 0u : arrive(T, d, s_writer[1]);
+    if (row_s | row_d) __threadfence();  // the writers' arrivals before the staging reads
+    s_fin_page[0] = row_s ? s : (i64)-1;
+    s_fin_row[0] = row_s - 1u;
+    s_fin_page[1] = row_d ? d : (i64)-1;
+    s_fin_row[1] = row_d - 1u;
+  }
+  __syncthreads();
+  // step 4, finish: the staging rows of pages whose participants are all done
+#pragma unroll 1
+  for (int k = 0; k < 2; ++k) {
+    const i64 p = s_fin_page[k];
+    if (p >= 0) {
+      stream_page<VW>(staging + (u64)s_fin_row[k] * (u64)P.page_bytes, page_ptr(P, p), P);
     }
   }
 }
@@ -315,7 +307,8 @@ FP4C_DEVICE void copy_impl(const void* __restrict__ src, const void* __restrict_
 
 // NAME, id type, vector bytes
 #define FP4C_PAGE_COPY_KERNEL(NAME, ID, VW)                                                \
-  extern "C" __global__ void __launch_bounds__(FP4C_PAGE_MOVE_THREADS) NAME(FP4C_COPY_PARAMS) { \
+  extern "C" __global__ void __launch_bounds__(FP4C_PAGE_MOVE_THREADS, FP4C_COPY_MIN_CTAS)  \
+      NAME(FP4C_COPY_PARAMS) {                                                             \
     copy_impl<ID, VW>(src, dst, params);                                                   \
   }
 

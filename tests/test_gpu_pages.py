@@ -134,24 +134,6 @@ def test_copy_blocks_overlap_patterns(case, on_device):
     assert gpu.stats["bad_block_ids"] == 0
 
 
-def test_copy_blocks_many_pairs_per_cta(monkeypatch):
-    """A grid smaller than the pairs (each CTA loops over several pairs, the path a call of
-    more than ``_MAX_COPY_CTAS`` pairs takes): still exact, tables zero."""
-    import cupy
-
-    monkeypatch.setattr(pages, "_MAX_COPY_CTAS", 3)
-    nb = 200
-    gpu, _ = pair(nb, 16, 2, 64, seed=6)
-    rng = np.random.default_rng(10)
-    for _ in range(3):
-        before = gpu.buffer.get()
-        dst = rng.permutation(nb)[:150]
-        src = rng.integers(0, nb, 150)
-        gpu.copy_blocks(cupy.asarray(src), cupy.asarray(dst))
-        assert np.array_equal(gpu.buffer.get(), expected_copy(before, src, dst))
-        assert_tables_zero(gpu)
-
-
 def test_copy_blocks_whole_pool_permutations_repeatedly():
     """A large pool permuted many times in a row on the stream (no sync in between): the
     tables each call leaves must be zero for the next one to be right."""

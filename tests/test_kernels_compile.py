@@ -63,6 +63,33 @@ def test_page_copy_streams_through_l2_without_shared_staging():
 
 
 @needs_nvrtc
+def test_page_copy_fits_its_launch_bounds_without_spills():
+    """The copy kernel streams pages with 4 CTAs of 512 threads per SM (COPY_MIN_CTAS): at
+    most 32 registers and no spills (ptxas, sm_90).  Unbounded it took up to 98 registers,
+    one CTA per SM."""
+    import re
+
+    from cupy.cuda import nvrtc
+
+    from fp4cache import _abi
+
+    specs = [K.page_copy_spec(ix, vw) for ix in K.INDEX_TYPES for vw in K.PAGE_VEC_BYTES]
+    prog = nvrtc.createProgram(K.build_source("page_copy.cu", specs), "page_copy.cu", (), ())
+    try:
+        nvrtc.compileProgram(prog, K.NVRTC_OPTIONS + ("--gpu-architecture=sm_90", "-Xptxas",
+                                                      "-v") + K.CUPY_IMPLICIT_OPTIONS)
+        log = nvrtc.getProgramLog(prog)
+    finally:
+        nvrtc.destroyProgram(prog)
+    log = log.decode() if isinstance(log, bytes) else log
+    regs = [int(r) for r in re.findall(r"Used (\d+) registers", log)]
+    spills = [int(b) for b in re.findall(r"(\d+) bytes spill stores", log)]
+    assert len(regs) == len(specs) and len(spills) == len(specs), log
+    assert max(regs) <= 65536 // (_abi.PAGE_MOVE_THREADS * _abi.COPY_MIN_CTAS), log
+    assert not any(spills), log
+
+
+@needs_nvrtc
 def test_compile_error_names_the_real_file_and_line():
     src = K.build_source("flat_codec.cu", [K.dequantize_spec("bf16")])
     broken = src.replace("FP4C_DEVICE u32 fdiv(", "FP4C_DEVICE u32 fdiv(this is not C++ ", 1)
