@@ -174,7 +174,7 @@ struct Round {
   }
 };
 
-FP4C_DEVICE u32 page_vecs(const PageMoveParams& P, int vw) {
+FP4C_DEVICE u32 vecs_per_page(const PageMoveParams& P, int vw) {
   return (u32)((u64)P.page_bytes / (u64)vw);
 }
 
@@ -182,7 +182,7 @@ FP4C_DEVICE u32 page_vecs(const PageMoveParams& P, int vw) {
 // copy kernel fits 4 CTAs of 512 threads per SM, FP4C_COPY_MIN_CTAS).
 template <int VW>
 FP4C_DEVICE void stream_page(const u8* from, u8* to, const PageMoveParams& P) {
-  const u32 vecs = page_vecs(P, VW);
+  const u32 vecs = vecs_per_page(P, VW);
 #pragma unroll 1
   for (u32 j0 = threadIdx.x; j0 < vecs; j0 += FP4C_COPY_UNROLL * blockDim.x) {
     Round<VW> r;
@@ -215,10 +215,11 @@ FP4C_DEVICE void mark_impl(const void* __restrict__ src, const void* __restrict_
 enum CopyRoute : u32 { ROUTE_NONE = 0, ROUTE_DIRECT = 1, ROUTE_STAGE = 2 };
 
 // What thread 0 reads of the tables for pair i, all at once (three loads in flight):
-// dst_of[d], pending[d] and dst_of[s].  dst_of[s] and dst_of[d] are only used when this
-// pair turns out to be the last participant of that page, and then nobody has changed
-// them since launch 1 (only the last participant, or a DIRECT writer that sees that
-// everybody else has arrived and therefore never arrives itself, resets them).
+// dst_of[d], pending[d] and dst_of[s].  dst_of[d] and pending[d] decide the route.  As the
+// staging row to copy, dst_of[s] / dst_of[d] are used only when this pair turns out to be
+// the last participant of that page, and then nobody has changed them since launch 1
+// (only the last participant, or a DIRECT writer that sees that everybody else has
+// arrived and therefore never arrives itself, resets them).
 struct PairTables {
   u32 writer_d, pending_d, writer_s;
 };
