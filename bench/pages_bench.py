@@ -20,8 +20,11 @@ Rows and bytes counted (GB/s = bytes / median time):
   ceiling of ``copy_blocks``.
 * ``copy_blocks``: 4,096 random (src, dst) pairs in a pool of 32,768 pages (604 MB, L2
   kept out by rotating 3 disjoint sets), ``2 * n * page_bytes``; also with src and dst
-  overlapping as sets, and what a user would write otherwise: CuPy fancy indexing
-  ``pool[dst] = pool[src]`` and (if importable) torch ``index_copy_``.
+  overlapping as sets (half of the destinations are other pairs' sources: those pairs
+  go through staging rows when their destination is still to be read, 4 * page_bytes of
+  traffic instead of 2, and the row still counts 2), and what a user would write
+  otherwise: CuPy fancy indexing ``pool[dst] = pool[src]`` and (if importable) torch
+  ``index_copy_``.
 * ``D2H pinned`` / ``H2D pinned``: one ``cudaMemcpyAsync`` of the same bytes as the
   page rows (1 GiB) between the device and ``fp4cache.pinned_empty`` memory: the ceilings of
   ``read_blocks`` / ``write_blocks``.  Those are timed for random device ids (staged
@@ -161,18 +164,11 @@ class PagesBench:
         t = self.time([lambda s=s, d=d: cache.copy_blocks(s, d) for s, d in sets], batch=rot * 4)
         note = ""
         if self.env.gpu:
-            vw, cols, smem = pages.copy_launch(cache, n)
-            note = f"{vw}-byte accesses, {cols * vw}-byte columns, {smem >> 10} KiB smem"
+            staging, tables = pages.copy_workspace(cache, n)
+            note = (f"2 launches; workspace {staging.nbytes >> 20} MiB staging + "
+                    f"{tables.nbytes >> 10} KiB tables")
         self.row(f"copy_blocks {n} pages", "fp4cache", t, nbytes, "copy",
                  TARGETS["copy_blocks"], note)
-        if self.env.gpu:  # experiment: narrower columns (more CTAs per SM, half sectors)
-            for cb in (16, 64):
-                vw, cols, smem = pages.copy_launch(cache, n, cb)
-                with cache._guard():
-                    t = self.time([lambda s=s, d=d, cb=cb: pages._gpu_copy(cache, s, d, cb)
-                                   for s, d in sets], batch=rot * 4)
-                self.row(f"copy_blocks {n} pages, {cols * vw}-byte columns", "experiment", t,
-                         nbytes, "copy", None, f"{smem >> 10} KiB smem")
         # src and dst overlapping as sets: half of each dst set is another pair's source
         over = [(s, xp.concatenate([d[: n // 2], s[n // 2:][::-1]])) for s, d in sets]
         t = self.time([lambda s=s, d=d: cache.copy_blocks(s, d) for s, d in over],

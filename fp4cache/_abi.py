@@ -17,10 +17,10 @@ from functools import cache
 import numpy as np
 
 __all__ = ["RULES", "LAYOUTS", "STAT_NAMES", "STAT", "STRUCTS", "struct_dtype", "header",
-           "fastdiv", "ATTN_CHUNK_TILES", "COPY_COLUMN_BYTES", "PAGE_MOVE_THREADS",
-           "SCALE_SATURATES_ABOVE", "MMA_ROWS", "VARLEN_WARPS", "VARLEN_TILE_KEYS",
-           "VARLEN_ROW_WARPS", "VARLEN_MAX_SPLITS", "VARLEN_MIN_SPLIT", "VARLEN_SMEM_PAD",
-           "varlen_smem_bytes"]
+           "fastdiv", "ATTN_CHUNK_TILES", "COPY_UNROLL", "COPY_MIN_CTAS", "COPY_TABLES",
+           "PAGE_MOVE_THREADS", "SCALE_SATURATES_ABOVE", "MMA_ROWS", "VARLEN_WARPS",
+           "VARLEN_TILE_KEYS", "VARLEN_ROW_WARPS", "VARLEN_MAX_SPLITS", "VARLEN_MIN_SPLIT",
+           "VARLEN_SMEM_PAD", "varlen_smem_bytes"]
 
 #: Scale rules: name -> value of the kernels' ``RULE`` template parameter.
 RULES: dict[str, int] = {"static6": 0, "4over6": 1}
@@ -55,10 +55,15 @@ SCALE_SATURATES_ABOVE = 464.0
 #: the 48 KB of static shared memory), D = 256 1 (registers).
 ATTN_CHUNK_TILES: dict[int, int] = {64: 4, 128: 2, 256: 1}
 
-#: copy_blocks (kernels/page_copy.cu): bytes of every page that one CTA owns, at most (a
-#: whole 32-byte DRAM sector, so that no store is a partial-sector write); the host makes
-#: a CTA's columns narrower when n copies of them would not fit in shared memory.
-COPY_COLUMN_BYTES = 32
+#: copy_blocks (kernels/page_copy.cu): vectors each thread loads before it stores them
+#: (loads in flight per thread while a CTA streams a page).
+COPY_UNROLL = 4
+#: copy_blocks: ``__launch_bounds__`` minimum CTAs per SM of the copy kernel: 4 x 512
+#: threads fill an SM (32 registers; without the bound ptxas took 40 to 98, i.e. 1 to 3 CTAs).
+COPY_MIN_CTAS = 4
+#: copy_blocks: uint32 tables of ``num_blocks`` entries each (pending, dst_of), the
+#: cache's workspace tickets, zero before and after every call.
+COPY_TABLES = 2
 #: Threads per CTA of the page-moving kernels (copy, read, write).
 PAGE_MOVE_THREADS = 512
 #: Rows of one mma.sync m16n8k16 tile (the A operand's m side).
@@ -164,10 +169,12 @@ STRUCTS: dict[str, tuple[tuple, ...]] = {
     # kernels/page_copy.cu, every non-pointer argument of copy / read / write of whole pages
     "PageMoveParams": (
         ("buffer", "u64"), ("stats", "u64"),  # u8 pool, u64 counters
+        ("tables", "u64"),  # copy: u32 pending, dst_of [num_blocks] each (zero at rest)
+        ("staging", "u64"),  # copy: u8 rows [n, page_bytes] (workspace scratch)
         ("num_blocks", "i64"), ("page_bytes", "i64"), ("side_bytes", "i64"),
         ("data_bytes", "i64"),
         ("n", "u32"),  # pages moved
-        ("col_units", "u32"),  # copy: vectors per page that one CTA owns
+        ("_pad", "u32"),
     ),
 }
 
@@ -215,7 +222,9 @@ def header() -> str:
     out.append(f"#define FP4C_SCALE_SATURATES_ABOVE_BITS {sat_bits:#010x}u  "
                f"// float32 {SCALE_SATURATES_ABOVE:g}")
     out += [f"#define FP4C_ATTN_CHUNK_TILES_D{d} {t}" for d, t in ATTN_CHUNK_TILES.items()]
-    out.append(f"#define FP4C_COPY_COLUMN_BYTES {COPY_COLUMN_BYTES}")
+    out.append(f"#define FP4C_COPY_UNROLL {COPY_UNROLL}")
+    out.append(f"#define FP4C_COPY_MIN_CTAS {COPY_MIN_CTAS}")
+    out.append(f"#define FP4C_COPY_TABLES {COPY_TABLES}")
     out.append(f"#define FP4C_PAGE_MOVE_THREADS {PAGE_MOVE_THREADS}")
     out += [f"#define FP4C_MMA_ROWS {MMA_ROWS}", f"#define FP4C_VARLEN_WARPS {VARLEN_WARPS}",
             f"#define FP4C_VARLEN_TILE_KEYS {VARLEN_TILE_KEYS}",

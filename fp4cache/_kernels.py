@@ -54,6 +54,7 @@ __all__ = [
     "ll_decode_wide_spec",
     "decode_attention_spec",
     "attention_head_dim",
+    "page_mark_spec",
     "page_copy_spec",
     "page_read_spec",
     "page_write_spec",
@@ -278,9 +279,17 @@ def _page_spec(macro: str, kind: str, ids: str, vw: int) -> Spec:
                 (INDEX_TYPES[ids], str(vw)))
 
 
+def page_mark_spec(ids: str) -> Spec:
+    """copy_blocks, launch 1: count each page's readers, note each page's writer (``ids``
+    the id type)."""
+    return Spec("page_copy.cu", "FP4C_PAGE_MARK_KERNEL", f"fp4cache_pages_mark_{ids}",
+                (INDEX_TYPES[ids],))
+
+
 def page_copy_spec(ids: str, vw: int) -> Spec:
-    """copy_blocks: page dst[i] <- page src[i], every read before any write (``ids`` the
-    id type, ``vw`` the bytes per access)."""
+    """copy_blocks, launch 2: page dst[i] <- page src[i], directly or through a staging
+    row, every read of a page before any write of it (``ids`` the id type, ``vw`` the
+    bytes per access)."""
     return _page_spec("FP4C_PAGE_COPY_KERNEL", "copy", ids, vw)
 
 
@@ -316,6 +325,7 @@ def all_specs() -> list[Spec]:
     specs += [ll_decode_wide_spec(dt) for dt in ("bf16", "f16")]
     specs += [decode_attention_spec(dt, d, w, p) for dt in VALUE_TYPES for d in ATTN_HEAD_DIMS
               for w in (False, True) for p in (True, False)]
+    specs += [page_mark_spec(ix) for ix in INDEX_TYPES]
     specs += [f(ix, vw) for f in (page_copy_spec, page_read_spec, page_write_spec)
               for ix in INDEX_TYPES for vw in PAGE_VEC_BYTES]
     specs += [varlen_attention_spec(dt, d, mw) for dt in VALUE_TYPES for d in ATTN_HEAD_DIMS

@@ -903,13 +903,19 @@ class PagedKVCache:
     def copy_blocks(self, src: Any, dst: Any, *, validate: bool | None = None) -> None:
         """Page ``dst[i]`` becomes a byte copy of page ``src[i]`` (K and V, data and scales).
 
-        Every read happens before any write, so ``src`` and ``dst`` may overlap as sets
-        (``copy_blocks([1, 2], [2, 1])`` swaps two pages).  On the GPU: one kernel launch,
-        no host synchronization (unless validating) and no allocation (with int32/int64
-        device ids of one dtype), so it can be captured in a CUDA graph; a CTA owns a
-        column of bytes of every page and stages it in shared memory (see
-        ``kernels/page_copy.cu``), which bounds one call to as many pages as the GPU has
-        bytes of shared memory per block (232,448 on an H100/H200).
+        Every read of a page happens before any write of it, so ``src`` and ``dst`` may
+        overlap as sets (``copy_blocks([1, 2], [2, 1])`` swaps two pages) and ``src`` may
+        repeat (one page copied to several).  On the GPU: two kernel launches on the
+        current stream (one counts each page's readers and writer, the other streams each
+        source page into its destination, or through a staging row when the destination
+        still has readers; see ``kernels/page_copy.cu``), no host synchronization (unless
+        validating) and no allocation once the workspace fits (with int32/int64 device ids
+        of one dtype), so it can be captured in a CUDA graph and replayed with new ids.
+        Memory: the cache's workspace holds ``n * page_bytes`` bytes of staging rows
+        (grown to the largest ``n`` copied) and ``2 * num_blocks`` uint32 counters that are
+        zero between calls, taken at the first GPU call and kept (counted in
+        :attr:`nbytes`); under CUDA-graph capture a call that needs more raises
+        ``RuntimeError`` (run one of that size before capturing).
 
         Parameters
         ----------
@@ -925,11 +931,14 @@ class PagedKVCache:
             whenever the ids are on the host, or when validating); nothing is written.
         IndexError
             (when validating) an id outside ``[0, num_blocks)``; nothing is written.
+        RuntimeError
+            (GPU) the call needs more workspace than the cache holds while the current
+            stream is capturing a CUDA graph; nothing is written.
 
         Without validation (the GPU default) an id outside the pool is counted in
         ``stats["bad_block_ids"]`` (:meth:`check` raises) and its pair is skipped: nothing
         outside the pool is written.  A repeated ``dst`` among device ids that are not
-        validated leaves that page an unspecified mix of its sources.
+        validated gets the bytes of one of its sources (which one is unspecified).
 
         Examples
         --------

@@ -6,8 +6,10 @@ What :class:`~fp4cache.PagedKVCache`'s ``copy_blocks``, ``read_blocks``, ``write
 page is moved as its raw bytes (``PageGeometry.page_bytes`` of them: K side, V side, data
 and scales), so every move is byte-exact and both backends give identical bytes.
 
-GPU kernels: ``kernels/page_copy.cu`` (copy, read, write), loaded by
-:mod:`fp4cache._kernels`.  Host transfers go through staging rows in the cache's workspace
+GPU kernels: ``kernels/page_copy.cu`` (copy in two launches, mark and copy; read;
+write), loaded by :mod:`fp4cache._kernels`.  A copy of ``n`` pairs takes ``n`` staging
+rows and two uint32 counters per page (zero between calls) from the cache's workspace
+(:func:`copy_workspace`).  Host transfers go through staging rows in the cache's workspace
 (at most :data:`STAGING_BYTES`, counted in ``cache.nbytes``): a chunk of
 pages is gathered into it on the device and copied with one ``cudaMemcpyAsync``; a run of
 consecutive page ids given on the host is copied directly, in one transfer.
@@ -15,7 +17,6 @@ consecutive page ids given on the host is copied directly, in one transfer.
 
 from __future__ import annotations
 
-import functools
 import json
 import os
 from typing import Any
@@ -293,23 +294,14 @@ def _vec_width(*sizes: int) -> int:
     return next(w for w in K.PAGE_VEC_BYTES if all(s % w == 0 for s in sizes))
 
 
-@functools.cache
-def _smem_budget(device: int) -> int:
-    """Dynamic shared memory one CTA may use on ``device`` (the opt-in maximum; a device
-    fact, memoized per device)."""
-    import cupy
-
-    return int(cupy.cuda.runtime.deviceGetAttribute(
-        cupy.cuda.runtime.cudaDevAttrMaxSharedMemoryPerBlockOptin, device))
-
-
-def _params(cache, n: int, col_units: int = 0):
+def _params(cache, n: int, tables: int = 0, staging: int = 0):
     g = cache.geometry
     p = np.zeros((), dtype=_PARAMS)
     for name, value in (("buffer", cache.buffer.data.ptr), ("stats", cache._stats.data.ptr),
+                        ("tables", tables), ("staging", staging),
                         ("num_blocks", cache.num_blocks), ("page_bytes", g.page_bytes),
                         ("side_bytes", g.side_bytes), ("data_bytes", g.data_bytes),
-                        ("n", n), ("col_units", col_units)):
+                        ("n", n)):
         p[name] = value
     return p[()]
 
@@ -318,38 +310,33 @@ def _contig_ids(a):
     return a if a.flags.c_contiguous else a.copy()
 
 
-def copy_launch(cache, n: int, column_bytes: int = _abi.COPY_COLUMN_BYTES
-                ) -> tuple[int, int, int]:
-    """``(vector bytes, vectors per column, shared memory bytes)`` of a copy of ``n``
-    pages: columns of ``column_bytes`` (the library uses ``COPY_COLUMN_BYTES``; the
-    benchmark compares others) when ``n`` of them fit in shared memory, narrower ones
-    (down to one byte) otherwise."""
+def copy_workspace(cache, n: int):
+    """``(staging, tables)`` of a GPU copy of ``n`` pairs, views of the cache's workspace:
+    ``(n, page_bytes)`` uint8 staging rows (scratch) and the ``COPY_TABLES * num_blocks``
+    uint32 tables pending, dst_of (tickets: zero before and after every call).
+    Taken at the first call, kept (and grown to the largest ``n``) by the workspace."""
     P = cache.geometry.page_bytes
-    budget = _smem_budget(cache.device_id)
-    if n > budget:
-        raise ValueError(f"copy_blocks copies at most {budget} pages per call on this GPU "
-                         f"(every source column is held in shared memory until the writes), "
-                         f"got {n}; split the call (calls on one stream are ordered)")
-    vw = _vec_width(P)
-    while n * vw > budget:
-        vw //= 2
-    vw = min(vw, column_bytes)
-    cols = max(1, min(column_bytes // vw, budget // (n * vw)))
-    return vw, cols, n * cols * vw
+    return cache._state.workspace.get(
+        [((n, P), _U8)], tickets=_abi.COPY_TABLES * cache.num_blocks,
+        hint=f"copy_blocks of {n} pages: run one before capturing")
 
 
-def _gpu_copy(cache, s, d, column_bytes: int = _abi.COPY_COLUMN_BYTES) -> None:
+def _gpu_copy(cache, s, d) -> None:
+    """Launch 1 marks each page's readers and writer, launch 2 copies (see
+    ``kernels/page_copy.cu``); no host sync, no allocation once the workspace fits."""
     if s.dtype != d.dtype:
         s, d = s.astype(np.int64), d.astype(np.int64)
     s, d = _contig_ids(s), _contig_ids(d)
     n = s.shape[0]
-    vw, cols, smem = copy_launch(cache, n, column_bytes)
-    fn = K.get_kernel(K.page_copy_spec(_IDS[s.dtype], vw))
-    if smem > 48 * 1024 and fn.max_dynamic_shared_size_bytes < smem:
-        fn.max_dynamic_shared_size_bytes = _smem_budget(cache.device_id)
-    page_vecs = cache.geometry.page_bytes // vw
-    grid = (page_vecs + cols - 1) // cols
-    fn((grid,), (_THREADS,), (s, d, _params(cache, n, cols)), shared_mem=smem)
+    if n >= 2**31:
+        raise ValueError(f"copy_blocks copies fewer than 2**31 pages per call, got {n}")
+    staging, tables = copy_workspace(cache, n)
+    ids = _IDS[s.dtype]
+    p = _params(cache, n, tables.data.ptr, staging.data.ptr)
+    mark = K.get_kernel(K.page_mark_spec(ids))
+    copy = K.get_kernel(K.page_copy_spec(ids, _vec_width(cache.geometry.page_bytes)))
+    mark(((n + _THREADS - 1) // _THREADS,), (_THREADS,), (s, d, p))
+    copy((n,), (_THREADS,), (s, d, p))  # a CTA per pair
 
 
 def _grid_pages(n: int) -> int:

@@ -1,5 +1,6 @@
 """Moving pages on the GPU (issue 24), against the NumPy backend byte for byte:
-copy_blocks (overlapping sets, every column width, bad ids, CUDA-graph capture),
+copy_blocks (overlapping sets, cycles, fan-out, self-copies, repeated destinations, bad
+ids, CUDA-graph capture and replay; the copy's tables are zero after every call),
 read_blocks / write_blocks (device and host memory, pinned and pageable, staged and
 direct), save / load across backends, slot_mapping on CuPy.  Every refusal leaves the
 pool byte-identical."""
@@ -10,14 +11,14 @@ import numpy as np
 import pytest
 
 import fp4cache
-from fp4cache import PagedKVCache, pages
+from fp4cache import PagedKVCache, _abi, pages
 
 pytestmark = pytest.mark.gpu
 
 GEOMETRIES = [  # (num_blocks, block_size, heads, head_dim, layout, swizzle): page bytes
-    (64, 16, 8, 128, "HND", True),   # 18432: 16-byte vectors, 32-byte columns
+    (64, 16, 8, 128, "HND", True),   # 18432: 16-byte vectors, 1152 per page
     (40, 16, 2, 64, "NHD", True),    # 2304
-    (33, 8, 1, 16, "HND", False),    # 144: 9 vectors, the last CTA owns one
+    (33, 8, 1, 16, "HND", False),    # 144: 9 vectors
     (50, 3, 1, 16, "NHD", False),    # 54: 2-byte accesses
     (21, 1, 1, 16, "HND", False),    # 18
 ]
@@ -39,6 +40,18 @@ def pair(nb, T, H, D, layout="HND", swizzle=True, *, seed=0, rule="static6"):
     gpu.store(cupy.asarray(slots), cupy.asarray(k), cupy.asarray(v))
     assert np.array_equal(gpu.buffer.get(), cpu.buffer)
     return gpu, cpu
+
+
+def copy_tables(gpu):
+    """The copy's uint32 tables (pending, dst_of) in the cache's workspace tickets."""
+    (t,) = gpu._state.workspace.get([], tickets=_abi.COPY_TABLES * gpu.num_blocks)
+    return t
+
+
+def assert_tables_zero(gpu):
+    t = copy_tables(gpu).get()
+    assert t.size == _abi.COPY_TABLES * gpu.num_blocks
+    assert not t.any(), np.flatnonzero(t)[:8]
 
 
 # -- copy_blocks ---------------------------------------------------------------------------
@@ -63,6 +76,7 @@ def test_copy_blocks_matches_cpu_with_overlapping_sets(geom, ids):
         else:
             gpu.copy_blocks(cupy.asarray(src), cupy.asarray(dst))  # device ids
         assert np.array_equal(gpu.buffer.get(), cpu.buffer), step
+        assert_tables_zero(gpu)
     assert gpu.stats["bad_block_ids"] == 0
 
 
@@ -77,29 +91,100 @@ def test_copy_blocks_mixed_id_dtypes_and_empty():
     assert np.array_equal(gpu.buffer.get(), cpu.buffer)
 
 
-def test_copy_blocks_narrow_columns_for_many_pages():
-    """More pages than fit in shared memory at 32-byte (and at 2-byte) columns: the host
-    narrows the columns down to single bytes; still one launch, still exact."""
+def expected_copy(before, src, dst):
+    want = before.copy()
+    want[np.asarray(dst)] = before[np.asarray(src)]
+    return want
+
+
+@pytest.mark.parametrize("case", ["swap", "cycle", "reverse", "permutation", "fan_out",
+                                  "self", "self_and_readers", "chain", "disjoint",
+                                  "fan_out_into_sources"])
+@pytest.mark.parametrize("on_device", [True, False])
+def test_copy_blocks_overlap_patterns(case, on_device):
+    """Every way src and dst can overlap: each result equals NumPy's ``pool[dst] =
+    pool[src]`` (a copy of the old pool), and the copy's tables are all zero after it."""
     import cupy
 
-    budget = pages._smem_budget(cupy.cuda.runtime.getDevice())
-    nb = budget // 2 + 100  # page_bytes 18: 2-byte accesses do not fit, 1-byte ones do
-    gpu = PagedKVCache(nb, 1, 1, 16, swizzle_v_scales=False, device="cuda")
-    rng = np.random.default_rng(5)
-    gpu.write_blocks(cupy.arange(nb), cupy.asarray(
-        rng.integers(0, 256, (nb, 18), dtype=np.uint8)))
-    vw, cols, smem = pages.copy_launch(gpu, nb)
-    assert vw == 1 and cols == 1 and smem == nb <= budget
+    nb = 300
+    gpu, _ = pair(nb, 16, 2, 64, seed=4)
+    rng = np.random.default_rng(9)
+    ids = rng.permutation(nb)
+    src, dst = {
+        "swap": ([4, 5], [5, 4]),
+        "cycle": (ids[:50], np.roll(ids[:50], 1)),  # a 50-page cycle
+        "reverse": (np.arange(nb), np.arange(nb)[::-1]),  # every page swapped with its mirror
+        "permutation": (np.arange(nb), ids),  # every page read and written
+        "fan_out": ([7] * 40, ids[ids != 7][:40]),  # one page copied to 40
+        "self": ([3, 9, 12], [3, 9, 12]),  # every pair a self-copy: nothing changes
+        "self_and_readers": ([3, 3, 3, 8], [3, 20, 21, 33]),  # 3 -> 3, and read twice
+        "chain": (ids[:100], ids[1:101]),  # page k+1 <- page k: a path, not a cycle
+        "disjoint": (ids[:120], ids[120:240]),
+        "fan_out_into_sources": (np.repeat(ids[:10], 10), ids[:100]),  # dst 0-9 are sources
+    }[case]
+    src, dst = np.asarray(src, np.int64), np.asarray(dst, np.int64)
+    assert len(np.unique(dst)) == len(dst)
     before = gpu.buffer.get()
-    dst = rng.permutation(nb)
-    src = rng.permutation(nb)
+    if on_device:
+        gpu.copy_blocks(cupy.asarray(src), cupy.asarray(dst))
+    else:
+        gpu.copy_blocks(src, dst)
+    assert np.array_equal(gpu.buffer.get(), expected_copy(before, src, dst))
+    assert_tables_zero(gpu)
+    assert gpu.stats["bad_block_ids"] == 0
+
+
+def test_copy_blocks_whole_pool_permutations_repeatedly():
+    """A large pool permuted many times in a row on the stream (no sync in between): the
+    tables each call leaves must be zero for the next one to be right."""
+    import cupy
+
+    nb = 4096
+    gpu = PagedKVCache(nb, 16, 2, 64, device="cuda")
+    rng = np.random.default_rng(11)
+    P = gpu.geometry.page_bytes
+    gpu.write_blocks(cupy.arange(nb), cupy.asarray(rng.integers(0, 256, (nb, P), np.uint8)))
+    want = gpu.buffer.get().reshape(nb, P)
+    for _ in range(8):
+        src, dst = rng.permutation(nb), rng.permutation(nb)
+        gpu.copy_blocks(cupy.asarray(src.astype(np.int32)), cupy.asarray(dst.astype(np.int32)))
+        want = expected_copy(want, src, dst)
+    assert np.array_equal(gpu.buffer.get().reshape(nb, P), want)
+    assert_tables_zero(gpu)
+
+
+def test_copy_blocks_repeated_dst_unvalidated_device_ids():
+    """Unchecked device ids that repeat a destination: that page gets one of its sources
+    whole, no other page changes, and the tables still end at zero."""
+    import cupy
+
+    gpu, _ = pair(32, 16, 2, 64, seed=3)
+    before = gpu.buffer.get()
+    src = np.array([1, 2, 3, 4, 9, 5])
+    dst = np.array([9, 9, 9, 6, 1, 6])  # 9 written three times (and read), 6 twice
     gpu.copy_blocks(cupy.asarray(src), cupy.asarray(dst))
-    want = before.copy()
-    want[dst] = before[src]
-    assert np.array_equal(gpu.buffer.get(), want)
-    with pytest.raises(ValueError, match=f"copies at most {budget} pages per call"):
-        gpu.copy_blocks(cupy.zeros(budget + 1, cupy.int32), cupy.zeros(budget + 1, cupy.int32))
-    assert np.array_equal(gpu.buffer.get(), want)
+    got = gpu.buffer.get()
+    assert any(np.array_equal(got[9], before[s]) for s in (1, 2, 3))
+    assert any(np.array_equal(got[6], before[s]) for s in (4, 5))
+    assert np.array_equal(got[1], before[9])  # read before 9 was written
+    keep = np.setdiff1d(np.arange(32), [9, 6, 1])
+    assert np.array_equal(got[keep], before[keep])
+    assert_tables_zero(gpu)
+    assert gpu.stats["bad_block_ids"] == 0
+
+
+def test_copy_blocks_workspace_is_kept_and_counted():
+    import cupy
+
+    gpu, _ = pair(64, 16, 2, 64)
+    P = gpu.geometry.page_bytes
+    n0 = gpu.nbytes
+    gpu.copy_blocks(cupy.asarray([1, 2, 3]), cupy.asarray([2, 3, 1]))
+    n1 = gpu.nbytes  # staging rows and tables, taken at the first call
+    assert n1 >= n0 + 3 * P + _abi.COPY_TABLES * 4 * 64
+    gpu.copy_blocks(cupy.asarray([5, 6]), cupy.asarray([6, 5]))  # fits: kept, not grown
+    assert gpu.nbytes == n1
+    assert_tables_zero(gpu)
 
 
 def test_copy_blocks_unvalidated_bad_ids_counted_and_skipped():
@@ -112,6 +197,7 @@ def test_copy_blocks_unvalidated_bad_ids_counted_and_skipped():
     cpu.copy_blocks(src, dst, validate=False)
     assert np.array_equal(gpu.buffer.get(), cpu.buffer)
     assert gpu.stats["bad_block_ids"] == cpu.stats["bad_block_ids"] == 4
+    assert_tables_zero(gpu)
     with pytest.raises(IndexError):
         gpu.check()
 
@@ -140,33 +226,44 @@ def test_copy_blocks_refusals_write_nothing(src, dst, exc, match, validate, on_d
     assert gpu.stats["bad_block_ids"] == 0
 
 
-def test_copy_blocks_in_a_cuda_graph():
-    """copy_blocks captured once, replayed with new (overlapping) ids written into the same
-    device arrays: each replay equals the CPU's copy."""
+@pytest.mark.parametrize("ids", [np.int32, np.int64])
+def test_copy_blocks_in_a_cuda_graph(ids):
+    """copy_blocks captured once, replayed many times with new ids written into the same
+    device arrays (disjoint, overlapping, cycles, fan-out, self-copies, a bad id): each
+    replay equals the CPU's copy, which holds only if every replay leaves the tables at
+    zero for the next."""
     import cupy
 
     gpu, cpu = pair(48, 16, 4, 128, seed=2)
     n = 20
-    src = cupy.arange(n, dtype=cupy.int32)
-    dst = cupy.arange(n, 2 * n, dtype=cupy.int32)
+    src = cupy.arange(n, dtype=ids)
+    dst = cupy.arange(n, 2 * n, dtype=ids)
     stream = cupy.cuda.Stream(non_blocking=True)
     rng = np.random.default_rng(8)
     with stream:
-        gpu.copy_blocks(src, dst)  # compiles the kernel, sets its shared-memory limit
+        gpu.copy_blocks(src, dst)  # compiles the kernels, takes the workspace
         cpu.copy_blocks(np.arange(n), np.arange(n, 2 * n))
         stream.begin_capture()
         gpu.copy_blocks(src, dst)
         graph = stream.end_capture()
-        for _ in range(4):
-            d = rng.permutation(48)[:n].astype(np.int32)
-            s = rng.integers(0, 48, n).astype(np.int32)
-            src.set(s, stream=stream)
-            dst.set(d, stream=stream)
+        for step in range(12):
+            d = rng.permutation(48)[:n]
+            s = [rng.integers(0, 48, n),  # random, overlapping
+                 np.roll(d, 1),  # a cycle through the destinations
+                 np.full(n, d[0]),  # fan-out of a page that is also written
+                 d.copy(),  # all self-copies
+                 rng.permutation(48)[:n]][step % 5]
+            if step == 7:
+                s = s.copy()
+                s[3] = 48  # unvalidated bad id: counted, pair skipped
+            src.set(s.astype(ids), stream=stream)
+            dst.set(d.astype(ids), stream=stream)
             graph.launch(stream)
-            cpu.copy_blocks(s, d)
-        stream.synchronize()
-    assert np.array_equal(gpu.buffer.get(), cpu.buffer)
-    assert gpu.stats["bad_block_ids"] == 0
+            cpu.copy_blocks(s, d, validate=False)
+            stream.synchronize()
+            assert np.array_equal(gpu.buffer.get(), cpu.buffer), step
+            assert_tables_zero(gpu)
+    assert gpu.stats["bad_block_ids"] == cpu.stats["bad_block_ids"] == 1
 
 
 # -- read / write ----------------------------------------------------------------------------

@@ -46,6 +46,50 @@ def test_all_specializations_compile(arch):
 
 
 @needs_nvrtc
+def test_page_copy_streams_through_l2_without_shared_staging():
+    """copy_blocks' copy kernel reads the pool and the staging rows from L2 (other CTAs of
+    the launch write them: never through the non-coherent read-only path) and holds no
+    page bytes in shared memory (no limit on the pages of a call)."""
+    import re
+
+    specs = [K.page_mark_spec("i32"), K.page_copy_spec("i32", 16), K.page_copy_spec("i64", 1)]
+    ptx = K.compile_all("sm_90", specs)["page_copy.cu"]
+    for spec in specs[1:]:
+        body = re.search(rf"\.entry {spec.name}\(.*?\n}}\n", ptx, re.S).group(0)
+        assert ".extern .shared" not in body
+        wide = "v4.u32" if spec.args[1] == "16" else "u8"
+        assert f"ld.global.cg.{wide}" in body and f"ld.global.nc.{wide}" not in body
+        assert "atom.global.add.u32" in body and "membar.gl" in body
+
+
+@needs_nvrtc
+def test_page_copy_fits_its_launch_bounds_without_spills():
+    """The copy kernel streams pages with 4 CTAs of 512 threads per SM (COPY_MIN_CTAS): at
+    most 32 registers and no spills (ptxas, sm_90).  Unbounded it took up to 98 registers,
+    one CTA per SM."""
+    import re
+
+    from cupy.cuda import nvrtc
+
+    from fp4cache import _abi
+
+    specs = [K.page_copy_spec(ix, vw) for ix in K.INDEX_TYPES for vw in K.PAGE_VEC_BYTES]
+    prog = nvrtc.createProgram(K.build_source("page_copy.cu", specs), "page_copy.cu", (), ())
+    try:
+        nvrtc.compileProgram(prog, K.NVRTC_OPTIONS + ("--gpu-architecture=sm_90", "-Xptxas",
+                                                      "-v") + K.CUPY_IMPLICIT_OPTIONS)
+        log = nvrtc.getProgramLog(prog)
+    finally:
+        nvrtc.destroyProgram(prog)
+    log = log.decode() if isinstance(log, bytes) else log
+    regs = [int(r) for r in re.findall(r"Used (\d+) registers", log)]
+    spills = [int(b) for b in re.findall(r"(\d+) bytes spill stores", log)]
+    assert len(regs) == len(specs) and len(spills) == len(specs), log
+    assert max(regs) <= 65536 // (_abi.PAGE_MOVE_THREADS * _abi.COPY_MIN_CTAS), log
+    assert not any(spills), log
+
+
+@needs_nvrtc
 def test_compile_error_names_the_real_file_and_line():
     src = K.build_source("flat_codec.cu", [K.dequantize_spec("bf16")])
     broken = src.replace("FP4C_DEVICE u32 fdiv(", "FP4C_DEVICE u32 fdiv(this is not C++ ", 1)
@@ -66,7 +110,7 @@ def test_source_assembly():
     with pytest.raises(ValueError):
         K.build_source("flat_codec.cu", [spec])
     families = {s.macro for s in K.all_specs()}
-    assert len(families) == 15
+    assert len(families) == 16
     assert len({s.name for s in K.all_specs()}) == len(K.all_specs())
 
 

@@ -74,6 +74,16 @@ def test_copy_blocks_cycles_and_swaps_read_before_write():
         assert np.array_equal(cache.buffer[p], before[2])
 
 
+def test_copy_blocks_fan_out_from_pages_that_are_written():
+    """Sources read by several pairs and written by another (a swap inside a fan-out), and
+    self-copies among them: every page gets the old bytes of its source."""
+    cache = filled(6, 16, 2, 64)
+    before = cache.buffer.copy()
+    cache.copy_blocks([0, 0, 1, 3, 0], [1, 2, 0, 3, 4])
+    for d, s in ((1, 0), (2, 0), (0, 1), (3, 3), (4, 0), (5, 5)):
+        assert np.array_equal(cache.buffer[d], before[s]), d
+
+
 def test_copy_blocks_decodes_like_the_source():
     cache = filled(8, 16, 2, 128, rule="4over6")
     k0, v0 = cache.gather_dequant([3, 5], dtype="float32")
