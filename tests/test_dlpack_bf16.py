@@ -317,7 +317,9 @@ def test_jax_bf16_array():
     """JAX is another real bfloat16 producer (DLPack 1.x capsules)."""
     jax = pytest.importorskip("jax")
     jnp = jax.numpy
-    x = jax.random.normal(jax.random.key(0), (40, 2, 64), dtype=jnp.bfloat16)
+    cpu = jax.devices("cpu")[0]  # a host array (JAX puts arrays on its GPU where it has one)
+    x = jax.device_put(jax.random.normal(jax.random.key(0), (40, 2, 64), dtype=jnp.bfloat16),
+                       cpu)
     ref = np.asarray(x)                                      # JAX's own NumPy export
     assert ref.dtype == BF16
     a = to_backend(x, "cpu", "k")
