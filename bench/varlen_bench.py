@@ -89,7 +89,7 @@ class VarlenBench(AttnBench):
         # decode_attention on the same cache (n = 1)
         qd = self.env.randn_bf16((B, Hq, D), seed + 3)
         od = cp.empty((B, Hq, D), dtype=BF16)
-        dcall = self.fused(cache, qd, tab, lensd, od, {}, sm_scale)
+        dcall = self.fused(cache, qd, tab, lensd, od, new_scratch(), sm_scale)
         dcall()
         td = self.time([dcall], batch=10)
         log(f"   decode_attention (n=1): {td * 1e6:.1f} us")
@@ -211,16 +211,16 @@ class VarlenBench(AttnBench):
         N = sum(ns)
         q = self.env.randn_bf16((N, Hq, D), seed + 1)
         out = cp.empty((N, Hq, D), dtype=BF16)
-        call = self.varlen(cache, q, qsl, tab, lensd, out, {}, sm_scale, chunk)
+        call = self.varlen(cache, q, qsl, tab, lensd, out, new_scratch(), sm_scale, chunk)
         call()
         cp.cuda.Device().synchronize()
         t = self.time([call], batch=5)
         rel = self.check(cache, tab, lensd, qsl, q, out, sm_scale, H, D, T)
         # the two kinds called separately: decode_attention over the 32, varlen over the chunk
         od = cp.empty((32, Hq, D), dtype=BF16)
-        dcall = self.fused(cache, q[:32], tab[:32], lensd[:32], od, {}, sm_scale)
+        dcall = self.fused(cache, q[:32], tab[:32], lensd[:32], od, new_scratch(), sm_scale)
         oc = cp.empty((chunk, Hq, D), dtype=BF16)
-        ccall = self.varlen(cache, q[32:], qsl[32:] - 32, tab[32:], lensd[32:], oc, {},
+        ccall = self.varlen(cache, q[32:], qsl[32:] - 32, tab[32:], lensd[32:], oc, new_scratch(),
                             sm_scale, chunk)
         dcall()
         ccall()
@@ -229,7 +229,8 @@ class VarlenBench(AttnBench):
         ts = td + tc  # (time_calls with several calls times each of them, not the sum)
         # the 32 decoding sequences alone through this kernel (n = 1: the 16-row kernel)
         ov = cp.empty((32, Hq, D), dtype=BF16)
-        vcall = self.varlen(cache, q[:32], qsl[:33], tab[:32], lensd[:32], ov, {}, sm_scale, 1)
+        vcall = self.varlen(cache, q[:32], qsl[:33], tab[:32], lensd[:32], ov, new_scratch(),
+                            sm_scale, 1)
         vcall()
         tv = self.time([vcall], batch=5)
         row = dict(case="mixed 32 decode + 1024 chunk", varlen_us=t * 1e6,
@@ -250,7 +251,7 @@ class VarlenBench(AttnBench):
         qsl = cp.arange(B + 1, dtype=cp.int32) * n
         out = cp.empty((B * n, Hq, D), dtype=BF16)
         from fp4cache import _cupy_varlen as cv
-        call = self.varlen(cache, q, qsl, tab, lensd, out, {}, 1 / np.sqrt(D), n)
+        call = self.varlen(cache, q, qsl, tab, lensd, out, new_scratch(), 1 / np.sqrt(D), n)
         call()
         # what a front end keeps for its hot path: the prepared runner (one launch)
         runner = cv.attention_runner(cache.buffer, q, qsl, tab, lensd, max_query_len=n,

@@ -17,6 +17,8 @@ for _p in (str(_ROOT), str(_ROOT / "bench")):
 from timing import BF16  # noqa: E402
 from varlen_bench import VarlenBench  # noqa: E402
 
+from fp4cache._cupy_attention import new_scratch  # noqa: E402
+
 
 def main() -> int:
     import argparse
@@ -33,7 +35,7 @@ def main() -> int:
         q = vb.env.randn_bf16((B * n, Hq, D), 1)
         qsl = cp.arange(B + 1, dtype=cp.int32) * n
         out = cp.empty((B * n, Hq, D), dtype=BF16)
-        vb.varlen(cache, q, qsl, tab, lens, out, {}, 1 / np.sqrt(D), n)()
+        vb.varlen(cache, q, qsl, tab, lens, out, new_scratch(), 1 / np.sqrt(D), n)()
         cp.cuda.Device().synchronize()
         del cache
         vb.release()
@@ -43,7 +45,7 @@ def main() -> int:
         q = vb.env.randn_bf16((n, Hq, D), 1)
         qsl = cp.asarray(np.array([0, n], np.int32))
         out = cp.empty((n, Hq, D), dtype=BF16)
-        vb.varlen(cache, q, qsl, tab, lens, out, {}, 1 / np.sqrt(D), n)()
+        vb.varlen(cache, q, qsl, tab, lens, out, new_scratch(), 1 / np.sqrt(D), n)()
         cp.cuda.Device().synchronize()
     return 0
 
