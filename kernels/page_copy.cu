@@ -178,13 +178,14 @@ FP4C_DEVICE u32 vecs_per_page(const PageMoveParams& P, int vw) {
   return (u32)((u64)P.page_bytes / (u64)vw);
 }
 
-// The CTA copies page_bytes from `from` to `to`, a round at a time (not unrolled: the
-// copy kernel fits 4 CTAs of 512 threads per SM, FP4C_COPY_MIN_CTAS).
+// The CTA copies page_bytes from `from` to `to`, a round at a time from the round that
+// starts at vector j_start of this thread (not unrolled: the copy kernel fits 4 CTAs of
+// 512 threads per SM, FP4C_COPY_MIN_CTAS).
 template <int VW>
-FP4C_DEVICE void stream_page(const u8* from, u8* to, const PageMoveParams& P) {
+FP4C_DEVICE void stream_page(const u8* from, u8* to, const PageMoveParams& P, u32 j_start) {
   const u32 vecs = vecs_per_page(P, VW);
 #pragma unroll 1
-  for (u32 j0 = threadIdx.x; j0 < vecs; j0 += FP4C_COPY_UNROLL * blockDim.x) {
+  for (u32 j0 = j_start; j0 < vecs; j0 += FP4C_COPY_UNROLL * blockDim.x) {
     Round<VW> r;
     r.load(from, j0, vecs);
     r.store(to, j0, vecs);
@@ -210,7 +211,7 @@ FP4C_DEVICE void mark_impl(const void* __restrict__ src, const void* __restrict_
 }
 
 // ---------------------------------------------------------------------------
-// copy, launch 2: route, stream, arrive, finish
+// copy, launch 2: load, route, stream, arrive, finish
 // ---------------------------------------------------------------------------
 enum CopyRoute : u32 { ROUTE_NONE = 0, ROUTE_DIRECT = 1, ROUTE_STAGE = 2 };
 
@@ -260,7 +261,14 @@ FP4C_DEVICE void copy_impl(const void* __restrict__ src, const void* __restrict_
   if (i >= P.n || !copy_pair<IdT>(src, dst, i, P, s, d)) return;  // the same for all threads
   const CopyTables T = copy_tables(P);
   u8* staging = (u8*)P.staging;
-  // step 1, route
+  // step 1, load the first round of page s while thread 0 reads the tables: safe before
+  // this CTA's arrival at s, since no pair writes s until every reader has arrived (a
+  // DIRECT writer sees pending[s] > 1, the finisher needs pending[s] to reach 0)
+  const u32 vecs = vecs_per_page(P, VW);
+  const u32 round = FP4C_COPY_UNROLL * blockDim.x;
+  Round<VW> first;
+  first.load(page_ptr(P, s), threadIdx.x, vecs);
+  // step 2, route
   if (threadIdx.x == 0) {
     const PairTables t = read_tables(T, s, d);
     s_route = route_pair(T, t, i, d);
@@ -269,13 +277,17 @@ FP4C_DEVICE void copy_impl(const void* __restrict__ src, const void* __restrict_
   }
   __syncthreads();
   const u32 route = s_route;
-  // step 2, stream page s
+  // step 3, stream page s: the first round from registers, the rest from memory
   u8* to = route == ROUTE_DIRECT ? page_ptr(P, d)
            : route == ROUTE_STAGE ? staging + (u64)i * (u64)P.page_bytes : nullptr;
-  if (to != nullptr) stream_page<VW>(page_ptr(P, s), to, P);
+  if (to != nullptr) {
+    first.store(to, threadIdx.x, vecs);
+    stream_page<VW>(page_ptr(P, s), to, P, threadIdx.x + round);
+  }
   if (route == ROUTE_STAGE) __threadfence();  // the staging row visible before the arrival
                                               // that publishes it
-  // step 3, arrive: every load of s by this CTA has returned (its values were stored)
+  // step 4, arrive: every load of s by this CTA has returned (its values were stored, or,
+  // for a pair that writes nothing, are in registers)
   __syncthreads();
   if (threadIdx.x == 0) {
     const u32 row_s = arrive(T, s, s_writer[0]);
@@ -287,12 +299,13 @@ FP4C_DEVICE void copy_impl(const void* __restrict__ src, const void* __restrict_
     s_fin_row[1] = row_d - 1u;
   }
   __syncthreads();
-  // step 4, finish: the staging rows of pages whose participants are all done
+  // step 5, finish: the staging rows of pages whose participants are all done
 #pragma unroll 1
   for (int k = 0; k < 2; ++k) {
     const i64 p = s_fin_page[k];
     if (p >= 0) {
-      stream_page<VW>(staging + (u64)s_fin_row[k] * (u64)P.page_bytes, page_ptr(P, p), P);
+      stream_page<VW>(staging + (u64)s_fin_row[k] * (u64)P.page_bytes, page_ptr(P, p), P,
+                      threadIdx.x);
     }
   }
 }
