@@ -17,7 +17,9 @@ from functools import cache
 import numpy as np
 
 __all__ = ["RULES", "LAYOUTS", "STAT_NAMES", "STAT", "STRUCTS", "struct_dtype", "header",
-           "fastdiv", "ATTN_CHUNK_TILES", "COPY_COLUMN_BYTES", "PAGE_MOVE_THREADS",
+           "fastdiv", "DECODE_CHUNKS", "SCAN_MAX_TOKENS", "LL_WIDE_TILES", "ATTN_WARPS",
+           "ATTN_MAX_SPLITS", "PAIR_SCALE_SHIFT", "ATTN_CHUNK_TILES", "COPY_COLUMN_BYTES",
+           "PAGE_MOVE_THREADS",
            "SCALE_SATURATES_ABOVE", "MMA_ROWS", "VARLEN_WARPS", "VARLEN_TILE_KEYS",
            "VARLEN_ROW_WARPS", "VARLEN_MAX_SPLITS", "VARLEN_MIN_SPLIT", "VARLEN_SMEM_PAD",
            "varlen_smem_bytes"]
@@ -48,6 +50,26 @@ STAT: dict[str, int] = {name: i for i, name in enumerate(STAT_NAMES)}
 #: format one), and round-to-nearest-even takes it and everything below to 448 anyway: the
 #: calibrated maximum, ``fl(g * fl(amax * fl(1/6)))`` = 448.00003, is not saturated.
 SCALE_SATURATES_ABOVE = 464.0
+
+#: 16-byte output chunks per thread of the decode kernels (gather, flat dequantize,
+#: LongLive decode); 1 and 4 were measured and dropped (bench/KERNEL_NOTES.md, v9).
+DECODE_CHUNKS = 2
+#: Stores of up to this many tokens find repeated slots by a scan in the kernel (one
+#: launch, one thread per token of a 256-thread CTA); larger ones take a claim pass.
+SCAN_MAX_TOKENS = 128
+#: 1024-chunk tiles per CTA of the wide LongLive decode (all loads first; KERNEL_NOTES v14).
+LL_WIDE_TILES = 2
+#: Warps per CTA of the decode attention (2, 3 and 8 measured and dropped: KERNEL_NOTES,
+#: seventh and eighth sessions).
+ATTN_WARPS = 4
+#: Most KV splits per (sequence, KV head) of the decode attention (the merge's weights
+#: live in shared memory).
+ATTN_MAX_SPLITS = 128
+#: The attention kernels decode an E2M1 code times its E4M3 scale as an exact f16 scaled
+#: by 2^-PAIR_SCALE_SHIFT (``pair_scale`` in kernels/attn_common.cuh: both decode routes'
+#: multipliers are generated from it); the host folds 2^PAIR_SCALE_SHIFT into the score
+#: scale and the output scale.
+PAIR_SCALE_SHIFT = 7
 
 #: Decode attention, groups of 1..8 with block_size % 16 == 0: 16-token tiles per chunk (a
 #: warp's step of the chunk ring), by head_dim.  Measured on the H200 (bench/KERNEL_NOTES.md):
@@ -214,6 +236,18 @@ def header() -> str:
     sat_bits = int(np.float32(SCALE_SATURATES_ABOVE).view(np.uint32))
     out.append(f"#define FP4C_SCALE_SATURATES_ABOVE_BITS {sat_bits:#010x}u  "
                f"// float32 {SCALE_SATURATES_ABOVE:g}")
+    out += [f"#define FP4C_DECODE_CHUNKS {DECODE_CHUNKS}",
+            f"#define FP4C_SCAN_MAX_TOKENS {SCAN_MAX_TOKENS}",
+            f"#define FP4C_LL_WIDE_TILES {LL_WIDE_TILES}",
+            f"#define FP4C_ATTN_WARPS {ATTN_WARPS}",
+            f"#define FP4C_ATTN_MAX_SPLITS {ATTN_MAX_SPLITS}",
+            f"#define FP4C_PAIR_SCALE_SHIFT {PAIR_SCALE_SHIFT}"]
+    # pair_scale's f16x2 multipliers: the E4M3 route's codes are e2m1 * 2^-6 and its scales
+    # exact f16, the bit route's codes e2m1 * 2^-14 and its scales |sf| * 2^-8
+    for name, exp in (("E4M3", 6), ("BITS", 8 + 14)):
+        bits = int(np.float16(2.0 ** (exp - PAIR_SCALE_SHIFT)).view(np.uint16)) * 0x10001
+        out.append(f"#define FP4C_PAIR_SCALE_{name} {bits:#010x}u  "
+                   f"// f16x2 2^{exp - PAIR_SCALE_SHIFT}")
     out += [f"#define FP4C_ATTN_CHUNK_TILES_D{d} {t}" for d, t in ATTN_CHUNK_TILES.items()]
     out.append(f"#define FP4C_COPY_COLUMN_BYTES {COPY_COLUMN_BYTES}")
     out.append(f"#define FP4C_PAGE_MOVE_THREADS {PAGE_MOVE_THREADS}")

@@ -19,6 +19,7 @@ within a cache's hints can take (what the cache reserves at construction).
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, NamedTuple
 
 import cupy
@@ -33,7 +34,7 @@ from .layout import PageGeometry
 
 __all__ = ["decode_attention", "attention_runner", "attention_plans", "new_scratch",
            "split_plan", "max_splits", "workspace_parts", "workspace_bound",
-           "dequant_table", "bytes_read", "ATTN_PARAMS_DTYPE", "SPLIT_TOKENS",
+           "dequant_table", "bytes_read", "attention_scales", "ATTN_PARAMS_DTYPE", "SPLIT_TOKENS",
            "MIN_SPLIT_TOKENS", "CTA_TOKENS", "MERGE_TOKENS", "splits_of"]
 
 _U32, _I64, _F32 = np.uint32, np.int64, np.float32
@@ -61,6 +62,16 @@ def _ceil(a: int, b: int) -> int:
     return -(-a // b)
 
 
+def attention_scales(sm_scale, k_s, v_s) -> tuple[np.float32, np.float32]:
+    """``(qk_scale, out_scale)`` of the attention kernels' params: the kernels' decoded
+    values are e2m1 * sf * 2^-PAIR_SCALE_SHIFT (``_abi``), so the score scale takes
+    sm_scale * k_scale * 2^PAIR_SCALE_SHIFT * log2(e) (scores in the log2 domain) and the
+    output v_scale * 2^PAIR_SCALE_SHIFT."""
+    unscale = 2.0 ** _abi.PAIR_SCALE_SHIFT
+    return (np.float32(float(sm_scale) * float(np.float32(k_s)) * unscale * _LOG2E),
+            np.float32(float(np.float32(v_s)) * unscale))
+
+
 class SplitPlan(NamedTuple):
     nsplit: int
     split_len: int
@@ -69,9 +80,8 @@ class SplitPlan(NamedTuple):
 def _split_step(spec: K.Spec | None) -> int:
     """Split lengths are multiples of this: one chunk per warp of the CTA (at least two
     16-token tiles, ``_abi.ATTN_CHUNK_TILES`` of the spec's head_dim)."""
-    tune = dict(K.TUNING if spec is None else spec.tuning)
     tiles = 2 if spec is None else max(2, _abi.ATTN_CHUNK_TILES[K.attention_head_dim(spec)])
-    return 16 * tiles * tune["FP4C_ATTN_WARPS"]
+    return 16 * tiles * _abi.ATTN_WARPS
 
 
 def splits_of(n: int, capacity: int, spec: K.Spec | None = None) -> SplitPlan:
@@ -93,14 +103,13 @@ def split_plan(batch: int, kv_heads: int, capacity: int, resident_ctas: int,
     CTA_TOKENS) + n * MERGE_TOKENS`` (ties to fewer splits), with ``split_len`` =
     :func:`splits_of` ``n``, between
     :data:`MIN_SPLIT_TOKENS` (unless one split) and :data:`SPLIT_TOKENS` (so that unequal
-    sequence lengths still spread over the GPU), and at most ``FP4C_ATTN_MAX_SPLITS``
+    sequence lengths still spread over the GPU), and at most ``_abi.ATTN_MAX_SPLITS``
     splits.  A grid just over one wave (the second wave nearly empty) costs twice its
     work, so this never picks one.
     """
-    tune = dict(K.TUNING if spec is None else spec.tuning)
     bh = max(1, batch * kv_heads)
     best: tuple[float, SplitPlan] | None = None
-    for n in range(1, tune["FP4C_ATTN_MAX_SPLITS"] + 1):
+    for n in range(1, _abi.ATTN_MAX_SPLITS + 1):
         plan = splits_of(n, capacity, spec)
         if plan.nsplit != n:  # the same split length as a smaller n
             continue
@@ -114,17 +123,16 @@ def split_plan(batch: int, kv_heads: int, capacity: int, resident_ctas: int,
             best = (cost, plan)
     if best is None:  # only with MIN_SPLIT_TOKENS > SPLIT_TOKENS or huge capacities
         cap = max(int(capacity), 1)
-        return splits_of(min(_ceil(cap, SPLIT_TOKENS), tune["FP4C_ATTN_MAX_SPLITS"]),
+        return splits_of(min(_ceil(cap, SPLIT_TOKENS), _abi.ATTN_MAX_SPLITS),
                          capacity, spec)
     return best[1]
 
 
 def max_splits(capacity: int, spec: K.Spec | None = None) -> int:
     """The most splits :func:`split_plan` can choose for ``capacity`` tokens on any GPU:
-    ``FP4C_ATTN_MAX_SPLITS``, and (more than one split being at least
+    ``_abi.ATTN_MAX_SPLITS``, and (more than one split being at least
     :data:`MIN_SPLIT_TOKENS` long) ``ceil(capacity / MIN_SPLIT_TOKENS)``."""
-    tune = dict(K.TUNING if spec is None else spec.tuning)
-    return max(1, min(tune["FP4C_ATTN_MAX_SPLITS"], _ceil(int(capacity), MIN_SPLIT_TOKENS)))
+    return max(1, min(_abi.ATTN_MAX_SPLITS, _ceil(int(capacity), MIN_SPLIT_TOKENS)))
 
 
 def workspace_parts(batch: int, kv_heads: int, nsplit: int, group: int,
@@ -155,7 +163,7 @@ def workspace_bound(geom: PageGeometry, max_batch_size: int, max_seq_len: int,
 def _resident_ctas(fn, spec: K.Spec) -> int:
     """CTAs of ``fn`` that fit on the whole device at once (registers, shared memory)."""
     sms = num_sms()
-    threads = 32 * spec.tune("FP4C_ATTN_WARPS")
+    threads = 32 * _abi.ATTN_WARPS
     regs = max(1, int(fn.num_regs))
     by_regs = 65536 // (threads * (-(-regs // 8) * 8))
     smem = int(fn.shared_size_bytes) + 1024
@@ -169,10 +177,12 @@ class _AttnPlan(NamedTuple):
     block: tuple[int]
     params: Any  # np.void of ATTN_PARAMS_DTYPE
     keep: tuple  # the owner's arrays the params point to (pool, counters, geometry)
+    spec: K.Spec  # the kernel's specialization
 
 
 def _make_plan(buffer, q, block_tables, seq_lens, geom: PageGeometry, k_s, v_s, sm_scale,
-               stats, workspace: Workspace) -> _AttnPlan:
+               stats, workspace: Workspace, decode_route: str = "auto",
+               kernel_file: str | None = None) -> _AttnPlan:
     B, Hq, D = q.shape
     H, T = geom.num_heads, geom.block_size
     if D != geom.head_dim:
@@ -199,7 +209,10 @@ def _make_plan(buffer, q, block_tables, seq_lens, geom: PageGeometry, k_s, v_s, 
     for name, dt in (("block_tables", bt), ("seq_lens", sl)):
         if dt not in (np.dtype(np.int32), np.dtype(np.int64)):
             raise ValueError(f"{name}.dtype must be int32 or int64, got {dt}")
-    spec = K.decode_attention_spec(_dtype_name(q.dtype), D, group > 8, T % 16 == 0)
+    spec = K.decode_attention_spec(_dtype_name(q.dtype), D, group > 8, T % 16 == 0,
+                                   decode_route)
+    if kernel_file is not None:
+        spec = dataclasses.replace(spec, file=kernel_file)
     fn = K.get_kernel(spec)
     sp = split_plan(B, H, max_blocks * T, _resident_ctas(fn, spec), spec)
     nsplit, split_len = sp
@@ -209,7 +222,7 @@ def _make_plan(buffer, q, block_tables, seq_lens, geom: PageGeometry, k_s, v_s, 
     ws_o, ws_ml, counters = (a.data.ptr for a in views) if views else (0, 0, 0)
     td, tm, ts = _abi.fastdiv(T)
     hnd = geom.layout == "HND"
-    qk = np.float32(float(sm_scale) * float(np.float32(k_s)) * 128.0 * _LOG2E)
+    qk, out_scale = attention_scales(sm_scale, k_s, v_s)
     p = np.zeros((), dtype=ATTN_PARAMS_DTYPE)
     for name, value in (
             ("buffer", buffer.data.ptr), ("ws_o", ws_o), ("ws_ml", ws_ml),
@@ -221,23 +234,26 @@ def _make_plan(buffer, q, block_tables, seq_lens, geom: PageGeometry, k_s, v_s, 
             ("swizzle", 1 if geom.swizzle_v_scales else 0),
             ("tile_in_page", 1 if T % 16 == 0 else 0), ("bt64", 1 if bt.itemsize == 8 else 0),
             ("sl64", 1 if sl.itemsize == 8 else 0), ("qk_scale", qk),
-            ("out_scale", np.float32(float(np.float32(v_s)) * 128.0))):
+            ("out_scale", out_scale)):
         p[name] = value
-    threads = 32 * spec.tune("FP4C_ATTN_WARPS")
-    return _AttnPlan(fn, (nsplit, H, B), (threads,), p[()], (buffer, stats, geom))
+    threads = 32 * _abi.ATTN_WARPS
+    return _AttnPlan(fn, (nsplit, H, B), (threads,), p[()], (buffer, stats, geom), spec)
 
 
-def _plan_key(buffer, q, block_tables, seq_lens, geom, k_s, v_s, sm_scale, stats) -> tuple:
+def _plan_key(buffer, q, block_tables, seq_lens, geom, k_s, v_s, sm_scale, stats,
+              decode_route, kernel_file) -> tuple:
     # id(geom): the plan keeps geom alive, so the id is not reused while the key exists.
     # No stream: the workspace is the owner's, shared by every stream (calls on different
     # streams are ordered by the caller, see Workspace).
     return ("attention-plan", buffer.data.device_id, buffer.data.ptr, buffer.shape[0],
             id(geom), q.shape, q.dtype, block_tables.shape[1], block_tables.dtype,
-            seq_lens.dtype, float(k_s), float(v_s), float(sm_scale), stats.data.ptr)
+            seq_lens.dtype, float(k_s), float(v_s), float(sm_scale), stats.data.ptr,
+            decode_route, kernel_file)
 
 
 def decode_attention(buffer, q, block_tables, seq_lens, out, lse, *, geom: PageGeometry, k_s,
-                     v_s, sm_scale, stats, scratch) -> None:
+                     v_s, sm_scale, stats, scratch, decode_route: str = "auto",
+                     kernel_file: str | None = None) -> None:
     """Paged decode attention over the NVFP4 page pool ``buffer`` (see the module doc).
 
     Parameters
@@ -259,6 +275,12 @@ def decode_attention(buffer, q, block_tables, seq_lens, out, lse, *, geom: PageG
     scratch : CacheState or Scratch
         The owner's ``plans`` (prepared launches, by signature) and ``workspace``
         (split-KV partials and merge tickets, see :func:`workspace_parts`).
+    decode_route : str
+        ``_kernels.DECODE_ROUTES``: "bitmove" takes the sm_80 decode route on any GPU
+        (tests); the library uses "auto".
+    kernel_file : str, optional
+        A replacement of ``decode_attention.cu`` in the kernel folder, same kernel names
+        and arguments (``bench/attn_kernel.py``'s experiments).
 
     Raises
     ------
@@ -269,21 +291,24 @@ def decode_attention(buffer, q, block_tables, seq_lens, out, lse, *, geom: PageG
     if q.shape[0] == 0:
         return
     attention_runner(buffer, q, block_tables, seq_lens, geom=geom, k_s=k_s, v_s=v_s,
-                     sm_scale=sm_scale, stats=stats, scratch=scratch)(
+                     sm_scale=sm_scale, stats=stats, scratch=scratch,
+                     decode_route=decode_route, kernel_file=kernel_file)(
         q, block_tables, seq_lens, out, lse)
 
 
 def attention_runner(buffer, q, block_tables, seq_lens, *, geom: PageGeometry, k_s, v_s,
-                     sm_scale, stats, scratch):
+                     sm_scale, stats, scratch, decode_route: str = "auto",
+                     kernel_file: str | None = None):
     """``run(q, block_tables, seq_lens, out, lse)``: :func:`decode_attention` for arrays
     like these (shapes, dtypes) on the current stream, prepared once (the front end keeps
     it for its hot path: one launch, nothing else)."""
-    key = _plan_key(buffer, q, block_tables, seq_lens, geom, k_s, v_s, sm_scale, stats)
+    key = _plan_key(buffer, q, block_tables, seq_lens, geom, k_s, v_s, sm_scale, stats,
+                    decode_route, kernel_file)
     plans = scratch.plans
     plan = plans.get(key)
     if plan is None:
         plan = _make_plan(buffer, q, block_tables, seq_lens, geom, k_s, v_s, sm_scale, stats,
-                          scratch.workspace)
+                          scratch.workspace, decode_route, kernel_file)
         plans.put(key, plan)
     nsplit, H, B = plan.grid
     fn, grid, block, params, zero = plan.fn, (nsplit * H * B,), plan.block, plan.params, \
@@ -308,16 +333,12 @@ def new_scratch(device: int | None = None) -> Scratch:
                                           else device))
 
 
-def dequant_table(e4m3_cvt: bool = True) -> np.ndarray:
+def dequant_table(decode_route: str = "auto") -> np.ndarray:
     """The kernel's E2M1 x E4M3 decode for every code, scale byte and pair position
-    (``fp4cache_attn_dequant_table``), as float32 ``[4 pairs, 2 halves, 16 codes, 256
-    bytes]`` (a test hook).  ``e4m3_cvt=False`` builds it with ``FP4C_E4M3_CVT=0``: the
-    bit-move route that GPUs before sm_89 use."""
-    spec = K.decode_attention_spec("bf16", 128, False)
-    if not e4m3_cvt:
-        spec = spec.with_tuning(FP4C_E4M3_CVT=0)
-    mod = cupy.RawModule(code=K.build_source(spec.file, [spec]), options=K.NVRTC_OPTIONS)
-    fn = mod.get_function("fp4cache_attn_dequant_table")
+    (``_kernels.attn_dequant_table_spec``), as float32 ``[4 pairs, 2 halves, 16 codes, 256
+    bytes]`` (a test hook).  ``decode_route="bitmove"``: the bit-move route that GPUs
+    before sm_89 use."""
+    fn = K.get_kernel(K.attn_dequant_table_spec(decode_route))
     out = cupy.empty(8 * 4096, dtype=np.float32)
     fn((16,), (256,), (out,))
     return out.get().reshape(4, 2, 16, 256)

@@ -97,8 +97,8 @@ def _blocks(total: int) -> tuple[int]:
     return ((total + _THREADS - 1) // _THREADS,)
 
 
-def _decode_blocks(chunks: int, spec: K.Spec) -> tuple[int]:
-    per = _THREADS * spec.tune("FP4C_DECODE_CHUNKS")
+def _decode_blocks(chunks: int) -> tuple[int]:
+    per = _THREADS * _abi.DECODE_CHUNKS
     return ((chunks + per - 1) // per,)
 
 
@@ -136,7 +136,7 @@ def dequantize(data, scales, s, out) -> None:
     spec = K.dequantize_spec(_dtype_name(out.dtype, "out"), vec)
     fn = _kernel(spec)
     threads = total * (16 // chunk)
-    fn(_decode_blocks(threads, spec), _BLOCK,
+    fn(_decode_blocks(threads), _BLOCK,
        (_contig(data), _contig(scales), out, _U64(threads), _F32(s)))
 
 
@@ -230,7 +230,7 @@ def store_plan(st: CacheState, slots, k, v, *, rule: str, unique_slots: bool) ->
     strides, dtypes, pointer alignment; ``slots`` C-contiguous) into ``st``'s pool.
 
     ``unique_slots``: no slot repeats (no duplicate pass); otherwise the last occurrence
-    of a slot wins: a scan inside the kernel for up to ``FP4C_SCAN_MAX_TOKENS`` tokens,
+    of a slot wins: a scan inside the kernel for up to ``_abi.SCAN_MAX_TOKENS`` tokens,
     else a claim pass before the store and a clear pass after it (three launches).
     """
     n = k.shape[0]
@@ -263,7 +263,7 @@ def store_plan(st: CacheState, slots, k, v, *, rule: str, unique_slots: bool) ->
     half = H // 2
     total = n * int(hg[0])
     # duplicate slots: none promised or possible (0), scan the later tokens (1), claim (2)
-    dedup = 0 if unique_slots or n == 1 else 1 if n <= spec.tune("FP4C_SCAN_MAX_TOKENS") else 2
+    dedup = 0 if unique_slots or n == 1 else 1 if n <= _abi.SCAN_MAX_TOKENS else 2
     fg, ft = pa["fG"], pa["fT"]
     k_s, k_g, v_s, v_g = st.scalars
     p = np.zeros((), dtype=STORE_PARAMS_DTYPE)
@@ -284,8 +284,7 @@ def store_plan(st: CacheState, slots, k, v, *, rule: str, unique_slots: bool) ->
             ("pk", _PACK_MULTIPLIERS)):
         p[name] = value
     params = p[()]
-    per = _THREADS * (1 if pair else spec.tune("FP4C_STORE_ITEMS"))
-    grid = ((total + per - 1) // per,)
+    grid = _blocks(total)  # one item per thread
     keep = st  # the struct holds the state's addresses
 
     if dedup != 2:
@@ -353,7 +352,7 @@ def gather_plan(st: CacheState, blocks, out_k, out_v) -> Callable:
         p[name] = value
     params = p[()]
     T = geom.block_size
-    per_cta = _THREADS * spec.tune("FP4C_DECODE_CHUNKS")
+    per_cta = _THREADS * _abi.DECODE_CHUNKS
 
     def run(blocks, out_k, out_v, _keep=st):
         n = blocks.shape[0]
@@ -499,7 +498,7 @@ def _ll_plan(source, nb, D, out_dtype, out_aligned, num_heads, block_token_size,
         if aligned and itemsize == 2 and out_aligned and R * C < 2**31 - 8192:
             spec = K.ll_decode_wide_spec(dt)
             fn = _kernel(spec)
-            per_cta = 1024 * spec.tune("FP4C_LL_WIDE_TILES")
+            per_cta = 1024 * _abi.LL_WIDE_TILES
             gx = (R * C + per_cta - 1) // per_cta
             for a in range(0, nb, 65535):  # grid y: one block each
                 b = min(nb, a + 65535)
@@ -515,7 +514,7 @@ def _ll_plan(source, nb, D, out_dtype, out_aligned, num_heads, block_token_size,
                 b = min(nb, a + per)
                 threads = (b - a) * R * C
                 src = np.array(source(a, b), dtype=LL_SOURCE_DTYPE)[()]
-                launches.append((fn, _decode_blocks(threads, spec), src, a, b,
+                launches.append((fn, _decode_blocks(threads), src, a, b,
                                  (_U32(threads), frc[0], frc[1], frc[2], fc[0], fc[1], fc[2],
                                   _F32(inv_denom))))
 

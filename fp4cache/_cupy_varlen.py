@@ -31,14 +31,13 @@ import numpy as np
 
 from . import _abi
 from . import _kernels as K
-from ._cupy_attention import split_plan
+from ._cupy_attention import attention_scales, split_plan
 from ._device import num_sms
 from .layout import PageGeometry
 
 __all__ = ["attention", "attention_runner", "plan_shape", "row_warps_for", "GRID_WAVES",
            "VARLEN_PARAMS_DTYPE", "WORKSPACE_WAVES"]
 
-_LOG2E = 1.4426950408889634
 #: numpy twin of ``struct VarlenParams`` (generated from :mod:`fp4cache._abi`).
 VARLEN_PARAMS_DTYPE = _abi.struct_dtype("VarlenParams")
 #: The workspace holds partials for at most this many waves of resident CTAs (splits per
@@ -155,7 +154,7 @@ def _make_launch(buffer, q, query_start_loc, block_tables, seq_lens, geom: PageG
         hint=f"attention of {B} sequences x {max_blocks * T} tokens x {Hq} query heads"))
     td, tm, ts = _abi.fastdiv(T)
     hnd = geom.layout == "HND"
-    qk = np.float32(float(sm_scale) * float(np.float32(k_s)) * 128.0 * _LOG2E)
+    qk, out_scale = attention_scales(sm_scale, k_s, v_s)
     p = np.zeros((), dtype=VARLEN_PARAMS_DTYPE)
     for name, value in (
             ("buffer", buffer.data.ptr), ("ws_o", ws_o), ("ws_ml", ws_ml),
@@ -170,7 +169,7 @@ def _make_launch(buffer, q, query_start_loc, block_tables, seq_lens, geom: PageG
             ("smem", smem), ("rows_lo", rows_lo), ("rows_hi", rows_hi), ("items", items),
             ("num_tokens", q.shape[0]),
             ("qk_scale", qk),
-            ("out_scale", np.float32(float(np.float32(v_s)) * 128.0))):
+            ("out_scale", out_scale)):
         p[name] = value
     return _VarlenPlan(fn, grid, smem, p[()], (buffer, stats, geom, ps))
 
