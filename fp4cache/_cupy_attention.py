@@ -27,6 +27,7 @@ import numpy as np
 
 from . import _abi
 from . import _kernels as K
+from ._arrays import ceil_div
 from ._device import num_sms
 from ._plans import PlanCache, Scratch, Workspace
 from .attention import MAX_GROUP
@@ -50,17 +51,6 @@ SPLIT_TOKENS = 4096
 MIN_SPLIT_TOKENS = 256
 CTA_TOKENS = 128
 MERGE_TOKENS = 16
-
-def _dtype_name(dtype) -> str:
-    name = K.DTYPE_NAMES.get(np.dtype(dtype))
-    if name is None:
-        raise ValueError(f"q.dtype must be bfloat16, float16 or float32, got {dtype}")
-    return name
-
-
-def _ceil(a: int, b: int) -> int:
-    return -(-a // b)
-
 
 def attention_scales(sm_scale, k_s, v_s) -> tuple[np.float32, np.float32]:
     """``(qk_scale, out_scale)`` of the attention kernels' params: the kernels' decoded
@@ -90,8 +80,8 @@ def splits_of(n: int, capacity: int, spec: K.Spec | None = None) -> SplitPlan:
     without a spec, 32-token chunks)."""
     cap = max(int(capacity), 1)
     step = _split_step(spec)
-    length = _ceil(_ceil(cap, n), step) * step
-    return SplitPlan(_ceil(cap, length), length)
+    length = ceil_div(ceil_div(cap, n), step) * step
+    return SplitPlan(ceil_div(cap, length), length)
 
 
 def split_plan(batch: int, kv_heads: int, capacity: int, resident_ctas: int,
@@ -117,13 +107,13 @@ def split_plan(batch: int, kv_heads: int, capacity: int, resident_ctas: int,
             break
         if plan.split_len > SPLIT_TOKENS:
             continue
-        waves = _ceil(bh * n, max(1, resident_ctas))
+        waves = ceil_div(bh * n, max(1, resident_ctas))
         cost = waves * (plan.split_len + CTA_TOKENS) + n * MERGE_TOKENS
         if best is None or cost < best[0]:
             best = (cost, plan)
     if best is None:  # only with MIN_SPLIT_TOKENS > SPLIT_TOKENS or huge capacities
         cap = max(int(capacity), 1)
-        return splits_of(min(_ceil(cap, SPLIT_TOKENS), _abi.ATTN_MAX_SPLITS),
+        return splits_of(min(ceil_div(cap, SPLIT_TOKENS), _abi.ATTN_MAX_SPLITS),
                          capacity, spec)
     return best[1]
 
@@ -132,7 +122,7 @@ def max_splits(capacity: int, spec: K.Spec | None = None) -> int:
     """The most splits :func:`split_plan` can choose for ``capacity`` tokens on any GPU:
     ``_abi.ATTN_MAX_SPLITS``, and (more than one split being at least
     :data:`MIN_SPLIT_TOKENS` long) ``ceil(capacity / MIN_SPLIT_TOKENS)``."""
-    return max(1, min(_abi.ATTN_MAX_SPLITS, _ceil(int(capacity), MIN_SPLIT_TOKENS)))
+    return max(1, min(_abi.ATTN_MAX_SPLITS, ceil_div(int(capacity), MIN_SPLIT_TOKENS)))
 
 
 def workspace_parts(batch: int, kv_heads: int, nsplit: int, group: int,
@@ -154,7 +144,7 @@ def workspace_bound(geom: PageGeometry, max_batch_size: int, max_seq_len: int,
     block tables of at most ``ceil(max_seq_len / block_size)`` columns and
     ``Hq <= num_query_heads`` (on any GPU: :func:`max_splits`)."""
     T, H = geom.block_size, geom.num_heads
-    nsplit = max_splits(_ceil(max_seq_len, T) * T)
+    nsplit = max_splits(ceil_div(max_seq_len, T) * T)
     parts, tickets = workspace_parts(max_batch_size, H, nsplit, max(1, num_query_heads // H),
                                      geom.head_dim)
     return Workspace.layout(parts)[1], tickets
@@ -180,36 +170,48 @@ class _AttnPlan(NamedTuple):
     spec: K.Spec  # the kernel's specialization
 
 
-def _make_plan(buffer, q, block_tables, seq_lens, geom: PageGeometry, k_s, v_s, sm_scale,
-               stats, workspace: Workspace, decode_route: str = "auto",
-               kernel_file: str | None = None) -> _AttnPlan:
-    B, Hq, D = q.shape
+def check_attention_args(what: str, buffer, q, geom: PageGeometry, **index_arrays) -> int:
+    """The checks of both attention kernels' arguments (``what`` names the function): q's
+    head_dim and heads against ``geom``, the block tables' row capacity, the pool's
+    alignment and the index arrays' dtypes.  Returns the query heads per KV head."""
+    _, Hq, D = q.shape
     H, T = geom.num_heads, geom.block_size
     if D != geom.head_dim:
         raise ValueError(f"q.shape[2] must be head_dim={geom.head_dim}, got {D}")
     if D not in K.ATTN_HEAD_DIMS:
-        raise ValueError(f"decode_attention supports head_dim in {K.ATTN_HEAD_DIMS}, got {D}")
+        raise ValueError(f"{what} supports head_dim in {K.ATTN_HEAD_DIMS}, got {D}")
     if Hq % H:
         raise ValueError(f"q.shape[1] = {Hq} must be a multiple of num_heads = {H}")
     group = Hq // H
     if not 1 <= group <= MAX_GROUP:
         raise ValueError(f"query heads per KV head must be 1..{MAX_GROUP}, got {group}")
+    capacity = int(index_arrays["block_tables"].shape[1]) * T
+    if capacity >= 2**31:
+        raise ValueError(f"block_tables row capacity {capacity} tokens must be < 2**31")
+    if buffer.data.ptr % 16:
+        raise ValueError("the page pool must be 16-byte aligned")
+    for name, a in index_arrays.items():
+        if np.dtype(a.dtype) not in (np.dtype(np.int32), np.dtype(np.int64)):
+            raise ValueError(f"{name}.dtype must be int32 or int64, got {np.dtype(a.dtype)}")
+    return group
+
+
+def _make_plan(buffer, q, block_tables, seq_lens, geom: PageGeometry, k_s, v_s, sm_scale,
+               stats, workspace: Workspace, decode_route: str = "auto",
+               kernel_file: str | None = None) -> _AttnPlan:
+    B, Hq, D = q.shape
+    H, T = geom.num_heads, geom.block_size
+    group = check_attention_args("decode_attention", buffer, q, geom, block_tables=block_tables,
+                                 seq_lens=seq_lens)
     if B > 65535 or H > 65535:
         raise ValueError(f"batch and num_heads must be <= 65535, got {B} and {H}")
     max_blocks = int(block_tables.shape[1])
-    if max_blocks * T >= 2**31:
-        raise ValueError(f"block_tables row capacity {max_blocks * T} tokens must be < 2**31")
-    if buffer.data.ptr % 16:
-        raise ValueError("the page pool must be 16-byte aligned")
     if buffer.shape[0] >= 2**32 - 1:  # the kernel's 32-bit page index (FP4C_BAD_PAGE)
         raise ValueError(f"the page pool must hold fewer than 2**32 - 1 pages, got "
                          f"{buffer.shape[0]}")
     bt = np.dtype(block_tables.dtype)
     sl = np.dtype(seq_lens.dtype)
-    for name, dt in (("block_tables", bt), ("seq_lens", sl)):
-        if dt not in (np.dtype(np.int32), np.dtype(np.int64)):
-            raise ValueError(f"{name}.dtype must be int32 or int64, got {dt}")
-    spec = K.decode_attention_spec(_dtype_name(q.dtype), D, group > 8, T % 16 == 0,
+    spec = K.decode_attention_spec(K.value_type(q.dtype, "q.dtype"), D, group > 8, T % 16 == 0,
                                    decode_route)
     if kernel_file is not None:
         spec = dataclasses.replace(spec, file=kernel_file)

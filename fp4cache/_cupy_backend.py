@@ -38,6 +38,7 @@ from . import _kernels as K
 from ._cupy_attention import attention_runner, decode_attention
 from ._device import num_sms
 from ._plans import PlanCache, Workspace
+from .formats import reciprocal_clamped
 from .layout import GROUP, PageGeometry
 
 __all__ = [
@@ -64,19 +65,11 @@ _BLOCK = (_THREADS,)
 #: Launches are split so that a thread index always fits in 31 bits.
 _MAX_THREADS = 2**31 - 1
 
-_DT = K.DTYPE_NAMES
 _IX = {np.dtype(np.int32): "i32", np.dtype(np.int64): "i64"}
 _U64 = np.uint64
 _U32 = np.uint32
 _I64 = np.int64
 _F32 = np.float32
-
-
-def _dtype_name(dtype, what: str) -> str:
-    try:
-        return _DT[dtype]
-    except KeyError:
-        raise TypeError(f"{what} must be bfloat16, float16 or float32, got {dtype}") from None
 
 
 def _index_name(dtype, what: str) -> str:
@@ -121,7 +114,7 @@ def quantize(x, s, g, rule, data_out, scales_out) -> None:
         return
     x = _contig(x)
     vec = _aligned(x.data.ptr) and _aligned(data_out.data.ptr, to=8)
-    fn = _kernel(K.quantize_spec(_dtype_name(x.dtype, "x"), rule, vec))
+    fn = _kernel(K.quantize_spec(K.value_type(x.dtype, "x"), rule, vec))
     fn(_blocks(total), _BLOCK, (x, data_out, scales_out, _U64(total), _F32(s), _F32(g)))
 
 
@@ -133,7 +126,7 @@ def dequantize(data, scales, s, out) -> None:
         return
     chunk = 16 // out.itemsize  # values per thread (one 16-byte output piece)
     vec = _aligned(data.data.ptr, to=chunk // 2) and _aligned(out.data.ptr)
-    spec = K.dequantize_spec(_dtype_name(out.dtype, "out"), vec)
+    spec = K.dequantize_spec(K.value_type(out.dtype, "out"), vec)
     fn = _kernel(spec)
     threads = total * (16 // chunk)
     fn(_decode_blocks(threads), _BLOCK,
@@ -180,10 +173,9 @@ def _os_table_values(k_s: float, v_s: float) -> np.ndarray:
     f[127] = 0  # 0x7F is NaN; never looked up (non-finite groups skip the table)
     out = []
     for s in (np.float32(k_s), np.float32(v_s)):
-        with np.errstate(divide="ignore", over="ignore", under="ignore"):
-            os_ = np.float32(1) / (f * s)
-        os_ = np.minimum(os_, np.float32(np.finfo(np.float32).max))
-        out.append(np.where(f == 0, np.float32(0), os_).astype(np.float32))
+        with np.errstate(under="ignore"):
+            fs = f * s
+        out.append(np.where(f == 0, np.float32(0), reciprocal_clamped(fs)).astype(np.float32))
     return np.concatenate(out)
 
 
@@ -239,7 +231,7 @@ def store_plan(st: CacheState, slots, k, v, *, rule: str, unique_slots: bool) ->
     geom = st.geom
     pa = _page_args(geom, st.num_blocks)
     G, H = geom.head_dim // GROUP, geom.num_heads
-    dt = _dtype_name(k.dtype, "k")
+    dt = K.value_type(k.dtype, "k")
     pair = H % 2 == 0 and (dt, rule) in K.STORE_PAIR
     hg = fastdiv(H // 2 * G) if pair else pa["HG"]
     max_tokens = _MAX_THREADS // int(hg[0])
@@ -337,7 +329,7 @@ def gather_plan(st: CacheState, blocks, out_k, out_v) -> Callable:
     max_pages = _MAX_THREADS // per_page
     vec = (geom.side_bytes % (chunk // 2) == 0 and st.buffer.data.ptr % (chunk // 2) == 0
            and out_k.data.ptr % 16 == 0 and out_v.data.ptr % 16 == 0)
-    spec = K.gather_spec(_dtype_name(out_k.dtype, "out_k"), _index_name(blocks.dtype, "blocks"),
+    spec = K.gather_spec(K.value_type(out_k.dtype, "out_k"), _index_name(blocks.dtype, "blocks"),
                          vec)
     fn = _kernel(spec)
     fc, fh, ft = fastdiv(pa["G"] * itemsize), pa["fH"], pa["fT"]
@@ -374,7 +366,7 @@ def _amax_into(x, amax_out) -> bool:
     """Queue ``amax_out[0] = max |x|`` (NaN if ``x`` holds a NaN or an infinity) for a
     C-contiguous bf16/f16/f32 ``x``: a memset and one reduction kernel.  Returns whether
     the vector kernel variant was used (``x`` 16-byte aligned)."""
-    dt = _dtype_name(x.dtype, "x")
+    dt = K.value_type(x.dtype, "x")
     stream = cupy.cuda.get_current_stream()
     cupy.cuda.runtime.memsetAsync(amax_out.data.ptr, 0, 4, stream.ptr)
     n = x.size
@@ -403,7 +395,7 @@ def longlive_quantize(x, rule, values_out, sf_out, amax_out) -> None:
     G = D // GROUP
     R = Tb * H
     Rp = values_out.shape[0]
-    dt = _dtype_name(x.dtype, "x")
+    dt = K.value_type(x.dtype, "x")
     total = Rp * G
     if total >= _MAX_THREADS:  # checked before any work is queued
         raise ValueError(f"LongLive block too large: {Rp} rows x {G} groups")
@@ -493,7 +485,7 @@ def _ll_plan(source, nb, D, out_dtype, out_aligned, num_heads, block_token_size,
     if nb * R * G > 0:
         C = D // (16 // itemsize)  # 16-byte output chunks per row, one per thread
         fc = fastdiv(C)
-        dt = _dtype_name(out_dtype, "out")
+        dt = K.value_type(out_dtype, "out")
         # the wide kernel where it applies: bf16/f16 out, aligned blocks
         if aligned and itemsize == 2 and out_aligned and R * C < 2**31 - 8192:
             spec = K.ll_decode_wide_spec(dt)

@@ -31,7 +31,8 @@ import numpy as np
 
 from . import _abi
 from . import _kernels as K
-from ._cupy_attention import attention_scales, split_plan
+from ._arrays import ceil_div
+from ._cupy_attention import attention_scales, check_attention_args, split_plan
 from ._device import num_sms
 from .layout import PageGeometry
 
@@ -49,10 +50,6 @@ WORKSPACE_WAVES = 4
 #: a mixed batch: an empty item costs a loop turn instead of a CTA launch).
 GRID_WAVES = 8
 _STATIC_SMEM_MAX = 48 * 1024
-
-
-def _ceil(a: int, b: int) -> int:
-    return -(-a // b)
 
 
 class PlanShape(NamedTuple):
@@ -89,7 +86,7 @@ def plan_shape(batch: int, kv_heads: int, row_warps: int, rows: int, capacity: i
     (when that fits one CTA) the decode attention's split plan over the block-table
     capacity; the workspace holds at most WORKSPACE_WAVES waves of partials."""
     rows_cta = _abi.MMA_ROWS * row_warps
-    qtiles = _ceil(max(1, rows), rows_cta)
+    qtiles = ceil_div(max(1, rows), rows_cta)
     nsplit = 1
     if qtiles == 1:
         nsplit = min(split_plan(batch, kv_heads, capacity, resident).nsplit,
@@ -97,7 +94,7 @@ def plan_shape(batch: int, kv_heads: int, row_warps: int, rows: int, capacity: i
     slots = qtiles * nsplit
     bh = max(1, batch * kv_heads)
     max_splits = max(1, min(_abi.VARLEN_MAX_SPLITS, slots,
-                            _ceil(WORKSPACE_WAVES * resident, bh)))
+                            ceil_div(WORKSPACE_WAVES * resident, bh)))
     return PlanShape(row_warps, qtiles, nsplit, slots, max_splits)
 
 
@@ -113,13 +110,6 @@ class _VarlenCall(NamedTuple):
     launches: tuple  # _VarlenPlan, one or two (sequences of <= 16 rows, then the others)
 
 
-def _dtype_name(dtype) -> str:
-    name = K.DTYPE_NAMES.get(np.dtype(dtype))
-    if name is None:
-        raise ValueError(f"q.dtype must be bfloat16, float16 or float32, got {dtype}")
-    return name
-
-
 def _make_launch(buffer, q, query_start_loc, block_tables, seq_lens, geom: PageGeometry,
                  row_warps: int, rows: int, rows_lo: int, rows_hi: int, causal: bool, k_s,
                  v_s, sm_scale, stats, workspace) -> _VarlenPlan:
@@ -130,7 +120,7 @@ def _make_launch(buffer, q, query_start_loc, block_tables, seq_lens, geom: PageG
     H, T = geom.num_heads, geom.block_size
     group = Hq // H
     max_blocks = int(block_tables.shape[1])
-    spec = K.varlen_attention_spec(_dtype_name(q.dtype), D, row_warps)
+    spec = K.varlen_attention_spec(K.value_type(q.dtype, "q.dtype"), D, row_warps)
     fn = K.get_kernel(spec)
     smem = _abi.varlen_smem_bytes(D, row_warps, np.dtype(q.dtype).itemsize == 4)
     if smem > _STATIC_SMEM_MAX:
@@ -178,25 +168,8 @@ def _make_plan(buffer, q, query_start_loc, block_tables, seq_lens, geom: PageGeo
                max_query_len: int, causal: bool, k_s, v_s, sm_scale, stats,
                workspace) -> _VarlenCall:
     _, Hq, D = q.shape
-    H, T = geom.num_heads, geom.block_size
-    if D != geom.head_dim:
-        raise ValueError(f"q.shape[2] must be head_dim={geom.head_dim}, got {D}")
-    if D not in K.ATTN_HEAD_DIMS:
-        raise ValueError(f"attention supports head_dim in {K.ATTN_HEAD_DIMS}, got {D}")
-    if Hq % H:
-        raise ValueError(f"q.shape[1] = {Hq} must be a multiple of num_heads = {H}")
-    group = Hq // H
-    if not 1 <= group <= 16:
-        raise ValueError(f"query heads per KV head must be 1..16, got {group}")
-    if int(block_tables.shape[1]) * T >= 2**31:
-        raise ValueError(f"block_tables row capacity {block_tables.shape[1] * T} tokens must "
-                         "be < 2**31")
-    if buffer.data.ptr % 16:
-        raise ValueError("the page pool must be 16-byte aligned")
-    for name, a in (("query_start_loc", query_start_loc), ("block_tables", block_tables),
-                    ("seq_lens", seq_lens)):
-        if np.dtype(a.dtype) not in (np.dtype(np.int32), np.dtype(np.int64)):
-            raise ValueError(f"{name}.dtype must be int32 or int64, got {a.dtype}")
+    group = check_attention_args("attention", buffer, q, geom, query_start_loc=query_start_loc,
+                                 block_tables=block_tables, seq_lens=seq_lens)
     rows = max(1, int(max_query_len)) * group
     split_q = np.dtype(q.dtype).itemsize == 4
     smem_max = int(cupy.cuda.Device().attributes["MaxSharedMemoryPerBlockOptin"]) - 4096

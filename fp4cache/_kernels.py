@@ -41,6 +41,7 @@ from . import _abi
 __all__ = [
     "NVRTC_OPTIONS",
     "Spec",
+    "value_type",
     "kernel_dir",
     "build_source",
     "all_specs",
@@ -79,6 +80,17 @@ VALUE_TYPES = {"bf16": "bf16_t", "f16": "f16_t", "f32": "f32_t"}
 #: numpy dtype -> short name of its kernel value type.
 DTYPE_NAMES = {np.dtype(ml_dtypes.bfloat16): "bf16", np.dtype(np.float16): "f16",
                np.dtype(np.float32): "f32"}
+
+
+def value_type(dtype, what: str) -> str:
+    """Short name of the kernel value type of ``dtype`` (the dtype of argument ``what``);
+    ``ValueError`` naming the dtype for any other."""
+    name = DTYPE_NAMES.get(np.dtype(dtype))
+    if name is None:
+        raise ValueError(f"{what} must be bfloat16, float16 or float32, got {np.dtype(dtype)}")
+    return name
+
+
 #: Index types of slot_mapping / block ids: short name -> C++ type.
 INDEX_TYPES = {"i32": "int", "i64": "i64"}
 #: Scale rules: name -> the macro holding the RULE template parameter's value.

@@ -68,9 +68,9 @@
 // Host-checked table of the decode (tests/test_gpu_attention.py; a test-only kernel, built
 // only by _kernels.attn_dequant_table_spec): out[(p*2 + half)*4096 + code*256 + byte] = the
 // f32 value of half `half` of pair p of the word holding `code` in every nibble, times the
-// scale pair of `byte`: e2m1(code) * e4m3(byte) * 2^-7 exactly.  Entries are NaN where
-// e2m1_pair and e2m1_pairs disagree or where `code` alone at nibble pair_nibble(p, half)
-// does not land in that half of pair p (zeros everywhere else).
+// scale pair of `byte`: e2m1(code) * e4m3(byte) * 2^-FP4C_PAIR_SCALE_SHIFT exactly.
+// Entries are NaN where e2m1_pair and e2m1_pairs disagree or where `code` alone at nibble
+// pair_nibble(p, half) does not land in that half of pair p (zeros everywhere else).
 FP4C_DEVICE void attn_dequant_table(float* out) {
   const u32 i = blockIdx.x * blockDim.x + threadIdx.x;
   if (i >= 4096u) return;

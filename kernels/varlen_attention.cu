@@ -610,8 +610,8 @@ FP4C_DEVICE void vl_finish(const VlWork& W, const VarlenParams& P, float (*s_o)[
     }
     __syncthreads();
   }
-  // write: out = O / L * v_scale * 2^7; a row that saw no key (L = +0: bit compare, CuPy
-  // compiles with -ftz) gives 0 and -inf
+  // write: out = O / L * v_scale * 2^FP4C_PAIR_SCALE_SHIFT (P.out_scale); a row that saw no
+  // key (L = +0: bit compare, CuPy compiles with -ftz) gives 0 and -inf
   const u32 Hq = P.H * P.group;
   for (u32 k = tid; k < W.rows_here * D; k += FP4C_VL_THREADS) {
     const u32 row = k / D, d = k - row * D;

@@ -105,3 +105,22 @@ def test_every_shipped_store_shape_is_compiled_in_ci():
             for vec in (True, False):
                 assert K.store_spec(dt, rule, ix, vec, pair=True).name in names
     assert K.clear_spec("i64").name in names and K.claim_spec("i32").name in names
+
+
+def test_names_have_one_source():
+    """The Python-side name tuples are the _abi tables' keys (the kernels' values)."""
+    import typing
+
+    from fp4cache import formats, layout
+
+    assert layout.LAYOUTS == tuple(_abi.LAYOUTS)
+    assert typing.get_args(layout.Layout) == layout.LAYOUTS
+    assert formats.SCALE_RULES == tuple(_abi.RULES)
+
+
+@pytest.mark.parametrize("dtype", [np.float64, np.int32, np.uint8])
+def test_value_type_names_the_dtype(dtype):
+    with pytest.raises(ValueError, match=f"q.dtype must be bfloat16, float16 or float32, got "
+                                         f"{np.dtype(dtype)}"):
+        K.value_type(dtype, "q.dtype")
+    assert [K.value_type(d, "x") for d in (np.float32, np.float16)] == ["f32", "f16"]
