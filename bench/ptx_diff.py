@@ -24,7 +24,9 @@ From the repository root::
     git archive <old commit> | tar -x -C /tmp/old && cp bench/ptx_diff.py /tmp/old/bench/
     python /tmp/old/bench/ptx_diff.py dump /tmp/ptx_before   # the old tree (~2 min)
     python bench/ptx_diff.py dump /tmp/ptx_after             # this tree
-    python bench/ptx_diff.py compare /tmp/ptx_before /tmp/ptx_after --rename _g16=_wide
+    python bench/ptx_diff.py compare /tmp/ptx_before /tmp/ptx_after \
+        --rename _g16_anyT=_wide --rename _g8_anyT= --rename _g16=_wide_paged16 \
+        --rename _g8=_paged16    # main before issue 22 -> after (attention kernel names)
 """
 
 from __future__ import annotations

@@ -152,7 +152,7 @@ STRUCTS: dict[str, tuple[tuple, ...]] = {
         ("T", "u32"), ("t_m", "u32"), ("t_s", "u32"),  # tokens per page (FastDiv)
         ("max_blocks", "u32"), ("split_len", "u32"), ("nsplit", "u32"),
         ("row_h", "u32"), ("row_t", "u32"),  # row of (t, h) in a side: h*row_h + t*row_t
-        ("swizzle", "u32"), ("tile_in_page", "u32"),  # V scales swizzled; T % 16 == 0
+        ("swizzle", "u32"), ("paged16", "u32"),  # V scales swizzled; T % 16 == 0
         ("bt64", "u32"), ("sl64", "u32"),  # int64 block tables / sequence lengths
         ("qk_scale", "float"),  # sm_scale * k_scale * 2^7 * log2(e)
         ("out_scale", "float"),  # v_scale * 2^7

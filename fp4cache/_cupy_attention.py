@@ -234,7 +234,7 @@ def _make_plan(buffer, q, block_tables, seq_lens, geom: PageGeometry, k_s, v_s, 
             ("t_m", tm), ("t_s", ts), ("max_blocks", max_blocks), ("split_len", split_len),
             ("nsplit", nsplit), ("row_h", T if hnd else 1), ("row_t", 1 if hnd else H),
             ("swizzle", 1 if geom.swizzle_v_scales else 0),
-            ("tile_in_page", 1 if T % 16 == 0 else 0), ("bt64", 1 if bt.itemsize == 8 else 0),
+            ("paged16", 1 if T % 16 == 0 else 0), ("bt64", 1 if bt.itemsize == 8 else 0),
             ("sl64", 1 if sl.itemsize == 8 else 0), ("qk_scale", qk),
             ("out_scale", out_scale)):
         p[name] = value

@@ -247,15 +247,16 @@ def decode_attention_spec(dtype: str, head_dim: int, wide: bool, paged16: bool =
                           decode_route: str = "auto") -> Spec:
     """Fused paged decode attention over NVFP4 pages, ``dtype`` q/out (bf16/f16/f32).
 
-    ``wide``: query groups of 9..16 heads per KV head (else 1..8); ``paged16``: the
-    block size is a multiple of 16 (every 16-token tile lies in one page; else the
-    ``_anyT`` kernel finds each token's page);
+    ``wide``: query groups of 9..16 heads per KV head (else 1..8; ``_wide`` in the kernel
+    name, ``WIDE`` in the kernel's code); ``paged16``: the block size is a multiple of 16,
+    so every 16-token tile lies in one page (``_paged16``, ``PAGED16``; else the kernel
+    finds each token's page);
     ``decode_route``: one of :data:`DECODE_ROUTES` (``_bitmove`` in the kernel name)."""
     if head_dim not in ATTN_HEAD_DIMS:
         raise ValueError(f"head_dim must be one of {ATTN_HEAD_DIMS}, got {head_dim}")
     defines = _route_defines(decode_route)
-    name = (f"fp4cache_decode_attn_{dtype}_d{head_dim}_{'g16' if wide else 'g8'}"
-            f"{'' if paged16 else '_anyT'}{'_bitmove' if defines else ''}")
+    name = (f"fp4cache_decode_attn_{dtype}_d{head_dim}{'_wide' if wide else ''}"
+            f"{'_paged16' if paged16 else ''}{'_bitmove' if defines else ''}")
     return Spec("decode_attention.cu", "FP4C_ATTN_KERNEL", name,
                 (VALUE_TYPES[dtype], str(head_dim), "true" if wide else "false",
                  "true" if paged16 else "false"), defines,
