@@ -111,7 +111,13 @@ def varlen_smem_bytes(head_dim: int, row_warps: int, split_q: bool) -> int:
     return kv + sc + q
 
 
-_CTYPES = {"u32": np.uint32, "u64": np.uint64, "i64": np.int64, "float": np.float32}
+#: The device ``FastDiv`` (``fdiv`` in kernels/fp4_common.cuh): ``n / d`` of a run-time
+#: divisor ``d < 2**31`` as ``(umulhi(n, m) + n) >> s`` (Granlund-Montgomery, see
+#: :func:`fastdiv`); a struct field of this type holds one divisor.
+FASTDIV_FIELDS = (("d", "u32"), ("m", "u32"), ("s", "u32"))
+
+_CTYPES = {"u32": np.uint32, "u64": np.uint64, "i64": np.int64, "float": np.float32,
+           "FastDiv": np.dtype([(n, np.uint32) for n, _ in FASTDIV_FIELDS], align=True)}
 
 #: Structs passed to kernels by value: name -> fields ``(name, C type[, count])``.
 #: Pointers travel as ``u64``.
@@ -124,9 +130,9 @@ STRUCTS: dict[str, tuple[tuple, ...]] = {
         ("num_slots", "i64"), ("side_bytes", "i64"), ("data_bytes", "i64"),
         ("k_pair_bytes", "i64"), ("v_pair_bytes", "i64"),  # NH = 2: offset of head h + H/2
         ("n_tokens", "u32"), ("total", "u32"),
-        ("hg", "u32"), ("hg_m", "u32"), ("hg_s", "u32"),  # FastDiv of (H/NH)*G
-        ("gd", "u32"), ("g_m", "u32"), ("g_s", "u32"),    # FastDiv of G
-        ("td", "u32"), ("t_m", "u32"), ("t_s", "u32"),    # FastDiv of T
+        ("hg", "FastDiv"),  # (H/NH)*G
+        ("g", "FastDiv"),  # G
+        ("t", "FastDiv"),  # T
         ("H", "u32"), ("nhd", "u32"), ("swizzle", "u32"), ("dedup", "u32"), ("swz_m", "u32"),
         ("pair_rows", "u32"),  # NH = 2: pool rows from head h to head h + H/2
         ("k_s", "float"), ("k_g", "float"), ("v_s", "float"), ("v_g", "float"),
@@ -137,9 +143,9 @@ STRUCTS: dict[str, tuple[tuple, ...]] = {
     "GatherParams": (
         ("buffer", "u64"), ("stats", "u64"),
         ("num_blocks", "i64"), ("side_bytes", "i64"), ("data_bytes", "i64"),
-        ("cd", "u32"), ("c_m", "u32"), ("c_s", "u32"),  # FastDiv of output chunks per row
-        ("hd", "u32"), ("h_m", "u32"), ("h_s", "u32"),  # FastDiv of H
-        ("td", "u32"), ("t_m", "u32"), ("t_s", "u32"),  # FastDiv of T
+        ("c", "FastDiv"),  # output chunks per row
+        ("h", "FastDiv"),  # H
+        ("t", "FastDiv"),  # T
         ("nhd", "u32"), ("swizzle", "u32"), ("swz_m", "u32"),
         ("k_s", "float"), ("v_s", "float"),
     ),
@@ -149,7 +155,7 @@ STRUCTS: dict[str, tuple[tuple, ...]] = {
         ("counters", "u64"), ("stats", "u64"),  # u32 merge tickets [B*H], u64 counters
         ("num_blocks", "i64"), ("side_bytes", "i64"), ("data_bytes", "i64"),
         ("H", "u32"), ("group", "u32"),  # KV heads, query heads per KV head
-        ("T", "u32"), ("t_m", "u32"), ("t_s", "u32"),  # tokens per page (FastDiv)
+        ("t", "FastDiv"),  # tokens per page
         ("max_blocks", "u32"), ("split_len", "u32"), ("nsplit", "u32"),
         ("row_h", "u32"), ("row_t", "u32"),  # row of (t, h) in a side: h*row_h + t*row_t
         ("swizzle", "u32"), ("paged16", "u32"),  # V scales swizzled; T % 16 == 0
@@ -163,7 +169,7 @@ STRUCTS: dict[str, tuple[tuple, ...]] = {
         ("counters", "u64"), ("stats", "u64"),  # u32 merge tickets [B*H], u64 counters
         ("num_blocks", "i64"), ("side_bytes", "i64"), ("data_bytes", "i64"),
         ("H", "u32"), ("group", "u32"),  # KV heads, query heads per KV head
-        ("T", "u32"), ("t_m", "u32"), ("t_s", "u32"),  # tokens per page (FastDiv)
+        ("t", "FastDiv"),  # tokens per page
         ("max_blocks", "u32"),
         ("slots", "u32"),  # CTAs per (sequence, KV head): query tiles x splits
         ("max_splits", "u32"),  # splits per (sequence, KV head) of the workspace
@@ -195,8 +201,9 @@ STRUCTS: dict[str, tuple[tuple, ...]] = {
 
 
 def _field_bytes(f: tuple) -> tuple[int, int]:
-    size = np.dtype(_CTYPES[f[1]]).itemsize
-    return size, size * (f[2] if len(f) == 3 else 1)
+    """(alignment, size) of field ``f``."""
+    dt = np.dtype(_CTYPES[f[1]])
+    return dt.alignment, dt.itemsize * (f[2] if len(f) == 3 else 1)
 
 
 @cache
@@ -220,7 +227,7 @@ def struct_dtype(name: str) -> np.dtype:
         fields.append((f[0], _CTYPES[f[1]], (f[2],)) if len(f) == 3 else (f[0], _CTYPES[f[1]]))
         sizes.append(_field_bytes(f))
     dt = np.dtype(fields, align=True)
-    assert all(a[0] >= b[0] for a, b in zip(sizes, sizes[1:])), f"{name}: order by size"
+    assert all(a[0] >= b[0] for a, b in zip(sizes, sizes[1:])), f"{name}: order by alignment"
     assert dt.itemsize == sum(n for _, n in sizes), f"{name}: pad the tail explicitly"
     return dt
 
@@ -256,6 +263,11 @@ def header() -> str:
             f"#define FP4C_VARLEN_MAX_SPLITS {VARLEN_MAX_SPLITS}",
             f"#define FP4C_VARLEN_MIN_SPLIT {VARLEN_MIN_SPLIT}",
             f"#define FP4C_VARLEN_SMEM_PAD {VARLEN_SMEM_PAD}"]
+    fd = _CTYPES["FastDiv"]
+    out.append("struct FastDiv {")
+    out += [f"  {t} {n};" for n, t in FASTDIV_FIELDS]
+    out.append("};")
+    out.append(f'static_assert(sizeof(FastDiv) == {fd.itemsize}, "FastDiv: padding");')
     for name, fields in STRUCTS.items():
         dt = struct_dtype(name)
         out.append(f"struct {name} {{")

@@ -222,7 +222,6 @@ def _make_plan(buffer, q, block_tables, seq_lens, geom: PageGeometry, k_s, v_s, 
     views = workspace.get(parts, tickets=tickets, hint=(
         f"max_batch_size >= {B}, max_seq_len >= {max_blocks * T}, num_query_heads >= {Hq}"))
     ws_o, ws_ml, counters = (a.data.ptr for a in views) if views else (0, 0, 0)
-    td, tm, ts = _abi.fastdiv(T)
     hnd = geom.layout == "HND"
     qk, out_scale = attention_scales(sm_scale, k_s, v_s)
     p = np.zeros((), dtype=ATTN_PARAMS_DTYPE)
@@ -230,8 +229,8 @@ def _make_plan(buffer, q, block_tables, seq_lens, geom: PageGeometry, k_s, v_s, 
             ("buffer", buffer.data.ptr), ("ws_o", ws_o), ("ws_ml", ws_ml),
             ("counters", counters), ("stats", stats.data.ptr),
             ("num_blocks", buffer.shape[0]), ("side_bytes", geom.side_bytes),
-            ("data_bytes", geom.data_bytes), ("H", H), ("group", group), ("T", td),
-            ("t_m", tm), ("t_s", ts), ("max_blocks", max_blocks), ("split_len", split_len),
+            ("data_bytes", geom.data_bytes), ("H", H), ("group", group),
+            ("t", _abi.fastdiv(T)), ("max_blocks", max_blocks), ("split_len", split_len),
             ("nsplit", nsplit), ("row_h", T if hnd else 1), ("row_t", 1 if hnd else H),
             ("swizzle", 1 if geom.swizzle_v_scales else 0),
             ("paged16", 1 if T % 16 == 0 else 0), ("bt64", 1 if bt.itemsize == 8 else 0),

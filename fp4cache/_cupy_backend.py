@@ -267,8 +267,7 @@ def store_plan(st: CacheState, slots, k, v, *, rule: str, unique_slots: bool) ->
             ("num_slots", pa["num_slots"]), ("side_bytes", pa["side"]),
             ("data_bytes", pa["data"]), ("k_pair_bytes", half * kst[1]),
             ("v_pair_bytes", half * vst[1]), ("n_tokens", n), ("total", total),
-            ("hg", hg[0]), ("hg_m", hg[1]), ("hg_s", hg[2]), ("gd", fg[0]), ("g_m", fg[1]),
-            ("g_s", fg[2]), ("td", ft[0]), ("t_m", ft[1]), ("t_s", ft[2]), ("H", pa["H"]),
+            ("hg", hg), ("g", fg), ("t", ft), ("H", pa["H"]),
             ("nhd", pa["nhd"]), ("swizzle", pa["swz"]), ("dedup", dedup),
             ("swz_m", pa["swz_m"]),
             ("pair_rows", half if geom.layout == "NHD" else half * geom.block_size),
@@ -337,9 +336,8 @@ def gather_plan(st: CacheState, blocks, out_k, out_v) -> Callable:
     for name, value in (
             ("buffer", st.buffer.data.ptr), ("stats", st.stats.data.ptr),
             ("num_blocks", pa["num_blocks"]), ("side_bytes", pa["side"]),
-            ("data_bytes", pa["data"]), ("cd", fc[0]), ("c_m", fc[1]), ("c_s", fc[2]),
-            ("hd", fh[0]), ("h_m", fh[1]), ("h_s", fh[2]), ("td", ft[0]), ("t_m", ft[1]),
-            ("t_s", ft[2]), ("nhd", pa["nhd"]), ("swizzle", pa["swz"]),
+            ("data_bytes", pa["data"]), ("c", fc), ("h", fh), ("t", ft),
+            ("nhd", pa["nhd"]), ("swizzle", pa["swz"]),
             ("swz_m", pa["swz_m"]), ("k_s", st.scalars[0]), ("v_s", st.scalars[2])):
         p[name] = value
     params = p[()]

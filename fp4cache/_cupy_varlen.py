@@ -142,7 +142,6 @@ def _make_launch(buffer, q, query_start_loc, block_tables, seq_lens, geom: PageG
     ws_ml, ws_o, counters = (a.data.ptr for a in workspace.get(
         [(n_part * 2, np.float32), (n_part * D, np.float32)], tickets=bh,
         hint=f"attention of {B} sequences x {max_blocks * T} tokens x {Hq} query heads"))
-    td, tm, ts = _abi.fastdiv(T)
     hnd = geom.layout == "HND"
     qk, out_scale = attention_scales(sm_scale, k_s, v_s)
     p = np.zeros((), dtype=VARLEN_PARAMS_DTYPE)
@@ -150,8 +149,8 @@ def _make_launch(buffer, q, query_start_loc, block_tables, seq_lens, geom: PageG
             ("buffer", buffer.data.ptr), ("ws_o", ws_o), ("ws_ml", ws_ml),
             ("counters", counters), ("stats", stats.data.ptr),
             ("num_blocks", buffer.shape[0]), ("side_bytes", geom.side_bytes),
-            ("data_bytes", geom.data_bytes), ("H", H), ("group", group), ("T", td),
-            ("t_m", tm), ("t_s", ts), ("max_blocks", max_blocks), ("slots", ps.slots),
+            ("data_bytes", geom.data_bytes), ("H", H), ("group", group),
+            ("t", _abi.fastdiv(T)), ("max_blocks", max_blocks), ("slots", ps.slots),
             ("max_splits", ps.max_splits), ("row_h", T if hnd else 1),
             ("row_t", 1 if hnd else H), ("swizzle", 1 if geom.swizzle_v_scales else 0),
             ("bt64", block_tables.dtype.itemsize == 8), ("sl64", seq_lens.dtype.itemsize == 8),

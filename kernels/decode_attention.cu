@@ -790,7 +790,7 @@ FP4C_DEVICE void decode_attn_impl(const void* __restrict__ q, const void* __rest
 
   // sequence length, clamped to the row's capacity
   i64 len64 = P.sl64 ? ((const i64*)seq_lens)[b] : (i64)((const int*)seq_lens)[b];
-  const i64 cap = (i64)P.max_blocks * P.T;
+  const i64 cap = (i64)P.max_blocks * P.t.d;
   len64 = len64 < 0 ? 0 : (len64 > cap ? cap : len64);
   const u32 len = (u32)len64;
   const u32 s0 = split * P.split_len;
@@ -871,7 +871,7 @@ FP4C_DEVICE void decode_attn_impl(const void* __restrict__ q, const void* __rest
     S.page_bytes = 2 * P.side_bytes;
     S.side_bytes = P.side_bytes;
     S.data_bytes = P.data_bytes;
-    S.fT = FastDiv{P.T, P.t_m, P.t_s};
+    S.fT = fastdiv_param(P.t);
     S.len = len;
     S.h = h;
     S.row_h = P.row_h;

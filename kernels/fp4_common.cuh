@@ -718,10 +718,11 @@ FP4C_DEVICE u32 load_chunk_codes(const u8* p) {
 // Integer helpers
 // ---------------------------------------------------------------------------
 // Unsigned division by a run-time constant d < 2^31 (Granlund-Montgomery):
-// q = (umulhi(n, m) + n) >> s with s = ceil(log2 d), m = floor(2^32 (2^s - d) / d) + 1.
-struct FastDiv {
-  u32 d, m, s;
-};
+// q = (umulhi(n, m) + n) >> s with s = ceil(log2 d), m = floor(2^32 (2^s - d) / d) + 1;
+// struct FastDiv {u32 d, m, s;} is generated from fp4cache/_abi.py (a by-value field).
+// A kernel takes its own copy of a parameter's FastDiv field by field: a struct copy of
+// the param-space field makes other PTX (bench/ptx_diff.py).
+FP4C_DEVICE FastDiv fastdiv_param(const FastDiv& f) { return FastDiv{f.d, f.m, f.s}; }
 // The 33-bit sum goes through a funnel shift (s <= 31), so the quotient is a plain 32-bit
 // value (a 64-bit shift made ptxas carry its high word into the callers' index math).
 FP4C_DEVICE u32 fdiv(u32 n, const FastDiv& f) {

@@ -56,7 +56,7 @@ struct StoreItem {
   u32 i, h, g, rem;  // rem = h*G + g
 };
 FP4C_DEVICE StoreItem store_item(u32 gid, const StoreParams& P) {
-  const FastDiv fHG{P.hg, P.hg_m, P.hg_s}, fG{P.gd, P.g_m, P.g_s};
+  const FastDiv fHG = fastdiv_param(P.hg), fG = fastdiv_param(P.g);
   StoreItem it;
   it.i = fdiv(gid, fHG);
   it.rem = gid - it.i * fHG.d;
@@ -122,8 +122,8 @@ struct StoreDest {
   u64 doff, ksoff, vsoff;
 };
 FP4C_DEVICE StoreDest store_dest(i64 slot, const StoreItem& it, const StoreParams& P) {
-  const FastDiv fT{P.td, P.t_m, P.t_s};
-  const u32 G = P.gd, Tn = fT.d, g = it.g;
+  const FastDiv fT = fastdiv_param(P.t);
+  const u32 G = P.g.d, Tn = fT.d, g = it.g;
   u64 page;
   u32 t;
   split_slot(slot, fT, page, t);
@@ -184,7 +184,7 @@ FP4C_DEVICE void count_groups(u64* stats, int index, u32 n) {
 template <bool VEC, int NH>
 FP4C_DEVICE void store_write(const Encoded16* ek, const Encoded16* ev, const StoreDest& d,
                              const StoreParams& P) {
-  const u32 G = P.gd;
+  const u32 G = P.g.d;
   u8* ks = d.kside;
   u8* vs = ks + P.side_bytes;
   u32 n[6] = {0u, 0u, 0u, 0u, 0u, 0u};  // k/v non-finite, k/v clipped, k/v underflow
@@ -327,7 +327,7 @@ template <typename T, typename BlockT, bool VEC>
 FP4C_DEVICE void gather_impl(const void* __restrict__ blocks, void* __restrict__ out_k,
                              void* __restrict__ out_v, u32 total, const GatherParams& P) {
   const u8* __restrict__ buffer = (const u8*)P.buffer;
-  const FastDiv fC{P.cd, P.c_m, P.c_s}, fH{P.hd, P.h_m, P.h_s}, fT{P.td, P.t_m, P.t_s};
+  const FastDiv fC = P.c, fH = P.h, fT = P.t;
   const u32 nhd = P.nhd;
   const i64 num_blocks = P.num_blocks, side_bytes = P.side_bytes, data_bytes = P.data_bytes;
   constexpr int n = Chunk<T>::kValues;

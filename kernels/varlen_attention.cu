@@ -122,7 +122,7 @@ FP4C_DEVICE bool find_work(const VarlenParams& P, u32 item, const void* qsl,
   W.rows = W.n * P.group;
   if (W.rows <= P.rows_lo || W.rows > P.rows_hi) return false;  // another launch's
   i64 len = load_index(seq_lens, W.b, P.sl64);
-  const i64 cap = (i64)P.max_blocks * P.T;
+  const i64 cap = (i64)P.max_blocks * P.t.d;
   W.len = (u32)(len < 0 ? 0 : (len > cap ? cap : len));
   const u32 nqt = (W.rows + ROWS - 1) / ROWS;
   u32 qt;
@@ -691,7 +691,7 @@ FP4C_DEVICE void varlen_item(u32 item, const void* __restrict__ q, const void* _
   S.page_bytes = 2 * P.side_bytes;
   S.side_bytes = P.side_bytes;
   S.data_bytes = P.data_bytes;
-  S.fT = FastDiv{P.T, P.t_m, P.t_s};
+  S.fT = fastdiv_param(P.t);
   S.h = W.h;
   S.row_h = P.row_h;
   S.row_t = P.row_t;

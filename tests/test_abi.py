@@ -124,3 +124,15 @@ def test_value_type_names_the_dtype(dtype):
                                          f"{np.dtype(dtype)}"):
         K.value_type(dtype, "q.dtype")
     assert [K.value_type(d, "x") for d in (np.float32, np.float16)] == ["f32", "f16"]
+
+
+def test_fastdiv_fields_are_one_struct():
+    """A divisor travels as one FastDiv field (d, m, s), the layout of the device struct."""
+    fd = _abi.struct_dtype("StoreParams")["t"]
+    assert fd.names == ("d", "m", "s") and fd.itemsize == 12
+    assert "struct FastDiv {\n  u32 d;\n  u32 m;\n  u32 s;\n};" in _abi.header()
+    p = np.zeros((), dtype=_abi.struct_dtype("AttnParams"))
+    p["t"] = _abi.fastdiv(12)
+    d, m, s = (int(p["t"][k]) for k in ("d", "m", "s"))
+    n = np.arange(1 << 16, dtype=np.uint64)
+    assert ((((n * m) >> 32) + n) >> s == n // d).all()
