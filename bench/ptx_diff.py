@@ -19,6 +19,11 @@ Normalization:
 Kernels only in "before" (deleted) or only in "after" (new) are listed separately.  The
 exit status is 1 when a kernel present on both sides differs.
 
+``cubin`` is the next check for a kernel whose PTX differs: it compiles the named kernels
+of this tree and of an old tree (each alone, as the library does), assembles both with
+``ptxas -v`` and says whether the cubins are byte-identical (then the SASS is the same),
+with the register and spill lines of each.
+
 From the repository root::
 
     git archive <old commit> | tar -x -C /tmp/old && cp bench/ptx_diff.py /tmp/old/bench/
@@ -27,6 +32,7 @@ From the repository root::
     python bench/ptx_diff.py compare /tmp/ptx_before /tmp/ptx_after \
         --rename _g16_anyT=_wide --rename _g8_anyT= --rename _g16=_wide_paged16 \
         --rename _g8=_paged16    # main before issue 22 -> after (attention kernel names)
+    python bench/ptx_diff.py cubin /tmp/old --arch sm_90 --match varlen_attn_bf16_d128
 """
 
 from __future__ import annotations
@@ -194,6 +200,52 @@ def compare(before: Path, after: Path, renames: list[tuple[str, str]], show: int
     return 1 if bad else 0
 
 
+_PTX_OF = """
+import json, sys
+sys.path.insert(0, sys.argv[1])
+from fp4cache import _kernels as K
+out = {}
+for s in K.all_specs():
+    if sys.argv[3] in s.name:
+        src = K.build_source(s.file, [s])
+        out[s.name] = K.compile_source(src, s.file, sys.argv[2], K.CUPY_IMPLICIT_OPTIONS)
+print(json.dumps(out))
+"""
+
+
+def cubin(old_root: Path, arch: str, match: str, ptxas: str) -> int:
+    """Assemble the kernels whose name contains ``match`` from both trees; 1 if a cubin
+    differs (kernel names must be the same in both trees)."""
+    import json
+    import subprocess
+    import tempfile
+
+    def ptx_of(root: Path) -> dict[str, str]:
+        return json.loads(subprocess.check_output(
+            [sys.executable, "-c", _PTX_OF, str(root), arch, match]))
+
+    old, new = ptx_of(old_root), ptx_of(_ROOT)
+    bad = 0
+    for name in sorted(set(old) & set(new)):
+        res = []
+        for ptx in (old[name], new[name]):
+            with tempfile.TemporaryDirectory() as d:
+                (Path(d) / "k.ptx").write_text(ptx)
+                r = subprocess.run([ptxas, f"-arch={arch}", "-v", "-o", f"{d}/k.cubin",
+                                    f"{d}/k.ptx"], capture_output=True, text=True, check=True)
+                info = [ln.strip() for ln in r.stderr.splitlines() if "Used" in ln
+                        or "spill" in ln]
+                res.append(((Path(d) / "k.cubin").read_bytes(), info))
+        same = res[0][0] == res[1][0]
+        bad += not same
+        print(f"{name}: cubin {'identical' if same else 'DIFFERENT'}")
+        if not same:
+            print(f"  before: {res[0][1]}\n  after:  {res[1][1]}")
+    print(f"{len(set(old) & set(new))} kernels, {bad} different cubins; only before: "
+          f"{sorted(set(old) - set(new))}, only after: {sorted(set(new) - set(old))}")
+    return 1 if bad else 0
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
     sub = ap.add_subparsers(dest="cmd", required=True)
@@ -207,7 +259,14 @@ def main(argv: list[str] | None = None) -> int:
     c.add_argument("--rename", action="append", default=[], metavar="OLD=NEW",
                    help="substring rename of kernel names, before -> after (repeatable)")
     c.add_argument("--show", type=int, default=40, help="diff lines shown per kernel")
+    b = sub.add_parser("cubin", help="ptxas both trees' kernels, compare the cubins")
+    b.add_argument("old_root", type=Path, help="the old tree (e.g. a git archive export)")
+    b.add_argument("--arch", default="sm_90")
+    b.add_argument("--match", default="", help="substring of the kernel names")
+    b.add_argument("--ptxas", default="ptxas")
     args = ap.parse_args(argv)
+    if args.cmd == "cubin":
+        return cubin(args.old_root, args.arch, args.match, args.ptxas)
     if args.cmd == "dump":
         dump(args.folder, args.arch, args.jobs)
         return 0
