@@ -1,5 +1,5 @@
 """Kernel-level experiments on the fused decode attention: one or more kernel sources
-(the shipped ``kernels/decode_attention.cu`` and variants of it) and tuning values,
+(the shipped ``kernels/decode_attention.cu`` and variants of it),
 timed side by side in one process on the same cache, each checked against a float32
 reference over ``gather_dequant`` values.
 
@@ -7,7 +7,7 @@ Run on the GPU (from the repository root)::
 
     PYTHONPATH=. python3 bench/attn_kernel.py                     # the shipped kernel
     PYTHONPATH=. python3 bench/attn_kernel.py --variant new=path/to/variant.cu \\
-        --tuning FP4C_ATTN_WARPS=8 --case 8,32768,32,128 --case 32,mixed,32,128
+        --case 8,32768,32,128 --case 32,mixed,32,128
 
 A variant is a full replacement of ``decode_attention.cu`` (same kernel names and
 arguments); it is copied into ``kernels/`` under a temporary name for the run.  Under
@@ -97,21 +97,16 @@ def run_case(cp, ca, K, env, case, variants, args) -> None:
     sm_scale = 1.0 / np.sqrt(D)
     ref = None if args.no_check else reference(cp, cache, tab, lensd, q, sm_scale)
     nbytes = int(lens.sum()) * cache.geometry.bytes_per_token
-    orig_spec = K.decode_attention_spec
-    for vname, fname, tune in variants:
-        def spec_for(*a, _f=fname, _t=tune, **kw):
-            s = orig_spec(*a, **kw)
-            s = K.Spec(_f, s.macro, s.name, s.args, s.tuning)
-            return s.with_tuning(**_t) if _t else s
-        K.decode_attention_spec = spec_for
+    for vname, fname in variants:
         try:
             out = cp.full(q.shape, np.nan, dtype=BF16)
             scratch = ca.new_scratch()
 
-            def call(out=out, scratch=scratch):
+            def call(out=out, scratch=scratch, fname=fname):
                 ca.decode_attention(cache.buffer, q, tab, lensd, out, None,
                                     geom=cache.geometry, k_s=cache._k_s, v_s=cache._v_s,
-                                    sm_scale=sm_scale, stats=cache._stats, scratch=scratch)
+                                    sm_scale=sm_scale, stats=cache._stats, scratch=scratch,
+                                    kernel_file=fname)
             call()
             cp.cuda.Device().synchronize()
             plan = ca.attention_plans(scratch)[0]
@@ -126,8 +121,6 @@ def run_case(cp, ca, K, env, case, variants, args) -> None:
                   f"{int(plan.fn.local_size_bytes)} err {err:.2e}", flush=True)
         except Exception as e:  # a variant that fails to compile or run
             print(f"!! {case} {vname}: {type(e).__name__}: {e}", flush=True)
-        finally:
-            K.decode_attention_spec = orig_spec
 
 
 def main(argv=None) -> int:
@@ -135,9 +128,7 @@ def main(argv=None) -> int:
     ap.add_argument("--case", action="append", default=None,
                     help="B,L,Hq,D with L an int or 'mixed' (default 8,32768,32,128)")
     ap.add_argument("--variant", action="append", default=[],
-                    help="NAME=[PATH][:MACRO=V,...]: a replacement decode_attention.cu "
-                         "and/or other tuning values")
-    ap.add_argument("--tuning", action="append", default=[], help="MACRO=VALUE (all variants)")
+                    help="NAME=PATH: a replacement decode_attention.cu")
     ap.add_argument("--reps", type=int, default=15)
     ap.add_argument("--batch", type=int, default=10)
     ap.add_argument("--no-check", action="store_true")
@@ -158,20 +149,14 @@ def main(argv=None) -> int:
             return ca.splits_of(_n, capacity, spec)
         ca.split_plan = forced
     kdir = K.kernel_dir()
-    tuning = {k: int(v) for k, v in (t.split("=") for t in args.tuning)}
-    variants = [("shipped", "decode_attention.cu", tuning)]
+    variants = [("shipped", "decode_attention.cu")]
     made = []
     for v in args.variant:
-        name, spec = v.split("=", 1)
-        path, _, extra = spec.partition(":")
-        tune = dict(tuning)
-        tune.update({k: int(x) for k, x in (t.split("=") for t in extra.split(",") if t)})
-        fname = "decode_attention.cu"
-        if path:
-            fname = f"_exp_{name}.cu"
-            shutil.copy(path, kdir / fname)
-            made.append(kdir / fname)
-        variants.append((name, fname, tune))
+        name, path = v.split("=", 1)
+        fname = f"_exp_{name}.cu"
+        shutil.copy(path, kdir / fname)
+        made.append(kdir / fname)
+        variants.append((name, fname))
     env = Env(gpu=True)
     try:
         for case in args.case or ["8,32768,32,128"]:

@@ -17,10 +17,11 @@ from functools import cache
 import numpy as np
 
 __all__ = ["RULES", "LAYOUTS", "STAT_NAMES", "STAT", "STRUCTS", "struct_dtype", "header",
-           "fastdiv", "ATTN_CHUNK_TILES", "COPY_UNROLL", "COPY_MIN_CTAS", "COPY_TABLES",
-           "PAGE_MOVE_THREADS", "SCALE_SATURATES_ABOVE", "MMA_ROWS", "VARLEN_WARPS",
-           "VARLEN_TILE_KEYS", "VARLEN_ROW_WARPS", "VARLEN_MAX_SPLITS", "VARLEN_MIN_SPLIT",
-           "VARLEN_SMEM_PAD", "varlen_smem_bytes"]
+           "fastdiv", "DECODE_CHUNKS", "SCAN_MAX_TOKENS", "LL_WIDE_TILES", "ATTN_WARPS",
+           "ATTN_MAX_SPLITS", "PAIR_SCALE_SHIFT", "ATTN_CHUNK_TILES", "COPY_UNROLL",
+           "COPY_MIN_CTAS", "COPY_TABLES", "PAGE_MOVE_THREADS", "SCALE_SATURATES_ABOVE",
+           "MMA_ROWS", "VARLEN_WARPS", "VARLEN_TILE_KEYS", "VARLEN_ROW_WARPS",
+           "VARLEN_MAX_SPLITS", "VARLEN_MIN_SPLIT", "VARLEN_SMEM_PAD", "varlen_smem_bytes"]
 
 #: Scale rules: name -> value of the kernels' ``RULE`` template parameter.
 RULES: dict[str, int] = {"static6": 0, "4over6": 1}
@@ -48,6 +49,26 @@ STAT: dict[str, int] = {name: i for i, name in enumerate(STAT_NAMES)}
 #: format one), and round-to-nearest-even takes it and everything below to 448 anyway: the
 #: calibrated maximum, ``fl(g * fl(amax * fl(1/6)))`` = 448.00003, is not saturated.
 SCALE_SATURATES_ABOVE = 464.0
+
+#: 16-byte output chunks per thread of the decode kernels (gather, flat dequantize,
+#: LongLive decode); 1 and 4 were measured and dropped (bench/KERNEL_NOTES.md, v9).
+DECODE_CHUNKS = 2
+#: Stores of up to this many tokens find repeated slots by a scan in the kernel (one
+#: launch, one thread per token of a 256-thread CTA); larger ones take a claim pass.
+SCAN_MAX_TOKENS = 128
+#: 1024-chunk tiles per CTA of the wide LongLive decode (all loads first; KERNEL_NOTES v14).
+LL_WIDE_TILES = 2
+#: Warps per CTA of the decode attention (2, 3 and 8 measured and dropped: KERNEL_NOTES,
+#: seventh and eighth sessions).
+ATTN_WARPS = 4
+#: Most KV splits per (sequence, KV head) of the decode attention (the merge's weights
+#: live in shared memory).
+ATTN_MAX_SPLITS = 128
+#: The attention kernels decode an E2M1 code times its E4M3 scale as an exact f16 scaled
+#: by 2^-PAIR_SCALE_SHIFT (``pair_scale`` in kernels/attn_common.cuh: both decode routes'
+#: multipliers are generated from it); the host folds 2^PAIR_SCALE_SHIFT into the score
+#: scale and the output scale.
+PAIR_SCALE_SHIFT = 7
 
 #: Decode attention, groups of 1..8 with block_size % 16 == 0: 16-token tiles per chunk (a
 #: warp's step of the chunk ring), by head_dim.  Measured on the H200 (bench/KERNEL_NOTES.md):
@@ -94,7 +115,13 @@ def varlen_smem_bytes(head_dim: int, row_warps: int, split_q: bool) -> int:
     return kv + sc + q
 
 
-_CTYPES = {"u32": np.uint32, "u64": np.uint64, "i64": np.int64, "float": np.float32}
+#: The device ``FastDiv`` (``fdiv`` in kernels/fp4_common.cuh): ``n / d`` of a run-time
+#: divisor ``d < 2**31`` as ``(umulhi(n, m) + n) >> s`` (Granlund-Montgomery, see
+#: :func:`fastdiv`); a struct field of this type holds one divisor.
+FASTDIV_FIELDS = (("d", "u32"), ("m", "u32"), ("s", "u32"))
+
+_CTYPES = {"u32": np.uint32, "u64": np.uint64, "i64": np.int64, "float": np.float32,
+           "FastDiv": np.dtype([(n, np.uint32) for n, _ in FASTDIV_FIELDS], align=True)}
 
 #: Structs passed to kernels by value: name -> fields ``(name, C type[, count])``.
 #: Pointers travel as ``u64``.
@@ -107,9 +134,9 @@ STRUCTS: dict[str, tuple[tuple, ...]] = {
         ("num_slots", "i64"), ("side_bytes", "i64"), ("data_bytes", "i64"),
         ("k_pair_bytes", "i64"), ("v_pair_bytes", "i64"),  # NH = 2: offset of head h + H/2
         ("n_tokens", "u32"), ("total", "u32"),
-        ("hg", "u32"), ("hg_m", "u32"), ("hg_s", "u32"),  # FastDiv of (H/NH)*G
-        ("gd", "u32"), ("g_m", "u32"), ("g_s", "u32"),    # FastDiv of G
-        ("td", "u32"), ("t_m", "u32"), ("t_s", "u32"),    # FastDiv of T
+        ("hg", "FastDiv"),  # (H/NH)*G
+        ("g", "FastDiv"),  # G
+        ("t", "FastDiv"),  # T
         ("H", "u32"), ("nhd", "u32"), ("swizzle", "u32"), ("dedup", "u32"), ("swz_m", "u32"),
         ("pair_rows", "u32"),  # NH = 2: pool rows from head h to head h + H/2
         ("k_s", "float"), ("k_g", "float"), ("v_s", "float"), ("v_g", "float"),
@@ -120,9 +147,9 @@ STRUCTS: dict[str, tuple[tuple, ...]] = {
     "GatherParams": (
         ("buffer", "u64"), ("stats", "u64"),
         ("num_blocks", "i64"), ("side_bytes", "i64"), ("data_bytes", "i64"),
-        ("cd", "u32"), ("c_m", "u32"), ("c_s", "u32"),  # FastDiv of output chunks per row
-        ("hd", "u32"), ("h_m", "u32"), ("h_s", "u32"),  # FastDiv of H
-        ("td", "u32"), ("t_m", "u32"), ("t_s", "u32"),  # FastDiv of T
+        ("c", "FastDiv"),  # output chunks per row
+        ("h", "FastDiv"),  # H
+        ("t", "FastDiv"),  # T
         ("nhd", "u32"), ("swizzle", "u32"), ("swz_m", "u32"),
         ("k_s", "float"), ("v_s", "float"),
     ),
@@ -132,10 +159,10 @@ STRUCTS: dict[str, tuple[tuple, ...]] = {
         ("counters", "u64"), ("stats", "u64"),  # u32 merge tickets [B*H], u64 counters
         ("num_blocks", "i64"), ("side_bytes", "i64"), ("data_bytes", "i64"),
         ("H", "u32"), ("group", "u32"),  # KV heads, query heads per KV head
-        ("T", "u32"), ("t_m", "u32"), ("t_s", "u32"),  # tokens per page (FastDiv)
+        ("t", "FastDiv"),  # tokens per page
         ("max_blocks", "u32"), ("split_len", "u32"), ("nsplit", "u32"),
         ("row_h", "u32"), ("row_t", "u32"),  # row of (t, h) in a side: h*row_h + t*row_t
-        ("swizzle", "u32"), ("tile_in_page", "u32"),  # V scales swizzled; T % 16 == 0
+        ("swizzle", "u32"), ("paged16", "u32"),  # V scales swizzled; T % 16 == 0
         ("bt64", "u32"), ("sl64", "u32"),  # int64 block tables / sequence lengths
         ("qk_scale", "float"),  # sm_scale * k_scale * 2^7 * log2(e)
         ("out_scale", "float"),  # v_scale * 2^7
@@ -146,7 +173,7 @@ STRUCTS: dict[str, tuple[tuple, ...]] = {
         ("counters", "u64"), ("stats", "u64"),  # u32 merge tickets [B*H], u64 counters
         ("num_blocks", "i64"), ("side_bytes", "i64"), ("data_bytes", "i64"),
         ("H", "u32"), ("group", "u32"),  # KV heads, query heads per KV head
-        ("T", "u32"), ("t_m", "u32"), ("t_s", "u32"),  # tokens per page (FastDiv)
+        ("t", "FastDiv"),  # tokens per page
         ("max_blocks", "u32"),
         ("slots", "u32"),  # CTAs per (sequence, KV head): query tiles x splits
         ("max_splits", "u32"),  # splits per (sequence, KV head) of the workspace
@@ -180,8 +207,9 @@ STRUCTS: dict[str, tuple[tuple, ...]] = {
 
 
 def _field_bytes(f: tuple) -> tuple[int, int]:
-    size = np.dtype(_CTYPES[f[1]]).itemsize
-    return size, size * (f[2] if len(f) == 3 else 1)
+    """(alignment, size) of field ``f``."""
+    dt = np.dtype(_CTYPES[f[1]])
+    return dt.alignment, dt.itemsize * (f[2] if len(f) == 3 else 1)
 
 
 @cache
@@ -205,7 +233,7 @@ def struct_dtype(name: str) -> np.dtype:
         fields.append((f[0], _CTYPES[f[1]], (f[2],)) if len(f) == 3 else (f[0], _CTYPES[f[1]]))
         sizes.append(_field_bytes(f))
     dt = np.dtype(fields, align=True)
-    assert all(a[0] >= b[0] for a, b in zip(sizes, sizes[1:])), f"{name}: order by size"
+    assert all(a[0] >= b[0] for a, b in zip(sizes, sizes[1:])), f"{name}: order by alignment"
     assert dt.itemsize == sum(n for _, n in sizes), f"{name}: pad the tail explicitly"
     return dt
 
@@ -221,6 +249,18 @@ def header() -> str:
     sat_bits = int(np.float32(SCALE_SATURATES_ABOVE).view(np.uint32))
     out.append(f"#define FP4C_SCALE_SATURATES_ABOVE_BITS {sat_bits:#010x}u  "
                f"// float32 {SCALE_SATURATES_ABOVE:g}")
+    out += [f"#define FP4C_DECODE_CHUNKS {DECODE_CHUNKS}",
+            f"#define FP4C_SCAN_MAX_TOKENS {SCAN_MAX_TOKENS}",
+            f"#define FP4C_LL_WIDE_TILES {LL_WIDE_TILES}",
+            f"#define FP4C_ATTN_WARPS {ATTN_WARPS}",
+            f"#define FP4C_ATTN_MAX_SPLITS {ATTN_MAX_SPLITS}",
+            f"#define FP4C_PAIR_SCALE_SHIFT {PAIR_SCALE_SHIFT}"]
+    # pair_scale's f16x2 multipliers: the E4M3 route's codes are e2m1 * 2^-6 and its scales
+    # exact f16, the bit route's codes e2m1 * 2^-14 and its scales |sf| * 2^-8
+    for name, exp in (("E4M3", 6), ("BITS", 8 + 14)):
+        bits = int(np.float16(2.0 ** (exp - PAIR_SCALE_SHIFT)).view(np.uint16)) * 0x10001
+        out.append(f"#define FP4C_PAIR_SCALE_{name} {bits:#010x}u  "
+                   f"// f16x2 2^{exp - PAIR_SCALE_SHIFT}")
     out += [f"#define FP4C_ATTN_CHUNK_TILES_D{d} {t}" for d, t in ATTN_CHUNK_TILES.items()]
     out.append(f"#define FP4C_COPY_UNROLL {COPY_UNROLL}")
     out.append(f"#define FP4C_COPY_MIN_CTAS {COPY_MIN_CTAS}")
@@ -231,6 +271,11 @@ def header() -> str:
             f"#define FP4C_VARLEN_MAX_SPLITS {VARLEN_MAX_SPLITS}",
             f"#define FP4C_VARLEN_MIN_SPLIT {VARLEN_MIN_SPLIT}",
             f"#define FP4C_VARLEN_SMEM_PAD {VARLEN_SMEM_PAD}"]
+    fd = _CTYPES["FastDiv"]
+    out.append("struct FastDiv {")
+    out += [f"  {t} {n};" for n, t in FASTDIV_FIELDS]
+    out.append("};")
+    out.append(f'static_assert(sizeof(FastDiv) == {fd.itemsize}, "FastDiv: padding");')
     for name, fields in STRUCTS.items():
         dt = struct_dtype(name)
         out.append(f"struct {name} {{")

@@ -37,6 +37,8 @@ __all__ = [
     "check_device",
     "check_strides",
     "aligned",
+    "share_bytes",
+    "ceil_div",
 ]
 
 
@@ -468,3 +470,18 @@ def check_device(arrays: dict[str, Any], ref) -> None:
 
 def _shape_str(shape) -> str:
     return "[" + ", ".join("*" if s is None else str(s) for s in shape) + "]"
+
+
+def share_bytes(a, b) -> bool:
+    """Whether two C-contiguous arrays of one backend share any byte (their address
+    ranges intersect; an empty array shares none)."""
+    if a.nbytes == 0 or b.nbytes == 0:
+        return False
+    pa = a.data.ptr if is_cupy(a) else a.__array_interface__["data"][0]
+    pb = b.data.ptr if is_cupy(b) else b.__array_interface__["data"][0]
+    return pa < pb + b.nbytes and pb < pa + a.nbytes
+
+
+def ceil_div(a: int, b: int) -> int:
+    """``ceil(a / b)`` of integers (``b > 0``)."""
+    return -(-a // b)

@@ -19,6 +19,7 @@ within a cache's hints can take (what the cache reserves at construction).
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, NamedTuple
 
 import cupy
@@ -26,6 +27,7 @@ import numpy as np
 
 from . import _abi
 from . import _kernels as K
+from ._arrays import ceil_div
 from ._device import num_sms
 from ._plans import PlanCache, Scratch, Workspace
 from .attention import MAX_GROUP
@@ -33,7 +35,7 @@ from .layout import PageGeometry
 
 __all__ = ["decode_attention", "attention_runner", "attention_plans", "new_scratch",
            "split_plan", "max_splits", "workspace_parts", "workspace_bound",
-           "dequant_table", "bytes_read", "ATTN_PARAMS_DTYPE", "SPLIT_TOKENS",
+           "dequant_table", "bytes_read", "attention_scales", "ATTN_PARAMS_DTYPE", "SPLIT_TOKENS",
            "MIN_SPLIT_TOKENS", "CTA_TOKENS", "MERGE_TOKENS", "splits_of"]
 
 _U32, _I64, _F32 = np.uint32, np.int64, np.float32
@@ -50,15 +52,14 @@ MIN_SPLIT_TOKENS = 256
 CTA_TOKENS = 128
 MERGE_TOKENS = 16
 
-def _dtype_name(dtype) -> str:
-    name = K.DTYPE_NAMES.get(np.dtype(dtype))
-    if name is None:
-        raise ValueError(f"q.dtype must be bfloat16, float16 or float32, got {dtype}")
-    return name
-
-
-def _ceil(a: int, b: int) -> int:
-    return -(-a // b)
+def attention_scales(sm_scale, k_s, v_s) -> tuple[np.float32, np.float32]:
+    """``(qk_scale, out_scale)`` of the attention kernels' params: the kernels' decoded
+    values are e2m1 * sf * 2^-PAIR_SCALE_SHIFT (``_abi``), so the score scale takes
+    sm_scale * k_scale * 2^PAIR_SCALE_SHIFT * log2(e) (scores in the log2 domain) and the
+    output v_scale * 2^PAIR_SCALE_SHIFT."""
+    unscale = 2.0 ** _abi.PAIR_SCALE_SHIFT
+    return (np.float32(float(sm_scale) * float(np.float32(k_s)) * unscale * _LOG2E),
+            np.float32(float(np.float32(v_s)) * unscale))
 
 
 class SplitPlan(NamedTuple):
@@ -69,9 +70,8 @@ class SplitPlan(NamedTuple):
 def _split_step(spec: K.Spec | None) -> int:
     """Split lengths are multiples of this: one chunk per warp of the CTA (at least two
     16-token tiles, ``_abi.ATTN_CHUNK_TILES`` of the spec's head_dim)."""
-    tune = dict(K.TUNING if spec is None else spec.tuning)
     tiles = 2 if spec is None else max(2, _abi.ATTN_CHUNK_TILES[K.attention_head_dim(spec)])
-    return 16 * tiles * tune["FP4C_ATTN_WARPS"]
+    return 16 * tiles * _abi.ATTN_WARPS
 
 
 def splits_of(n: int, capacity: int, spec: K.Spec | None = None) -> SplitPlan:
@@ -80,8 +80,8 @@ def splits_of(n: int, capacity: int, spec: K.Spec | None = None) -> SplitPlan:
     without a spec, 32-token chunks)."""
     cap = max(int(capacity), 1)
     step = _split_step(spec)
-    length = _ceil(_ceil(cap, n), step) * step
-    return SplitPlan(_ceil(cap, length), length)
+    length = ceil_div(ceil_div(cap, n), step) * step
+    return SplitPlan(ceil_div(cap, length), length)
 
 
 def split_plan(batch: int, kv_heads: int, capacity: int, resident_ctas: int,
@@ -93,14 +93,13 @@ def split_plan(batch: int, kv_heads: int, capacity: int, resident_ctas: int,
     CTA_TOKENS) + n * MERGE_TOKENS`` (ties to fewer splits), with ``split_len`` =
     :func:`splits_of` ``n``, between
     :data:`MIN_SPLIT_TOKENS` (unless one split) and :data:`SPLIT_TOKENS` (so that unequal
-    sequence lengths still spread over the GPU), and at most ``FP4C_ATTN_MAX_SPLITS``
+    sequence lengths still spread over the GPU), and at most ``_abi.ATTN_MAX_SPLITS``
     splits.  A grid just over one wave (the second wave nearly empty) costs twice its
     work, so this never picks one.
     """
-    tune = dict(K.TUNING if spec is None else spec.tuning)
     bh = max(1, batch * kv_heads)
     best: tuple[float, SplitPlan] | None = None
-    for n in range(1, tune["FP4C_ATTN_MAX_SPLITS"] + 1):
+    for n in range(1, _abi.ATTN_MAX_SPLITS + 1):
         plan = splits_of(n, capacity, spec)
         if plan.nsplit != n:  # the same split length as a smaller n
             continue
@@ -108,23 +107,22 @@ def split_plan(batch: int, kv_heads: int, capacity: int, resident_ctas: int,
             break
         if plan.split_len > SPLIT_TOKENS:
             continue
-        waves = _ceil(bh * n, max(1, resident_ctas))
+        waves = ceil_div(bh * n, max(1, resident_ctas))
         cost = waves * (plan.split_len + CTA_TOKENS) + n * MERGE_TOKENS
         if best is None or cost < best[0]:
             best = (cost, plan)
     if best is None:  # only with MIN_SPLIT_TOKENS > SPLIT_TOKENS or huge capacities
         cap = max(int(capacity), 1)
-        return splits_of(min(_ceil(cap, SPLIT_TOKENS), tune["FP4C_ATTN_MAX_SPLITS"]),
+        return splits_of(min(ceil_div(cap, SPLIT_TOKENS), _abi.ATTN_MAX_SPLITS),
                          capacity, spec)
     return best[1]
 
 
 def max_splits(capacity: int, spec: K.Spec | None = None) -> int:
     """The most splits :func:`split_plan` can choose for ``capacity`` tokens on any GPU:
-    ``FP4C_ATTN_MAX_SPLITS``, and (more than one split being at least
+    ``_abi.ATTN_MAX_SPLITS``, and (more than one split being at least
     :data:`MIN_SPLIT_TOKENS` long) ``ceil(capacity / MIN_SPLIT_TOKENS)``."""
-    tune = dict(K.TUNING if spec is None else spec.tuning)
-    return max(1, min(tune["FP4C_ATTN_MAX_SPLITS"], _ceil(int(capacity), MIN_SPLIT_TOKENS)))
+    return max(1, min(_abi.ATTN_MAX_SPLITS, ceil_div(int(capacity), MIN_SPLIT_TOKENS)))
 
 
 def workspace_parts(batch: int, kv_heads: int, nsplit: int, group: int,
@@ -146,7 +144,7 @@ def workspace_bound(geom: PageGeometry, max_batch_size: int, max_seq_len: int,
     block tables of at most ``ceil(max_seq_len / block_size)`` columns and
     ``Hq <= num_query_heads`` (on any GPU: :func:`max_splits`)."""
     T, H = geom.block_size, geom.num_heads
-    nsplit = max_splits(_ceil(max_seq_len, T) * T)
+    nsplit = max_splits(ceil_div(max_seq_len, T) * T)
     parts, tickets = workspace_parts(max_batch_size, H, nsplit, max(1, num_query_heads // H),
                                      geom.head_dim)
     return Workspace.layout(parts)[1], tickets
@@ -155,7 +153,7 @@ def workspace_bound(geom: PageGeometry, max_batch_size: int, max_seq_len: int,
 def _resident_ctas(fn, spec: K.Spec) -> int:
     """CTAs of ``fn`` that fit on the whole device at once (registers, shared memory)."""
     sms = num_sms()
-    threads = 32 * spec.tune("FP4C_ATTN_WARPS")
+    threads = 32 * _abi.ATTN_WARPS
     regs = max(1, int(fn.num_regs))
     by_regs = 65536 // (threads * (-(-regs // 8) * 8))
     smem = int(fn.shared_size_bytes) + 1024
@@ -169,37 +167,54 @@ class _AttnPlan(NamedTuple):
     block: tuple[int]
     params: Any  # np.void of ATTN_PARAMS_DTYPE
     keep: tuple  # the owner's arrays the params point to (pool, counters, geometry)
+    spec: K.Spec  # the kernel's specialization
 
 
-def _make_plan(buffer, q, block_tables, seq_lens, geom: PageGeometry, k_s, v_s, sm_scale,
-               stats, workspace: Workspace) -> _AttnPlan:
-    B, Hq, D = q.shape
+def check_attention_args(what: str, buffer, q, geom: PageGeometry, **index_arrays) -> int:
+    """The checks of both attention kernels' arguments (``what`` names the function): q's
+    head_dim and heads against ``geom``, the block tables' row capacity, the pool's
+    alignment and the index arrays' dtypes.  Returns the query heads per KV head."""
+    _, Hq, D = q.shape
     H, T = geom.num_heads, geom.block_size
     if D != geom.head_dim:
         raise ValueError(f"q.shape[2] must be head_dim={geom.head_dim}, got {D}")
     if D not in K.ATTN_HEAD_DIMS:
-        raise ValueError(f"decode_attention supports head_dim in {K.ATTN_HEAD_DIMS}, got {D}")
+        raise ValueError(f"{what} supports head_dim in {K.ATTN_HEAD_DIMS}, got {D}")
     if Hq % H:
         raise ValueError(f"q.shape[1] = {Hq} must be a multiple of num_heads = {H}")
     group = Hq // H
     if not 1 <= group <= MAX_GROUP:
         raise ValueError(f"query heads per KV head must be 1..{MAX_GROUP}, got {group}")
+    capacity = int(index_arrays["block_tables"].shape[1]) * T
+    if capacity >= 2**31:
+        raise ValueError(f"block_tables row capacity {capacity} tokens must be < 2**31")
+    if buffer.data.ptr % 16:
+        raise ValueError("the page pool must be 16-byte aligned")
+    for name, a in index_arrays.items():
+        if np.dtype(a.dtype) not in (np.dtype(np.int32), np.dtype(np.int64)):
+            raise ValueError(f"{name}.dtype must be int32 or int64, got {np.dtype(a.dtype)}")
+    return group
+
+
+def _make_plan(buffer, q, block_tables, seq_lens, geom: PageGeometry, k_s, v_s, sm_scale,
+               stats, workspace: Workspace, decode_route: str = "auto",
+               kernel_file: str | None = None) -> _AttnPlan:
+    B, Hq, D = q.shape
+    H, T = geom.num_heads, geom.block_size
+    group = check_attention_args("decode_attention", buffer, q, geom, block_tables=block_tables,
+                                 seq_lens=seq_lens)
     if B > 65535 or H > 65535:
         raise ValueError(f"batch and num_heads must be <= 65535, got {B} and {H}")
     max_blocks = int(block_tables.shape[1])
-    if max_blocks * T >= 2**31:
-        raise ValueError(f"block_tables row capacity {max_blocks * T} tokens must be < 2**31")
-    if buffer.data.ptr % 16:
-        raise ValueError("the page pool must be 16-byte aligned")
     if buffer.shape[0] >= 2**32 - 1:  # the kernel's 32-bit page index (FP4C_BAD_PAGE)
         raise ValueError(f"the page pool must hold fewer than 2**32 - 1 pages, got "
                          f"{buffer.shape[0]}")
     bt = np.dtype(block_tables.dtype)
     sl = np.dtype(seq_lens.dtype)
-    for name, dt in (("block_tables", bt), ("seq_lens", sl)):
-        if dt not in (np.dtype(np.int32), np.dtype(np.int64)):
-            raise ValueError(f"{name}.dtype must be int32 or int64, got {dt}")
-    spec = K.decode_attention_spec(_dtype_name(q.dtype), D, group > 8, T % 16 == 0)
+    spec = K.decode_attention_spec(K.value_type(q.dtype, "q.dtype"), D, group > 8, T % 16 == 0,
+                                   decode_route)
+    if kernel_file is not None:
+        spec = dataclasses.replace(spec, file=kernel_file)
     fn = K.get_kernel(spec)
     sp = split_plan(B, H, max_blocks * T, _resident_ctas(fn, spec), spec)
     nsplit, split_len = sp
@@ -207,37 +222,39 @@ def _make_plan(buffer, q, block_tables, seq_lens, geom: PageGeometry, k_s, v_s, 
     views = workspace.get(parts, tickets=tickets, hint=(
         f"max_batch_size >= {B}, max_seq_len >= {max_blocks * T}, num_query_heads >= {Hq}"))
     ws_o, ws_ml, counters = (a.data.ptr for a in views) if views else (0, 0, 0)
-    td, tm, ts = _abi.fastdiv(T)
     hnd = geom.layout == "HND"
-    qk = np.float32(float(sm_scale) * float(np.float32(k_s)) * 128.0 * _LOG2E)
+    qk, out_scale = attention_scales(sm_scale, k_s, v_s)
     p = np.zeros((), dtype=ATTN_PARAMS_DTYPE)
     for name, value in (
             ("buffer", buffer.data.ptr), ("ws_o", ws_o), ("ws_ml", ws_ml),
             ("counters", counters), ("stats", stats.data.ptr),
             ("num_blocks", buffer.shape[0]), ("side_bytes", geom.side_bytes),
-            ("data_bytes", geom.data_bytes), ("H", H), ("group", group), ("T", td),
-            ("t_m", tm), ("t_s", ts), ("max_blocks", max_blocks), ("split_len", split_len),
+            ("data_bytes", geom.data_bytes), ("H", H), ("group", group),
+            ("t", _abi.fastdiv(T)), ("max_blocks", max_blocks), ("split_len", split_len),
             ("nsplit", nsplit), ("row_h", T if hnd else 1), ("row_t", 1 if hnd else H),
             ("swizzle", 1 if geom.swizzle_v_scales else 0),
-            ("tile_in_page", 1 if T % 16 == 0 else 0), ("bt64", 1 if bt.itemsize == 8 else 0),
+            ("paged16", 1 if T % 16 == 0 else 0), ("bt64", 1 if bt.itemsize == 8 else 0),
             ("sl64", 1 if sl.itemsize == 8 else 0), ("qk_scale", qk),
-            ("out_scale", np.float32(float(np.float32(v_s)) * 128.0))):
+            ("out_scale", out_scale)):
         p[name] = value
-    threads = 32 * spec.tune("FP4C_ATTN_WARPS")
-    return _AttnPlan(fn, (nsplit, H, B), (threads,), p[()], (buffer, stats, geom))
+    threads = 32 * _abi.ATTN_WARPS
+    return _AttnPlan(fn, (nsplit, H, B), (threads,), p[()], (buffer, stats, geom), spec)
 
 
-def _plan_key(buffer, q, block_tables, seq_lens, geom, k_s, v_s, sm_scale, stats) -> tuple:
+def _plan_key(buffer, q, block_tables, seq_lens, geom, k_s, v_s, sm_scale, stats,
+              decode_route, kernel_file) -> tuple:
     # id(geom): the plan keeps geom alive, so the id is not reused while the key exists.
     # No stream: the workspace is the owner's, shared by every stream (calls on different
     # streams are ordered by the caller, see Workspace).
     return ("attention-plan", buffer.data.device_id, buffer.data.ptr, buffer.shape[0],
             id(geom), q.shape, q.dtype, block_tables.shape[1], block_tables.dtype,
-            seq_lens.dtype, float(k_s), float(v_s), float(sm_scale), stats.data.ptr)
+            seq_lens.dtype, float(k_s), float(v_s), float(sm_scale), stats.data.ptr,
+            decode_route, kernel_file)
 
 
 def decode_attention(buffer, q, block_tables, seq_lens, out, lse, *, geom: PageGeometry, k_s,
-                     v_s, sm_scale, stats, scratch) -> None:
+                     v_s, sm_scale, stats, scratch, decode_route: str = "auto",
+                     kernel_file: str | None = None) -> None:
     """Paged decode attention over the NVFP4 page pool ``buffer`` (see the module doc).
 
     Parameters
@@ -259,6 +276,12 @@ def decode_attention(buffer, q, block_tables, seq_lens, out, lse, *, geom: PageG
     scratch : CacheState or Scratch
         The owner's ``plans`` (prepared launches, by signature) and ``workspace``
         (split-KV partials and merge tickets, see :func:`workspace_parts`).
+    decode_route : str
+        ``_kernels.DECODE_ROUTES``: "bitmove" takes the sm_80 decode route on any GPU
+        (tests); the library uses "auto".
+    kernel_file : str, optional
+        A replacement of ``decode_attention.cu`` in the kernel folder, same kernel names
+        and arguments (``bench/attn_kernel.py``'s experiments).
 
     Raises
     ------
@@ -269,21 +292,24 @@ def decode_attention(buffer, q, block_tables, seq_lens, out, lse, *, geom: PageG
     if q.shape[0] == 0:
         return
     attention_runner(buffer, q, block_tables, seq_lens, geom=geom, k_s=k_s, v_s=v_s,
-                     sm_scale=sm_scale, stats=stats, scratch=scratch)(
+                     sm_scale=sm_scale, stats=stats, scratch=scratch,
+                     decode_route=decode_route, kernel_file=kernel_file)(
         q, block_tables, seq_lens, out, lse)
 
 
 def attention_runner(buffer, q, block_tables, seq_lens, *, geom: PageGeometry, k_s, v_s,
-                     sm_scale, stats, scratch):
+                     sm_scale, stats, scratch, decode_route: str = "auto",
+                     kernel_file: str | None = None):
     """``run(q, block_tables, seq_lens, out, lse)``: :func:`decode_attention` for arrays
     like these (shapes, dtypes) on the current stream, prepared once (the front end keeps
     it for its hot path: one launch, nothing else)."""
-    key = _plan_key(buffer, q, block_tables, seq_lens, geom, k_s, v_s, sm_scale, stats)
+    key = _plan_key(buffer, q, block_tables, seq_lens, geom, k_s, v_s, sm_scale, stats,
+                    decode_route, kernel_file)
     plans = scratch.plans
     plan = plans.get(key)
     if plan is None:
         plan = _make_plan(buffer, q, block_tables, seq_lens, geom, k_s, v_s, sm_scale, stats,
-                          scratch.workspace)
+                          scratch.workspace, decode_route, kernel_file)
         plans.put(key, plan)
     nsplit, H, B = plan.grid
     fn, grid, block, params, zero = plan.fn, (nsplit * H * B,), plan.block, plan.params, \
@@ -308,16 +334,12 @@ def new_scratch(device: int | None = None) -> Scratch:
                                           else device))
 
 
-def dequant_table(e4m3_cvt: bool = True) -> np.ndarray:
+def dequant_table(decode_route: str = "auto") -> np.ndarray:
     """The kernel's E2M1 x E4M3 decode for every code, scale byte and pair position
-    (``fp4cache_attn_dequant_table``), as float32 ``[4 pairs, 2 halves, 16 codes, 256
-    bytes]`` (a test hook).  ``e4m3_cvt=False`` builds it with ``FP4C_E4M3_CVT=0``: the
-    bit-move route that GPUs before sm_89 use."""
-    spec = K.decode_attention_spec("bf16", 128, False)
-    if not e4m3_cvt:
-        spec = spec.with_tuning(FP4C_E4M3_CVT=0)
-    mod = cupy.RawModule(code=K.build_source(spec.file, [spec]), options=K.NVRTC_OPTIONS)
-    fn = mod.get_function("fp4cache_attn_dequant_table")
+    (``_kernels.attn_dequant_table_spec``), as float32 ``[4 pairs, 2 halves, 16 codes, 256
+    bytes]`` (a test hook).  ``decode_route="bitmove"``: the bit-move route that GPUs
+    before sm_89 use."""
+    fn = K.get_kernel(K.attn_dequant_table_spec(decode_route))
     out = cupy.empty(8 * 4096, dtype=np.float32)
     fn((16,), (256,), (out,))
     return out.get().reshape(4, 2, 16, 256)

@@ -38,6 +38,7 @@ from . import _kernels as K
 from ._cupy_attention import attention_runner, decode_attention
 from ._device import num_sms
 from ._plans import PlanCache, Workspace
+from .formats import reciprocal_clamped
 from .layout import GROUP, PageGeometry
 
 __all__ = [
@@ -64,19 +65,11 @@ _BLOCK = (_THREADS,)
 #: Launches are split so that a thread index always fits in 31 bits.
 _MAX_THREADS = 2**31 - 1
 
-_DT = K.DTYPE_NAMES
 _IX = {np.dtype(np.int32): "i32", np.dtype(np.int64): "i64"}
 _U64 = np.uint64
 _U32 = np.uint32
 _I64 = np.int64
 _F32 = np.float32
-
-
-def _dtype_name(dtype, what: str) -> str:
-    try:
-        return _DT[dtype]
-    except KeyError:
-        raise TypeError(f"{what} must be bfloat16, float16 or float32, got {dtype}") from None
 
 
 def _index_name(dtype, what: str) -> str:
@@ -97,8 +90,8 @@ def _blocks(total: int) -> tuple[int]:
     return ((total + _THREADS - 1) // _THREADS,)
 
 
-def _decode_blocks(chunks: int, spec: K.Spec) -> tuple[int]:
-    per = _THREADS * spec.tune("FP4C_DECODE_CHUNKS")
+def _decode_blocks(chunks: int) -> tuple[int]:
+    per = _THREADS * _abi.DECODE_CHUNKS
     return ((chunks + per - 1) // per,)
 
 
@@ -121,7 +114,7 @@ def quantize(x, s, g, rule, data_out, scales_out) -> None:
         return
     x = _contig(x)
     vec = _aligned(x.data.ptr) and _aligned(data_out.data.ptr, to=8)
-    fn = _kernel(K.quantize_spec(_dtype_name(x.dtype, "x"), rule, vec))
+    fn = _kernel(K.quantize_spec(K.value_type(x.dtype, "x"), rule, vec))
     fn(_blocks(total), _BLOCK, (x, data_out, scales_out, _U64(total), _F32(s), _F32(g)))
 
 
@@ -133,10 +126,10 @@ def dequantize(data, scales, s, out) -> None:
         return
     chunk = 16 // out.itemsize  # values per thread (one 16-byte output piece)
     vec = _aligned(data.data.ptr, to=chunk // 2) and _aligned(out.data.ptr)
-    spec = K.dequantize_spec(_dtype_name(out.dtype, "out"), vec)
+    spec = K.dequantize_spec(K.value_type(out.dtype, "out"), vec)
     fn = _kernel(spec)
     threads = total * (16 // chunk)
-    fn(_decode_blocks(threads, spec), _BLOCK,
+    fn(_decode_blocks(threads), _BLOCK,
        (_contig(data), _contig(scales), out, _U64(threads), _F32(s)))
 
 
@@ -180,10 +173,9 @@ def _os_table_values(k_s: float, v_s: float) -> np.ndarray:
     f[127] = 0  # 0x7F is NaN; never looked up (non-finite groups skip the table)
     out = []
     for s in (np.float32(k_s), np.float32(v_s)):
-        with np.errstate(divide="ignore", over="ignore", under="ignore"):
-            os_ = np.float32(1) / (f * s)
-        os_ = np.minimum(os_, np.float32(np.finfo(np.float32).max))
-        out.append(np.where(f == 0, np.float32(0), os_).astype(np.float32))
+        with np.errstate(under="ignore"):
+            fs = f * s
+        out.append(np.where(f == 0, np.float32(0), reciprocal_clamped(fs)).astype(np.float32))
     return np.concatenate(out)
 
 
@@ -230,7 +222,7 @@ def store_plan(st: CacheState, slots, k, v, *, rule: str, unique_slots: bool) ->
     strides, dtypes, pointer alignment; ``slots`` C-contiguous) into ``st``'s pool.
 
     ``unique_slots``: no slot repeats (no duplicate pass); otherwise the last occurrence
-    of a slot wins: a scan inside the kernel for up to ``FP4C_SCAN_MAX_TOKENS`` tokens,
+    of a slot wins: a scan inside the kernel for up to ``_abi.SCAN_MAX_TOKENS`` tokens,
     else a claim pass before the store and a clear pass after it (three launches).
     """
     n = k.shape[0]
@@ -239,7 +231,7 @@ def store_plan(st: CacheState, slots, k, v, *, rule: str, unique_slots: bool) ->
     geom = st.geom
     pa = _page_args(geom, st.num_blocks)
     G, H = geom.head_dim // GROUP, geom.num_heads
-    dt = _dtype_name(k.dtype, "k")
+    dt = K.value_type(k.dtype, "k")
     pair = H % 2 == 0 and (dt, rule) in K.STORE_PAIR
     hg = fastdiv(H // 2 * G) if pair else pa["HG"]
     max_tokens = _MAX_THREADS // int(hg[0])
@@ -263,7 +255,7 @@ def store_plan(st: CacheState, slots, k, v, *, rule: str, unique_slots: bool) ->
     half = H // 2
     total = n * int(hg[0])
     # duplicate slots: none promised or possible (0), scan the later tokens (1), claim (2)
-    dedup = 0 if unique_slots or n == 1 else 1 if n <= spec.tune("FP4C_SCAN_MAX_TOKENS") else 2
+    dedup = 0 if unique_slots or n == 1 else 1 if n <= _abi.SCAN_MAX_TOKENS else 2
     fg, ft = pa["fG"], pa["fT"]
     k_s, k_g, v_s, v_g = st.scalars
     p = np.zeros((), dtype=STORE_PARAMS_DTYPE)
@@ -275,8 +267,7 @@ def store_plan(st: CacheState, slots, k, v, *, rule: str, unique_slots: bool) ->
             ("num_slots", pa["num_slots"]), ("side_bytes", pa["side"]),
             ("data_bytes", pa["data"]), ("k_pair_bytes", half * kst[1]),
             ("v_pair_bytes", half * vst[1]), ("n_tokens", n), ("total", total),
-            ("hg", hg[0]), ("hg_m", hg[1]), ("hg_s", hg[2]), ("gd", fg[0]), ("g_m", fg[1]),
-            ("g_s", fg[2]), ("td", ft[0]), ("t_m", ft[1]), ("t_s", ft[2]), ("H", pa["H"]),
+            ("hg", hg), ("g", fg), ("t", ft), ("H", pa["H"]),
             ("nhd", pa["nhd"]), ("swizzle", pa["swz"]), ("dedup", dedup),
             ("swz_m", pa["swz_m"]),
             ("pair_rows", half if geom.layout == "NHD" else half * geom.block_size),
@@ -284,8 +275,7 @@ def store_plan(st: CacheState, slots, k, v, *, rule: str, unique_slots: bool) ->
             ("pk", _PACK_MULTIPLIERS)):
         p[name] = value
     params = p[()]
-    per = _THREADS * (1 if pair else spec.tune("FP4C_STORE_ITEMS"))
-    grid = ((total + per - 1) // per,)
+    grid = _blocks(total)  # one item per thread
     keep = st  # the struct holds the state's addresses
 
     if dedup != 2:
@@ -338,7 +328,7 @@ def gather_plan(st: CacheState, blocks, out_k, out_v) -> Callable:
     max_pages = _MAX_THREADS // per_page
     vec = (geom.side_bytes % (chunk // 2) == 0 and st.buffer.data.ptr % (chunk // 2) == 0
            and out_k.data.ptr % 16 == 0 and out_v.data.ptr % 16 == 0)
-    spec = K.gather_spec(_dtype_name(out_k.dtype, "out_k"), _index_name(blocks.dtype, "blocks"),
+    spec = K.gather_spec(K.value_type(out_k.dtype, "out_k"), _index_name(blocks.dtype, "blocks"),
                          vec)
     fn = _kernel(spec)
     fc, fh, ft = fastdiv(pa["G"] * itemsize), pa["fH"], pa["fT"]
@@ -346,14 +336,13 @@ def gather_plan(st: CacheState, blocks, out_k, out_v) -> Callable:
     for name, value in (
             ("buffer", st.buffer.data.ptr), ("stats", st.stats.data.ptr),
             ("num_blocks", pa["num_blocks"]), ("side_bytes", pa["side"]),
-            ("data_bytes", pa["data"]), ("cd", fc[0]), ("c_m", fc[1]), ("c_s", fc[2]),
-            ("hd", fh[0]), ("h_m", fh[1]), ("h_s", fh[2]), ("td", ft[0]), ("t_m", ft[1]),
-            ("t_s", ft[2]), ("nhd", pa["nhd"]), ("swizzle", pa["swz"]),
+            ("data_bytes", pa["data"]), ("c", fc), ("h", fh), ("t", ft),
+            ("nhd", pa["nhd"]), ("swizzle", pa["swz"]),
             ("swz_m", pa["swz_m"]), ("k_s", st.scalars[0]), ("v_s", st.scalars[2])):
         p[name] = value
     params = p[()]
     T = geom.block_size
-    per_cta = _THREADS * spec.tune("FP4C_DECODE_CHUNKS")
+    per_cta = _THREADS * _abi.DECODE_CHUNKS
 
     def run(blocks, out_k, out_v, _keep=st):
         n = blocks.shape[0]
@@ -375,7 +364,7 @@ def _amax_into(x, amax_out) -> bool:
     """Queue ``amax_out[0] = max |x|`` (NaN if ``x`` holds a NaN or an infinity) for a
     C-contiguous bf16/f16/f32 ``x``: a memset and one reduction kernel.  Returns whether
     the vector kernel variant was used (``x`` 16-byte aligned)."""
-    dt = _dtype_name(x.dtype, "x")
+    dt = K.value_type(x.dtype, "x")
     stream = cupy.cuda.get_current_stream()
     cupy.cuda.runtime.memsetAsync(amax_out.data.ptr, 0, 4, stream.ptr)
     n = x.size
@@ -404,7 +393,7 @@ def longlive_quantize(x, rule, values_out, sf_out, amax_out) -> None:
     G = D // GROUP
     R = Tb * H
     Rp = values_out.shape[0]
-    dt = _dtype_name(x.dtype, "x")
+    dt = K.value_type(x.dtype, "x")
     total = Rp * G
     if total >= _MAX_THREADS:  # checked before any work is queued
         raise ValueError(f"LongLive block too large: {Rp} rows x {G} groups")
@@ -494,12 +483,12 @@ def _ll_plan(source, nb, D, out_dtype, out_aligned, num_heads, block_token_size,
     if nb * R * G > 0:
         C = D // (16 // itemsize)  # 16-byte output chunks per row, one per thread
         fc = fastdiv(C)
-        dt = _dtype_name(out_dtype, "out")
+        dt = K.value_type(out_dtype, "out")
         # the wide kernel where it applies: bf16/f16 out, aligned blocks
         if aligned and itemsize == 2 and out_aligned and R * C < 2**31 - 8192:
             spec = K.ll_decode_wide_spec(dt)
             fn = _kernel(spec)
-            per_cta = 1024 * spec.tune("FP4C_LL_WIDE_TILES")
+            per_cta = 1024 * _abi.LL_WIDE_TILES
             gx = (R * C + per_cta - 1) // per_cta
             for a in range(0, nb, 65535):  # grid y: one block each
                 b = min(nb, a + 65535)
@@ -515,7 +504,7 @@ def _ll_plan(source, nb, D, out_dtype, out_aligned, num_heads, block_token_size,
                 b = min(nb, a + per)
                 threads = (b - a) * R * C
                 src = np.array(source(a, b), dtype=LL_SOURCE_DTYPE)[()]
-                launches.append((fn, _decode_blocks(threads, spec), src, a, b,
+                launches.append((fn, _decode_blocks(threads), src, a, b,
                                  (_U32(threads), frc[0], frc[1], frc[2], fc[0], fc[1], fc[2],
                                   _F32(inv_denom))))
 

@@ -31,14 +31,14 @@ import numpy as np
 
 from . import _abi
 from . import _kernels as K
-from ._cupy_attention import split_plan
+from ._arrays import ceil_div
+from ._cupy_attention import attention_scales, check_attention_args, split_plan
 from ._device import num_sms
 from .layout import PageGeometry
 
 __all__ = ["attention", "attention_runner", "plan_shape", "row_warps_for", "GRID_WAVES",
            "VARLEN_PARAMS_DTYPE", "WORKSPACE_WAVES"]
 
-_LOG2E = 1.4426950408889634
 #: numpy twin of ``struct VarlenParams`` (generated from :mod:`fp4cache._abi`).
 VARLEN_PARAMS_DTYPE = _abi.struct_dtype("VarlenParams")
 #: The workspace holds partials for at most this many waves of resident CTAs (splits per
@@ -50,10 +50,6 @@ WORKSPACE_WAVES = 4
 #: a mixed batch: an empty item costs a loop turn instead of a CTA launch).
 GRID_WAVES = 8
 _STATIC_SMEM_MAX = 48 * 1024
-
-
-def _ceil(a: int, b: int) -> int:
-    return -(-a // b)
 
 
 class PlanShape(NamedTuple):
@@ -90,7 +86,7 @@ def plan_shape(batch: int, kv_heads: int, row_warps: int, rows: int, capacity: i
     (when that fits one CTA) the decode attention's split plan over the block-table
     capacity; the workspace holds at most WORKSPACE_WAVES waves of partials."""
     rows_cta = _abi.MMA_ROWS * row_warps
-    qtiles = _ceil(max(1, rows), rows_cta)
+    qtiles = ceil_div(max(1, rows), rows_cta)
     nsplit = 1
     if qtiles == 1:
         nsplit = min(split_plan(batch, kv_heads, capacity, resident).nsplit,
@@ -98,7 +94,7 @@ def plan_shape(batch: int, kv_heads: int, row_warps: int, rows: int, capacity: i
     slots = qtiles * nsplit
     bh = max(1, batch * kv_heads)
     max_splits = max(1, min(_abi.VARLEN_MAX_SPLITS, slots,
-                            _ceil(WORKSPACE_WAVES * resident, bh)))
+                            ceil_div(WORKSPACE_WAVES * resident, bh)))
     return PlanShape(row_warps, qtiles, nsplit, slots, max_splits)
 
 
@@ -114,13 +110,6 @@ class _VarlenCall(NamedTuple):
     launches: tuple  # _VarlenPlan, one or two (sequences of <= 16 rows, then the others)
 
 
-def _dtype_name(dtype) -> str:
-    name = K.DTYPE_NAMES.get(np.dtype(dtype))
-    if name is None:
-        raise ValueError(f"q.dtype must be bfloat16, float16 or float32, got {dtype}")
-    return name
-
-
 def _make_launch(buffer, q, query_start_loc, block_tables, seq_lens, geom: PageGeometry,
                  row_warps: int, rows: int, rows_lo: int, rows_hi: int, causal: bool, k_s,
                  v_s, sm_scale, stats, workspace) -> _VarlenPlan:
@@ -131,7 +120,7 @@ def _make_launch(buffer, q, query_start_loc, block_tables, seq_lens, geom: PageG
     H, T = geom.num_heads, geom.block_size
     group = Hq // H
     max_blocks = int(block_tables.shape[1])
-    spec = K.varlen_attention_spec(_dtype_name(q.dtype), D, row_warps)
+    spec = K.varlen_attention_spec(K.value_type(q.dtype, "q.dtype"), D, row_warps)
     fn = K.get_kernel(spec)
     smem = _abi.varlen_smem_bytes(D, row_warps, np.dtype(q.dtype).itemsize == 4)
     if smem > _STATIC_SMEM_MAX:
@@ -153,16 +142,15 @@ def _make_launch(buffer, q, query_start_loc, block_tables, seq_lens, geom: PageG
     ws_ml, ws_o, counters = (a.data.ptr for a in workspace.get(
         [(n_part * 2, np.float32), (n_part * D, np.float32)], tickets=bh,
         hint=f"attention of {B} sequences x {max_blocks * T} tokens x {Hq} query heads"))
-    td, tm, ts = _abi.fastdiv(T)
     hnd = geom.layout == "HND"
-    qk = np.float32(float(sm_scale) * float(np.float32(k_s)) * 128.0 * _LOG2E)
+    qk, out_scale = attention_scales(sm_scale, k_s, v_s)
     p = np.zeros((), dtype=VARLEN_PARAMS_DTYPE)
     for name, value in (
             ("buffer", buffer.data.ptr), ("ws_o", ws_o), ("ws_ml", ws_ml),
             ("counters", counters), ("stats", stats.data.ptr),
             ("num_blocks", buffer.shape[0]), ("side_bytes", geom.side_bytes),
-            ("data_bytes", geom.data_bytes), ("H", H), ("group", group), ("T", td),
-            ("t_m", tm), ("t_s", ts), ("max_blocks", max_blocks), ("slots", ps.slots),
+            ("data_bytes", geom.data_bytes), ("H", H), ("group", group),
+            ("t", _abi.fastdiv(T)), ("max_blocks", max_blocks), ("slots", ps.slots),
             ("max_splits", ps.max_splits), ("row_h", T if hnd else 1),
             ("row_t", 1 if hnd else H), ("swizzle", 1 if geom.swizzle_v_scales else 0),
             ("bt64", block_tables.dtype.itemsize == 8), ("sl64", seq_lens.dtype.itemsize == 8),
@@ -170,7 +158,7 @@ def _make_launch(buffer, q, query_start_loc, block_tables, seq_lens, geom: PageG
             ("smem", smem), ("rows_lo", rows_lo), ("rows_hi", rows_hi), ("items", items),
             ("num_tokens", q.shape[0]),
             ("qk_scale", qk),
-            ("out_scale", np.float32(float(np.float32(v_s)) * 128.0))):
+            ("out_scale", out_scale)):
         p[name] = value
     return _VarlenPlan(fn, grid, smem, p[()], (buffer, stats, geom, ps))
 
@@ -179,25 +167,8 @@ def _make_plan(buffer, q, query_start_loc, block_tables, seq_lens, geom: PageGeo
                max_query_len: int, causal: bool, k_s, v_s, sm_scale, stats,
                workspace) -> _VarlenCall:
     _, Hq, D = q.shape
-    H, T = geom.num_heads, geom.block_size
-    if D != geom.head_dim:
-        raise ValueError(f"q.shape[2] must be head_dim={geom.head_dim}, got {D}")
-    if D not in K.ATTN_HEAD_DIMS:
-        raise ValueError(f"attention supports head_dim in {K.ATTN_HEAD_DIMS}, got {D}")
-    if Hq % H:
-        raise ValueError(f"q.shape[1] = {Hq} must be a multiple of num_heads = {H}")
-    group = Hq // H
-    if not 1 <= group <= 16:
-        raise ValueError(f"query heads per KV head must be 1..16, got {group}")
-    if int(block_tables.shape[1]) * T >= 2**31:
-        raise ValueError(f"block_tables row capacity {block_tables.shape[1] * T} tokens must "
-                         "be < 2**31")
-    if buffer.data.ptr % 16:
-        raise ValueError("the page pool must be 16-byte aligned")
-    for name, a in (("query_start_loc", query_start_loc), ("block_tables", block_tables),
-                    ("seq_lens", seq_lens)):
-        if np.dtype(a.dtype) not in (np.dtype(np.int32), np.dtype(np.int64)):
-            raise ValueError(f"{name}.dtype must be int32 or int64, got {a.dtype}")
+    group = check_attention_args("attention", buffer, q, geom, query_start_loc=query_start_loc,
+                                 block_tables=block_tables, seq_lens=seq_lens)
     rows = max(1, int(max_query_len)) * group
     split_q = np.dtype(q.dtype).itemsize == 4
     smem_max = int(cupy.cuda.Device().attributes["MaxSharedMemoryPerBlockOptin"]) - 4096

@@ -12,8 +12,11 @@ or scalar memory access); the loader builds a translation unit from
 
 and compiles it with ``cupy.RawModule``, memoized per device and specialization.  A
 ``#include "fp4c_abi.cuh"`` is answered with :func:`fp4cache._abi.header` (constants and
-by-value structs shared with the host, with layout checks).  Tuning values are part of a
-:class:`Spec`: a kernel's identity includes them, nothing changes them behind its back.
+by-value structs shared with the host, with layout checks).  The kernels have no tuning
+macros: the values that were measured are constants of the code, those the host needs too
+in :mod:`fp4cache._abi`.  A variant that must stay testable (the attention's sm_80 decode
+route on a newer GPU) is a named argument of its spec builder and part of the
+:class:`Spec` (``defines``): a kernel's identity includes it.
 :func:`compile_all` compiles every specialization with the low-level NVRTC API for
 a given architecture; it needs no GPU (used by the CPU test suite).
 
@@ -28,6 +31,7 @@ import re
 from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
+from typing import NamedTuple
 
 import ml_dtypes
 import numpy as np
@@ -37,6 +41,7 @@ from . import _abi
 __all__ = [
     "NVRTC_OPTIONS",
     "Spec",
+    "value_type",
     "kernel_dir",
     "build_source",
     "all_specs",
@@ -53,8 +58,11 @@ __all__ = [
     "ll_decode_spec",
     "ll_decode_wide_spec",
     "decode_attention_spec",
+    "DecodeAttnArgs",
+    "decode_attention_args",
     "attention_head_dim",
     "page_mark_spec",
+    "attn_dequant_table_spec",
     "page_copy_spec",
     "page_read_spec",
     "page_write_spec",
@@ -73,34 +81,23 @@ VALUE_TYPES = {"bf16": "bf16_t", "f16": "f16_t", "f32": "f32_t"}
 #: numpy dtype -> short name of its kernel value type.
 DTYPE_NAMES = {np.dtype(ml_dtypes.bfloat16): "bf16", np.dtype(np.float16): "f16",
                np.dtype(np.float32): "f32"}
+
+
+def value_type(dtype, what: str) -> str:
+    """Short name of the kernel value type of ``dtype`` (the dtype of argument ``what``);
+    ``ValueError`` naming the dtype for any other."""
+    name = DTYPE_NAMES.get(np.dtype(dtype))
+    if name is None:
+        raise ValueError(f"{what} must be bfloat16, float16 or float32, got {np.dtype(dtype)}")
+    return name
+
+
 #: Index types of slot_mapping / block ids: short name -> C++ type.
 INDEX_TYPES = {"i32": "int", "i64": "i64"}
 #: Scale rules: name -> the macro holding the RULE template parameter's value.
 RULES = {name: f"FP4C_RULE_{name.upper()}" for name in _abi.RULES}
 #: The virtual header that carries :func:`fp4cache._abi.header`.
 ABI_HEADER = "fp4c_abi.cuh"
-
-#: The kernels' tuning macros and the library's values: every translation unit gets all of
-#: them (``kernels/fp4_common.cuh`` refuses to compile without), and the backend sizes its
-#: grids from the values of the Spec it launches.  A benchmark may build specs with other
-#: values (``Spec.with_tuning``); the library never does.
-TUNING: tuple[tuple[str, int], ...] = tuple(sorted((
-    ("FP4C_DECODE_CHUNKS", 2),     # 16-byte output chunks per thread (gather, flat, LongLive)
-    ("FP4C_STORE_ITEMS", 1),       # groups per thread of the store (one head per thread)
-    ("FP4C_STORE_MIN_BLOCKS", 1),  # __launch_bounds__ minimum blocks of the store
-    ("FP4C_SCAN_MAX_TOKENS", 128),  # stores of up to this many tokens find repeated slots by
-                                    # a scan in the kernel (one launch); above, a claim pass
-    ("FP4C_LL_WIDE_TILES", 2),     # 1024-chunk tiles per CTA of the wide LongLive decode
-    ("FP4C_ABSMAX16", 2),          # group max on 16-bit pairs: 1 bf16 (integer), 2 also f16
-                                   # (packed float max, sm_86+; 1 below)
-    ("FP4C_E4M3_CVT", 1),          # sm_89+: E4M3 conversion instructions (store: scale
-                                   # bytes; attention: E2M1 codes and scales to f16)
-    ("FP4C_ATTN_WARPS", 4),        # warps per CTA of the decode attention
-    ("FP4C_ATTN_MAX_SPLITS", 128),  # most KV splits per (sequence, KV head) of the attention
-    ("FP4C_ATTN_STAGES_TUNING", 3),  # attention cp.async ring stages per warp (D 64, 128;
-                                     # groups of 9..16)
-    ("FP4C_ATTN_MIN_CTAS_D128", 4),  # attention __launch_bounds__ min CTAs/SM (D 128, T%16 0)
-)))
 
 _INCLUDE = re.compile(r'^\s*#\s*include\s+"([^"]+)"\s*$')
 
@@ -122,32 +119,21 @@ def kernel_dir() -> Path:
 
 @dataclass(frozen=True)
 class Spec:
-    """One kernel specialization: file, stamping macro, kernel name, macro arguments and
-    the tuning values it is compiled with."""
+    """One kernel specialization: file, stamping macro, kernel name, macro arguments, the
+    macros its translation unit defines (a variant's switch, e.g. ``FP4C_ATTN_BITMOVE``)
+    and, where the host reads them back, the builder's arguments by name (``params``)."""
 
     file: str
     macro: str
     name: str
     args: tuple[str, ...]
-    tuning: tuple[tuple[str, int], ...] = TUNING
+    defines: tuple[tuple[str, int], ...] = ()
+    params: tuple | None = None
 
     @property
     def instantiation(self) -> str:
         """The macro call that defines this kernel."""
         return f"{self.macro}({', '.join((self.name,) + self.args)})"
-
-    def tune(self, name: str) -> int:
-        """Value of tuning macro ``name`` in this kernel."""
-        return dict(self.tuning)[name]
-
-    def with_tuning(self, **values: int) -> Spec:
-        """The same kernel compiled with other tuning values (benchmarks)."""
-        known = dict(self.tuning)
-        unknown = set(values) - set(known)
-        if unknown:
-            raise ValueError(f"unknown tuning macros {sorted(unknown)}; known: {sorted(known)}")
-        return Spec(self.file, self.macro, self.name, self.args,
-                    tuple(sorted({**known, **values}.items())))
 
 
 def _vec(vec: bool) -> tuple[str, str]:
@@ -235,18 +221,63 @@ def ll_decode_wide_spec(dtype: str) -> Spec:
 ATTN_HEAD_DIMS = (64, 128, 256)
 
 
-def decode_attention_spec(dtype: str, head_dim: int, wide: bool, paged16: bool = True) -> Spec:
-    """Fused paged decode attention over NVFP4 pages, ``dtype`` q/out (bf16/f16/f32);
-    ``wide``: query groups of 9..16 heads per KV head (else 1..8); ``paged16``: the
-    block size is a multiple of 16 (every 16-token tile lies in one page; else the
-    ``_anyT`` kernel finds each token's page)."""
+#: How the attention kernels turn E2M1 codes and E4M3 scales into f16 pairs
+#: (``kernels/attn_common.cuh``): "auto" takes the E4M3 conversion instructions on sm_89+
+#: and bit moves below; "bitmove" takes the bit moves on every GPU (so that a newer GPU
+#: can test the sm_80 route).
+DECODE_ROUTES = ("auto", "bitmove")
+
+
+class DecodeAttnArgs(NamedTuple):
+    """The arguments of a :func:`decode_attention_spec` specialization."""
+
+    dtype: str
+    head_dim: int
+    wide: bool
+    paged16: bool
+    decode_route: str
+
+
+def _route_defines(decode_route: str) -> tuple[tuple[str, int], ...]:
+    if decode_route not in DECODE_ROUTES:
+        raise ValueError(f"decode_route must be one of {DECODE_ROUTES}, got {decode_route!r}")
+    return (("FP4C_ATTN_BITMOVE", 1),) if decode_route == "bitmove" else ()
+
+
+def decode_attention_spec(dtype: str, head_dim: int, wide: bool, paged16: bool = True,
+                          decode_route: str = "auto") -> Spec:
+    """Fused paged decode attention over NVFP4 pages, ``dtype`` q/out (bf16/f16/f32).
+
+    ``wide``: query groups of 9..16 heads per KV head (else 1..8; ``_wide`` in the kernel
+    name, ``WIDE`` in the kernel's code); ``paged16``: the block size is a multiple of 16,
+    so every 16-token tile lies in one page (``_paged16``, ``PAGED16``; else the kernel
+    finds each token's page);
+    ``decode_route``: one of :data:`DECODE_ROUTES` (``_bitmove`` in the kernel name)."""
     if head_dim not in ATTN_HEAD_DIMS:
         raise ValueError(f"head_dim must be one of {ATTN_HEAD_DIMS}, got {head_dim}")
-    name = (f"fp4cache_decode_attn_{dtype}_d{head_dim}_{'g16' if wide else 'g8'}"
-            f"{'' if paged16 else '_anyT'}")
+    defines = _route_defines(decode_route)
+    name = (f"fp4cache_decode_attn_{dtype}_d{head_dim}{'_wide' if wide else ''}"
+            f"{'_paged16' if paged16 else ''}{'_bitmove' if defines else ''}")
     return Spec("decode_attention.cu", "FP4C_ATTN_KERNEL", name,
                 (VALUE_TYPES[dtype], str(head_dim), "true" if wide else "false",
-                 "true" if paged16 else "false"))
+                 "true" if paged16 else "false"), defines,
+                DecodeAttnArgs(dtype, head_dim, wide, paged16, decode_route))
+
+
+def decode_attention_args(spec: Spec) -> DecodeAttnArgs:
+    """The named arguments of a :func:`decode_attention_spec` specialization."""
+    if not isinstance(spec.params, DecodeAttnArgs):
+        raise ValueError(f"{spec.name} is not a decode_attention_spec specialization")
+    return spec.params
+
+
+def attn_dequant_table_spec(decode_route: str = "auto") -> Spec:
+    """The test-only kernel that tabulates the attention's f16 decode of every E2M1 code x
+    E4M3 scale byte x pair position (``tests/test_gpu_attention.py``); not in
+    :func:`all_specs`, so no shipped module carries it."""
+    defines = _route_defines(decode_route)
+    return Spec("decode_attention.cu", "FP4C_ATTN_DEQUANT_TABLE_KERNEL",
+                f"fp4cache_attn_dequant_table{'_bitmove' if defines else ''}", (), defines)
 
 
 def varlen_attention_spec(dtype: str, head_dim: int, row_warps: int) -> Spec:
@@ -264,7 +295,7 @@ def varlen_attention_spec(dtype: str, head_dim: int, row_warps: int) -> Spec:
 
 def attention_head_dim(spec: Spec) -> int:
     """head_dim of a :func:`decode_attention_spec` specialization."""
-    return int(spec.args[1])
+    return decode_attention_args(spec).head_dim
 
 
 #: Bytes per memory access of the page-moving kernels (a width divides the page size and
@@ -364,29 +395,25 @@ def _read_inlined(file: str) -> str:
     return "\n".join(expand(file)) + "\n"
 
 
-def _defines(tuning: tuple[tuple[str, int], ...]) -> str:
-    return "".join(f"#define {k} {v}\n" for k, v in sorted(tuning))
-
-
 def build_source(file: str, specs: list[Spec] | tuple[Spec, ...]) -> str:
-    """Translation unit of ``file`` defining the kernels in ``specs`` (one tuning)."""
+    """Translation unit of ``file`` defining the kernels in ``specs`` (one variant)."""
     for s in specs:
         if s.file != file:
             raise ValueError(f"spec {s.name} belongs to {s.file}, not {file}")
-    tunings = {s.tuning for s in specs}
-    if len(tunings) > 1:
-        raise ValueError("specs of one translation unit must share their tuning values")
-    tuning = tunings.pop() if tunings else TUNING
+    variants = {s.defines for s in specs}
+    if len(variants) > 1:
+        raise ValueError("specs of one translation unit must share their defines")
+    defines = "".join(f"#define {k} {v}\n" for k, v in sorted(variants.pop() if specs else ()))
     body = " \\\n    ".join(s.instantiation for s in specs)
-    preamble = (f"// fp4cache specializations\n{_defines(tuning)}"
+    preamble = (f"// fp4cache specializations\n{defines}"
                 f"#define FP4C_INSTANTIATIONS \\\n    {body}\n")
     return preamble + _read_inlined(file)
 
 
-def common_source(tuning: tuple[tuple[str, int], ...] = TUNING) -> str:
-    """The tuning macros and ``fp4_common.cuh``, inlined: a prefix for test kernels that
-    call the shared device functions directly."""
-    return _defines(tuning) + _read_inlined("fp4_common.cuh")
+def common_source() -> str:
+    """``fp4_common.cuh``, inlined: a prefix for test kernels that call the shared device
+    functions directly."""
+    return _read_inlined("fp4_common.cuh")
 
 
 # Compiled kernels per (device, spec), like ``cupy.memoize(for_each_device=True)``: the
@@ -441,7 +468,7 @@ def compile_all(arch: str = "sm_90", specs: list[Spec] | None = None) -> dict[st
     specs = all_specs() if specs is None else specs
     by_file: dict[tuple[str, tuple], list[Spec]] = {}
     for s in specs:
-        by_file.setdefault((s.file, s.tuning), []).append(s)
+        by_file.setdefault((s.file, s.defines), []).append(s)
     out: dict[str, str] = {}
     for (file, _), group in sorted(by_file.items()):
         ptx = compile_source(build_source(file, group), file, arch, CUPY_IMPLICIT_OPTIONS)

@@ -27,6 +27,7 @@ from .formats import (
     e4m3_encode,
     float32_to,
     pack_nibbles,
+    reciprocal_clamped,
     unpack_nibbles,
 )
 from .layout import GROUP, PageGeometry, blocked_scale_offset
@@ -83,7 +84,7 @@ def encode_groups(x: np.ndarray, s, g, rule: str) -> EncodedGroups:
             sf = e4m3_encode(arg)
             f = e4m3_decode(sf)
             # os = 0 if f == 0 else min(fl(1/fl(f*s)), FLT_MAX); 1/0 -> inf -> FLT_MAX.
-            os_ = np.where(f == _ZERO, _ZERO, np.minimum(_ONE / (f * s), FLT_MAX))
+            os_ = np.where(f == _ZERO, _ZERO, reciprocal_clamped(f * s))
             codes = e2m1_encode(x * os_[:, None])
             if len(candidates) == 1:
                 best = (codes, sf, None, clipped)

@@ -248,7 +248,7 @@ def _finish_args(cache: PagedKVCache, q, bt, sl, sm_scale, out, lse_out,
         out = xp.empty(q.shape, dtype=q.dtype)
     else:
         out = _arrays.check_out(out, "out", q.shape, q.dtype, be)
-        if _overlap(out, q):
+        if _arrays.share_bytes(out, q):
             raise ValueError("out must not overlap q")
     if lse_out is not None and not return_lse:
         raise ValueError("lse_out is given but return_lse is False: pass return_lse=True")
@@ -258,7 +258,7 @@ def _finish_args(cache: PagedKVCache, q, bt, sl, sm_scale, out, lse_out,
         lse = xp.empty(q.shape[:2], dtype=np.float32)
     else:
         lse = _arrays.check_out(lse_out, "lse_out", q.shape[:2], np.dtype(np.float32), be)
-        if _overlap(lse, q) or _overlap(lse, out):
+        if _arrays.share_bytes(lse, q) or _arrays.share_bytes(lse, out):
             raise ValueError("lse_out must not overlap q or out")
     _arrays.check_device({"q": q, "block_tables": bt, "seq_lens": sl, "out": out,
                           "lse_out": lse}, cache.buffer)
@@ -372,18 +372,6 @@ def _host(a) -> np.ndarray:
 def _check_int_dtype(a, name: str) -> None:
     if a.dtype not in (np.int32, np.int64):
         raise TypeError(f"{name} must have dtype int32 or int64, got {a.dtype}")
-
-
-def _address_range(a) -> tuple[int, int]:
-    ptr = a.data.ptr if _arrays.is_cupy(a) else a.__array_interface__["data"][0]
-    return ptr, ptr + a.nbytes
-
-
-def _overlap(a, b) -> bool:
-    """Whether two C-contiguous arrays of one backend share any byte."""
-    a0, a1 = _address_range(a)
-    b0, b1 = _address_range(b)
-    return a0 < b1 and b0 < a1
 
 
 # -- GPU hot path ---------------------------------------------------------------------------

@@ -79,14 +79,6 @@ def _get_device():
     return cupy.cuda.runtime.getDevice
 
 
-def _overlap(a, b) -> bool:
-    """Whether two C-contiguous arrays share bytes."""
-    if _arrays.is_cupy(a):
-        pa, pb = a.data.ptr, b.data.ptr
-        return pa < pb + b.nbytes and pb < pa + a.nbytes and a.nbytes > 0 and b.nbytes > 0
-    return bool(np.shares_memory(a, b))
-
-
 class PagedKVCache:
     """A paged KV cache that stores K and V in NVFP4, byte-compatible with vLLM.
 
@@ -643,7 +635,7 @@ class PagedKVCache:
                   else resolve_dtype(dtype, name="dtype"))
             out_k = _arrays.check_out(out[0], "out[0]", shape, dt, be)
             out_v = _arrays.check_out(out[1], "out[1]", shape, dt, be)
-            if _overlap(out_k, out_v):
+            if _arrays.share_bytes(out_k, out_v):
                 raise ValueError("out[0] and out[1] must not overlap (K and V need their own "
                                  "arrays)")
         else:

@@ -22,6 +22,7 @@ from typing import Literal
 
 import numpy as np
 
+from . import _abi
 from .typing import IntArray, IntArrayLike
 
 __all__ = [
@@ -36,8 +37,10 @@ __all__ = [
 #: Number of values that share one E4M3 block scale.
 GROUP = 16
 
+#: Page row orders, from :data:`fp4cache._abi.LAYOUTS` (which gives the kernels' values);
+#: ``Layout`` spells them for type checkers (a test keeps the two equal).
+LAYOUTS: tuple[str, ...] = tuple(_abi.LAYOUTS)
 Layout = Literal["HND", "NHD"]
-LAYOUTS: tuple[str, ...] = ("HND", "NHD")
 
 
 def swizzle_scale_index(t: IntArrayLike, s: IntArrayLike,
@@ -154,7 +157,7 @@ class PageGeometry:
             if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value <= 0:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
         if self.layout not in LAYOUTS:
-            raise ValueError(f"layout must be 'HND' or 'NHD', got {self.layout!r}")
+            raise ValueError(f"layout must be one of {LAYOUTS}, got {self.layout!r}")
         if self.head_dim % GROUP:
             raise ValueError(f"head_dim must be a multiple of 16, got {self.head_dim}")
         if self.swizzle_v_scales:

@@ -1,7 +1,8 @@
 // fp4cache: device helpers of the attention kernels (decode_attention.cu, varlen_attention.cu):
 // PTX float/exp helpers without .ftz, cp.async, mma.sync m16n8k16 f16, movmatrix, and the
 // NVFP4 -> f16 pair decode (E2M1 codes by bit moves or, on sm_89+, E4M3 conversions).
-// Needs fp4_common.cuh and the tuning macros (FP4C_E4M3_CVT) before it.
+// Needs fp4_common.cuh before it.  FP4C_ATTN_BITMOVE (defined by the Spec of
+// decode_attention_spec(..., decode_route="bitmove")) forces the bit route on any GPU.
 #pragma once
 
 #define FP4C_NEG_INF __uint_as_float(0xFF800000u)
@@ -102,10 +103,11 @@ FP4C_DEVICE u32 movmatrix_trans(u32 a) {
 // ---------------------------------------------------------------------------------------
 // Pair p (0..3) of a word x of 8 codes is the f16 pair (lo, hi) of the codes at nibbles
 // pair_nibble(p, 0) and pair_nibble(p, 1), as e2m1 * 2^E; pair_scale of two E4M3 scale
-// bytes is the f16 pair (sf_lo, sf_hi) * 2^(-7 - E), so one f16x2 multiply gives e2m1 *
-// sf * 2^-7, exact (at most 6 significant bits, >= 2^-17).  The 2^-7 and the global
-// scales are folded into the score scale (K) and the final rescale (V).  Two routes:
-//   sm_89+ (FP4C_E4M3_CVT): the codes become E4M3 bytes s 0 0 e1 e0 m 0 0 (= e2m1 * 2^-6,
+// bytes is the f16 pair (sf_lo, sf_hi) * 2^(-S - E), S = FP4C_PAIR_SCALE_SHIFT (7), so one
+// f16x2 multiply gives e2m1 * sf * 2^-S, exact (at most 6 significant bits, >= 2^-17).
+// The 2^-S and the global scales are folded into the score scale (K) and the final
+// rescale (V) on the host (fp4cache._abi.PAIR_SCALE_SHIFT).  Two routes:
+//   sm_89+ (the E4M3 route): the codes become E4M3 bytes s 0 0 e1 e0 m 0 0 (= e2m1 * 2^-6,
 //     code 1 is the subnormal 2^-7), the even nibbles in one word and the odd ones in
 //     another (4 LOP3 + 3 shifts per 8 codes), and the conversion instruction makes f16
 //     pairs of bytes 0, 1 and 2, 3: pairs (5, 7), (4, 6), (1, 3), (0, 2); E = -6.
@@ -116,7 +118,7 @@ FP4C_DEVICE u32 movmatrix_trans(u32 a) {
 // bytes 2hh, 2hh + 1 so that pair p holds d-nibble 4hh + 3 - p of a (lo) and b (hi) on
 // both routes.  Scale byte 0x7F decodes to NaN, so a group stored as NaN makes what
 // attends it NaN.
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890 && FP4C_E4M3_CVT
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890 && !defined(FP4C_ATTN_BITMOVE)
 #define FP4C_ATTN_E4M3 1
 #else
 #define FP4C_ATTN_E4M3 0
@@ -155,7 +157,6 @@ FP4C_DEVICE u32 e2m1_pair(u32 x, int p) {
 }
 #define FP4C_V_SEL_LO 0x5140u  // a.b0, b.b0, a.b1, b.b1
 #define FP4C_V_SEL_HI 0x7362u  // a.b2, b.b2, a.b3, b.b3
-#define FP4C_PAIR_SCALE 0x38003800u  // 2^-1
 #else
 FP4C_DEVICE u32 e2m1_pair(u32 x, int p) {
   const u32 y = x << (4 * p);
@@ -172,7 +173,6 @@ FP4C_DEVICE void e2m1_pairs(u32 x, u32* r) {
 }
 #define FP4C_V_SEL_LO 0x5410u  // a.b0, a.b1, b.b0, b.b1
 #define FP4C_V_SEL_HI 0x7632u  // a.b2, a.b3, b.b2, b.b3
-#define FP4C_PAIR_SCALE 0x58005800u  // 2^7
 #endif
 
 // The word whose pairs are the V values of tokens a (lo) and b (hi) at d-nibbles 4hh + 3 - p
@@ -181,20 +181,21 @@ FP4C_DEVICE u32 v_pair_word(u32 a, u32 b, int hh) {
 }
 
 // pair_scale: the f16 pair of the two E4M3 bytes of x = 0xHHLL (any sign; 0x7F / 0xFF give
-// NaN) times 2^(-7 - E), exact.  sm_89+ (FP4C_E4M3_CVT): the conversion instruction, then
-// one exact multiply.  Else by bits: (b & 0x7F) << 7 is the f16 of |sf| * 2^-8 (E4M3 and f16
-// subnormals line up) and the multiply by 2^15 is exact.
+// NaN) times 2^(-S - E), exact.  sm_89+: the conversion instruction, then one exact
+// multiply (FP4C_PAIR_SCALE_E4M3 = 2^(6 - S)).  Else by bits: (b & 0x7F) << 7 is the f16 of
+// |sf| * 2^-8 (E4M3 and f16 subnormals line up) and the multiply by FP4C_PAIR_SCALE_BITS =
+// 2^(22 - S) is exact.
 FP4C_DEVICE u32 pair_scale(u32 x) {
 #if FP4C_ATTN_E4M3
   u32 h;
   asm("cvt.rn.f16x2.e4m3x2 %0, %1;" : "=r"(h) : "h"((unsigned short)x));
-  return hmul2(h, FP4C_PAIR_SCALE);
+  return hmul2(h, FP4C_PAIR_SCALE_E4M3);
 #else
   x = __byte_perm(x, 0u, 0x4140u);  // 0x00HH00LL
   const u32 mag = x & 0x007F007Fu;
   const u32 nan = (mag + 0x00010001u) & 0x00800080u;  // bit 7 set where mag == 0x7F
   const u32 h = (mag << 7) | ((x & 0x00800080u) << 8) | (nan * 0xF8u);  // exp all ones
-  return hmul2(h, 0x78007800u);
+  return hmul2(h, FP4C_PAIR_SCALE_BITS);
 #endif
 }
 

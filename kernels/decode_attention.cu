@@ -16,11 +16,11 @@
 // hold tokens.  No host synchronization, no allocation.
 //
 // Tensor cores: mma.sync.m16n8k16 with f16 inputs and f32 accumulation.
-//   Groups of 1..8 query heads per KV head (kernels _g8), transposed so that nothing is
-//   padded: S^T = K Q^T (A = a 16-token K tile, m16 = tokens; B = the group's q, n8 =
+//   Groups of 1..8 query heads per KV head (kernels without _wide; the trans_* steps),
+//   transposed so that nothing is padded: S^T = K Q^T (A = a 16-token K tile, m16 = tokens; B = the group's q, n8 =
 //   heads, loaded once) and O^T += V^T P^T (A = the V tile, m16 = 16 d values; B = P^T,
 //   taken from S^T's accumulator registers by two movmatrix.trans).
-//   Groups of 9..16 (_g16): S = Q K^T (A = q, 16 rows), O += P V (A = P straight from S's
+//   Groups of 9..16 (_wide kernels): S = Q K^T (A = q, 16 rows), O += P V (A = P straight from S's
 //   accumulator: the C layout of two n8 tiles is the A layout of one k16 step).
 // A dot product over d does not change when d is permuted in both q and K, the token
 // order inside a tile is free as long as S, P and V agree, and the output's d order is
@@ -36,7 +36,7 @@
 // Loads: with block_size % 16 == 0 every tile lies in one page and each warp streams its
 // tiles (chunks) through a cp.async ring in shared memory (a stage is the tile's 16 rows
 // of this head as in the page), then reads its lane's bytes from there; other block
-// sizes (_anyT kernels) look up each token's page and load into registers one tile
+// sizes (kernels without _paged16) look up each token's page and load into registers one tile
 // ahead.  Layout (HND / NHD), V-scale swizzle and the index widths of block_tables and
 // seq_lens are run-time parameters (row strides and flags in AttnParams).
 // E2M1 -> f16 without tables, by bit moves (and on sm_89+ the E4M3 -> f16 conversion
@@ -53,15 +53,11 @@
 #include "fp4_common.cuh"
 #include "attn_common.cuh"
 
-#if !defined(FP4C_ATTN_WARPS) || !defined(FP4C_ATTN_MAX_SPLITS) || \
-    !defined(FP4C_ATTN_STAGES_TUNING) || !defined(FP4C_ATTN_MIN_CTAS_D128)
-#error "fp4cache attention tuning macros missing: build with fp4cache._kernels.build_source"
-#endif
-
 #define FP4C_ATTN_THREADS (32 * FP4C_ATTN_WARPS)
-// minimum resident CTAs per SM (register budget) by head_dim
-#define FP4C_ATTN_MINB(D, FAST) \
-  ((D) == 64 ? 4 : (D) == 128 ? ((FAST) ? FP4C_ATTN_MIN_CTAS_D128 : 3) : 1)
+// minimum resident CTAs per SM (register budget) by head_dim (D = 128 with 3 and 5 CTAs,
+// D = 64 with 5, D = 256 with 3 measured and dropped: KERNEL_NOTES, seventh and eighth
+// sessions)
+#define FP4C_ATTN_MINB(D, PAGED16) ((D) == 64 ? 4 : (D) == 128 ? ((PAGED16) ? 4 : 3) : 1)
 // lazy softmax maximum: the slack in log2 units (weights up to 2^8, see trans_softmax)
 #define FP4C_ATTN_SLACK 8.0f
 
@@ -69,12 +65,13 @@
 // (host twin: fp4cache._cupy_attention.ATTN_PARAMS_DTYPE, same field order, align=True).
 // AttnParams (every non-pointer argument) is generated from fp4cache/_abi.py.
 
-// Host-checked table of the decode (tests/test_gpu_attention.py): out[(p*2 + half)*4096 +
-// code*256 + byte] = the f32 value of half `half` of pair p of the word holding `code` in
-// every nibble, times the scale pair of `byte`: e2m1(code) * e4m3(byte) * 2^-7 exactly.
+// Host-checked table of the decode (tests/test_gpu_attention.py; a test-only kernel, built
+// only by _kernels.attn_dequant_table_spec): out[(p*2 + half)*4096 + code*256 + byte] = the
+// f32 value of half `half` of pair p of the word holding `code` in every nibble, times the
+// scale pair of `byte`: e2m1(code) * e4m3(byte) * 2^-FP4C_PAIR_SCALE_SHIFT exactly.
 // Entries are NaN where e2m1_pair and e2m1_pairs disagree or where `code` alone at nibble
 // pair_nibble(p, half) does not land in that half of pair p (zeros everywhere else).
-extern "C" __global__ void fp4cache_attn_dequant_table(float* out) {
+FP4C_DEVICE void attn_dequant_table(float* out) {
   const u32 i = blockIdx.x * blockDim.x + threadIdx.x;
   if (i >= 4096u) return;
   const u32 code = i >> 8, byte = i & 255u;
@@ -137,7 +134,7 @@ struct SeqCtx {
   u64* stats;
   i64 num_blocks, page_bytes, side_bytes, data_bytes;
   FastDiv fT;
-  u32 len, h, row_h, row_t, swizzle, tile_in_page, bt64, count_bad;
+  u32 len, h, row_h, row_t, swizzle, paged16, bt64, count_bad;
 };
 
 FP4C_DEVICE i64 load_id(const SeqCtx& S, u32 e) {
@@ -162,7 +159,7 @@ struct TilePage {
 FP4C_DEVICE const u8* token_page(const SeqCtx& S, u32 i, u32 tile, const TilePage& tp, u32& t,
                                  bool& ok) {
   i64 id;
-  if (S.tile_in_page) {
+  if (S.paged16) {
     t = tp.t0 + (i - tile);
     id = tp.id;
   } else {
@@ -180,7 +177,7 @@ FP4C_DEVICE void load_tile(const SeqCtx& S, u32 tile, TileRaw<D>& R) {
   const u32 lane = threadIdx.x & 31u, g = lane >> 2, c = lane & 3u;
   R.bad = 0u;
   TilePage tp{0, 0u};
-  if (S.tile_in_page) {
+  if (S.paged16) {
     const u32 pe = fdiv(tile, S.fT);
     tp.id = load_id(S, pe);
     tp.t0 = tile - pe * S.fT.d;
@@ -297,7 +294,8 @@ FP4C_DEVICE void load_tile(const SeqCtx& S, u32 tile, TileRaw<D>& R) {
 // V scales] (the V-scale swizzle stays inside each 4-row block, so the 16 rows hold
 // every scale of the tile's tokens).
 // ---------------------------------------------------------------------------------------
-#define FP4C_ATTN_STAGES(D) ((D) == 256 ? 2 : FP4C_ATTN_STAGES_TUNING)
+// (3 stages; 4 and 5 measured within 3 %: KERNEL_NOTES a3 to a5)
+#define FP4C_ATTN_STAGES(D) ((D) == 256 ? 2 : 3)
 
 template <int D>
 struct Stage {
@@ -578,7 +576,7 @@ FP4C_DEVICE u32 k_pair_d(u32 c, int w, int p, int half) {
 
 // ---------------------------------------------------------------------------------------
 // The transposed kernels' (groups of 1..8) steps on one tile, shared by the chunk ring
-// and the _anyT loop.  Lane (g, c) tracks heads 2c and 2c+1.
+// and the loop of the kernels without _paged16.  Lane (g, c) tracks heads 2c and 2c+1.
 // ---------------------------------------------------------------------------------------
 // S^T = K Q^T of one tile: A rows g, g+8 = the lane's tokens kt0, kt0 + 2 (codes kw,
 // scale bytes ks); B = q of head g (qa[.][0], [2]; float32 q: the lo parts in [1], [3]).
@@ -761,7 +759,7 @@ FP4C_DEVICE void trans_pv(const u32 (&v)[4][AttnDims<D>::VW], const u32 (&vs)[At
 // WIDE: groups of 9..16 query heads (accumulator rows g and g+8); else rows 0..7 only.
 // SPLIT: float32 q as f16 hi + lo: group <= 8 puts the lo parts in rows 8..15 of A and
 // adds the two accumulator rows; WIDE runs a second MMA with the lo parts.
-template <typename T, int D, bool WIDE, bool FAST>
+template <typename T, int D, bool WIDE, bool PAGED16>
 FP4C_DEVICE void decode_attn_impl(const void* __restrict__ q, const void* __restrict__ tables,
                                   const void* __restrict__ seq_lens, void* __restrict__ out,
                                   float* __restrict__ lse, const AttnParams& P) {
@@ -777,7 +775,7 @@ FP4C_DEVICE void decode_attn_impl(const void* __restrict__ q, const void* __rest
   // the tile ring (during the tile loop) and, after it, s_o and s_w share one buffer
   constexpr int kStages = FP4C_ATTN_STAGES(D);
   constexpr int kCStages = FP4C_ATTN_CHUNK_STAGES;
-  constexpr int kRing = !FAST ? 0
+  constexpr int kRing = !PAGED16 ? 0
                         : !WIDE ? FP4C_ATTN_WARPS * kCStages * ChunkDims<D>::kBytes
                                 : FP4C_ATTN_WARPS * kStages * Stage<D>::kBytes;
   constexpr int kEpi = 16 * (D + 1) * 4 + 16 * FP4C_ATTN_MAX_SPLITS * 4;
@@ -792,7 +790,7 @@ FP4C_DEVICE void decode_attn_impl(const void* __restrict__ q, const void* __rest
 
   // sequence length, clamped to the row's capacity
   i64 len64 = P.sl64 ? ((const i64*)seq_lens)[b] : (i64)((const int*)seq_lens)[b];
-  const i64 cap = (i64)P.max_blocks * P.T;
+  const i64 cap = (i64)P.max_blocks * P.t.d;
   len64 = len64 < 0 ? 0 : (len64 > cap ? cap : len64);
   const u32 len = (u32)len64;
   const u32 s0 = split * P.split_len;
@@ -873,45 +871,44 @@ FP4C_DEVICE void decode_attn_impl(const void* __restrict__ q, const void* __rest
     S.page_bytes = 2 * P.side_bytes;
     S.side_bytes = P.side_bytes;
     S.data_bytes = P.data_bytes;
-    S.fT = FastDiv{P.T, P.t_m, P.t_s};
+    S.fT = fastdiv_param(P.t);
     S.len = len;
     S.h = h;
     S.row_h = P.row_h;
     S.row_t = P.row_t;
     S.swizzle = P.swizzle;
-    S.tile_in_page = P.tile_in_page;
+    S.paged16 = P.paged16;
     S.bt64 = P.bt64;
     S.count_bad = h == 0u ? 1u : 0u;
 
     // ---- the tiles of this warp ------------------------------------------------------
-    // TRANS (groups of 1..8): S^T = K Q^T and O^T = V^T P^T, the tokens and head_dim on
+    // !WIDE (groups of 1..8): S^T = K Q^T and O^T = V^T P^T, the tokens and head_dim on
     // the MMA's m16 side and the query heads on its n8 side (nothing padded); lane (g, c)
     // tracks heads 2c and 2c+1.  Else (9..16 heads) S = Q K^T, O = P V with two rows.
-    constexpr bool TRANS = !WIDE;
     float mt[2] = {FP4C_NEG_INF, FP4C_NEG_INF}, lt[2] = {0.0f, 0.0f};
-    float oT[TRANS ? A::D16 : 1][4];
+    float oT[!WIDE ? A::D16 : 1][4];
 #pragma unroll
-    for (int i = 0; i < (TRANS ? A::D16 : 1); ++i) oT[i][0] = oT[i][1] = oT[i][2] = oT[i][3] = 0.0f;
+    for (int i = 0; i < (!WIDE ? A::D16 : 1); ++i) oT[i][0] = oT[i][1] = oT[i][2] = oT[i][3] = 0.0f;
     float rscT[2] = {0.0f, 0.0f};
-    if constexpr (TRANS) {
+    if constexpr (!WIDE) {
       rscT[0] = __shfl_sync(0xFFFFFFFFu, rsc[0], 8u * c);       // head 2c lives in lanes g = 2c
       rscT[1] = __shfl_sync(0xFFFFFFFFu, rsc[0], 8u * c + 4u);  // head 2c + 1
     }
     float m[NR], l[NR];
-    float o[TRANS ? 1 : A::NT][4];
+    float o[!WIDE ? 1 : A::NT][4];
 #pragma unroll
     for (int r = 0; r < NR; ++r) {
       m[r] = FP4C_NEG_INF;
       l[r] = 0.0f;
     }
 #pragma unroll
-    for (int i = 0; i < (TRANS ? 1 : A::NT); ++i) o[i][0] = o[i][1] = o[i][2] = o[i][3] = 0.0f;
+    for (int i = 0; i < (!WIDE ? 1 : A::NT); ++i) o[i][0] = o[i][1] = o[i][2] = o[i][3] = 0.0f;
     u32 bad = 0u;
 
     constexpr u32 kStep = 16u * FP4C_ATTN_WARPS;
     constexpr bool kPipe = D < 256;
     auto compute = [&](const TileRaw<D>& R, u32 tile) {
-      if constexpr (!TRANS) {
+      if constexpr (WIDE) {
       // S = Q K^T: n8 tile q <-> K token kt0 + 2q of this lane's column g
       float s[2][4];
 #pragma unroll
@@ -1033,9 +1030,9 @@ FP4C_DEVICE void decode_attn_impl(const void* __restrict__ q, const void* __rest
       }
     };
 
-    // One tile of the transposed kernels held in registers (the _anyT loop).
+    // One tile of the transposed kernels held in registers (kernels without _paged16).
     auto computeT = [&](const TileRaw<D>& R, u32 tile) {
-      if constexpr (TRANS) {
+      if constexpr (!WIDE) {
         float sT[1][4];
         u32 pb[1][2];
         trans_scores<D, SPLIT>(R.k, R.ks, qa, sT[0]);
@@ -1045,7 +1042,7 @@ FP4C_DEVICE void decode_attn_impl(const void* __restrict__ q, const void* __rest
       }
     };
     auto tile_step = [&](const TileRaw<D>& R, u32 tile) {
-      if constexpr (TRANS) {
+      if constexpr (!WIDE) {
         computeT(R, tile);
       } else {
         compute(R, tile);
@@ -1054,7 +1051,7 @@ FP4C_DEVICE void decode_attn_impl(const void* __restrict__ q, const void* __rest
 
     // One chunk (CH tiles from token cs, chunk bytes at `st`) of the transposed kernels.
     auto chunk_step = [&](const ChunkLane<D>& L, const u8* st, u32 cs) {
-      if constexpr (FAST && TRANS) {
+      if constexpr (PAGED16 && !WIDE) {
         constexpr int CH = ChunkDims<D>::CH;
         const bool full = cs + 16u * CH <= s1;  // warp-uniform
         float sT[CH][4];
@@ -1076,7 +1073,7 @@ FP4C_DEVICE void decode_attn_impl(const void* __restrict__ q, const void* __rest
     };
 
     u32 t0 = s0 + 16u * warp;
-    if constexpr (FAST && TRANS) {
+    if constexpr (PAGED16 && !WIDE) {
       // chunk ring: kCStages - 1 chunks in flight while one is computed; the page ids of
       // the next chunk to issue are read one chunk ahead
       constexpr int CH = ChunkDims<D>::CH;
@@ -1128,7 +1125,7 @@ FP4C_DEVICE void decode_attn_impl(const void* __restrict__ q, const void* __rest
         stg = stg == kCStages - 1 ? 0 : stg + 1;
       }
       cp_async_wait<0>();
-    } else if constexpr (FAST) {
+    } else if constexpr (PAGED16) {
       // cp.async ring: kStages - 1 tiles in flight while one is computed
       const CopyOffs<D> C = copy_offsets<D>(S);
       u8* ring = s_raw + warp * (kStages * Stage<D>::kBytes);
@@ -1183,7 +1180,7 @@ FP4C_DEVICE void decode_attn_impl(const void* __restrict__ q, const void* __rest
     }
 
     // ---- merge the warps of the CTA in shared memory ---------------------------------
-    if constexpr (TRANS) {
+    if constexpr (!WIDE) {
 #pragma unroll
       for (int k = 0; k < 2; ++k) {
         lt[k] = f_add(lt[k], __shfl_xor_sync(0xFFFFFFFFu, lt[k], 4));
@@ -1209,7 +1206,7 @@ FP4C_DEVICE void decode_attn_impl(const void* __restrict__ q, const void* __rest
     if (threadIdx.x == 0) s_flag = 0u;
     __syncthreads();
     if (bad && lane == 0) atomicOr(&s_flag, 1u);
-    if constexpr (TRANS) {
+    if constexpr (!WIDE) {
       float f[2];
 #pragma unroll
       for (int k = 0; k < 2; ++k) {
@@ -1249,7 +1246,7 @@ FP4C_DEVICE void decode_attn_impl(const void* __restrict__ q, const void* __rest
       for (int w = 0; w < FP4C_ATTN_WARPS; ++w) {
         if (warp == (u32)w) {
 #pragma unroll
-          for (int i = 0; i < (TRANS ? 1 : A::NT); ++i) {
+          for (int i = 0; i < (!WIDE ? 1 : A::NT); ++i) {
             const int ww = i >> 3, hh = (i >> 2) & 1, pp = i & 3;
             const u32 off = 8 * ww + 4 * hh + 3 - pp;
 #pragma unroll
@@ -1382,12 +1379,17 @@ FP4C_DEVICE void decode_attn_impl(const void* __restrict__ q, const void* __rest
       const void *__restrict__ seq_lens, void *__restrict__ out, float *__restrict__ lse, \
       const AttnParams params
 
-// NAME, q/out value type, head_dim, WIDE (groups of 9..16 query heads), FAST (block_size
-// a multiple of 16: every tile lies in one page)
-#define FP4C_ATTN_KERNEL(NAME, T, D, WIDE, FAST)                                            \
-  extern "C" __global__ void __launch_bounds__(FP4C_ATTN_THREADS, FP4C_ATTN_MINB(D, FAST)) NAME(FP4C_ATTN_PARAMS) { \
-    decode_attn_impl<T, D, WIDE, FAST>(q, tables, seq_lens, out, lse, params);             \
+// NAME, q/out value type, head_dim, WIDE (groups of 9..16 query heads), PAGED16
+// (block_size a multiple of 16: every tile lies in one page)
+#define FP4C_ATTN_KERNEL(NAME, T, D, WIDE, PAGED16)                                     \
+  extern "C" __global__ void __launch_bounds__(FP4C_ATTN_THREADS, FP4C_ATTN_MINB(D, PAGED16)) \
+      NAME(FP4C_ATTN_PARAMS) {                                                              \
+    decode_attn_impl<T, D, WIDE, PAGED16>(q, tables, seq_lens, out, lse, params);          \
   }
+
+// NAME (the test-only table kernel above)
+#define FP4C_ATTN_DEQUANT_TABLE_KERNEL(NAME) \
+  extern "C" __global__ void NAME(float* out) { attn_dequant_table(out); }
 
 #ifdef FP4C_INSTANTIATIONS
 FP4C_INSTANTIATIONS

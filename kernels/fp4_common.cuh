@@ -16,15 +16,6 @@
 // module is also compiled with --fmad=false.
 #pragma once
 
-// Tuning macros (FP4C_DECODE_CHUNKS, FP4C_STORE_ITEMS, ...) are defined in front of every
-// translation unit by fp4cache/_kernels.py from the kernel's Spec, the one place that holds
-// their values: the host sizes its grids from the same Spec.
-#if !defined(FP4C_DECODE_CHUNKS) || !defined(FP4C_STORE_ITEMS) || \
-    !defined(FP4C_STORE_MIN_BLOCKS) || !defined(FP4C_SCAN_MAX_TOKENS) || \
-    !defined(FP4C_LL_WIDE_TILES) || !defined(FP4C_ABSMAX16) || !defined(FP4C_E4M3_CVT)
-#error "fp4cache tuning macros missing: build the source with fp4cache._kernels.build_source"
-#endif
-
 typedef unsigned char u8;
 typedef unsigned short u16;
 typedef unsigned int u32;
@@ -33,8 +24,9 @@ typedef long long i64;
 
 #define FP4C_DEVICE __device__ __forceinline__
 
-// Rule and layout values, counter indices and the structs kernels take by value: generated
-// from fp4cache/_abi.py by the loader (no such file on disk), with layout static_asserts.
+// Rule and layout values, counter indices, the sizes both sides use (FP4C_DECODE_CHUNKS, ...)
+// and the structs kernels take by value: generated from fp4cache/_abi.py by the loader (no
+// such file on disk), with layout static_asserts.
 #include "fp4c_abi.cuh"
 
 // ---------------------------------------------------------------------------
@@ -311,7 +303,7 @@ FP4C_DEVICE u32 e4m3_encode_nonneg_sw(float v) {
 // The same byte from sm_89's cvt.rn.satfinite.e4m3x2.f32 (RNE, out-of-range and +inf to
 // 448, subnormals kept): one conversion instead of about ten integer operations.
 FP4C_DEVICE u32 e4m3_encode_nonneg(float v) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890 && FP4C_E4M3_CVT
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
   unsigned short h;
   asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(h) : "f"(0.0f), "f"(v));
   return h;  // the high byte holds the conversion of 0.0f: 0
@@ -416,7 +408,7 @@ FP4C_DEVICE u32 absmax2(f16_t, u32 a, u32 b) {
   return r;
 }
 
-// max |x| of a bf16 or f16 group from its 8 raw words (FP4C_ABSMAX16 = 2 on sm_86+):
+// max |x| of a bf16 or f16 group from its 8 raw words (sm_86+):
 // seven packed float maxima, then the larger of the two 16-bit magnitudes (non-negative
 // 16-bit floats order like their bit patterns, infinities and NaNs above every finite).
 template <typename T>
@@ -726,10 +718,11 @@ FP4C_DEVICE u32 load_chunk_codes(const u8* p) {
 // Integer helpers
 // ---------------------------------------------------------------------------
 // Unsigned division by a run-time constant d < 2^31 (Granlund-Montgomery):
-// q = (umulhi(n, m) + n) >> s with s = ceil(log2 d), m = floor(2^32 (2^s - d) / d) + 1.
-struct FastDiv {
-  u32 d, m, s;
-};
+// q = (umulhi(n, m) + n) >> s with s = ceil(log2 d), m = floor(2^32 (2^s - d) / d) + 1;
+// struct FastDiv {u32 d, m, s;} is generated from fp4cache/_abi.py (a by-value field).
+// A kernel takes its own copy of a parameter's FastDiv field by field: a struct copy of
+// the param-space field makes other PTX (bench/ptx_diff.py).
+FP4C_DEVICE FastDiv fastdiv_param(const FastDiv& f) { return FastDiv{f.d, f.m, f.s}; }
 // The 33-bit sum goes through a funnel shift (s <= 31), so the quotient is a plain 32-bit
 // value (a 64-bit shift made ptxas carry its high word into the callers' index math).
 FP4C_DEVICE u32 fdiv(u32 n, const FastDiv& f) {

@@ -56,7 +56,7 @@ struct StoreItem {
   u32 i, h, g, rem;  // rem = h*G + g
 };
 FP4C_DEVICE StoreItem store_item(u32 gid, const StoreParams& P) {
-  const FastDiv fHG{P.hg, P.hg_m, P.hg_s}, fG{P.gd, P.g_m, P.g_s};
+  const FastDiv fHG = fastdiv_param(P.hg), fG = fastdiv_param(P.g);
   StoreItem it;
   it.i = fdiv(gid, fHG);
   it.rem = gid - it.i * fHG.d;
@@ -122,8 +122,8 @@ struct StoreDest {
   u64 doff, ksoff, vsoff;
 };
 FP4C_DEVICE StoreDest store_dest(i64 slot, const StoreItem& it, const StoreParams& P) {
-  const FastDiv fT{P.td, P.t_m, P.t_s};
-  const u32 G = P.gd, Tn = fT.d, g = it.g;
+  const FastDiv fT = fastdiv_param(P.t);
+  const u32 G = P.g.d, Tn = fT.d, g = it.g;
   u64 page;
   u32 t;
   split_slot(slot, fT, page, t);
@@ -148,15 +148,17 @@ FP4C_DEVICE void store_encode(const RawGroup<T>* rk, const RawGroup<T>* rv, cons
     unpack_raw(rv[q], xv);
     bool nk, nv;
     float mk, mv;
+    // 16-bit inputs: packed float maxima on sm_86+ (KERNEL_NOTES v21), an integer max of
+    // bf16 below; float32 (and f16 below sm_86): the float max
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 860
-    constexpr bool kPacked = FP4C_ABSMAX16 == 2 && T::kBytes == 2;
+    constexpr bool kPacked = T::kBytes == 2;
 #else
     constexpr bool kPacked = false;
 #endif
     if constexpr (kPacked) {
       mk = packed_group_abs_max<T>(rk[q].w, nk);
       mv = packed_group_abs_max<T>(rv[q].w, nv);
-    } else if constexpr (FP4C_ABSMAX16 && T::kIsBf16) {
+    } else if constexpr (T::kIsBf16) {
       mk = bf16_group_abs_max(rk[q].w, nk);
       mv = bf16_group_abs_max(rv[q].w, nv);
     } else {
@@ -182,7 +184,7 @@ FP4C_DEVICE void count_groups(u64* stats, int index, u32 n) {
 template <bool VEC, int NH>
 FP4C_DEVICE void store_write(const Encoded16* ek, const Encoded16* ev, const StoreDest& d,
                              const StoreParams& P) {
-  const u32 G = P.gd;
+  const u32 G = P.g.d;
   u8* ks = d.kside;
   u8* vs = ks + P.side_bytes;
   u32 n[6] = {0u, 0u, 0u, 0u, 0u, 0u};  // k/v non-finite, k/v clipped, k/v underflow
@@ -212,16 +214,18 @@ FP4C_DEVICE void store_write(const Encoded16* ek, const Encoded16* ev, const Sto
   count_groups(stats, FP4C_STAT_V_UNDERFLOW_GROUPS, n[5]);
 }
 
-// One kernel thread per item (M = FP4C_STORE_ITEMS items per thread when NH = 1).  The
-// loads of every item are issued first, then its groups encoded, and only then is it
-// decided whether and where the item goes: the slot, duplicate and claim lookups overlap
-// the loads and the arithmetic (a skipped or losing token's encoding is simply not
-// written).
+// One kernel thread per item: M = 1 (two items per thread were measured and dropped:
+// KERNEL_NOTES v7, v16).  The one-trip loops over M stay on purpose: NVVM compiles this
+// shape better than the same steps written straight (that gave other PTX and, by `ptxas
+// -v`, up to 16 more registers: 4over6 80 -> 96, i.e. 3 -> 2 CTAs per SM).  The loads of
+// the item are issued first, then its groups encoded, and only then is it decided whether
+// and where the item goes: the slot, duplicate and claim lookups overlap the loads and the
+// arithmetic (a skipped or losing token's encoding is simply not written).
 template <typename T, int RULE, typename SlotT, bool VEC, int NH>
 FP4C_DEVICE void store_impl(const void* __restrict__ slots, const void* __restrict__ k,
                             const void* __restrict__ v, const StoreParams& P) {
   const u32 pk[8] = {P.pk[0], P.pk[1], P.pk[2], P.pk[3], P.pk[4], P.pk[5], P.pk[6], P.pk[7]};
-  constexpr int M = NH == 1 ? FP4C_STORE_ITEMS : 1;
+  constexpr int M = 1;  // items per thread (see above)
   RawGroup<T> rk[M][NH], rv[M][NH];
   StoreItem it[M];
   i64 slot[M];
@@ -269,7 +273,7 @@ FP4C_DEVICE void store_impl(const void* __restrict__ slots, const void* __restri
 
 // NAME, value type, rule, slot type, vectorized loads/stores, heads per thread
 #define FP4C_STORE_KERNEL(NAME, T, RULE, SLOT, VEC, NH)                                     \
-  extern "C" __global__ void __launch_bounds__(256, FP4C_STORE_MIN_BLOCKS)                  \
+  extern "C" __global__ void __launch_bounds__(256, 1)                                      \
       NAME(FP4C_STORE_PARAMS) {                                                             \
     store_impl<T, RULE, SLOT, VEC, NH>(slots, k, v, params);                                \
   }
@@ -323,7 +327,7 @@ template <typename T, typename BlockT, bool VEC>
 FP4C_DEVICE void gather_impl(const void* __restrict__ blocks, void* __restrict__ out_k,
                              void* __restrict__ out_v, u32 total, const GatherParams& P) {
   const u8* __restrict__ buffer = (const u8*)P.buffer;
-  const FastDiv fC{P.cd, P.c_m, P.c_s}, fH{P.hd, P.h_m, P.h_s}, fT{P.td, P.t_m, P.t_s};
+  const FastDiv fC = P.c, fH = P.h, fT = P.t;
   const u32 nhd = P.nhd;
   const i64 num_blocks = P.num_blocks, side_bytes = P.side_bytes, data_bytes = P.data_bytes;
   constexpr int n = Chunk<T>::kValues;

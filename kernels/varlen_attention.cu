@@ -122,7 +122,7 @@ FP4C_DEVICE bool find_work(const VarlenParams& P, u32 item, const void* qsl,
   W.rows = W.n * P.group;
   if (W.rows <= P.rows_lo || W.rows > P.rows_hi) return false;  // another launch's
   i64 len = load_index(seq_lens, W.b, P.sl64);
-  const i64 cap = (i64)P.max_blocks * P.T;
+  const i64 cap = (i64)P.max_blocks * P.t.d;
   W.len = (u32)(len < 0 ? 0 : (len > cap ? cap : len));
   const u32 nqt = (W.rows + ROWS - 1) / ROWS;
   u32 qt;
@@ -610,8 +610,8 @@ FP4C_DEVICE void vl_finish(const VlWork& W, const VarlenParams& P, float (*s_o)[
     }
     __syncthreads();
   }
-  // write: out = O / L * v_scale * 2^7; a row that saw no key (L = +0: bit compare, CuPy
-  // compiles with -ftz) gives 0 and -inf
+  // write: out = O / L * v_scale * 2^FP4C_PAIR_SCALE_SHIFT (P.out_scale); a row that saw no
+  // key (L = +0: bit compare, CuPy compiles with -ftz) gives 0 and -inf
   const u32 Hq = P.H * P.group;
   for (u32 k = tid; k < W.rows_here * D; k += FP4C_VL_THREADS) {
     const u32 row = k / D, d = k - row * D;
@@ -691,7 +691,7 @@ FP4C_DEVICE void varlen_item(u32 item, const void* __restrict__ q, const void* _
   S.page_bytes = 2 * P.side_bytes;
   S.side_bytes = P.side_bytes;
   S.data_bytes = P.data_bytes;
-  S.fT = FastDiv{P.T, P.t_m, P.t_s};
+  S.fT = fastdiv_param(P.t);
   S.h = W.h;
   S.row_h = P.row_h;
   S.row_t = P.row_t;

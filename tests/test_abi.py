@@ -3,6 +3,8 @@ counter indices and the by-value structs, and tuning as part of a kernel's ident
 
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import pytest
 from test_kernels_compile import needs_nvrtc
@@ -56,17 +58,42 @@ def test_a_struct_field_changed_on_one_side_fails_to_compile(monkeypatch):
         K._read_inlined.cache_clear()
 
 
-def test_tuning_is_part_of_the_spec():
-    spec = K.store_spec("bf16", "static6", "i32")
-    assert spec.tune("FP4C_SCAN_MAX_TOKENS") == dict(K.TUNING)["FP4C_SCAN_MAX_TOKENS"]
-    other = spec.with_tuning(FP4C_SCAN_MAX_TOKENS=64)
-    assert other != spec and hash(other) != hash(spec) and other.name == spec.name
-    assert "#define FP4C_SCAN_MAX_TOKENS 64\n" in K.build_source(other.file, [other])
-    assert "#define FP4C_SCAN_MAX_TOKENS 128\n" in K.build_source(spec.file, [spec])
-    with pytest.raises(ValueError, match="unknown tuning macros"):
-        spec.with_tuning(FP4C_NOT_A_MACRO=1)
-    with pytest.raises(ValueError, match="share their tuning"):
-        K.build_source(spec.file, [spec, K.claim_spec("i32").with_tuning(FP4C_STORE_ITEMS=2)])
+def test_variant_is_part_of_the_spec():
+    spec = K.decode_attention_spec("bf16", 128, False)
+    other = K.decode_attention_spec("bf16", 128, False, decode_route="bitmove")
+    assert other != spec and hash(other) != hash(spec)
+    assert other.name == spec.name + "_bitmove"
+    assert "#define FP4C_ATTN_BITMOVE 1\n" in K.build_source(other.file, [other])
+    assert "FP4C_ATTN_BITMOVE 1" not in K.build_source(spec.file, [spec])
+    assert K.decode_attention_args(other) == ("bf16", 128, False, True, "bitmove")
+    assert K.attention_head_dim(other) == 128
+    with pytest.raises(ValueError, match="decode_route"):
+        K.decode_attention_spec("bf16", 128, False, decode_route="fast")
+    with pytest.raises(ValueError, match="share their defines"):
+        K.build_source(spec.file, [spec, other])
+    with pytest.raises(ValueError, match="not a decode_attention_spec"):
+        K.decode_attention_args(K.claim_spec("i32"))
+
+
+def test_shared_sizes_come_from_abi():
+    """The values both languages use are generated from _abi (the kernels define none)."""
+    head = _abi.header()
+    for name, value in (("DECODE_CHUNKS", _abi.DECODE_CHUNKS),
+                        ("SCAN_MAX_TOKENS", _abi.SCAN_MAX_TOKENS),
+                        ("LL_WIDE_TILES", _abi.LL_WIDE_TILES),
+                        ("ATTN_WARPS", _abi.ATTN_WARPS),
+                        ("ATTN_MAX_SPLITS", _abi.ATTN_MAX_SPLITS),
+                        ("PAIR_SCALE_SHIFT", _abi.PAIR_SCALE_SHIFT)):
+        assert f"#define FP4C_{name} {value}\n" in head
+        for f in K.kernel_dir().iterdir():
+            assert f"#define FP4C_{name} " not in f.read_text(), f.name
+    # pair_scale's multipliers: f16x2 of 2^(6 - S) (E4M3 route) and 2^(22 - S) (bits)
+    S = _abi.PAIR_SCALE_SHIFT
+    for name, exp in (("E4M3", 6 - S), ("BITS", 22 - S)):
+        m = re.search(rf"#define FP4C_PAIR_SCALE_{name} (0x[0-9a-f]+)u", head)
+        word = int(m.group(1), 16)
+        halves = np.array([word & 0xFFFF, word >> 16], dtype=np.uint16).view(np.float16)
+        assert (halves.astype(np.float64) == 2.0 ** exp).all()
 
 
 def test_every_shipped_store_shape_is_compiled_in_ci():
@@ -78,3 +105,34 @@ def test_every_shipped_store_shape_is_compiled_in_ci():
             for vec in (True, False):
                 assert K.store_spec(dt, rule, ix, vec, pair=True).name in names
     assert K.clear_spec("i64").name in names and K.claim_spec("i32").name in names
+
+
+def test_names_have_one_source():
+    """The Python-side name tuples are the _abi tables' keys (the kernels' values)."""
+    import typing
+
+    from fp4cache import formats, layout
+
+    assert layout.LAYOUTS == tuple(_abi.LAYOUTS)
+    assert typing.get_args(layout.Layout) == layout.LAYOUTS
+    assert formats.SCALE_RULES == tuple(_abi.RULES)
+
+
+@pytest.mark.parametrize("dtype", [np.float64, np.int32, np.uint8])
+def test_value_type_names_the_dtype(dtype):
+    with pytest.raises(ValueError, match=f"q.dtype must be bfloat16, float16 or float32, got "
+                                         f"{np.dtype(dtype)}"):
+        K.value_type(dtype, "q.dtype")
+    assert [K.value_type(d, "x") for d in (np.float32, np.float16)] == ["f32", "f16"]
+
+
+def test_fastdiv_fields_are_one_struct():
+    """A divisor travels as one FastDiv field (d, m, s), the layout of the device struct."""
+    fd = _abi.struct_dtype("StoreParams")["t"]
+    assert fd.names == ("d", "m", "s") and fd.itemsize == 12
+    assert "struct FastDiv {\n  u32 d;\n  u32 m;\n  u32 s;\n};" in _abi.header()
+    p = np.zeros((), dtype=_abi.struct_dtype("AttnParams"))
+    p["t"] = _abi.fastdiv(12)
+    d, m, s = (int(p["t"][k]) for k in ("d", "m", "s"))
+    n = np.arange(1 << 16, dtype=np.uint64)
+    assert ((((n * m) >> 32) + n) >> s == n // d).all()

@@ -11,7 +11,7 @@ from conftest import DEVICES
 
 import fp4cache
 from fp4cache import PagedKVCache
-from fp4cache._arrays import array_module
+from fp4cache._arrays import array_module, ceil_div, share_bytes
 
 F32 = np.float32
 BF16 = np.dtype(ml_dtypes.bfloat16)
@@ -130,3 +130,13 @@ def test_quantize_out_on_the_other_backend_is_refused():
     x = cupy.ones((2, 64), F32)
     with pytest.raises(TypeError, match=r"out\[0\] must be a CuPy"):
         fp4cache.quantize(x, out=(np.empty((2, 32), np.uint8), np.empty((2, 4), np.uint8)))
+
+
+def test_share_bytes_and_ceil_div():
+    buf = np.zeros(64, dtype=np.uint8)
+    assert share_bytes(buf[:32], buf[31:40])
+    assert not share_bytes(buf[:32], buf[32:40])  # adjacent: no common byte
+    assert share_bytes(buf[8:16], buf)
+    assert not share_bytes(buf[8:8], buf)  # empty arrays share nothing
+    assert not share_bytes(buf, np.zeros(64, dtype=np.uint8))
+    assert [ceil_div(a, 4) for a in (0, 1, 4, 5, 8)] == [0, 1, 1, 2, 2]

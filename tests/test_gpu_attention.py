@@ -26,7 +26,9 @@ pytestmark = pytest.mark.gpu
 cp = pytest.importorskip("cupy")
 
 import fp4cache  # noqa: E402
+from fp4cache import _abi  # noqa: E402
 from fp4cache import _cupy_attention as ca  # noqa: E402
+from fp4cache import _kernels as K  # noqa: E402
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
 DT = {"bfloat16": BF16, "float16": np.dtype(np.float16), "float32": np.dtype(np.float32)}
@@ -138,7 +140,8 @@ def check(out, lse, ref_out, ref_lse, dtname, what=""):
     return float(rel.max())
 
 
-def run(cache, q, tab, lens, *, sm_scale=None, scratch=None, with_lse=True):
+def run(cache, q, tab, lens, *, sm_scale=None, scratch=None, with_lse=True,
+        decode_route="auto"):
     geom = cache.geometry
     D = geom.head_dim
     sm_scale = 1.0 / np.sqrt(D) if sm_scale is None else sm_scale
@@ -147,7 +150,7 @@ def run(cache, q, tab, lens, *, sm_scale=None, scratch=None, with_lse=True):
     scratch = ca.new_scratch() if scratch is None else scratch
     ca.decode_attention(cache.buffer, q, tab, lens, out, lse, geom=geom, k_s=cache._k_s,
                         v_s=cache._v_s, sm_scale=sm_scale, stats=cache._stats,
-                        scratch=scratch)
+                        scratch=scratch, decode_route=decode_route)
     return out, lse, scratch
 
 
@@ -157,17 +160,18 @@ def make_q(rng, B, Hq, D, dtname):
 
 
 # -- the decode itself --------------------------------------------------------------------
-@pytest.mark.parametrize("cvt", [True, False], ids=["e4m3-cvt", "bits"])
-def test_dequant_table_exhaustive(cvt):
+@pytest.mark.parametrize("route", K.DECODE_ROUTES)
+def test_dequant_table_exhaustive(route):
     """Every E2M1 code x every E4M3 scale byte x every pair position, on both decode
     routes (sm_89+ E4M3 conversions; the bit moves of older GPUs, forced here with
-    FP4C_E4M3_CVT=0): the kernel's f16 decode (+ one f16x2 multiply, subnormals
-    included) equals e2m1 * e4m3 * 2^-7 exactly; 0x7F / 0xFF give NaN.  The kernel also
-    poisons an entry with NaN where a code alone at the pair's nibble lands elsewhere."""
-    tab = ca.dequant_table(cvt)
+    decode_route="bitmove"): the kernel's f16 decode (+ one f16x2 multiply, subnormals
+    included) equals e2m1 * e4m3 * 2^-PAIR_SCALE_SHIFT exactly; 0x7F / 0xFF give NaN.  The
+    kernel also poisons an entry with NaN where a code alone at the pair's nibble lands
+    elsewhere."""
+    tab = ca.dequant_table(route)
     codes = np.arange(16, dtype=np.uint8).view(ml_dtypes.float4_e2m1fn).astype(np.float64)
     sf = np.arange(256, dtype=np.uint8).view(ml_dtypes.float8_e4m3fn).astype(np.float64)
-    want = codes[:, None] * sf[None, :] * 2.0 ** -7
+    want = codes[:, None] * sf[None, :] * 2.0 ** -_abi.PAIR_SCALE_SHIFT
     for p in range(4):
         for half in range(2):
             got = tab[p, half].astype(np.float64)
@@ -222,23 +226,16 @@ def test_small_matches_reference(case):
     assert not cp.asnumpy(out[0]).astype(np.float32).any()  # length 0 -> zeros
 
 
-# the cases that take each kernel family: chunk ring (g8, T % 16 == 0), _anyT, g16
+# the cases that take each kernel family: chunk ring (groups <= 8, paged16), not paged16,
+# wide
 BITS_CASES = [CASES[0], CASES[3], CASES[7], CASES[9], CASES[12], CASES[6]]
 
 
 @pytest.mark.parametrize("case", BITS_CASES, ids=lambda c: "-".join(map(str, c)))
-def test_bit_route_matches_reference(case, monkeypatch):
+def test_bit_route_matches_reference(case):
     """GPUs before sm_89 decode E2M1 codes and E4M3 scales by bit moves, with another
     pairing of the codes (q's permutation and the V byte interleave follow it); on this
-    GPU the same kernels built with FP4C_E4M3_CVT=0 take that route."""
-    orig = ca.K.decode_attention_spec
-    built = []
-
-    def bits_spec(*a, **kw):
-        built.append(orig(*a, **kw).with_tuning(FP4C_E4M3_CVT=0))
-        return built[-1]
-
-    monkeypatch.setattr(ca.K, "decode_attention_spec", bits_spec)
+    GPU the same kernels built with decode_route="bitmove" take that route."""
     H, T, D, layout, swizzle, rule, group, dtname = case
     rng = np.random.default_rng(zlib.crc32(repr(case).encode()) + 1)
     lens = [1, 37, 3 * T + 1, 200]
@@ -249,8 +246,11 @@ def test_bit_route_matches_reference(case, monkeypatch):
     tab = tables_for(rng, lens, T, num_blocks, max_blocks)
     q = make_q(rng, len(lens), H * group, D, dtname)
     lens_a = np.array(lens, dtype=np.int32)
-    out, lse, _ = run(cache, cp.asarray(q), cp.asarray(tab), cp.asarray(lens_a))
-    assert built and all(s.tune("FP4C_E4M3_CVT") == 0 for s in built)
+    out, lse, scratch = run(cache, cp.asarray(q), cp.asarray(tab), cp.asarray(lens_a),
+                            decode_route="bitmove")
+    specs = [p.spec for p in ca.attention_plans(scratch)]
+    assert specs and all(K.decode_attention_args(s).decode_route == "bitmove"
+                         for s in specs), specs
     ro, rl = reference(kd, vd, q, tab, lens_a, T, 1 / np.sqrt(D), num_blocks)
     check(out, lse, ro, rl, dtname, f"bits {case}")
 

@@ -34,6 +34,7 @@ def test_all_specializations_compile(arch):
     names = {s.name for s in K.all_specs()}
     found = {n for n in names for text in ptx.values() if f".entry {n}(" in text}
     assert found == names
+    assert "dequant_table" not in ptx["decode_attention.cu"]  # test kernels: tests only
     for file, text in ptx.items():
         # no local memory (stack) in any kernel: register arrays stay in registers
         assert ".local" not in text
@@ -87,6 +88,22 @@ def test_page_copy_fits_its_launch_bounds_without_spills():
     assert len(regs) == len(specs) and len(spills) == len(specs), log
     assert max(regs) <= 65536 // (_abi.PAGE_MOVE_THREADS * _abi.COPY_MIN_CTAS), log
     assert not any(spills), log
+
+
+@needs_nvrtc
+@pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
+def test_test_only_kernels_compile(arch):
+    """The kernels only the GPU tests build: the attention's decode table and the sm_80
+    decode route forced on a newer GPU (decode_route="bitmove")."""
+    specs = [K.attn_dequant_table_spec(r) for r in K.DECODE_ROUTES]
+    specs += [K.decode_attention_spec(dt, d, w, p, decode_route="bitmove")
+              for dt in ("bf16", "f32") for d in K.ATTN_HEAD_DIMS for w in (False, True)
+              for p in (True, False)]
+    ptx = K.compile_all(arch, specs)["decode_attention.cu"]
+    assert ".local" not in ptx
+    # the bit route has no E4M3 conversion, on any architecture
+    bits = ptx.split(".entry fp4cache_attn_dequant_table_bitmove(")[1].split(".entry ")[0]
+    assert "e4m3x2" not in bits
 
 
 @needs_nvrtc
