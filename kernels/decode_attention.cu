@@ -756,6 +756,10 @@ FP4C_DEVICE void trans_pv(const u32 (&v)[4][AttnDims<D>::VW], const u32 (&vs)[At
 // ---------------------------------------------------------------------------------------
 // The kernel
 // ---------------------------------------------------------------------------------------
+// decode_attn_impl is about 600 lines, over the project's ~150 per step: its two compute
+// paths (groups 1-8 transposed, 9-16 wide) and three loaders are still to be cut into the
+// named steps (load, scores, softmax, P.V, merge, write) of kernels/varlen_attention.cu, with
+// no loss of speed: the open part of the any-query-length issue.
 // WIDE: groups of 9..16 query heads (accumulator rows g and g+8); else rows 0..7 only.
 // SPLIT: float32 q as f16 hi + lo: group <= 8 puts the lo parts in rows 8..15 of A and
 // adds the two accumulator rows; WIDE runs a second MMA with the lo parts.
