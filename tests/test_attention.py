@@ -1,5 +1,8 @@
 """``PagedKVCache.decode_attention`` on the CPU backend, against a float64 reference.
 
+(Over 600 lines: the reference, the shape / layout / rule / dtype / GQA grid and the
+refusal cases of one method; the any-query-length method has its own file.)
+
 The reference (``reference`` below) is written plainly: for each sequence and query head,
 a float64 softmax over the float32 K/V values that ``gather_dequant`` returns for the
 sequence's pages, with KV head ``hq // (Hq // H)``.

@@ -3,6 +3,10 @@ call never changes the cache buffer.
 
 The same table runs on ``device="cuda"`` when a GPU is present (caches built with
 ``validate=True`` there, so that out-of-range ids are refused eagerly as on the CPU).
+
+Over 600 lines because it is one table of refusals per public entry point (store, gather,
+attention, LongLive, pages, the constructor), each checked with the buffer unchanged;
+splitting it by entry point would repeat the fixtures.
 """
 
 from __future__ import annotations
