@@ -22,7 +22,7 @@ import pytest
 
 from fp4cache import gpu_available
 
-__all__ = ["DEVICES", "DLPackProducer", "gpu_available"]
+__all__ = ["DEVICES", "DLPackProducer", "gpu_available", "resolve_qualname"]
 
 
 class DLPackProducer:
@@ -63,3 +63,21 @@ def pytest_collection_modifyitems(config, items):
         if have < need:
             item.add_marker(pytest.mark.skip(
                 reason="needs a CUDA GPU with CuPy" if need == 1 else f"needs {need} CUDA GPUs"))
+
+
+def resolve_qualname(qualname: str):
+    """The object a dotted name like ``fp4cache.cache.PagedKVCache.store`` names: the
+    longest importable module prefix, then attributes (decorators unwrapped)."""
+    import importlib
+    import inspect
+
+    parts = qualname.split(".")
+    for i in range(len(parts), 0, -1):
+        try:
+            obj = importlib.import_module(".".join(parts[:i]))
+        except ImportError:
+            continue
+        for p in parts[i:]:
+            obj = getattr(obj, p)
+        return inspect.unwrap(obj)
+    raise AssertionError(f"{qualname} names nothing importable")

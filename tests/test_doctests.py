@@ -10,6 +10,7 @@ import doctest
 import importlib
 
 import pytest
+from conftest import resolve_qualname
 
 MODULES = ["fp4cache.calibrate", "fp4cache.codec", "fp4cache.cache", "fp4cache.longlive",
            "fp4cache._plans", "fp4cache.pages", "fp4cache.typing"]
@@ -49,15 +50,6 @@ def test_module_examples(name):
 ])
 def test_public_function_has_examples(qualname):
     """Each public function's docstring carries an ``Examples`` section with examples."""
-    obj = None
-    parts = qualname.split(".")
-    for i in range(len(parts), 0, -1):
-        try:
-            obj = importlib.import_module(".".join(parts[:i]))
-        except ImportError:
-            continue
-        for p in parts[i:]:
-            obj = getattr(obj, p)
-        break
+    obj = resolve_qualname(qualname)
     doc = obj.__doc__ or ""
     assert "Examples\n" in doc and ">>> " in doc, f"{qualname} has no Examples section"

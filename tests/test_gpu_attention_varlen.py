@@ -33,6 +33,8 @@ from fp4cache import attention as front
 pytestmark = pytest.mark.gpu
 cp = pytest.importorskip("cupy")
 
+from test_gpu_attention import CASES as _decode_cases  # noqa: E402
+
 BF16 = np.dtype(ml_dtypes.bfloat16)
 DT = {"bfloat16": BF16, "float16": np.dtype(np.float16), "float32": np.dtype(np.float32)}
 TOL = {"bfloat16": 1e-2, "float16": 1e-2, "float32": 3e-3}
@@ -159,22 +161,9 @@ def ragged_lens(T):
     return [max(b, n) for b, n in zip(base, NQ)]
 
 
-# (H, T, D, layout, swizzle, rule, group, dtype)
-CASES = [
-    (8, 16, 128, "HND", True, "static6", 4, "bfloat16"),
-    (8, 16, 128, "NHD", True, "4over6", 4, "bfloat16"),
-    (4, 16, 128, "HND", False, "static6", 8, "float16"),
-    (2, 32, 64, "NHD", False, "4over6", 1, "float32"),
-    (2, 16, 64, "HND", True, "static6", 16, "bfloat16"),
-    (2, 16, 256, "HND", True, "4over6", 4, "bfloat16"),
-    (2, 16, 256, "NHD", True, "static6", 16, "float32"),
-    (2, 8, 256, "HND", False, "static6", 8, "float16"),
-    (3, 4, 128, "HND", False, "4over6", 4, "bfloat16"),
-    (2, 5, 128, "NHD", False, "static6", 3, "float32"),
-    (2, 12, 128, "HND", True, "static6", 2, "float16"),
-    (2, 32, 128, "HND", True, "4over6", 16, "float16"),
-    (2, 16, 128, "NHD", True, "static6", 12, "bfloat16"),
-    (1, 16, 64, "HND", True, "static6", 9, "float32"),
+# (H, T, D, layout, swizzle, rule, group, dtype): the first 14 of the decode tests' shapes,
+# plus four of its own
+CASES = _decode_cases[:14] + [
     (2, 16, 128, "HND", True, "static6", 1, "bfloat16"),
     (2, 16, 64, "NHD", True, "static6", 2, "float16"),
     (3, 32, 64, "HND", False, "4over6", 7, "bfloat16"),

@@ -9,6 +9,7 @@ import types
 
 import numpy as np
 import pytest
+from conftest import resolve_qualname
 
 import fp4cache
 from fp4cache import typing as fp4_typing
@@ -29,22 +30,9 @@ PUBLIC = [
 ]
 
 
-def _resolve(qualname: str):
-    parts = qualname.split(".")
-    for i in range(len(parts), 0, -1):
-        try:
-            obj = importlib.import_module(".".join(parts[:i]))
-        except ImportError:
-            continue
-        for p in parts[i:]:
-            obj = getattr(obj, p)
-        return inspect.unwrap(obj)
-    raise AssertionError(qualname)
-
-
 @pytest.mark.parametrize("qualname", PUBLIC)
 def test_public_function_is_typed(qualname):
-    fn = _resolve(qualname)
+    fn = resolve_qualname(qualname)
     ann = fn.__annotations__
     assert "return" in ann, f"{qualname} has no return annotation"
     untyped = [n for n in inspect.signature(fn).parameters if n not in ("self", "cls")
