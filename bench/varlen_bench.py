@@ -116,7 +116,8 @@ class VarlenBench(AttnBench):
             best = self.sdpa_best(q4, k4, v4, sm_scale)
             row = dict(case=f"verify B={B} x {L}, n={n}", n=n, varlen_us=t * 1e6,
                        decode_us=td * 1e6, vs_decode=t / td, grid=plan.grid,
-                       regs=int(plan.fn.num_regs), slots=plan.keep[-1].slots,
+                       regs=int(plan.fn.num_regs),
+                       kernel=plan.keep[0].spec.name if len(plan.keep) == 1 else "varlen",
                        max_row_rel_err=rel, check="ok" if rel <= 1e-2 else "FAIL")
             if best is not None:
                 row.update(sdpa_us=best[0] * 1e6, sdpa_backend=best[1].name,

@@ -164,8 +164,14 @@ STRUCTS: dict[str, tuple[tuple, ...]] = {
         ("row_h", "u32"), ("row_t", "u32"),  # row of (t, h) in a side: h*row_h + t*row_t
         ("swizzle", "u32"), ("paged16", "u32"),  # V scales swizzled; T % 16 == 0
         ("bt64", "u32"), ("sl64", "u32"),  # int64 block tables / sequence lengths
+        ("ql64", "u32"), ("causal", "u32"),  # int64 query_start_loc; bottom-right mask
+        ("rows_lo", "u32"), ("rows_hi", "u32"),  # with query_start_loc: sequences of
+        ("max_q", "u32"),  # rows_lo < n*group <= rows_hi, at most max_q tokens computed
+        ("num_tokens", "u32"),  # q's rows: query_start_loc is clamped to [0, num_tokens]
+        ("rows_max", "u32"),  # rows per split partial in the workspace
         ("qk_scale", "float"),  # sm_scale * k_scale * 2^7 * log2(e)
         ("out_scale", "float"),  # v_scale * 2^7
+        ("_pad", "u32"),
     ),
     # kernels/varlen_attention.cu, every non-pointer argument of the varlen attention
     "VarlenParams": (

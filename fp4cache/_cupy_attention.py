@@ -125,16 +125,17 @@ def max_splits(capacity: int, spec: K.Spec | None = None) -> int:
     return max(1, min(_abi.ATTN_MAX_SPLITS, ceil_div(int(capacity), MIN_SPLIT_TOKENS)))
 
 
-def workspace_parts(batch: int, kv_heads: int, nsplit: int, group: int,
+def workspace_parts(batch: int, kv_heads: int, nsplit: int, rows: int,
                     head_dim: int) -> tuple[tuple, int]:
     """``(parts, tickets)`` of one launch for :meth:`~fp4cache._plans.Workspace.get`:
-    with more than one split, the float32 partial outputs ``[B*H*nsplit, group*D]``, the
-    partial ``(m, l)`` ``[B*H*nsplit, MAX_GROUP, 2]`` and one merge ticket per (sequence,
-    KV head); nothing with one split (the kernel then touches none of them)."""
+    with more than one split, the float32 partial outputs ``[B*H*nsplit, rows*D]``, the
+    partial ``(m, l)`` ``[B*H*nsplit, rows, 2]`` (``rows``: query rows per (sequence, KV
+    head), the group for decode) and one merge ticket per (sequence, KV head); nothing with
+    one split (the kernel then touches none of them)."""
     if nsplit <= 1:
         return (), 0
-    rows = batch * kv_heads * nsplit
-    return (((rows, group * head_dim), np.float32), ((rows, MAX_GROUP, 2), np.float32)), \
+    n = batch * kv_heads * nsplit
+    return (((n, rows * head_dim), np.float32), ((n, rows, 2), np.float32)), \
         batch * kv_heads
 
 
@@ -145,6 +146,7 @@ def workspace_bound(geom: PageGeometry, max_batch_size: int, max_seq_len: int,
     ``Hq <= num_query_heads`` (on any GPU: :func:`max_splits`)."""
     T, H = geom.block_size, geom.num_heads
     nsplit = max_splits(ceil_div(max_seq_len, T) * T)
+    # (decode's rows; attention with several query tokens per sequence grows it)
     parts, tickets = workspace_parts(max_batch_size, H, nsplit, max(1, num_query_heads // H),
                                      geom.head_dim)
     return Workspace.layout(parts)[1], tickets
@@ -196,29 +198,52 @@ def check_attention_args(what: str, buffer, q, geom: PageGeometry, **index_array
     return group
 
 
+class RowsSpec(NamedTuple):
+    """Where a launch's CTAs take their query rows: decode (``qsl=False``: token ``b`` of
+    sequence ``b``, the group's heads) or ``query_start_loc`` (the sequences of ``rows_lo <
+    n_b * group <= rows_hi``, at most ``max_q`` tokens each, ``causal`` bottom-right)."""
+    batch: int
+    qsl: bool = False
+    ql64: bool = False
+    causal: bool = False
+    rows_lo: int = 0
+    rows_hi: int = 0xFFFFFFFF
+    max_q: int = 1
+
+
 def _make_plan(buffer, q, block_tables, seq_lens, geom: PageGeometry, k_s, v_s, sm_scale,
                stats, workspace: Workspace, decode_route: str = "auto",
-               kernel_file: str | None = None) -> _AttnPlan:
-    B, Hq, D = q.shape
+               kernel_file: str | None = None, rows: RowsSpec | None = None) -> _AttnPlan:
+    num_tokens, Hq, D = q.shape
     H, T = geom.num_heads, geom.block_size
-    group = check_attention_args("decode_attention", buffer, q, geom, block_tables=block_tables,
+    if rows is None:
+        rows = RowsSpec(num_tokens)
+    B = rows.batch
+    what = "attention" if rows.qsl else "decode_attention"
+    group = check_attention_args(what, buffer, q, geom, block_tables=block_tables,
                                  seq_lens=seq_lens)
     if B > 65535 or H > 65535:
         raise ValueError(f"batch and num_heads must be <= 65535, got {B} and {H}")
+    if num_tokens >= 2**32:
+        raise ValueError(f"q must have fewer than 2**32 tokens, got {num_tokens}")
+    rows_max = rows.max_q * group
+    if rows_max > _abi.MMA_ROWS:
+        raise ValueError(f"{rows.max_q} query tokens x {group} heads exceed the "
+                         f"{_abi.MMA_ROWS} rows of the attention kernel's CTA")
     max_blocks = int(block_tables.shape[1])
     if buffer.shape[0] >= 2**32 - 1:  # the kernel's 32-bit page index (FP4C_BAD_PAGE)
         raise ValueError(f"the page pool must hold fewer than 2**32 - 1 pages, got "
                          f"{buffer.shape[0]}")
     bt = np.dtype(block_tables.dtype)
     sl = np.dtype(seq_lens.dtype)
-    spec = K.decode_attention_spec(K.value_type(q.dtype, "q.dtype"), D, group > 8, T % 16 == 0,
-                                   decode_route)
+    spec = K.decode_attention_spec(K.value_type(q.dtype, "q.dtype"), D,
+                                   rows_max > _abi.MMA_ROWS // 2, T % 16 == 0, decode_route)
     if kernel_file is not None:
         spec = dataclasses.replace(spec, file=kernel_file)
     fn = K.get_kernel(spec)
     sp = split_plan(B, H, max_blocks * T, _resident_ctas(fn, spec), spec)
     nsplit, split_len = sp
-    parts, tickets = workspace_parts(B, H, nsplit, group, D)
+    parts, tickets = workspace_parts(B, H, nsplit, rows_max, D)
     views = workspace.get(parts, tickets=tickets, hint=(
         f"max_batch_size >= {B}, max_seq_len >= {max_blocks * T}, num_query_heads >= {Hq}"))
     ws_o, ws_ml, counters = (a.data.ptr for a in views) if views else (0, 0, 0)
@@ -234,8 +259,10 @@ def _make_plan(buffer, q, block_tables, seq_lens, geom: PageGeometry, k_s, v_s, 
             ("nsplit", nsplit), ("row_h", T if hnd else 1), ("row_t", 1 if hnd else H),
             ("swizzle", 1 if geom.swizzle_v_scales else 0),
             ("paged16", 1 if T % 16 == 0 else 0), ("bt64", 1 if bt.itemsize == 8 else 0),
-            ("sl64", 1 if sl.itemsize == 8 else 0), ("qk_scale", qk),
-            ("out_scale", out_scale)):
+            ("sl64", 1 if sl.itemsize == 8 else 0), ("ql64", 1 if rows.ql64 else 0),
+            ("causal", 1 if rows.causal else 0), ("rows_lo", rows.rows_lo),
+            ("rows_hi", rows.rows_hi), ("max_q", rows.max_q), ("num_tokens", num_tokens),
+            ("rows_max", rows_max), ("qk_scale", qk), ("out_scale", out_scale)):
         p[name] = value
     threads = 32 * _abi.ATTN_WARPS
     return _AttnPlan(fn, (nsplit, H, B), (threads,), p[()], (buffer, stats, geom), spec)
@@ -316,7 +343,8 @@ def attention_runner(buffer, q, block_tables, seq_lens, *, geom: PageGeometry, k
         np.uint64(0)
 
     def run(q, block_tables, seq_lens, out, lse, _keep=plan):
-        fn(grid, block, (q, block_tables, seq_lens, out, zero if lse is None else lse, params))
+        fn(grid, block, (q, zero, block_tables, seq_lens, out, zero if lse is None else lse,
+                         params))
 
     return run
 

@@ -1,25 +1,26 @@
-"""CuPy backend of ``PagedKVCache.attention``: paged attention over NVFP4 pages for any
-number of query tokens per sequence (``kernels/varlen_attention.cu``), on CuPy's current
-stream.
+"""CuPy backend of ``PagedKVCache.attention``: paged attention over NVFP4 pages for any number
+of query tokens per sequence (``kernels/varlen_attention.cu``), on CuPy's current stream.
 
 The front end validates the arguments and calls :func:`attention` (or keeps the run of
-:func:`attention_runner` for its hot path).  A launch has ``B * H * slots`` work items,
+:func:`attention_runner` for its hot path). A launch has ``B * H * slots`` work items,
 ``slots = query tiles x splits`` sized from ``max_query_len`` and the shapes only (never
 from device values); its CTAs (at most ``GRID_WAVES`` waves of resident ones) loop over the
 items and find their work on the device (``find_work`` in the kernel): a sequence whose
-rows (tokens x query heads per KV head) fit one CTA cuts its keys into up to
-``min(slots, max_splits)`` splits merged through the workspace, a longer one takes one item
-per query tile, and items past a sequence's work are skipped.  With
-``max_query_len * group <= 16`` (decode, speculative verification) a call is one launch of
-the 16-row kernel; otherwise two launches, whatever the batch: the 16-row
-kernel for the sequences of at most 16 rows, and the smallest kernel that holds the longest
-sequence (32 or 64 rows per CTA) for the others.  Everything that does
-not change from call to call (kernel, grid, packed ``VarlenParams``, workspace and merge
-tickets) is prepared once per signature in the owner's plan cache (``scratch.plans``); the
-split partials and merge tickets are views of the owner's one workspace
-(``scratch.workspace``, :class:`fp4cache._plans.Workspace`, shared with decode attention):
-a warm call is one or two launches, no allocation and no synchronization (CUDA-graph
-safe).
+rows (tokens x query heads per KV head) fit one CTA cuts its keys into up to ``min(slots,
+max_splits)`` splits merged through the workspace, a longer one takes one item per query
+tile, and items past a sequence's work are skipped. With ``max_query_len * group <= 16``
+(decode, speculative verification) a call is one launch of the few-row kernel,
+``kernels/decode_attention.cu`` with ``query_start_loc`` (a sequence's tokens x heads
+packed as the MMA rows, each page byte decoded once per (sequence, KV head), the decode
+attention's split plan); otherwise two launches, whatever the batch: the few-row kernel for
+the sequences of at most 16 rows, and the smallest varlen kernel that holds the longest
+sequence (32 or 64 rows per CTA, 16 where shared memory is short) for the others.
+Everything that does not change from call to call (kernel, grid, packed ``VarlenParams`` /
+``AttnParams``, workspace and merge tickets) is prepared once per signature in the owner's
+plan cache (``scratch.plans``); the split partials and merge tickets are views of the
+owner's one workspace (``scratch.workspace``, :class:`fp4cache._plans.Workspace`, shared
+with decode attention): a warm call is one or two launches, no allocation and no
+synchronization (CUDA-graph safe).
 """
 
 from __future__ import annotations
@@ -32,7 +33,8 @@ import numpy as np
 from . import _abi
 from . import _kernels as K
 from ._arrays import ceil_div
-from ._cupy_attention import attention_scales, check_attention_args, split_plan
+from ._cupy_attention import RowsSpec, attention_scales, check_attention_args, split_plan
+from ._cupy_attention import _make_plan as make_decode_plan
 from ._device import num_sms
 from .layout import PageGeometry
 
@@ -102,8 +104,9 @@ class _VarlenPlan(NamedTuple):
     fn: Any
     grid: int
     smem: int
-    params: Any  # np.void of VARLEN_PARAMS_DTYPE
+    params: Any  # np.void of VARLEN_PARAMS_DTYPE (or AttnParams: a few-row launch)
     keep: tuple  # the workspace, what the params point to, and the PlanShape last
+    block: int = 32 * _abi.VARLEN_WARPS
 
 
 class _VarlenCall(NamedTuple):
@@ -180,15 +183,32 @@ def _make_plan(buffer, q, query_start_loc, block_tables, seq_lens, geom: PageGeo
                          f"than this device has ({smem_max + 4096} bytes)")
     args = (buffer, q, query_start_loc, block_tables, seq_lens, geom)
     small = _abi.MMA_ROWS
-    if rows <= small:  # decode / speculative verification: one launch of the 16-row kernel
-        return _VarlenCall((_make_launch(*args, 1, rows, 0, 0xFFFFFFFF, causal, k_s, v_s,
-                                         sm_scale, stats, workspace),))
-    # mixed: sequences of <= 16 rows split their keys in the 16-row kernel, the others
-    # take the smallest kernel that holds the longest
+    if rows <= small:  # decode / speculative verification: one launch of the few-row kernel
+        return _VarlenCall((_few_rows_launch(*args, 0, 0xFFFFFFFF, max_query_len, causal, k_s,
+                                             v_s, sm_scale, stats, workspace),))
+    # mixed: sequences of <= 16 rows in the few-row kernel, the others in the smallest
+    # varlen kernel that holds the longest
     return _VarlenCall((
-        _make_launch(*args, 1, small, 0, small, causal, k_s, v_s, sm_scale, stats, workspace),
+        _few_rows_launch(*args, 0, small, small // group, causal, k_s, v_s, sm_scale, stats,
+                         workspace),
         _make_launch(*args, big, rows, small, 0xFFFFFFFF, causal, k_s, v_s, sm_scale,
                      stats, workspace)))
+
+
+def _few_rows_launch(buffer, q, query_start_loc, block_tables, seq_lens, geom: PageGeometry,
+                     rows_lo: int, rows_hi: int, max_q: int, causal: bool, k_s, v_s,
+                     sm_scale, stats, workspace) -> _VarlenPlan:
+    """One launch of the decode-attention kernel (``kernels/decode_attention.cu``) for the
+    sequences of ``rows_lo < n_b * group <= rows_hi`` rows, at most ``max_q`` tokens each:
+    their rows packed next to the group's heads, each page byte decoded once per
+    (sequence, KV head)."""
+    rows = RowsSpec(int(query_start_loc.shape[0]) - 1, True,
+                    query_start_loc.dtype.itemsize == 8, bool(causal), rows_lo, rows_hi,
+                    max(1, int(max_q)))
+    plan = make_decode_plan(buffer, q, block_tables, seq_lens, geom, k_s, v_s, sm_scale, stats,
+                            workspace, rows=rows)
+    nsplit, H, B = plan.grid
+    return _VarlenPlan(plan.fn, nsplit * H * B, 0, plan.params, (plan,), plan.block[0])
 
 
 def _plan_key(buffer, q, query_start_loc, block_tables, seq_lens, geom, max_query_len, causal,
@@ -215,12 +235,14 @@ def attention_runner(buffer, q, query_start_loc, block_tables, seq_lens, *, max_
         plan = _make_plan(buffer, q, query_start_loc, block_tables, seq_lens, geom,
                           max_query_len, causal, k_s, v_s, sm_scale, stats, scratch.workspace)
         scratch.plans.put(key, plan)
-    block, zero = (32 * _abi.VARLEN_WARPS,), np.uint64(0)
-    launches = tuple((lp.fn, (lp.grid,), lp.smem, lp.params) for lp in plan.launches)
+    zero = np.uint64(0)
+    launches = tuple((lp.fn, (lp.grid,), (lp.block,), lp.smem, lp.params)
+                     for lp in plan.launches)
 
     def run(q, query_start_loc, block_tables, seq_lens, out, lse, _keep=plan):
+        # both kernels take (q, query_start_loc, block_tables, seq_lens, out, lse, params)
         args_tail = (out, zero if lse is None else lse)
-        for fn, grid, smem, params in launches:
+        for fn, grid, block, smem, params in launches:
             fn(grid, block, (q, query_start_loc, block_tables, seq_lens) + args_tail + (params,),
                shared_mem=smem)
 

@@ -212,3 +212,145 @@ FP4C_DEVICE void ldmatrix_x4_trans(u32 addr, u32 (&r)[4]) {
   asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];"
                : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(addr) : "memory");
 }
+
+// ---------------------------------------------------------------------------------------
+// Rows of a CTA: (query token, query head) pairs of one sequence and KV head
+// ---------------------------------------------------------------------------------------
+// Row r is query token t = r / group of the sequence (q / out row tok0 + t) and query head
+// head0 + r % group.  Decode has one token per sequence; attention for several tokens packs
+// n * group rows.  With `causal`, row r sees the keys below len - (n - 1 - t) (bottom-right
+// alignment), else all len.
+struct RowMap {
+  u32 tok0;    // q / out row of the sequence's first query token
+  u32 n;       // query tokens of the sequence (computed)
+  u32 rows;    // n * group
+  u32 group;   // query heads per KV head
+  u32 Hq;      // query heads
+  u32 head0;   // first query head of the KV head's group
+  u32 causal;  // bottom-right causal mask
+};
+// q / out row (token * Hq + head) of row r
+FP4C_DEVICE u64 row_of(const RowMap& R, u32 r) {
+  const u32 t = r / R.group;
+  return (u64)(R.tok0 + t) * R.Hq + R.head0 + (r - t * R.group);
+}
+// keys row r sees: [0, limit), limit in [0, len]; rows past R.rows see all (they are
+// padding, their results are never written)
+FP4C_DEVICE u32 row_limit(const RowMap& R, u32 r, u32 len) {
+  if (!R.causal || r >= R.rows) return len;
+  const u32 hide = R.n - 1u - r / R.group;  // the sequence's query tokens after row r's
+  return len > hide ? len - hide : 0u;
+}
+
+// ---------------------------------------------------------------------------------------
+// Split-KV partials and their merge (shared by the attention kernels)
+// ---------------------------------------------------------------------------------------
+// The partials of one (sequence, KV head) in the workspace: split s holds (m, l) of row r
+// at ml[(s * stride + r) * 2] (m in the log2 domain) and its unnormalized O at
+// o[(s * stride + r) * D + d]; one merge ticket (zero at rest).
+struct SplitSet {
+  float* o;
+  float* ml;
+  u32* ticket;
+  u32 nsplit;  // CTAs that take a ticket
+  u32 used;    // splits that hold keys (the first `used`)
+  u32 stride;  // rows per split in the workspace
+  u32 rows;    // rows to merge
+};
+
+// write: this CTA's split s (s_o, s_M, s_L of rows 0 .. W.rows - 1) into the workspace
+template <int D, int THREADS>
+FP4C_DEVICE void write_partial(const SplitSet& W, u32 s, const float (*s_o)[D + 1],
+                               const float* s_M, const float* s_L) {
+  float* wo = W.o + (u64)s * W.stride * D;
+  for (u32 k = threadIdx.x; k < W.rows * D; k += THREADS) wo[k] = s_o[k / D][k % D];
+  if (threadIdx.x < W.rows) {
+    float* wm = W.ml + ((u64)s * W.stride + threadIdx.x) * 2;
+    wm[0] = s_M[threadIdx.x];
+    wm[1] = s_L[threadIdx.x];
+  }
+}
+
+// merge: every CTA of the set takes a ticket; the last one (which resets the ticket, so
+// that CUDA-graph replays work) combines the partials into s_M, s_L (per row: M = the
+// splits' largest m, L = sum l_s 2^(m_s - M)) and s_o (sum O_s 2^(m_s - M)) and returns
+// true; the others return false.  Call after write_partial, from every thread.
+template <int D, int THREADS, int MAXS>
+FP4C_DEVICE bool merge_splits(const SplitSet& W, float (*s_o)[D + 1], float* s_M, float* s_L,
+                              float (*s_w)[MAXS], u32& s_flag) {
+  const u32 tid = threadIdx.x, lane = tid & 31u, warp = tid >> 5;
+  __threadfence();
+  __syncthreads();
+  if (tid == 0) {
+    const u32 prev = atomicAdd(W.ticket, 1u);
+    s_flag = prev == W.nsplit - 1u ? 1u : 0u;
+    if (s_flag) *W.ticket = 0u;  // every CTA of this set has taken its ticket
+  }
+  __syncthreads();
+  if (!s_flag) return false;
+  __threadfence();
+  for (u32 row = warp; row < W.rows; row += THREADS / 32) {
+    float M = FP4C_NEG_INF;
+    for (u32 s = lane; s < W.used; s += 32u)
+      M = f_max(M, ldcg_f32(W.ml + ((u64)s * W.stride + row) * 2));
+#pragma unroll
+    for (int k = 16; k >= 1; k >>= 1) M = f_max(M, __shfl_xor_sync(0xFFFFFFFFu, M, k));
+    float L = 0.0f;
+    for (u32 s = lane; s < W.used; s += 32u) {
+      const float* wm = W.ml + ((u64)s * W.stride + row) * 2;
+      const float ms = ldcg_f32(wm);
+      const float ws = is_neg_inf(ms) ? 0.0f : a_ex2(f_sub(ms, M));
+      s_w[row][s] = ws;
+      L = f_fma(ldcg_f32(wm + 1), ws, L);
+    }
+#pragma unroll
+    for (int k = 16; k >= 1; k >>= 1) L = f_add(L, __shfl_xor_sync(0xFFFFFFFFu, L, k));
+    if (lane == 0) {
+      s_M[row] = M;
+      s_L[row] = L;
+    }
+  }
+  __syncthreads();
+  // O = sum_s w_s O_s, four consecutive outputs per thread and step (16-byte loads, 16
+  // splits in flight: with many splits this loop is the kernel's tail)
+  for (u32 k = 4u * tid; k < W.rows * D; k += 4u * THREADS) {
+    const u32 row = k / D;
+    float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+    const float* src = W.o + k;
+#pragma unroll 16
+    for (u32 s = 0; s < W.used; ++s) {
+      const float w = s_w[row][s];
+      const U32x4 v = ldcg_u32x4(src + (u64)s * W.stride * D);
+      acc[0] = f_fma(__uint_as_float(v.x), w, acc[0]);
+      acc[1] = f_fma(__uint_as_float(v.y), w, acc[1]);
+      acc[2] = f_fma(__uint_as_float(v.z), w, acc[2]);
+      acc[3] = f_fma(__uint_as_float(v.w), w, acc[3]);
+    }
+#pragma unroll
+    for (int e = 0; e < 4; ++e) s_o[row][k % D + e] = acc[e];
+  }
+  __syncthreads();
+  return true;
+}
+
+// write out: out = O / L * out_scale (v_scale * 2^FP4C_PAIR_SCALE_SHIFT) and lse = (M +
+// log2 L) ln 2 for rows r0 .. r0 + rows - 1 of the map (s_o, s_M, s_L rows 0 .. rows - 1);
+// a row that saw no key (L = +0: bit compare, CuPy compiles with -ftz) gives 0 and -inf,
+// a NaN L (a bad page) NaN.
+template <typename T, int D, int THREADS>
+FP4C_DEVICE void write_rows(const RowMap& R, u32 r0, u32 rows, const float (*s_o)[D + 1],
+                            const float* s_M, const float* s_L, float out_scale,
+                            void* __restrict__ out, float* __restrict__ lse) {
+  for (u32 k = threadIdx.x; k < rows * D; k += THREADS) {
+    const u32 row = k / D, d = k - row * D;
+    const float L = s_L[row];
+    const float v = __float_as_uint(L) == 0u ? 0.0f : f_mul(f_div(s_o[row][d], L), out_scale);
+    store_one(T(), (char*)out + (row_of(R, r0 + row) * D + d) * T::kBytes, v);
+  }
+  if (lse != nullptr && threadIdx.x < rows) {
+    const float L = s_L[threadIdx.x];
+    lse[row_of(R, r0 + threadIdx.x)] =
+        __float_as_uint(L) == 0u ? FP4C_NEG_INF
+                                 : f_mul(f_add(s_M[threadIdx.x], a_lg2(L)), 0.69314718055994531f);
+  }
+}

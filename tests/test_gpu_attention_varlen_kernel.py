@@ -155,23 +155,30 @@ def test_block_sizes_and_page_edges(T, swizzle, layout):
 @pytest.mark.parametrize("n,group", [(1, 4), (2, 4), (4, 4), (8, 2), (2, 8), (1, 16),
                                      (8, 4), (5, 5), (3, 16)])
 def test_speculative_split_kv(n, group):
-    """n * group <= 16 rows: one launch of the 16-row kernel; <= 32 (<= 64): the 32-row
-    (64-row) kernel.  One query tile per (sequence, KV head), keys split over CTAs and
-    merged through the workspace (long sequences, different lengths)."""
+    """n * group <= 16 rows: one launch of the few-row (decode) kernel, its two-n8-tile
+    form above 8 rows; <= 32 (<= 64): the 32-row (64-row) varlen kernel.  One query tile
+    per (sequence, KV head), keys split over CTAs and merged through the workspace (long
+    sequences, different lengths)."""
     rng = np.random.default_rng(100 + n * group)
     lens = [9000, 4099, 300, n]
     _, out, lse, ro, rl, scratch = case(rng, ns=[n] * 4, lens=lens, H=2, T=16, D=128,
                                         group=group)
     check(out, lse, ro, rl, "bfloat16", f"spec n={n}")
     (call,) = scratch.plans.values()
-    ps = call.launches[-1].keep[-1]
-    assert len(call.launches) == (1 if n * group <= 16 else 2)
-    assert ps.row_warps == cv.row_warps_for(n * group) and ps.slots > 1
+    if n * group <= 16:
+        (lp,) = call.launches
+        (plan,) = lp.keep
+        assert plan.spec.name.endswith("_wide_paged16" if n * group > 8 else "d128_paged16")
+        assert plan.grid[0] > 1 and lp.grid == plan.grid[0] * 2 * 4  # splits x H x B
+    else:
+        assert len(call.launches) == 2
+        ps = call.launches[-1].keep[-1]
+        assert ps.row_warps == cv.row_warps_for(n * group) and ps.slots > 1
 
 
 def test_mixed_batch_one_launch():
     """Decode tokens, speculative tokens and a long chunk in one call: two launches (the
-    16-row kernel splits the keys of the sequences of <= 16 rows, the 64-row kernel takes
+    few-row kernel splits the keys of the sequences of <= 16 rows, the 64-row kernel takes
     the others; its 24-row sequence fits one tile and splits too)."""
     rng = np.random.default_rng(11)
     ns = [1, 4, 300, 1, 0, 2, 6]
@@ -179,13 +186,14 @@ def test_mixed_batch_one_launch():
     _, out, lse, ro, rl, scratch = case(rng, ns=ns, lens=lens, H=2, T=16, D=128, group=4)
     check(out, lse, ro, rl, "bfloat16", "mixed")
     (call,) = scratch.plans.values()
-    small, big = (lp.keep[-1] for lp in call.launches)
-    assert small.row_warps == 1 and small.max_splits > 1 and big.row_warps == 4
+    (small,), big = (lp.keep for lp in call.launches)
+    assert small.spec.name.endswith("_wide_paged16") and small.grid[0] > 1
+    assert big[-1].row_warps == 4
 
 
 def test_one_cta_takes_every_work_item(monkeypatch):
-    """A grid of one CTA per launch (GRID_WAVES = 0): it loops over every work item,
-    splits of one sequence included (their ticket merge never waits)."""
+    """A grid of one CTA for the varlen launch (GRID_WAVES = 0): it loops over every work
+    item, splits of one sequence included (their ticket merge never waits)."""
     monkeypatch.setattr(cv, "GRID_WAVES", 0)
     rng = np.random.default_rng(19)
     ns = [1, 4, 70, 0, 3]
@@ -193,7 +201,7 @@ def test_one_cta_takes_every_work_item(monkeypatch):
     _, out, lse, ro, rl, scratch = case(rng, ns=ns, lens=lens, H=2, T=16, D=64, group=4)
     check(out, lse, ro, rl, "bfloat16", "one CTA")
     (call,) = scratch.plans.values()
-    assert [lp.grid for lp in call.launches] == [1, 1]
+    assert call.launches[-1].grid == 1 and len(call.launches) == 2
 
 
 def test_rows_without_keys_and_empty_sequences():

@@ -150,8 +150,8 @@ def test_workspace_parts_of_one_launch():
     assert ca.workspace_parts(4, 8, 1, 4, 128) == ((), 0)  # one split: nothing
     parts, tickets = ca.workspace_parts(4, 8, 3, 4, 128)
     assert tickets == 32
-    assert parts == (((96, 512), np.float32), ((96, 16, 2), np.float32))
-    assert Workspace.layout(parts)[1] == 96 * 512 * 4 + 96 * 32 * 4
+    assert parts == (((96, 512), np.float32), ((96, 4, 2), np.float32))
+    assert Workspace.layout(parts)[1] == 96 * 512 * 4 + 96 * 8 * 4
 
 
 def test_max_splits_bounds_every_split_plan():
@@ -173,7 +173,7 @@ def test_workspace_bound_covers_every_call_within_the_hints():
     nbytes, tickets = ca.workspace_bound(geom, 64, 4096, 32)
     # 64 * 8 (sequence, KV head) pairs, 4096 tokens -> at most 16 splits, group 4
     rows = 64 * 8 * 16
-    assert (nbytes, tickets) == (rows * 4 * 128 * 4 + rows * 16 * 2 * 4, 512)
+    assert (nbytes, tickets) == (rows * 4 * 128 * 4 + rows * 4 * 2 * 4, 512)
     spec = K.decode_attention_spec("bf16", 128, False)
     rng = np.random.default_rng(0)
     for _ in range(300):
