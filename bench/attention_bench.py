@@ -7,7 +7,7 @@ Run on the GPU (from the repository root)::
 
 Uses timing.py's timing (spin kernel + batch between events, median of reps), copy
 ceiling and host-time helper.  Every configuration is checked in the same run against a float32
-reference (torch, exact softmax) over ``gather_dequant(..., dtype="float32")`` values.
+reference (CuPy, exact softmax) over ``gather_dequant(..., dtype="float32")`` values.
 Bytes counted for the fused kernel: the NVFP4 page bytes it reads, K and V of every used
 (token, KV head): ``sum(seq_lens) * 2 * H * (D/2 + D/16)``; the block tables and q are
 left out (< 0.1 %).  % copy is that over the device-to-device copy bandwidth measured in
@@ -41,13 +41,20 @@ def log(msg: str) -> None:
 
 
 class AttnBench:
-    def __init__(self, args):
-        import cupy as cp
-        import torch
+    """Caches, the float32 reference, the fused call, SDPA and the copy ceiling, on the GPU
+    (CuPy, torch) or, with ``gpu=False``, on the NumPy backend (torch optional: without
+    it there is no SDPA; ``sweep_bench.py --cpu`` tests its logic that way)."""
 
+    def __init__(self, args, gpu: bool = True):
+        try:
+            import torch
+        except ImportError:
+            if gpu:
+                raise
+            torch = None
         self.args = args
-        self.cp, self.torch = cp, torch
-        self.env = Env(gpu=True)
+        self.env = Env(gpu=gpu)
+        self.cp, self.xp, self.torch = self.env.cp, self.env.xp, torch
         self.rows: list[dict] = []
         self.copy_gbps = None
         self.reps = args.reps
@@ -56,61 +63,76 @@ class AttnBench:
     def time(self, calls, batch=None) -> float:
         return self.env.time_calls(calls, reps=self.reps, batch=batch)["median_s"]
 
-    def copy(self) -> None:
-        n = 2 << 30
+    def copy(self, n: int = 2 << 30) -> None:
         t = measure_copy(self.env, n, reps=self.reps)
         self.copy_gbps = 2 * n / t / 1e9
-        log(f"copy 2 GiB D2D: {t * 1e6:.1f} us, {self.copy_gbps:.0f} GB/s (read + write)")
+        where = "D2D" if self.env.gpu else "host"
+        log(f"copy {n / 2**30:g} GiB {where}: {t * 1e6:.1f} us, {self.copy_gbps:.0f} GB/s "
+            "(read + write)")
 
     def cache_for(self, B, lens, H, D, T, seed):
         """A cache holding random realistic K/V for B sequences of `lens` tokens in random
         pages, the block tables, and the decoded float32 values for the reference."""
         import fp4cache
 
-        cp = self.cp
+        xp = self.xp
         pages = [-(-int(L) // T) for L in lens]
         max_blocks = max(pages)
         nb = sum(pages)
         cache = fp4cache.PagedKVCache(nb, T, H, D, layout="HND", swizzle_v_scales=True,
                                       k_scale=4.0 / (6 * 448), v_scale=4.0 / (6 * 448),
-                                      device="cuda")
+                                      device=self.env.device)
         chunk = 1 << 16
         for i, a in enumerate(range(0, nb * T, chunk)):
             n = min(chunk, nb * T - a)
             k = self.env.randn_bf16((n, H, D), seed * 1000 + 2 * i)
             v = self.env.randn_bf16((n, H, D), seed * 1000 + 2 * i + 1)
-            cache.store(cp.arange(a, a + n, dtype=cp.int64), k, v)
+            cache.store(xp.arange(a, a + n, dtype=xp.int64), k, v)
         perm = np.random.default_rng(seed).permutation(nb).astype(np.int32)
         tab = np.full((B, max_blocks), -1, np.int32)
         pos = 0
         for b, p in enumerate(pages):
             tab[b, :p] = perm[pos:pos + p]
             pos += p
-        return cache, cp.asarray(tab), cp.asarray(np.asarray(lens, np.int32)), max_blocks
+        return (cache, self.env.asarray(tab), self.env.asarray(np.asarray(lens, np.int32)),
+                max_blocks)
 
-    def reference(self, cache, tab, lens, q, sm_scale, B, H, D, T):
-        """float32 torch attention over gather_dequant float32 values, one sequence and
-        KV head group at a time (exact softmax)."""
-        torch, cp = self.torch, self.cp
-        tabh = cp.asnumpy(tab)
-        lensh = cp.asnumpy(lens)
-        qt = torch.from_dlpack(q.view(cp.int16)).view(torch.bfloat16).float()
+    def reference(self, cache, tab, lens, q, sm_scale, B, H, D, T, seqs=None):
+        """float32 attention (exact softmax, CuPy or NumPy) over gather_dequant float32
+        values, one sequence at a time: rows ``seqs`` (default: all ``B``) of the result."""
+        xp, env = self.xp, self.env
+        tabh = env.asnumpy(tab)
+        lensh = env.asnumpy(lens)
+        qf = env.bf16_to_f32(q)
+        g = qf.shape[1] // H
         outs = []
-        for b in range(B):
+        for b in (range(B) if seqs is None else seqs):
             L = int(lensh[b])
-            ids = cp.asarray(tabh[b, :-(-L // T)])
+            ids = env.asarray(np.ascontiguousarray(tabh[b, :-(-L // T)]))
             kd, vd = cache.gather_dequant(ids, dtype="float32")
-            k = torch.from_dlpack(kd[:L]).permute(1, 0, 2)  # (H, L, D)
-            v = torch.from_dlpack(vd[:L]).permute(1, 0, 2)
-            g = qt.shape[1] // H
-            qb = qt[b].view(H, g, D)
-            s = torch.einsum("hgd,hld->hgl", qb, k) * sm_scale
-            p = torch.softmax(s, dim=-1)
-            outs.append(torch.einsum("hgl,hld->hgd", p, v).reshape(H * g, D))
-            del kd, vd
-        return torch.stack(outs)
+            k = kd[:L].transpose(1, 0, 2)  # (H, L, D)
+            v = vd[:L].transpose(1, 0, 2)
+            s = xp.matmul(qf[b].reshape(H, g, D), k.transpose(0, 2, 1)) * np.float32(sm_scale)
+            p = xp.exp(s - s.max(axis=-1, keepdims=True))
+            p /= p.sum(axis=-1, keepdims=True)
+            outs.append(xp.matmul(p, v).reshape(H * g, D))
+            del kd, vd, k, v, s, p
+        return xp.stack(outs)
+
+    def max_row_rel_err(self, out, ref, seqs=None) -> float:
+        """max over (sequence, query head) of ||out - ref|| / ||ref|| (rows ``seqs``)."""
+        xp = self.xp
+        got = self.env.bf16_to_f32(out)
+        if seqs is not None:
+            got = got[xp.asarray(np.asarray(list(seqs), np.int64))]
+        rel = xp.linalg.norm(got - ref, axis=-1) / xp.linalg.norm(ref, axis=-1)
+        return float(rel.max())
 
     def fused(self, cache, q, tab, lens, out, scratch, sm_scale):
+        if not self.env.gpu:  # the NumPy backend (scratch unused)
+            def host_call():
+                cache.decode_attention(q, tab, lens, sm_scale=sm_scale, out=out)
+            return host_call
         from fp4cache import _cupy_attention as ca
 
         def call():
@@ -119,21 +141,38 @@ class AttnBench:
                                 stats=cache._stats, scratch=scratch)
         return call
 
-    def sdpa_best(self, q4, k4, v4, sm_scale):
-        """(time, backend name) of the fastest SDPA backend over contiguous bf16 K/V."""
+    def sdpa_kv(self, cache, tab, B, L, H, D):
+        """Contiguous bf16 torch K and V, (B, H, L, D), decoded from the pages of the
+        B x (L / block_size) block table ``tab`` (every page full)."""
+        kd, vd = cache.gather_dequant(tab.reshape(-1))  # full pages, in sequence order
+        kt, vt = self.env.to_torch(kd), self.env.to_torch(vd)
+        k4 = kt.view(B, L, H, D).transpose(1, 2).contiguous()
+        v4 = vt.view(B, L, H, D).transpose(1, 2).contiguous()
+        del kd, vd, kt, vt
+        return k4, v4
+
+    def sdpa_best(self, q4, k4, v4, sm_scale, *, batch=10, backends=None):
+        """(time, backend) of the fastest SDPA backend over contiguous bf16 K/V; ``k4`` and
+        ``v4`` may be lists of input sets (then timed rotating through them, ``q4`` one
+        tensor or a list)."""
         torch = self.torch
         from torch.nn.attention import SDPBackend, sdpa_kernel
         F = torch.nn.functional
+        ks = k4 if isinstance(k4, list) else [k4]
+        vs = v4 if isinstance(v4, list) else [v4]
+        qs = q4 if isinstance(q4, list) else [q4] * len(ks)
         best = None
-        for be in (SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION,
-                   SDPBackend.EFFICIENT_ATTENTION):
-            def call(be=be):
+        for be in backends or (SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION,
+                               SDPBackend.EFFICIENT_ATTENTION):
+            def one(q, k, v, be=be):
                 with sdpa_kernel([be]):
-                    F.scaled_dot_product_attention(q4, k4, v4, scale=sm_scale, enable_gqa=True)
+                    F.scaled_dot_product_attention(q, k, v, scale=sm_scale, enable_gqa=True)
+            calls = [lambda q=q, k=k, v=v, one=one: one(q, k, v) for q, k, v in zip(qs, ks, vs)]
             try:
-                call()
-                torch.cuda.synchronize()
-                t = self.time([call], batch=10)
+                calls[0]()
+                if self.env.gpu:
+                    torch.cuda.synchronize()
+                t = self.time(calls, batch=max(batch, len(calls)))
             except Exception as e:  # backend refuses the shape
                 log(f"   sdpa {be.name}: unavailable ({type(e).__name__})")
                 continue
@@ -166,8 +205,8 @@ class AttnBench:
                    regs=int(plan.fn.num_regs))
         # correctness against the float32 reference
         ref = self.reference(cache, tab, lensd, q, sm_scale, B, H, D, T)
-        got = torch.from_dlpack(out.view(cp.int16)).view(torch.bfloat16).float()
-        rel = ((got - ref).norm(dim=-1) / ref.norm(dim=-1)).max().item()
+        rel = self.max_row_rel_err(out, ref)
+        del ref
         row["max_row_rel_err"] = rel
         row["check"] = "ok" if rel <= 1e-2 else "FAIL"
         log(f"   fused: {t * 1e6:.1f} us, {gbps:.0f} GB/s page bytes, "
@@ -176,12 +215,7 @@ class AttnBench:
         if sdpa and len(set(int(x) for x in lens)) == 1:
             L = int(lens[0])
             # contiguous bf16 K/V (B, H, L, D) from the same decoded values
-            kd, vd = cache.gather_dequant(tab.reshape(-1))  # full pages, in sequence order
-            kt = torch.from_dlpack(kd.view(cp.int16)).view(torch.bfloat16)
-            vt = torch.from_dlpack(vd.view(cp.int16)).view(torch.bfloat16)
-            k4 = kt.view(B, L, H, D).transpose(1, 2).contiguous()
-            v4 = vt.view(B, L, H, D).transpose(1, 2).contiguous()
-            del kd, vd, kt, vt
+            k4, v4 = self.sdpa_kv(cache, tab, B, L, H, D)
             q4 = torch.from_dlpack(q.view(cp.int16)).view(torch.bfloat16).view(B, Hq, 1, D)
             best = self.sdpa_best(q4, k4, v4, sm_scale)
             if best is not None:
@@ -237,8 +271,9 @@ class AttnBench:
         return row
 
     def release(self) -> None:
-        self.torch.cuda.empty_cache()
-        self.cp.get_default_memory_pool().free_all_blocks()
+        if self.env.gpu:
+            self.torch.cuda.empty_cache()
+        self.env.free()
 
     def run(self):
         self.copy()

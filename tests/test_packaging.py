@@ -227,7 +227,7 @@ def test_bench_scripts_run_on_the_cpu(tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     env["PYTHONPATH"] = str(REPO)
     for script in ("attention_bench.py", "attn_kernel.py", "seed_longlive.py", "bench.py",
-                   "pages_bench.py", "soak_bench.py"):
+                   "pages_bench.py", "soak_bench.py", "sweep_bench.py"):
         r = subprocess.run([sys.executable, f"bench/{script}", "--help"], cwd=REPO, env=env,
                            capture_output=True, text=True, timeout=60)
         assert r.returncode == 0 and r.stdout.startswith("usage: "), (script, r.stderr)
@@ -245,3 +245,71 @@ def test_bench_scripts_run_on_the_cpu(tmp_path):
     assert len(sanity) == 2 and all(c["page_bytes_identical"] == 1.0
                                     and c["gather_bits_identical"] == 1.0 for c in sanity)
     assert "| case | impl | time (us) |" in r.stdout  # the markdown table comes last
+
+
+def test_sweep_bench_runs_on_the_cpu(tmp_path):
+    """``bench/sweep_bench.py --cpu --quick`` (issue 25's attention sweep on the NumPy
+    backend at tiny shapes): every (B, L) cell is measured, checked against the float32
+    reference, and printed in the B x L markdown table; the JSON and the plot are written."""
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    env["PYTHONPATH"] = str(REPO)
+    out, png = tmp_path / "sweep.json", tmp_path / "sweep.png"
+    r = subprocess.run([sys.executable, "bench/sweep_bench.py", "--cpu", "--quick", "--out",
+                        str(out), "--plot", str(png)], cwd=REPO, env=env,
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    doc = json.loads(out.read_text())
+    Bs, Ls = doc["Bs"], doc["Ls"]
+    assert len(Bs) >= 2 and len(Ls) >= 2, (Bs, Ls)
+    assert doc["errors"] == [] and doc["skipped"] == [], (doc["errors"], doc["skipped"])
+    cells = {(row["B"], row["L"]): row for row in doc["rows"]}
+    assert sorted(cells) == sorted((B, L) for B in Bs for L in Ls), sorted(cells)
+    for (B, L), row in cells.items():
+        assert row["fused_us"] > 0 and row["gbps"] > 0 and row["frac_copy"] > 0, row
+        assert row["check"] == "ok" and row["max_row_rel_err"] <= 1e-2, row
+        assert row["page_bytes"] == B * L * 2 * 8 * (128 // 2 + 128 // 16), row
+        assert 1 <= row["checked_seqs"] <= B and row["sets"] >= 1, row
+        assert row["target"] == (1.5 if B * L >= 65536 else 1.0), row
+        if "ratio" in row:  # torch importable: SDPA (math backend on the CPU) beside it
+            assert row["met"] == (row["ratio"] >= row["target"]), row
+    # the first table: rows B, columns L, each cell "fused us / ratio met?"
+    lines = r.stdout.splitlines()
+    head = lines.index("| B \\ L | " + " | ".join(map(str, Ls)) + " |")
+    cell = re.compile(r"^\d+\.\d / (-|\d+\.\d\dx) (met|MISSED|\?)$")
+    for i, B in enumerate(Bs):
+        parts = [x.strip() for x in lines[head + 2 + i].strip("|").split("|")]
+        assert parts[0] == str(B) and len(parts) == 1 + len(Ls), parts
+        assert all(cell.match(x) for x in parts[1:]), parts
+        want = [f"{cells[(B, L)]['fused_us']:.1f} / " for L in Ls]
+        assert [x[:len(w)] for x, w in zip(parts[1:], want)] == want, (parts, want)
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        assert "matplotlib not importable" in r.stdout
+    else:
+        assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_sweep_bench_targets_and_tiles():
+    """issue 25's per-cell target (ratio >= 1.5 from B * L = 65536 tokens, >= 1.0 below)
+    and the disjoint tiles a cell rotates through."""
+    code = (
+        "import json, sys\n"
+        "sys.path.insert(0, 'bench')\n"
+        "import sweep_bench as s\n"
+        "print(json.dumps(dict(\n"
+        "    targets=[s.target_ratio(B, L) for B, L in [(1, 65536), (1, 16384), (4, 16384),\n"
+        "                                               (64, 512), (64, 1024), (2, 32752)]],\n"
+        "    tiles=[s.tiles(4, 8, 2, 2, w) for w in (100, 3, 0)],\n"
+        "    one=s.tiles(64, 4096, 64, 4096, 5))))\n")
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    env["PYTHONPATH"] = str(REPO)
+    r = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True,
+                       text=True, timeout=120)
+    assert r.returncode == 0, r.stderr[-3000:]
+    got = json.loads(r.stdout.splitlines()[-1])
+    assert got["targets"] == [1.5, 1.0, 1.5, 1.0, 1.5, 1.0]
+    full, three, none = got["tiles"]
+    assert len(full) == 8 and len(three) == 3 and len(none) == 1 and got["one"] == [[0, 0]]
+    cover = [(r0 + i, c0 + j) for r0, c0 in full for i in range(2) for j in range(2)]
+    assert sorted(cover) == [(i, j) for i in range(4) for j in range(8)]  # disjoint, in range
