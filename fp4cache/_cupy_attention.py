@@ -28,7 +28,7 @@ import numpy as np
 from . import _abi
 from . import _kernels as K
 from ._arrays import ceil_div
-from ._device import num_sms
+from ._device import resident_ctas
 from ._plans import PlanCache, Scratch, Workspace
 from .attention import MAX_GROUP
 from .layout import PageGeometry
@@ -152,17 +152,6 @@ def workspace_bound(geom: PageGeometry, max_batch_size: int, max_seq_len: int,
     return Workspace.layout(parts)[1], tickets
 
 
-def _resident_ctas(fn, spec: K.Spec) -> int:
-    """CTAs of ``fn`` that fit on the whole device at once (registers, shared memory)."""
-    sms = num_sms()
-    threads = 32 * _abi.ATTN_WARPS
-    regs = max(1, int(fn.num_regs))
-    by_regs = 65536 // (threads * (-(-regs // 8) * 8))
-    smem = int(fn.shared_size_bytes) + 1024
-    by_smem = (227 * 1024) // smem
-    return sms * max(1, min(by_regs, by_smem, 2048 // threads, 32))
-
-
 class _AttnPlan(NamedTuple):
     fn: Any
     grid: tuple[int, int, int]  # (nsplit, H, B); launched as one dimension, split fastest
@@ -241,7 +230,7 @@ def _make_plan(buffer, q, block_tables, seq_lens, geom: PageGeometry, k_s, v_s, 
     if kernel_file is not None:
         spec = dataclasses.replace(spec, file=kernel_file)
     fn = K.get_kernel(spec)
-    sp = split_plan(B, H, max_blocks * T, _resident_ctas(fn, spec), spec)
+    sp = split_plan(B, H, max_blocks * T, resident_ctas(fn, 32 * _abi.ATTN_WARPS), spec)
     nsplit, split_len = sp
     parts, tickets = workspace_parts(B, H, nsplit, rows_max, D)
     views = workspace.get(parts, tickets=tickets, hint=(

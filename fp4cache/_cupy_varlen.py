@@ -35,7 +35,7 @@ from . import _kernels as K
 from ._arrays import ceil_div
 from ._cupy_attention import RowsSpec, attention_scales, check_attention_args, split_plan
 from ._cupy_attention import _make_plan as make_decode_plan
-from ._device import num_sms
+from ._device import resident_ctas
 from .layout import PageGeometry
 
 __all__ = ["attention", "attention_runner", "plan_shape", "row_warps_for", "GRID_WAVES",
@@ -60,18 +60,6 @@ class PlanShape(NamedTuple):
     nsplit: int      # splits per query tile (1 unless every sequence fits one tile)
     slots: int       # CTAs per (sequence, KV head)
     max_splits: int  # splits per (sequence, KV head) the workspace holds
-
-
-def _resident_ctas(fn, smem: int) -> int:
-    """CTAs of ``fn`` (with ``smem`` dynamic shared-memory bytes) that fit on the device."""
-    dev = cupy.cuda.Device()
-    threads = 32 * _abi.VARLEN_WARPS
-    regs = max(1, int(fn.num_regs))
-    by_regs = int(dev.attributes["MaxRegistersPerMultiprocessor"]) // (
-        threads * (-(-regs // 8) * 8))
-    per_cta = smem + int(fn.shared_size_bytes) + 1024
-    by_smem = int(dev.attributes["MaxSharedMemoryPerMultiprocessor"]) // per_cta
-    return num_sms() * max(1, min(by_regs, by_smem, 2048 // threads, 32))
 
 
 def row_warps_for(rows: int) -> int:
@@ -128,7 +116,8 @@ def _make_launch(buffer, q, query_start_loc, block_tables, seq_lens, geom: PageG
     smem = _abi.varlen_smem_bytes(D, row_warps, np.dtype(q.dtype).itemsize == 4)
     if smem > _STATIC_SMEM_MAX:
         fn.max_dynamic_shared_size_bytes = smem
-    ps = plan_shape(B, H, row_warps, rows, max_blocks * T, _resident_ctas(fn, smem))
+    resident = resident_ctas(fn, 32 * _abi.VARLEN_WARPS, smem)
+    ps = plan_shape(B, H, row_warps, rows, max_blocks * T, resident)
     # (the plan depends on shapes only; items past a sequence's work are skipped on the
     # device)
     items = B * H * ps.slots
@@ -137,7 +126,6 @@ def _make_launch(buffer, q, query_start_loc, block_tables, seq_lens, geom: PageG
     if items >= 2**32:
         raise ValueError(f"the launch has {items} work items (batch x num_heads x query "
                          "tiles): more than 2**32 - 1")
-    resident = _resident_ctas(fn, smem)
     grid = max(1, min(items, GRID_WAVES * resident))
     # workspace: (m, l) and O partials of the splits, B*H merge tickets (zero at rest)
     bh = max(1, B * H)

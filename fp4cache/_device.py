@@ -12,7 +12,7 @@ import re
 from typing import Any
 
 __all__ = ["parse_device", "device_name", "array_device", "DeviceGuard", "on_input_device",
-           "num_sms"]
+           "num_sms", "resident_ctas"]
 
 _CUDA = re.compile(r"^cuda(?::(\d+))?$")
 
@@ -82,6 +82,19 @@ def num_sms() -> int:
     import cupy
 
     return _sm_count(cupy.cuda.runtime.getDevice())
+
+
+def resident_ctas(fn: Any, threads: int, dynamic_smem: int = 0) -> int:
+    """CTAs of the kernel ``fn`` (a ``cupy.RawKernel`` of the current device) with
+    ``threads`` threads and ``dynamic_smem`` dynamic shared-memory bytes that fit on the
+    whole GPU at once: CUDA's occupancy calculator (the kernel's registers and shared
+    memory against this device's limits, which differ between sm_80 and sm_90)."""
+    from cupy_backends.cuda.api import driver
+
+    kernel = getattr(fn, "kernel", fn)  # RawKernel -> its cupy.cuda.Function
+    per_sm = driver.occupancyMaxActiveBlocksPerMultiprocessor(kernel.ptr, threads,
+                                                              dynamic_smem)
+    return num_sms() * max(1, int(per_sm))
 
 
 class DeviceGuard:

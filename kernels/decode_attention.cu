@@ -913,8 +913,8 @@ FP4C_DEVICE void walk_tiles(const SeqCtx& S, u32 s0, u32 s1, const QFrag<D, NC, 
 // ---------------------------------------------------------------------------------------
 template <int D, int NC>
 FP4C_DEVICE void merge_warps(RowState<D, NC>& St, u32 rows, float (*s_o)[D + 1],
-                             float (*s_m)[16], float (*s_l)[16], float* s_M, float* s_L,
-                             u32& s_flag) {
+                             float (*s_m)[FP4C_MMA_ROWS], float (*s_l)[FP4C_MMA_ROWS],
+                             float* s_M, float* s_L, u32& s_flag) {
   const u32 lane = threadIdx.x & 31u, warp = threadIdx.x >> 5, g = lane >> 2, c = lane & 3u;
 #pragma unroll
   for (int k = 0; k < 2 * NC; ++k) {
@@ -1040,14 +1040,15 @@ FP4C_DEVICE void decode_attn_impl(const void* __restrict__ q, const void* __rest
   constexpr bool SPLIT = T::kBytes == 4;
   constexpr int kRing = PAGED16 ? FP4C_ATTN_WARPS * FP4C_ATTN_CHUNK_STAGES * ChunkDims<D>::kBytes
                                 : 0;
-  constexpr int kEpi = 16 * (D + 1) * 4 + 16 * FP4C_ATTN_MAX_SPLITS * 4;
+  constexpr int kEpi = FP4C_MMA_ROWS * (D + 1) * 4 + FP4C_MMA_ROWS * FP4C_ATTN_MAX_SPLITS * 4;
   // the chunk ring (during the key loop) and, after it, s_o and s_w share one buffer
   __shared__ __align__(16) u8 s_raw[kRing > kEpi ? kRing : kEpi];
+  static_assert(FP4C_MMA_ROWS == 16, "rows: two n8 tiles");
   float(*s_o)[D + 1] = reinterpret_cast<float(*)[D + 1]>(s_raw);  // rows padded by one
   float(*s_w)[FP4C_ATTN_MAX_SPLITS] =
-      reinterpret_cast<float(*)[FP4C_ATTN_MAX_SPLITS]>(s_raw + 16 * (D + 1) * 4);
-  __shared__ float s_m[FP4C_ATTN_WARPS][16], s_l[FP4C_ATTN_WARPS][16];
-  __shared__ float s_M[16], s_L[16];
+      reinterpret_cast<float(*)[FP4C_ATTN_MAX_SPLITS]>(s_raw + FP4C_MMA_ROWS * (D + 1) * 4);
+  __shared__ float s_m[FP4C_ATTN_WARPS][FP4C_MMA_ROWS], s_l[FP4C_ATTN_WARPS][FP4C_MMA_ROWS];
+  __shared__ float s_M[FP4C_MMA_ROWS], s_L[FP4C_MMA_ROWS];
   __shared__ u32 s_flag;
 
   // one-dimensional grid of nsplit * H * B CTAs, split fastest
@@ -1108,7 +1109,7 @@ FP4C_DEVICE void decode_attn_impl(const void* __restrict__ q, const void* __rest
       return;
   } else if (s0 >= len) {
     // len == 0 with one split: nothing was computed
-    if (threadIdx.x < 16) {
+    if (threadIdx.x < FP4C_MMA_ROWS) {
       s_M[threadIdx.x] = FP4C_NEG_INF;
       s_L[threadIdx.x] = 0.0f;
     }

@@ -545,89 +545,19 @@ FP4C_DEVICE void vl_finish(const VlWork& W, const VarlenParams& P, float (*s_o)[
                            float (*s_w)[FP4C_VARLEN_MAX_SPLITS],  // split weights per row
                            u32& s_flag,
                            void* __restrict__ out, float* __restrict__ lse) {
-  const u32 tid = threadIdx.x, lane = tid & 31u, warp = tid >> 5;
   if (W.nsplit > 1u) {  // one query tile
     const u32 base = (W.b * P.H + W.h) * P.max_splits;
-    if (W.s0 < W.s1) {
-      float* wo = (float*)P.ws_o + (u64)(base + W.split) * ROWS * D;
-      for (u32 k = tid; k < W.rows_here * D; k += FP4C_VL_THREADS) wo[k] = s_o[k / D][k % D];
-      if (tid < W.rows_here) {
-        float* wm = (float*)P.ws_ml + ((u64)(base + W.split) * ROWS + tid) * 2;
-        wm[0] = s_M[tid];
-        wm[1] = s_L[tid];
-      }
-    }
-    __threadfence();
-    __syncthreads();
-    if (tid == 0) {
-      u32* cnt = (u32*)P.counters + (W.b * P.H + W.h);
-      const u32 prev = atomicAdd(cnt, 1u);
-      s_flag = prev == W.nsplit - 1u ? 1u : 0u;
-      if (s_flag) *cnt = 0u;  // every CTA of this (sequence, KV head) has taken its ticket
-    }
-    __syncthreads();
-    if (!s_flag) return;
-    __threadfence();
-    const u32 used = W.kv_end == 0u ? 0u : (W.kv_end + W.split_len - 1u) / W.split_len;
-    for (u32 row = warp; row < W.rows_here; row += FP4C_VARLEN_WARPS) {
-      float M = FP4C_NEG_INF;
-      for (u32 s = lane; s < used; s += 32u)
-        M = f_max(M, ldcg_f32((const float*)P.ws_ml +
-                              ((u64)(base + s) * ROWS + row) * 2));
-#pragma unroll
-      for (int k = 16; k >= 1; k >>= 1) M = f_max(M, __shfl_xor_sync(0xFFFFFFFFu, M, k));
-      float L = 0.0f;
-      for (u32 s = lane; s < used; s += 32u) {
-        const float* wm =
-            (const float*)P.ws_ml + ((u64)(base + s) * ROWS + row) * 2;
-        const float ms = ldcg_f32(wm);
-        const float ws = is_neg_inf(ms) ? 0.0f : a_ex2(f_sub(ms, M));
-        s_w[row][s] = ws;
-        L = f_fma(ldcg_f32(wm + 1), ws, L);
-      }
-#pragma unroll
-      for (int k = 16; k >= 1; k >>= 1) L = f_add(L, __shfl_xor_sync(0xFFFFFFFFu, L, k));
-      if (lane == 0) {
-        s_M[row] = M;
-        s_L[row] = L;
-      }
-    }
-    __syncthreads();
-    for (u32 k = 4u * tid; k < W.rows_here * D; k += 4u * FP4C_VL_THREADS) {
-      const u32 row = k / D;
-      float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-      const float* src = (const float*)P.ws_o + (u64)base * ROWS * D + k;
-      for (u32 s = 0; s < used; ++s) {
-        const float w = s_w[row][s];
-        const U32x4 v = ldcg_u32x4(src + (u64)s * ROWS * D);
-        acc[0] = f_fma(__uint_as_float(v.x), w, acc[0]);
-        acc[1] = f_fma(__uint_as_float(v.y), w, acc[1]);
-        acc[2] = f_fma(__uint_as_float(v.z), w, acc[2]);
-        acc[3] = f_fma(__uint_as_float(v.w), w, acc[3]);
-      }
-#pragma unroll
-      for (int e = 0; e < 4; ++e) s_o[row][k % D + e] = acc[e];
-    }
-    __syncthreads();
+    const SplitSet S{(float*)P.ws_o + (u64)base * ROWS * D,
+                     (float*)P.ws_ml + (u64)base * ROWS * 2,
+                     (u32*)P.counters + (W.b * P.H + W.h), W.nsplit,
+                     W.kv_end == 0u ? 0u : (W.kv_end + W.split_len - 1u) / W.split_len, ROWS,
+                     W.rows_here};
+    if (W.s0 < W.s1) write_partial<D, FP4C_VL_THREADS>(S, W.split, s_o, s_M, s_L);
+    if (!merge_splits<D, FP4C_VL_THREADS, FP4C_VARLEN_MAX_SPLITS>(S, s_o, s_M, s_L, s_w, s_flag))
+      return;
   }
-  // write: out = O / L * v_scale * 2^FP4C_PAIR_SCALE_SHIFT (P.out_scale); a row that saw no
-  // key (L = +0: bit compare, CuPy compiles with -ftz) gives 0 and -inf
-  const u32 Hq = P.H * P.group;
-  for (u32 k = tid; k < W.rows_here * D; k += FP4C_VL_THREADS) {
-    const u32 row = k / D, d = k - row * D;
-    const u32 jj = W.r0 + row, tok = jj / P.group;
-    const u64 qrow = (u64)(W.qs0 + tok) * Hq + W.h * P.group + (jj - tok * P.group);
-    const float L = s_L[row];
-    const float v = __float_as_uint(L) == 0u ? 0.0f : f_mul(f_div(s_o[row][d], L), P.out_scale);
-    store_one(T(), (char*)out + (qrow * D + d) * T::kBytes, v);
-  }
-  if (lse != nullptr && tid < W.rows_here) {
-    const u32 jj = W.r0 + tid, tok = jj / P.group;
-    const u64 qrow = (u64)(W.qs0 + tok) * Hq + W.h * P.group + (jj - tok * P.group);
-    const float L = s_L[tid];
-    // natural log of the denominator: (M + log2 L) * ln 2 (M is in the log2 domain)
-    lse[qrow] = __float_as_uint(L) == 0u ? FP4C_NEG_INF : f_mul(f_add(s_M[tid], a_lg2(L)), 0.69314718055994531f);
-  }
+  const RowMap R{W.qs0, 0u, 0u, P.group, P.H * P.group, W.h * P.group, P.causal};
+  write_rows<T, D, FP4C_VL_THREADS>(R, W.r0, W.rows_here, s_o, s_M, s_L, P.out_scale, out, lse);
 }
 
 // ---------------------------------------------------------------------------------------
