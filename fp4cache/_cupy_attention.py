@@ -36,7 +36,7 @@ from .layout import PageGeometry
 __all__ = ["decode_attention", "attention_runner", "attention_plans", "new_scratch",
            "split_plan", "max_splits", "workspace_parts", "workspace_bound",
            "dequant_table", "bytes_read", "attention_scales", "ATTN_PARAMS_DTYPE", "SPLIT_TOKENS",
-           "MIN_SPLIT_TOKENS", "CTA_TOKENS", "MERGE_TOKENS", "splits_of"]
+           "MIN_SPLIT_TOKENS", "CTA_TOKENS", "MERGE_TOKENS", "SPLIT_FIXED_TOKENS", "splits_of"]
 
 _U32, _I64, _F32 = np.uint32, np.int64, np.float32
 _LOG2E = 1.4426950408889634
@@ -45,12 +45,15 @@ _LOG2E = 1.4426950408889634
 ATTN_PARAMS_DTYPE = _abi.struct_dtype("AttnParams")
 
 #: Longest and shortest split (tokens of one sequence and KV head per CTA), and the split
-#: plan's cost of one CTA beyond its tokens (q fragments, warp merge, partial write) and of
-#: one more split in the merge, in tokens (:func:`split_plan`; measured on the H200).
+#: plan's cost of one CTA beyond its tokens (q fragments, warp merge, partial write), of
+#: one more split in the merge, and of merging at all (partial write, ticket, the merge
+#: pass: 2.4-3 us on the H200 against about 1 us per 100 tokens of one CTA, at B = 1 and 16
+#: x 512 / 1024 tokens), in tokens (:func:`split_plan`; measured on the H200).
 SPLIT_TOKENS = 4096
 MIN_SPLIT_TOKENS = 256
 CTA_TOKENS = 128
 MERGE_TOKENS = 16
+SPLIT_FIXED_TOKENS = 256
 
 def attention_scales(sm_scale, k_s, v_s) -> tuple[np.float32, np.float32]:
     """``(qk_scale, out_scale)`` of the attention kernels' params: the kernels' decoded
@@ -90,7 +93,8 @@ def split_plan(batch: int, kv_heads: int, capacity: int, resident_ctas: int,
 
     The kernel's time is about (waves of CTAs) x (tokens per CTA): the plan takes the
     number of splits ``n`` that minimizes ``ceil(B*H*n / resident_ctas) * (split_len +
-    CTA_TOKENS) + n * MERGE_TOKENS`` (ties to fewer splits), with ``split_len`` =
+    CTA_TOKENS) + n * MERGE_TOKENS`` (plus :data:`SPLIT_FIXED_TOKENS` when ``n > 1``; ties
+    to fewer splits), with ``split_len`` =
     :func:`splits_of` ``n``, between
     :data:`MIN_SPLIT_TOKENS` (unless one split) and :data:`SPLIT_TOKENS` (so that unequal
     sequence lengths still spread over the GPU), and at most ``_abi.ATTN_MAX_SPLITS``
@@ -108,7 +112,8 @@ def split_plan(batch: int, kv_heads: int, capacity: int, resident_ctas: int,
         if plan.split_len > SPLIT_TOKENS:
             continue
         waves = ceil_div(bh * n, max(1, resident_ctas))
-        cost = waves * (plan.split_len + CTA_TOKENS) + n * MERGE_TOKENS
+        cost = waves * (plan.split_len + CTA_TOKENS) + n * MERGE_TOKENS + \
+            (SPLIT_FIXED_TOKENS if n > 1 else 0)
         if best is None or cost < best[0]:
             best = (cost, plan)
     if best is None:  # only with MIN_SPLIT_TOKENS > SPLIT_TOKENS or huge capacities
