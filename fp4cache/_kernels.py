@@ -248,8 +248,10 @@ def decode_attention_spec(dtype: str, head_dim: int, wide: bool, paged16: bool =
                           decode_route: str = "auto") -> Spec:
     """Fused paged decode attention over NVFP4 pages, ``dtype`` q/out (bf16/f16/f32).
 
-    ``wide``: query groups of 9..16 heads per KV head (else 1..8; ``_wide`` in the kernel
-    name, ``WIDE`` in the kernel's code); ``paged16``: the block size is a multiple of 16,
+    ``wide``: 9..16 query rows per (sequence, KV head), two n8 MMA tiles (else 1..8 rows;
+    ``_wide`` in the kernel name, ``WIDE`` in the kernel's code); rows are query heads of
+    the group for decode and (query token, head) pairs for ``PagedKVCache.attention`` with
+    few tokens per sequence; ``paged16``: the block size is a multiple of 16,
     so every 16-token tile lies in one page (``_paged16``, ``PAGED16``; else the kernel
     finds each token's page);
     ``decode_route``: one of :data:`DECODE_ROUTES` (``_bitmove`` in the kernel name)."""
