@@ -28,7 +28,7 @@ import numpy as np
 from . import _abi
 from . import _kernels as K
 from ._arrays import ceil_div
-from ._device import resident_ctas
+from ._device import num_sms, resident_ctas
 from ._plans import PlanCache, Scratch, Workspace
 from .attention import MAX_GROUP
 from .layout import PageGeometry
@@ -88,7 +88,7 @@ def splits_of(n: int, capacity: int, spec: K.Spec | None = None) -> SplitPlan:
 
 
 def split_plan(batch: int, kv_heads: int, capacity: int, resident_ctas: int,
-               spec: K.Spec | None = None) -> SplitPlan:
+               spec: K.Spec | None = None, per_sm: int = 4) -> SplitPlan:
     """Splits per (sequence, KV head) for ``capacity = max_blocks * block_size`` tokens.
 
     The kernel's time is about (waves of CTAs) x (tokens per CTA): the plan takes the
@@ -96,11 +96,13 @@ def split_plan(batch: int, kv_heads: int, capacity: int, resident_ctas: int,
     CTA_TOKENS) + n * MERGE_TOKENS`` (plus :data:`SPLIT_FIXED_TOKENS` when ``n > 1``; ties
     to fewer splits), with ``split_len`` =
     :func:`splits_of` ``n``, between
-    :data:`MIN_SPLIT_TOKENS` (unless one split) and :data:`SPLIT_TOKENS` (so that unequal
-    sequence lengths still spread over the GPU), and at most ``_abi.ATTN_MAX_SPLITS``
-    splits.  A grid just over one wave (the second wave nearly empty) costs twice its
-    work, so this never picks one.
+    :data:`MIN_SPLIT_TOKENS` (unless one split) and :data:`SPLIT_TOKENS` times ``max(1, 4
+    // per_sm)`` (so that unequal sequence lengths still spread over the GPU: about 16K
+    tokens per SM and wave, whether 4 CTAs share an SM or, for a kernel of more registers,
+    ``per_sm`` = 2), and at most ``_abi.ATTN_MAX_SPLITS`` splits.  A grid just over one
+    wave (the second wave nearly empty) costs twice its work, so this never picks one.
     """
+    longest = SPLIT_TOKENS * max(1, 4 // max(1, int(per_sm)))
     bh = max(1, batch * kv_heads)
     best: tuple[float, SplitPlan] | None = None
     for n in range(1, _abi.ATTN_MAX_SPLITS + 1):
@@ -109,7 +111,7 @@ def split_plan(batch: int, kv_heads: int, capacity: int, resident_ctas: int,
             continue
         if n > 1 and plan.split_len < MIN_SPLIT_TOKENS:
             break
-        if plan.split_len > SPLIT_TOKENS:
+        if plan.split_len > longest:
             continue
         waves = ceil_div(bh * n, max(1, resident_ctas))
         cost = waves * (plan.split_len + CTA_TOKENS) + n * MERGE_TOKENS + \
@@ -118,7 +120,7 @@ def split_plan(batch: int, kv_heads: int, capacity: int, resident_ctas: int,
             best = (cost, plan)
     if best is None:  # only with MIN_SPLIT_TOKENS > SPLIT_TOKENS or huge capacities
         cap = max(int(capacity), 1)
-        return splits_of(min(ceil_div(cap, SPLIT_TOKENS), _abi.ATTN_MAX_SPLITS),
+        return splits_of(min(ceil_div(cap, longest), _abi.ATTN_MAX_SPLITS),
                          capacity, spec)
     return best[1]
 
@@ -235,7 +237,8 @@ def _make_plan(buffer, q, block_tables, seq_lens, geom: PageGeometry, k_s, v_s, 
     if kernel_file is not None:
         spec = dataclasses.replace(spec, file=kernel_file)
     fn = K.get_kernel(spec)
-    sp = split_plan(B, H, max_blocks * T, resident_ctas(fn, 32 * _abi.ATTN_WARPS), spec)
+    resident = resident_ctas(fn, 32 * _abi.ATTN_WARPS)
+    sp = split_plan(B, H, max_blocks * T, resident, spec, per_sm=resident // num_sms())
     nsplit, split_len = sp
     parts, tickets = workspace_parts(B, H, nsplit, rows_max, D)
     views = workspace.get(parts, tickets=tickets, hint=(
