@@ -154,6 +154,21 @@ def test_workspace_parts_of_one_launch():
     assert Workspace.layout(parts)[1] == 96 * 512 * 4 + 96 * 8 * 4
 
 
+def test_split_plan_prefers_one_split_for_short_decodes_and_longer_splits_at_2_ctas():
+    """Merging at all costs SPLIT_FIXED_TOKENS: B=1 and 16 x 512 take one split (measured
+    faster on the H200); a kernel of 2 CTAs per SM may take splits twice as long (one wave
+    of 4 splits of 8192 at B=8 x 32768); the 4-CTA plans keep SPLIT_TOKENS."""
+    assert ca.split_plan(1, 8, 512, 528) == (1, 512)
+    assert ca.split_plan(16, 8, 512, 528) == (1, 512)
+    assert ca.split_plan(1, 8, 1024, 528).nsplit > 1  # 1,024 tokens alone: still split
+    assert ca.split_plan(8, 8, 32768, 528) == (8, 4096)
+    assert ca.split_plan(8, 8, 32768, 264, per_sm=2) == (4, 8192)
+    for per_sm in (3, 4, 5, 8):
+        plan = ca.split_plan(8, 8, 32768, 132 * per_sm, per_sm=per_sm)
+        assert plan.split_len <= ca.SPLIT_TOKENS
+    assert ca.split_plan(1, 8, 1 << 20, 132, per_sm=1).split_len <= 4 * ca.SPLIT_TOKENS
+
+
 def test_max_splits_bounds_every_split_plan():
     spec = K.decode_attention_spec("bf16", 128, False)
     for cap in (1, 16, 255, 256, 257, 1000, 4096, 20000, 131072, 10**6):
