@@ -218,8 +218,6 @@ def _make_plan(buffer, q, block_tables, seq_lens, geom: PageGeometry, k_s, v_s, 
     what = "attention" if rows.qsl else "decode_attention"
     group = check_attention_args(what, buffer, q, geom, block_tables=block_tables,
                                  seq_lens=seq_lens)
-    if B > 65535 or H > 65535:
-        raise ValueError(f"batch and num_heads must be <= 65535, got {B} and {H}")
     if num_tokens >= 2**32:
         raise ValueError(f"q must have fewer than 2**32 tokens, got {num_tokens}")
     rows_max = rows.max_q * group
@@ -240,6 +238,9 @@ def _make_plan(buffer, q, block_tables, seq_lens, geom: PageGeometry, k_s, v_s, 
     resident = resident_ctas(fn, 32 * _abi.ATTN_WARPS)
     sp = split_plan(B, H, max_blocks * T, resident, spec, per_sm=resident // num_sms())
     nsplit, split_len = sp
+    if nsplit * H * B >= 2**31:  # one-dimensional grid
+        raise ValueError(f"{B} sequences x {H} KV heads x {nsplit} splits exceed the 2**31 - 1 "
+                         "CTAs of a launch")
     parts, tickets = workspace_parts(B, H, nsplit, rows_max, D)
     views = workspace.get(parts, tickets=tickets, hint=(
         f"max_batch_size >= {B}, max_seq_len >= {max_blocks * T}, num_query_heads >= {Hq}"))

@@ -176,6 +176,21 @@ def test_speculative_split_kv(n, group):
         assert ps.row_warps == cv.row_warps_for(n * group) and ps.slots > 1
 
 
+def test_more_sequences_than_a_grid_dimension():
+    """65,540 sequences of 0-2 query tokens: more than a CUDA grid's y / z limit (65,535);
+    the few-row kernel's grid is one-dimensional (splits x KV heads x sequences)."""
+    rng = np.random.default_rng(23)
+    B = 65540
+    ns = rng.integers(0, 3, B)
+    lens = (ns + rng.integers(0, 20, B)).tolist()
+    _, out, lse, ro, rl, scratch = case(rng, ns=ns.tolist(), lens=lens, H=1, T=16, D=64,
+                                        group=4)
+    check(out, lse, ro, rl, "bfloat16", "65540 sequences")
+    (call,) = scratch.plans.values()
+    (lp,) = call.launches
+    assert lp.grid >= B
+
+
 def test_mixed_batch_one_launch():
     """Decode tokens, speculative tokens and a long chunk in one call: two launches (the
     few-row kernel splits the keys of the sequences of <= 16 rows, the 64-row kernel takes
