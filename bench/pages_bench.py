@@ -62,6 +62,18 @@ from timing import Env  # noqa: E402
 import fp4cache  # noqa: E402
 from fp4cache import pages  # noqa: E402
 
+
+def wall_median_s(fn, n: int = 3) -> float:
+    """Median host wall time of ``n`` calls of ``fn`` (file I/O and host work: nothing to
+    synchronize)."""
+    ts = []
+    for _ in range(n):
+        t0 = time.perf_counter()
+        fn()
+        ts.append(time.perf_counter() - t0)
+    return float(np.median(ts))
+
+
 TARGETS = {"copy_blocks": 0.85, "read_blocks": 0.80, "write_blocks": 0.80}
 SIZES = {
     "gpu": dict(pool=32768, n=4096, rot=3, io_bytes=1 << 30, copy_bytes=2 << 30, reps=15,
@@ -266,36 +278,18 @@ class PagesBench:
         with tempfile.TemporaryDirectory(dir=self.args.tmp) as tmp:
             path = os.path.join(tmp, "pages.safetensors")
             raw = os.path.join(tmp, "pages.bin")
-            ts = []
-            for _ in range(3):
-                t0 = time.perf_counter()
-                host.tofile(raw)
-                ts.append(time.perf_counter() - t0)
-            t_np = float(np.median(ts))
+            t_np = wall_median_s(lambda: host.tofile(raw))
             self.ceil["numpy write"] = nbytes / t_np / 1e9
             self.row(f"write {nbytes >> 20} MiB to a file", "ndarray.tofile", t_np, nbytes)
-            ts = []
-            for _ in range(3):
-                t0 = time.perf_counter()
-                cache.save(path, blocks=run)
-                ts.append(time.perf_counter() - t0)
-            self.row(f"save {len(run)} pages", "fp4cache (safetensors)", float(np.median(ts)),
-                     nbytes, "numpy write", None, "includes the D2H")
-            ts = []
-            for _ in range(3):
-                t0 = time.perf_counter()
-                np.fromfile(raw, dtype=np.uint8)
-                ts.append(time.perf_counter() - t0)
-            t_np = float(np.median(ts))
+            self.row(f"save {len(run)} pages", "fp4cache (safetensors)",
+                     wall_median_s(lambda: cache.save(path, blocks=run)), nbytes,
+                     "numpy write", None, "includes the D2H")
+            t_np = wall_median_s(lambda: np.fromfile(raw, dtype=np.uint8))
             self.ceil["numpy read"] = nbytes / t_np / 1e9
             self.row(f"read {nbytes >> 20} MiB from a file", "numpy.fromfile", t_np, nbytes)
-            ts = []
-            for _ in range(3):
-                t0 = time.perf_counter()
-                cache.load_pages(path)
-                ts.append(time.perf_counter() - t0)
             self.row(f"load_pages {len(run)} pages", "fp4cache (safetensors)",
-                     float(np.median(ts)), nbytes, "numpy read", None, "includes the H2D")
+                     wall_median_s(lambda: cache.load_pages(path)), nbytes, "numpy read", None,
+                     "includes the H2D")
             t0 = time.perf_counter()
             back = fp4cache.PagedKVCache.load(path, device=self.env.device)
             t = time.perf_counter() - t0
@@ -321,12 +315,8 @@ class PagesBench:
             tb, ps = xp.asarray(tables), xp.asarray(pos)
             for validate in (True, False):
                 if name == "numpy":
-                    ts = []
-                    for _ in range(self.sz["reps"]):
-                        t0 = time.perf_counter()
-                        fp4cache.slot_mapping(tb, ps, block_size=T, validate=validate)
-                        ts.append(time.perf_counter() - t0)
-                    t = float(np.median(ts))
+                    t = wall_median_s(lambda v=validate, tb=tb, ps=ps: fp4cache.slot_mapping(
+                        tb, ps, block_size=T, validate=v), self.sz["reps"])
                 else:
                     t = self.time([lambda v=validate, tb=tb, ps=ps: fp4cache.slot_mapping(
                         tb, ps, block_size=T, validate=v)], batch=5)
