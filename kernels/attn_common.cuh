@@ -34,6 +34,18 @@ FP4C_DEVICE float ldcg_f32(const float* p) {  // L2 only: data other CTAs of thi
   asm volatile("ld.global.cg.f32 %0, [%1];" : "=f"(r) : "l"(p));
   return r;
 }
+// atomicAdd with acquire-release semantics at GPU scope (sm_70+)
+FP4C_DEVICE u32 atom_add_acq_rel_gpu(u32* p, u32 v) {
+  u32 r;
+  asm volatile("atom.acq_rel.gpu.global.add.u32 %0, [%1], %2;"
+               : "=r"(r) : "l"(p), "r"(v) : "memory");
+  return r;
+}
+FP4C_DEVICE U32x2 ldcg_u32x2(const float* p) {  // the same, 8 bytes (8-byte aligned)
+  U32x2 r;
+  asm volatile("ld.global.cg.v2.u32 {%0, %1}, [%2];" : "=r"(r.x), "=r"(r.y) : "l"(p));
+  return r;
+}
 FP4C_DEVICE U32x4 ldcg_u32x4(const float* p) {  // the same, 16 bytes (16-byte aligned)
   U32x4 r;
   asm volatile("ld.global.cg.v4.u32 {%0, %1, %2, %3}, [%4];"
@@ -279,29 +291,46 @@ template <int D, int THREADS, int MAXS>
 FP4C_DEVICE bool merge_splits(const SplitSet& W, float (*s_o)[D + 1], float* s_M, float* s_L,
                               float (*s_w)[MAXS], u32& s_flag) {
   const u32 tid = threadIdx.x, lane = tid & 31u, warp = tid >> 5;
-  __threadfence();
+  // the barrier orders the CTA's partial writes before thread 0's ticket, whose release
+  // makes them visible to the last CTA and whose acquire (in the last CTA, with the next
+  // barrier) makes every split's partials visible to all its threads (CUTLASS's semaphore
+  // pattern: no fence by every thread)
   __syncthreads();
   if (tid == 0) {
-    const u32 prev = atomicAdd(W.ticket, 1u);
+    const u32 prev = atom_add_acq_rel_gpu(W.ticket, 1u);
     s_flag = prev == W.nsplit - 1u ? 1u : 0u;
     if (s_flag) *W.ticket = 0u;  // every CTA of this set has taken its ticket
   }
   __syncthreads();
   if (!s_flag) return false;
-  __threadfence();
+  // (m, l) of every split, loaded once (lane s % 32 holds split s): one round trip
+  constexpr int kPer = (MAXS + 31) / 32;
   for (u32 row = warp; row < W.rows; row += THREADS / 32) {
+    float ms[kPer], ls[kPer];
     float M = FP4C_NEG_INF;
-    for (u32 s = lane; s < W.used; s += 32u)
-      M = f_max(M, ldcg_f32(W.ml + ((u64)s * W.stride + row) * 2));
+#pragma unroll
+    for (int i = 0; i < kPer; ++i) {
+      const u32 s = lane + 32u * i;
+      ms[i] = FP4C_NEG_INF;
+      ls[i] = 0.0f;
+      if (s < W.used) {
+        const U32x2 ml = ldcg_u32x2(W.ml + ((u64)s * W.stride + row) * 2);
+        ms[i] = __uint_as_float(ml.x);
+        ls[i] = __uint_as_float(ml.y);
+      }
+      M = f_max(M, ms[i]);
+    }
 #pragma unroll
     for (int k = 16; k >= 1; k >>= 1) M = f_max(M, __shfl_xor_sync(0xFFFFFFFFu, M, k));
     float L = 0.0f;
-    for (u32 s = lane; s < W.used; s += 32u) {
-      const float* wm = W.ml + ((u64)s * W.stride + row) * 2;
-      const float ms = ldcg_f32(wm);
-      const float ws = is_neg_inf(ms) ? 0.0f : a_ex2(f_sub(ms, M));
-      s_w[row][s] = ws;
-      L = f_fma(ldcg_f32(wm + 1), ws, L);
+#pragma unroll
+    for (int i = 0; i < kPer; ++i) {
+      const u32 s = lane + 32u * i;
+      if (s < W.used) {
+        const float ws = is_neg_inf(ms[i]) ? 0.0f : a_ex2(f_sub(ms[i], M));
+        s_w[row][s] = ws;
+        L = f_fma(ls[i], ws, L);
+      }
     }
 #pragma unroll
     for (int k = 16; k >= 1; k >>= 1) L = f_add(L, __shfl_xor_sync(0xFFFFFFFFu, L, k));
@@ -341,11 +370,31 @@ template <typename T, int D, int THREADS>
 FP4C_DEVICE void write_rows(const RowMap& R, u32 r0, u32 rows, const float (*s_o)[D + 1],
                             const float* s_M, const float* s_L, float out_scale,
                             void* __restrict__ out, float* __restrict__ lse) {
-  for (u32 k = threadIdx.x; k < rows * D; k += THREADS) {
+  // four consecutive values per thread and step: one 8-byte (16-bit types) or 16-byte
+  // store where `out` is aligned to it (the row offsets are: D is a multiple of 64)
+  const bool vec = ((u64)out & (4u * T::kBytes - 1u)) == 0u;
+  for (u32 k = 4u * threadIdx.x; k < rows * D; k += 4u * THREADS) {
     const u32 row = k / D, d = k - row * D;
     const float L = s_L[row];
-    const float v = __float_as_uint(L) == 0u ? 0.0f : f_mul(f_div(s_o[row][d], L), out_scale);
-    store_one(T(), (char*)out + (row_of(R, r0 + row) * D + d) * T::kBytes, v);
+    float v[4];
+#pragma unroll
+    for (int e = 0; e < 4; ++e)
+      v[e] = __float_as_uint(L) == 0u ? 0.0f : f_mul(f_div(s_o[row][d + e], L), out_scale);
+    char* dst = (char*)out + (row_of(R, r0 + row) * D + d) * T::kBytes;
+    if (vec) {
+      if constexpr (T::kBytes == 2) {
+        U32x2 a;
+        a.x = pack2(T(), v[0], v[1]);
+        a.y = pack2(T(), v[2], v[3]);
+        *(U32x2*)dst = a;
+      } else {
+        *(U32x4*)dst = U32x4{__float_as_uint(v[0]), __float_as_uint(v[1]),
+                             __float_as_uint(v[2]), __float_as_uint(v[3])};
+      }
+    } else {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) store_one(T(), dst + e * T::kBytes, v[e]);
+    }
   }
   if (lse != nullptr && threadIdx.x < rows) {
     const float L = s_L[threadIdx.x];

@@ -401,9 +401,34 @@ struct TileSrc {
   u32 page, t0;
 };
 #define FP4C_BAD_PAGE 0xFFFFFFFFu
-FP4C_DEVICE u32 page_index(const SeqCtx& S, u32 e) {
-  const i64 id = load_id(S, e);
+FP4C_DEVICE u32 page_index(const SeqCtx& S, i64 id) {
   return page_ok(S, id) ? (u32)id : FP4C_BAD_PAGE;
+}
+
+// The block-table entries of the CH tiles of the chunk at key cs and each tile's first
+// row; tiles at or past `end` read nothing (a multiple of 16 <= the row's capacity).
+template <int CH>
+struct ChunkIds {
+  i64 id[CH];
+  u32 t0[CH];
+};
+template <int CH>
+FP4C_DEVICE ChunkIds<CH> chunk_ids(const SeqCtx& S, u32 cs, u32 end) {
+  ChunkIds<CH> C;
+  u32 pe = fdiv(cs, S.fT), t0 = cs - pe * S.fT.d;  // one division, then row steps of 16
+#pragma unroll
+  for (int j = 0; j < CH; ++j) {
+    if (j > 0) {
+      t0 += 16u;
+      if (t0 == S.fT.d) {
+        t0 = 0u;
+        ++pe;
+      }
+    }
+    C.id[j] = cs + 16u * j < end ? load_id(S, pe) : 0;
+    C.t0[j] = t0;
+  }
+  return C;
 }
 
 // Copies of one tile into the stage at shared address `dst` (zeros and bad = 1 for an id
@@ -529,25 +554,62 @@ struct RowState {
   u32 bad;                           // a used page id was out of range
 };
 
+// N consecutive q values at src as float32 (0 where !use): 16-byte loads when q is 16-byte
+// aligned (vec), else one load per value; every load is issued before any is used.
+template <typename T, int N>
+FP4C_DEVICE void load_q_slice(const char* src, bool use, bool vec, float (&x)[N]) {
+  constexpr int kWords = N * T::kBytes / 4;
+  static_assert(kWords % 4 == 0, "whole 16-byte pieces");
+  if (vec) {
+    u32 w[kWords];
+#pragma unroll
+    for (int i = 0; i < kWords; i += 4) {
+      U32x4 a{0u, 0u, 0u, 0u};
+      if (use) a = ldg16(src + 4 * i);
+      w[i] = a.x;
+      w[i + 1] = a.y;
+      w[i + 2] = a.z;
+      w[i + 3] = a.w;
+    }
+#pragma unroll
+    for (int i = 0; i < kWords; ++i) {
+      if constexpr (T::kBytes == 4) {
+        x[i] = __uint_as_float(w[i]);
+      } else {
+        x[2 * i] = lo_of(T(), w[i]);
+        x[2 * i + 1] = hi_of(T(), w[i]);
+      }
+    }
+  } else {
+#pragma unroll
+    for (int k = 0; k < N; ++k) x[k] = use ? load_one(T(), src + k * T::kBytes) : 0.0f;
+  }
+}
+
 // load q: row g + 8 nc of the lane's n8 tiles, scaled by a power of two per row (max |q|
 // lands in [2^14, 2^15)) and rounded to f16 (float32 q: hi + lo); the column's score scale
-// (qk_scale with that power undone) goes to St.rsc.
+// (qk_scale with that power undone) goes to St.rsc.  Lane (g, c) needs exactly the D/4
+// values d = c D/4 .. (c+1) D/4 - 1 of its rows (k_pair_d), loaded once, all at once (one
+// round trip: the loads of a short sequence's CTA are its latency, KERNEL_NOTES).
 template <typename T, int D, int NC, bool SPLIT>
 FP4C_DEVICE void load_q(const void* __restrict__ q, const RowMap& R, float qk_scale,
                         QFrag<D, NC, SPLIT>& Q, RowState<D, NC>& St) {
   using A = AttnDims<D>;
   const u32 lane = threadIdx.x & 31u, g = lane >> 2, c = lane & 3u;
-  float qscale[NC], rsc[NC];
+  float x[NC][D / 4], rsc[NC];
+  const bool vec = ((u64)q & 15u) == 0u;  // q's rows and slices are 16-byte multiples
 #pragma unroll
   for (int nc = 0; nc < NC; ++nc) {
     const u32 row = g + 8u * nc;
+    const char* src = (const char*)q + (row_of(R, row < R.rows ? row : 0u) * D + c * (D / 4)) *
+                                           T::kBytes;
+    load_q_slice<T, D / 4>(src, row < R.rows, vec, x[nc]);
+  }
+#pragma unroll
+  for (int nc = 0; nc < NC; ++nc) {
     float mx = 0.0f;
-    if (row < R.rows) {
-      const char* src = (const char*)q + row_of(R, row) * D * T::kBytes;
-#pragma unroll 8
-      for (int k = 0; k < D / 4; ++k)
-        mx = f_max(mx, f_abs(load_one(T(), src + (c * (D / 4) + k) * T::kBytes)));
-    }
+#pragma unroll
+    for (int k = 0; k < D / 4; ++k) mx = f_max(mx, f_abs(x[nc][k]));
     mx = f_max(mx, __shfl_xor_sync(0xFFFFFFFFu, mx, 1));
     mx = f_max(mx, __shfl_xor_sync(0xFFFFFFFFu, mx, 2));
     int e = 0;
@@ -556,23 +618,16 @@ FP4C_DEVICE void load_q(const void* __restrict__ q, const RowMap& R, float qk_sc
       e = (int)(mb >> 23) - 127 - 14;  // mx * 2^-e in [2^14, 2^15) (normal mx)
       e = max(-100, min(100, e));
     }
-    qscale[nc] = __uint_as_float((u32)(127 - e) << 23);
+    const float qscale = __uint_as_float((u32)(127 - e) << 23);
     rsc[nc] = f_mul(qk_scale, __uint_as_float((u32)(127 + e) << 23));
-  }
 #pragma unroll
-  for (int j = 0; j < A::KS; ++j) {
-    const int w = j >> 1, p0 = 2 * (j & 1);
-#pragma unroll
-    for (int nc = 0; nc < NC; ++nc) {
-      const u32 row = g + 8u * nc;
-      const char* src = (const char*)q + row_of(R, row < R.rows ? row : 0u) * D * T::kBytes;
+    for (int j = 0; j < A::KS; ++j) {
+      const int w = j >> 1, p0 = 2 * (j & 1);
 #pragma unroll
       for (int pp = 0; pp < 2; ++pp) {
-        float lo = 0.0f, hi = 0.0f;
-        if (row < R.rows) {
-          lo = f_mul(load_one(T(), src + k_pair_d<D>(c, w, p0 + pp, 0) * T::kBytes), qscale[nc]);
-          hi = f_mul(load_one(T(), src + k_pair_d<D>(c, w, p0 + pp, 1) * T::kBytes), qscale[nc]);
-        }
+        // x[k] is d = c D/4 + k
+        const float lo = f_mul(x[nc][k_pair_d<D>(0u, w, p0 + pp, 0)], qscale);
+        const float hi = f_mul(x[nc][k_pair_d<D>(0u, w, p0 + pp, 1)], qscale);
         const u32 h2 = pack2(f16_t(), lo, hi);
         Q.hi[j][nc][pp] = h2;
         if constexpr (SPLIT)
@@ -818,9 +873,19 @@ FP4C_DEVICE void attend_tile(const TileRaw<D>& R, u32 tile, const QFrag<D, NC, S
 // ---------------------------------------------------------------------------------------
 // block_size % 16 == 0: a cp.async ring of FP4C_ATTN_CHUNK_STAGES chunks per warp at
 // `ring`; kCStages - 1 chunks in flight while one is computed, the page ids of the next
-// chunk to issue read one chunk ahead.
+// chunk to issue read one chunk ahead (those of the warp's first chunk, `first`, before q:
+// first_chunk).
+template <int D>
+FP4C_DEVICE u32 first_chunk_key(u32 s0) {
+  return s0 + 16u * ChunkDims<D>::CH * (threadIdx.x >> 5);
+}
+template <int D>
+FP4C_DEVICE ChunkIds<ChunkDims<D>::CH> first_chunk(const SeqCtx& S, u32 s0, u32 cap) {
+  return chunk_ids<ChunkDims<D>::CH>(S, first_chunk_key<D>(s0), cap);
+}
 template <int D, int NC, bool SPLIT>
 FP4C_DEVICE void walk_chunks(const SeqCtx& S, u8* ring, u32 s0, u32 s1,
+                             const ChunkIds<ChunkDims<D>::CH>& first,
                              const QFrag<D, NC, SPLIT>& Q, RowState<D, NC>& St) {
   constexpr int CH = ChunkDims<D>::CH;
   constexpr int kCStages = FP4C_ATTN_CHUNK_STAGES;
@@ -828,29 +893,19 @@ FP4C_DEVICE void walk_chunks(const SeqCtx& S, u8* ring, u32 s0, u32 s1,
   const u32 warp = threadIdx.x >> 5;
   const ChunkLane<D> L = chunk_lane<D>(S);
   const u32 ring_s = smem_u32(ring);
-  u32 c_issue = s0 + kCT * warp;
+  u32 c_issue = first_chunk_key<D>(s0);
   TileSrc nxt[CH];
-  auto fetch = [&](u32 cs) {  // the chunk's tiles: one division, then row steps of 16
-    u32 pe = fdiv(cs, S.fT), t0 = cs - pe * S.fT.d;
+  auto take = [&](const ChunkIds<CH>& C) {
 #pragma unroll
-    for (int j = 0; j < CH; ++j) {
-      if (j > 0) {
-        t0 += 16u;
-        if (t0 == S.fT.d) {
-          t0 = 0u;
-          ++pe;
-        }
-      }
-      if (cs + 16u * j < s1) nxt[j] = TileSrc{page_index(S, pe), t0};
-    }
+    for (int j = 0; j < CH; ++j) nxt[j] = TileSrc{page_index(S, C.id[j]), C.t0[j]};
   };
-  if (c_issue < s1) fetch(c_issue);
+  take(first);
   auto issue = [&](int stg) {
     if (c_issue < s1) {
       TileSrc cur[CH];
 #pragma unroll
       for (int j = 0; j < CH; ++j) cur[j] = nxt[j];
-      if (c_issue + kCStep < s1) fetch(c_issue + kCStep);
+      if (c_issue + kCStep < s1) take(chunk_ids<CH>(S, c_issue + kCStep, s1));
 #pragma unroll
       for (int j = 0; j < CH; ++j)
         if (c_issue + 16u * j < s1)
@@ -907,15 +962,30 @@ FP4C_DEVICE void walk_tiles(const SeqCtx& S, u32 s0, u32 s1, const QFrag<D, NC, 
 
 // ---------------------------------------------------------------------------------------
 // merge: the warps of the CTA in shared memory -> s_o (rows of natural d order), s_M, s_L
-// (per row: the warps' largest m and the denominator; NaN when a page id was bad).  s_o
-// overlays the chunk ring: its first write follows a barrier that every warp reaches after
-// its key loop.
+// (per row: the warps' largest m and the denominator; NaN when a page id was bad).  Each
+// warp writes its O, scaled to the CTA's maximum, into a slab of its own (kSlabs of them:
+// one per warp where they fit, MergeDims), then the slabs are summed in warp order into
+// slab 0, which is s_o: two barriers after the key loop instead of one per warp.  The
+// slabs overlay the chunk ring: their first write follows a barrier that every warp
+// reaches after its key loop.
 // ---------------------------------------------------------------------------------------
 template <int D, int NC>
-FP4C_DEVICE void merge_warps(RowState<D, NC>& St, u32 rows, float (*s_o)[D + 1],
+struct MergeDims {
+  static constexpr int kSlab = 8 * NC * (D + 1) * 4;  // rows of the n8 tiles, padded by one
+  static constexpr int kSlabs = FP4C_ATTN_WARPS * kSlab <= 40960 ? FP4C_ATTN_WARPS
+                                : 2 * kSlab <= 40960              ? 2
+                                                                   : 1;
+  static_assert(FP4C_ATTN_WARPS % kSlabs == 0, "warps per slab");
+  static constexpr int kBytes = kSlabs * kSlab;
+};
+
+template <int D, int NC>
+FP4C_DEVICE void merge_warps(RowState<D, NC>& St, u32 rows, u8* s_raw,
                              float (*s_m)[FP4C_MMA_ROWS], float (*s_l)[FP4C_MMA_ROWS],
                              float* s_M, float* s_L, u32& s_flag) {
+  using MD = MergeDims<D, NC>;
   const u32 lane = threadIdx.x & 31u, warp = threadIdx.x >> 5, g = lane >> 2, c = lane & 3u;
+  auto slab = [&](int k) { return reinterpret_cast<float(*)[D + 1]>(s_raw + k * MD::kSlab); };
 #pragma unroll
   for (int k = 0; k < 2 * NC; ++k) {
     float l = St.l[k];
@@ -940,9 +1010,10 @@ FP4C_DEVICE void merge_warps(RowState<D, NC>& St, u32 rows, float (*s_o)[D + 1],
     for (int w = 0; w < FP4C_ATTN_WARPS; ++w) M = f_max(M, s_m[w][col]);
     f[k] = is_neg_inf(St.m[k]) ? 0.0f : a_ex2(f_sub(St.m[k], M));  // (m >= M0: as grow)
   }
+  float(*mine)[D + 1] = slab(warp % MD::kSlabs);
 #pragma unroll
-  for (int w = 0; w < FP4C_ATTN_WARPS; ++w) {
-    if (warp == (u32)w) {
+  for (int ph = 0; ph < FP4C_ATTN_WARPS / MD::kSlabs; ++ph) {
+    if (warp / MD::kSlabs == (u32)ph) {
 #pragma unroll
       for (int i = 0; i < AttnDims<D>::D16; ++i) {
         const int ww = i >> 2, hh = (i >> 1) & 1, k = i & 1;
@@ -951,13 +1022,23 @@ FP4C_DEVICE void merge_warps(RowState<D, NC>& St, u32 rows, float (*s_o)[D + 1],
         for (int nc = 0; nc < NC; ++nc)
 #pragma unroll
           for (int e = 0; e < 4; ++e) {
-            float* dst = &s_o[8 * nc + 2 * c + (e & 1)][d - (e >> 1)];
+            float* dst = &mine[8 * nc + 2 * c + (e & 1)][d - (e >> 1)];
             const float v = f_mul(St.o[i][nc][e], f[2 * nc + (e & 1)]);
-            *dst = w == 0 ? v : f_add(*dst, v);
+            *dst = ph == 0 ? v : f_add(*dst, v);
           }
       }
     }
     __syncthreads();
+  }
+  if constexpr (MD::kSlabs > 1) {
+    float(*s_o)[D + 1] = slab(0);
+    for (u32 k = threadIdx.x; k < rows * D; k += FP4C_ATTN_THREADS) {
+      const u32 row = k / D, d = k % D;
+      float v = s_o[row][d];
+#pragma unroll
+      for (int w = 1; w < MD::kSlabs; ++w) v = f_add(v, slab(w)[row][d]);
+      s_o[row][d] = v;
+    }
   }
   if (threadIdx.x < rows) {
     const u32 row = threadIdx.x;
@@ -1041,8 +1122,12 @@ FP4C_DEVICE void decode_attn_impl(const void* __restrict__ q, const void* __rest
   constexpr int kRing = PAGED16 ? FP4C_ATTN_WARPS * FP4C_ATTN_CHUNK_STAGES * ChunkDims<D>::kBytes
                                 : 0;
   constexpr int kEpi = FP4C_MMA_ROWS * (D + 1) * 4 + FP4C_MMA_ROWS * FP4C_ATTN_MAX_SPLITS * 4;
-  // the chunk ring (during the key loop) and, after it, s_o and s_w share one buffer
-  __shared__ __align__(16) u8 s_raw[kRing > kEpi ? kRing : kEpi];
+  constexpr int kMerge = MergeDims<D, NC>::kBytes;
+  constexpr int kBuf = kRing > kEpi ? (kRing > kMerge ? kRing : kMerge)
+                                    : (kEpi > kMerge ? kEpi : kMerge);
+  // the chunk ring (during the key loop), then the merge slabs, then s_o (slab 0) and s_w
+  // share one buffer
+  __shared__ __align__(16) u8 s_raw[kBuf];
   static_assert(FP4C_MMA_ROWS == 16, "rows: two n8 tiles");
   float(*s_o)[D + 1] = reinterpret_cast<float(*)[D + 1]>(s_raw);  // rows padded by one
   float(*s_w)[FP4C_ATTN_MAX_SPLITS] =
@@ -1073,11 +1158,16 @@ FP4C_DEVICE void decode_attn_impl(const void* __restrict__ q, const void* __rest
                     (u32*)P.counters + bh, nsplit, used, P.rows_max, R.rows};
   };
 
+  // Latency (what a short sequence's CTA waits for): the sequence length, the block-table
+  // entries of the warp's first chunk and q are loaded together, before any is used.
+  const SeqCtx S = seq_ctx(P, tables, b, h, len);
+  ChunkIds<ChunkDims<D>::CH> first;
+  if constexpr (PAGED16) first = first_chunk<D>(S, s0, cap < 0xFFFFFFFFll ? (u32)cap : ~0u);
+  QFrag<D, NC, SPLIT> Q;
+  RowState<D, NC> St;
+  load_q<T, D, NC, SPLIT>(q, R, P.qk_scale, Q, St);
   if (s0 < len) {
-    // load q, the columns' key limits, then the keys of this split
-    QFrag<D, NC, SPLIT> Q;
-    RowState<D, NC> St;
-    load_q<T, D, NC, SPLIT>(q, R, P.qk_scale, Q, St);
+    // the columns' key limits, then the keys of this split
     const u32 c = threadIdx.x & 3u;
     St.lim_all = min(s1, row_limit(R, 0u, len));  // row 0 sees the fewest keys
 #pragma unroll
@@ -1092,15 +1182,14 @@ FP4C_DEVICE void decode_attn_impl(const void* __restrict__ q, const void* __rest
       for (int nc = 0; nc < NC; ++nc) St.o[i][nc][0] = St.o[i][nc][1] = St.o[i][nc][2] =
           St.o[i][nc][3] = 0.0f;
     St.bad = 0u;
-    const SeqCtx S = seq_ctx(P, tables, b, h, len);
     if constexpr (PAGED16) {
       walk_chunks<D, NC, SPLIT>(
           S, s_raw + (threadIdx.x >> 5) * (FP4C_ATTN_CHUNK_STAGES * ChunkDims<D>::kBytes), s0,
-          s1, Q, St);
+          s1, first, Q, St);
     } else {
       walk_tiles<D, NC, SPLIT>(S, s0, s1, Q, St);
     }
-    merge_warps<D, NC>(St, R.rows, s_o, s_m, s_l, s_M, s_L, s_flag);
+    merge_warps<D, NC>(St, R.rows, s_raw, s_m, s_l, s_M, s_L, s_flag);
     if (nsplit > 1u) write_partial<D, FP4C_ATTN_THREADS>(splits(), split, s_o, s_M, s_L);
   }
   if (nsplit > 1u) {

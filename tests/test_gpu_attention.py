@@ -355,6 +355,42 @@ def test_sm_scale_without_lse_and_no_allocation_when_warm():
     assert cp.array_equal(out.view(cp.uint16), out2.view(cp.uint16))
 
 
+@pytest.mark.parametrize("dtname", ["bfloat16", "float32"])
+@pytest.mark.parametrize("group", [4, 16])
+def test_unaligned_q_and_out_same_bits(dtname, group):
+    """q and out at views one element off 16 bytes (the kernel's scalar q loads and output
+    stores) give the same bits as aligned ones (16-byte q loads, 8/16-byte stores), also
+    through the public method; the outputs around the view are left untouched."""
+    rng = np.random.default_rng(12)
+    H, T, D = 2, 16, 128
+    lens = [70, 600, 0]
+    num_blocks = 60
+    cache, kd, vd = make_cache(rng, H=H, T=T, D=D, num_blocks=num_blocks)
+    tab = tables_for(rng, lens, T, num_blocks, 40)
+    B, Hq = len(lens), H * group
+    q = make_q(rng, B, Hq, D, dtname)
+    td, ld = cp.asarray(tab), cp.asarray(np.array(lens, np.int32))
+    n = B * Hq * D
+    dt = DT[dtname]
+    flat_q = cp.zeros(n + 1, dtype=dt)
+    flat_o = cp.full(n + 2, np.nan, dtype=dt)
+    results = []
+    for off in (0, 1):
+        qv = flat_q[off:off + n].reshape(B, Hq, D)
+        qv[...] = cp.asarray(q)
+        flat_o.fill(np.nan)
+        ov = flat_o[off:off + n].reshape(B, Hq, D)
+        assert (qv.data.ptr % 16 == 0) == (off == 0)
+        got = cache.decode_attention(qv, td, ld, out=ov)
+        assert got is ov
+        results.append(cp.asnumpy(ov).view(np.uint8).copy())
+        if off == 1:
+            assert np.isnan(float(flat_o[0])) and np.isnan(float(flat_o[n + 1]))
+    assert np.array_equal(results[0], results[1])
+    ro, rl = reference(kd, vd, q, tab, lens, T, 1.0 / np.sqrt(D), num_blocks)
+    check(cp.asarray(results[0].view(dt).reshape(B, Hq, D)), None, ro, rl, dtname, "aligned")
+
+
 def test_cuda_graph_capture_and_replay():
     """Captured once, replayed with new q, lengths and block tables (split-KV tickets
     are reset by the kernel, so every replay merges correctly)."""
