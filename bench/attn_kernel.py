@@ -145,7 +145,7 @@ def main(argv=None) -> int:
     if args.split_tokens:
         ca.SPLIT_TOKENS = args.split_tokens
     if args.nsplit:
-        def forced(batch, kv_heads, capacity, resident, spec=None, _n=args.nsplit):
+        def forced(batch, kv_heads, capacity, resident, spec=None, per_sm=4, _n=args.nsplit):
             return ca.splits_of(_n, capacity, spec)
         ca.split_plan = forced
     kdir = K.kernel_dir()

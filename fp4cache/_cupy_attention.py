@@ -28,7 +28,7 @@ import numpy as np
 from . import _abi
 from . import _kernels as K
 from ._arrays import ceil_div
-from ._device import num_sms, resident_ctas
+from ._device import by_value, num_sms, resident_ctas
 from ._plans import PlanCache, Scratch, Workspace
 from .attention import MAX_GROUP
 from .layout import PageGeometry
@@ -41,19 +41,24 @@ __all__ = ["decode_attention", "attention_runner", "attention_plans", "new_scrat
 _U32, _I64, _F32 = np.uint32, np.int64, np.float32
 _LOG2E = 1.4426950408889634
 
+#: a null pointer argument (``query_start_loc`` of decode, ``lse`` when not asked for)
+_NULL = by_value(np.uint64(0))
 #: numpy twin of ``struct AttnParams`` (generated from :mod:`fp4cache._abi`).
 ATTN_PARAMS_DTYPE = _abi.struct_dtype("AttnParams")
 
-#: Longest and shortest split (tokens of one sequence and KV head per CTA), and the split
-#: plan's cost of one CTA beyond its tokens (q fragments, warp merge, partial write), of
-#: one more split in the merge, and of merging at all (partial write, ticket, the merge
-#: pass: 2.4-3 us on the H200 against about 1 us per 100 tokens of one CTA, at B = 1 and 16
-#: x 512 / 1024 tokens), in tokens (:func:`split_plan`; measured on the H200).
+#: The split plan's constants (:func:`split_plan`; measured on the H200, bench/KERNEL_NOTES.md,
+#: "Short contexts", in CTA-tokens: the time one CTA alone on its SM takes per key, about
+#: 10 ns at head_dim 128): the longest and the shortest split; a wave's fixed cost (q, the
+#: first chunk's loads, the warp merge, the write: about 3 us); merging at all (partial
+#: write, ticket, the merge pass: about 2 us) and per split merged; and SM_SHARE, how much
+#: CTAs that share an SM slow each other: k of them on one SM take (k + SM_SHARE) / (1 +
+#: SM_SHARE) times as long as one alone (measured: about 1.5x for 2, 2.5x for 4).
 SPLIT_TOKENS = 4096
-MIN_SPLIT_TOKENS = 256
-CTA_TOKENS = 128
-MERGE_TOKENS = 16
-SPLIT_FIXED_TOKENS = 256
+MIN_SPLIT_TOKENS = 128
+CTA_TOKENS = 300
+SPLIT_FIXED_TOKENS = 250
+MERGE_TOKENS = 4
+SM_SHARE = 1.0
 
 def attention_scales(sm_scale, k_s, v_s) -> tuple[np.float32, np.float32]:
     """``(qk_scale, out_scale)`` of the attention kernels' params: the kernels' decoded
@@ -91,18 +96,26 @@ def split_plan(batch: int, kv_heads: int, capacity: int, resident_ctas: int,
                spec: K.Spec | None = None, per_sm: int = 4) -> SplitPlan:
     """Splits per (sequence, KV head) for ``capacity = max_blocks * block_size`` tokens.
 
-    The kernel's time is about (waves of CTAs) x (tokens per CTA): the plan takes the
-    number of splits ``n`` that minimizes ``ceil(B*H*n / resident_ctas) * (split_len +
-    CTA_TOKENS) + n * MERGE_TOKENS`` (plus :data:`SPLIT_FIXED_TOKENS` when ``n > 1``; ties
-    to fewer splits), with ``split_len`` =
-    :func:`splits_of` ``n``, between
-    :data:`MIN_SPLIT_TOKENS` (unless one split) and :data:`SPLIT_TOKENS` times ``max(1, 4
-    // per_sm)`` (so that unequal sequence lengths still spread over the GPU: about 16K
-    tokens per SM and wave, whether 4 CTAs share an SM or, for a kernel of more registers,
-    ``per_sm`` = 2), and at most ``_abi.ATTN_MAX_SPLITS`` splits.  A grid just over one
-    wave (the second wave nearly empty) costs twice its work, so this never picks one.
+    The plan takes the number of splits ``n`` whose modelled time is least (ties to
+    fewer splits), in CTA-tokens (the module's constants)::
+
+        waves * (CTA_TOKENS + split_len * (k + SM_SHARE) / (1 + SM_SHARE))
+            + (SPLIT_FIXED_TOKENS + n * MERGE_TOKENS if n > 1 else 0)
+
+    with ``split_len`` = :func:`splits_of` ``n``, ``C = B * H * n`` CTAs on ``SMs =
+    resident_ctas / per_sm`` SMs, ``waves = ceil(C / resident_ctas)`` and ``k`` the CTAs
+    one SM holds at once (``ceil(C / SMs)``, at most ``per_sm``): a short sequence alone
+    on the GPU is split until its CTAs fill the SMs, a batch that fills them already is
+    not.  Splits are at least :data:`MIN_SPLIT_TOKENS` long (unless one split) and at
+    most :data:`SPLIT_TOKENS` times ``max(1, 4 // per_sm)`` (so that unequal sequence
+    lengths still spread over the GPU: about 16K tokens per SM and wave, whether 4 CTAs
+    share an SM or, for a kernel of more registers, ``per_sm`` = 2), and at most
+    ``_abi.ATTN_MAX_SPLITS``.
     """
-    longest = SPLIT_TOKENS * max(1, 4 // max(1, int(per_sm)))
+    per_sm = max(1, int(per_sm))
+    resident = max(1, int(resident_ctas))
+    sms = max(1, resident // per_sm)
+    longest = SPLIT_TOKENS * max(1, 4 // per_sm)
     bh = max(1, batch * kv_heads)
     best: tuple[float, SplitPlan] | None = None
     for n in range(1, _abi.ATTN_MAX_SPLITS + 1):
@@ -113,9 +126,12 @@ def split_plan(batch: int, kv_heads: int, capacity: int, resident_ctas: int,
             break
         if plan.split_len > longest:
             continue
-        waves = ceil_div(bh * n, max(1, resident_ctas))
-        cost = waves * (plan.split_len + CTA_TOKENS) + n * MERGE_TOKENS + \
-            (SPLIT_FIXED_TOKENS if n > 1 else 0)
+        ctas = bh * n
+        waves = ceil_div(ctas, resident)
+        k = min(per_sm, ceil_div(ctas, sms))
+        cost = waves * (CTA_TOKENS + plan.split_len * (k + SM_SHARE) / (1 + SM_SHARE))
+        if n > 1:
+            cost += SPLIT_FIXED_TOKENS + n * MERGE_TOKENS
         if best is None or cost < best[0]:
             best = (cost, plan)
     if best is None:  # only with MIN_SPLIT_TOKENS > SPLIT_TOKENS or huge capacities
@@ -163,7 +179,7 @@ class _AttnPlan(NamedTuple):
     fn: Any
     grid: tuple[int, int, int]  # (nsplit, H, B); launched as one dimension, split fastest
     block: tuple[int]
-    params: Any  # np.void of ATTN_PARAMS_DTYPE
+    params: Any  # an ATTN_PARAMS_DTYPE struct, prepared by _device.by_value
     keep: tuple  # the owner's arrays the params point to (pool, counters, geometry)
     spec: K.Spec  # the kernel's specialization
 
@@ -263,7 +279,7 @@ def _make_plan(buffer, q, block_tables, seq_lens, geom: PageGeometry, k_s, v_s, 
             ("rows_max", rows_max), ("qk_scale", qk), ("out_scale", out_scale)):
         p[name] = value
     threads = 32 * _abi.ATTN_WARPS
-    return _AttnPlan(fn, (nsplit, H, B), (threads,), p[()], (buffer, stats, geom), spec)
+    return _AttnPlan(fn, (nsplit, H, B), (threads,), by_value(p), (buffer, stats, geom), spec)
 
 
 def _plan_key(buffer, q, block_tables, seq_lens, geom, k_s, v_s, sm_scale, stats,
@@ -338,7 +354,7 @@ def attention_runner(buffer, q, block_tables, seq_lens, *, geom: PageGeometry, k
         plans.put(key, plan)
     nsplit, H, B = plan.grid
     fn, grid, block, params, zero = plan.fn, (nsplit * H * B,), plan.block, plan.params, \
-        np.uint64(0)
+        _NULL
 
     def run(q, block_tables, seq_lens, out, lse, _keep=plan):
         fn(grid, block, (q, zero, block_tables, seq_lens, out, zero if lse is None else lse,

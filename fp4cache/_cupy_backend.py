@@ -36,7 +36,7 @@ import numpy as np
 from . import _abi
 from . import _kernels as K
 from ._cupy_attention import attention_runner, decode_attention
-from ._device import num_sms
+from ._device import by_value, num_sms
 from ._plans import PlanCache, Workspace
 from .formats import reciprocal_clamped
 from .layout import GROUP, PageGeometry
@@ -274,7 +274,7 @@ def store_plan(st: CacheState, slots, k, v, *, rule: str, unique_slots: bool) ->
             ("k_s", k_s), ("k_g", k_g), ("v_s", v_s), ("v_g", v_g),
             ("pk", _PACK_MULTIPLIERS)):
         p[name] = value
-    params = p[()]
+    params = by_value(p)
     grid = _blocks(total)  # one item per thread
     keep = st  # the struct holds the state's addresses
 
@@ -340,7 +340,7 @@ def gather_plan(st: CacheState, blocks, out_k, out_v) -> Callable:
             ("nhd", pa["nhd"]), ("swizzle", pa["swz"]),
             ("swz_m", pa["swz_m"]), ("k_s", st.scalars[0]), ("v_s", st.scalars[2])):
         p[name] = value
-    params = p[()]
+    params = by_value(p)
     T = geom.block_size
     per_cta = _THREADS * _abi.DECODE_CHUNKS
 

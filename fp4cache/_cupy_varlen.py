@@ -33,9 +33,9 @@ import numpy as np
 from . import _abi
 from . import _kernels as K
 from ._arrays import ceil_div
-from ._cupy_attention import RowsSpec, attention_scales, check_attention_args, split_plan
+from ._cupy_attention import _NULL, RowsSpec, attention_scales, check_attention_args, split_plan
 from ._cupy_attention import _make_plan as make_decode_plan
-from ._device import resident_ctas
+from ._device import by_value, resident_ctas
 from .layout import PageGeometry
 
 __all__ = ["attention", "attention_runner", "plan_shape", "row_warps_for", "GRID_WAVES",
@@ -92,7 +92,7 @@ class _VarlenPlan(NamedTuple):
     fn: Any
     grid: int
     smem: int
-    params: Any  # np.void of VARLEN_PARAMS_DTYPE (or AttnParams: a few-row launch)
+    params: Any  # a VARLEN_PARAMS_DTYPE (or AttnParams: a few-row launch) struct, by_value
     keep: tuple  # the workspace, what the params point to, and the PlanShape last
     block: int = 32 * _abi.VARLEN_WARPS
 
@@ -151,7 +151,7 @@ def _make_launch(buffer, q, query_start_loc, block_tables, seq_lens, geom: PageG
             ("qk_scale", qk),
             ("out_scale", out_scale)):
         p[name] = value
-    return _VarlenPlan(fn, grid, smem, p[()], (buffer, stats, geom, ps))
+    return _VarlenPlan(fn, grid, smem, by_value(p), (buffer, stats, geom, ps))
 
 
 def _make_plan(buffer, q, query_start_loc, block_tables, seq_lens, geom: PageGeometry,
@@ -223,7 +223,7 @@ def attention_runner(buffer, q, query_start_loc, block_tables, seq_lens, *, max_
         plan = _make_plan(buffer, q, query_start_loc, block_tables, seq_lens, geom,
                           max_query_len, causal, k_s, v_s, sm_scale, stats, scratch.workspace)
         scratch.plans.put(key, plan)
-    zero = np.uint64(0)
+    zero = _NULL
     launches = tuple((lp.fn, (lp.grid,), (lp.block,), lp.smem, lp.params)
                      for lp in plan.launches)
 

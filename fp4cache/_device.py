@@ -11,8 +11,10 @@ import functools
 import re
 from typing import Any
 
+import numpy as np
+
 __all__ = ["parse_device", "device_name", "array_device", "DeviceGuard", "on_input_device",
-           "num_sms", "resident_ctas"]
+           "num_sms", "resident_ctas", "by_value"]
 
 _CUDA = re.compile(r"^cuda(?::(\d+))?$")
 
@@ -137,3 +139,27 @@ def on_input_device(fn):
             return fn(*args, **kwargs)
 
     return wrapper
+
+
+def by_value(value: Any) -> Any:
+    """A kernel argument passed by value, converted for CuPy once instead of at every launch.
+
+    ``value`` is a zero-dimensional NumPy array (a parameter struct of
+    :mod:`fp4cache._abi`, or a scalar); the result is what CuPy's ``RawKernel`` makes of a
+    size-one NumPy array (``cupy.cuda.function.CNumpyArray``, which points at the array's
+    bytes and keeps the array alive), so a prepared launch pays nothing for it: CuPy
+    converts a NumPy scalar or a structured scalar anew on every call (about 3 us for the
+    attention parameters on a server CPU, measured in ``bench/KERNEL_NOTES.md``).  The
+    array is copied first (later changes to ``value`` do not reach the kernel).  Where
+    CuPy does not offer that class, the copy itself is returned (CuPy then converts it
+    at each launch, as before).
+    """
+    arr = np.array(value, copy=True)
+    if arr.size != 1:
+        raise ValueError(f"a kernel argument by value must hold one element, got shape "
+                         f"{arr.shape}")
+    try:
+        from cupy.cuda.function import CNumpyArray
+    except ImportError:  # pragma: no cover - another CuPy
+        return arr
+    return CNumpyArray(arr)

@@ -287,9 +287,15 @@ FP4C_DEVICE void write_partial(const SplitSet& W, u32 s, const float (*s_o)[D + 
 // that CUDA-graph replays work) combines the partials into s_M, s_L (per row: M = the
 // splits' largest m, L = sum l_s 2^(m_s - M)) and s_o (sum O_s 2^(m_s - M)) and returns
 // true; the others return false.  Call after write_partial, from every thread.
+// Not inlined: kept out of the key loop's register allocation, the decode kernel's long rows
+// run 1-2 % faster (B=8 x 32768: 102.8 against 105.2 us on the H200, KERNEL_NOTES); the
+// set is copied first so that its fields stay in registers (read through the reference,
+// the loops reloaded them from the stack: 1 x 16384 tokens 21 against 15 us).
 template <int D, int THREADS, int MAXS>
-FP4C_DEVICE bool merge_splits(const SplitSet& W, float (*s_o)[D + 1], float* s_M, float* s_L,
-                              float (*s_w)[MAXS], u32& s_flag) {
+__device__ __noinline__ bool merge_splits(const SplitSet& set, float (*s_o)[D + 1],
+                                          float* s_M, float* s_L, float (*s_w)[MAXS],
+                                          u32& s_flag) {
+  const SplitSet W = set;
   const u32 tid = threadIdx.x, lane = tid & 31u, warp = tid >> 5;
   // the barrier orders the CTA's partial writes before thread 0's ticket, whose release
   // makes them visible to the last CTA and whose acquire (in the last CTA, with the next
@@ -303,6 +309,18 @@ FP4C_DEVICE bool merge_splits(const SplitSet& W, float (*s_o)[D + 1], float* s_M
   }
   __syncthreads();
   if (!s_flag) return false;
+  // few splits (a short sequence's plan): every split's O of this thread's first four
+  // outputs loaded before (m, l), so that the two round trips overlap (with many, the
+  // loop below keeps 16 splits in flight; prefetching there measured slower)
+  constexpr int kPre = 8;
+  const u32 k0 = 4u * tid;
+  const bool few = W.used <= (u32)kPre;
+  U32x4 pre[kPre];
+  if (few && k0 < W.rows * D) {
+#pragma unroll
+    for (int i = 0; i < kPre; ++i)
+      if ((u32)i < W.used) pre[i] = ldcg_u32x4(W.o + k0 + (u64)i * W.stride * D);
+  }
   // (m, l) of every split, loaded once (lane s % 32 holds split s): one round trip
   constexpr int kPer = (MAXS + 31) / 32;
   for (u32 row = warp; row < W.rows; row += THREADS / 32) {
@@ -342,18 +360,31 @@ FP4C_DEVICE bool merge_splits(const SplitSet& W, float (*s_o)[D + 1], float* s_M
   __syncthreads();
   // O = sum_s w_s O_s, four consecutive outputs per thread and step (16-byte loads, 16
   // splits in flight: with many splits this loop is the kernel's tail)
-  for (u32 k = 4u * tid; k < W.rows * D; k += 4u * THREADS) {
+  for (u32 k = k0; k < W.rows * D; k += 4u * THREADS) {
     const u32 row = k / D;
     float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f};
     const float* src = W.o + k;
+    if (few && k == k0) {  // the prefetched splits (the same order of sums)
+#pragma unroll
+      for (int i = 0; i < kPre; ++i) {
+        if ((u32)i < W.used) {
+          const float w = s_w[row][i];
+          acc[0] = f_fma(__uint_as_float(pre[i].x), w, acc[0]);
+          acc[1] = f_fma(__uint_as_float(pre[i].y), w, acc[1]);
+          acc[2] = f_fma(__uint_as_float(pre[i].z), w, acc[2]);
+          acc[3] = f_fma(__uint_as_float(pre[i].w), w, acc[3]);
+        }
+      }
+    } else {
 #pragma unroll 16
-    for (u32 s = 0; s < W.used; ++s) {
-      const float w = s_w[row][s];
-      const U32x4 v = ldcg_u32x4(src + (u64)s * W.stride * D);
-      acc[0] = f_fma(__uint_as_float(v.x), w, acc[0]);
-      acc[1] = f_fma(__uint_as_float(v.y), w, acc[1]);
-      acc[2] = f_fma(__uint_as_float(v.z), w, acc[2]);
-      acc[3] = f_fma(__uint_as_float(v.w), w, acc[3]);
+      for (u32 s = 0; s < W.used; ++s) {
+        const float w = s_w[row][s];
+        const U32x4 v = ldcg_u32x4(src + (u64)s * W.stride * D);
+        acc[0] = f_fma(__uint_as_float(v.x), w, acc[0]);
+        acc[1] = f_fma(__uint_as_float(v.y), w, acc[1]);
+        acc[2] = f_fma(__uint_as_float(v.z), w, acc[2]);
+        acc[3] = f_fma(__uint_as_float(v.w), w, acc[3]);
+      }
     }
 #pragma unroll
     for (int e = 0; e < 4; ++e) s_o[row][k % D + e] = acc[e];

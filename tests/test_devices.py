@@ -12,7 +12,7 @@ import pytest
 
 import fp4cache.codec
 from fp4cache import PagedKVCache, gpu_available
-from fp4cache._device import DeviceGuard, array_device, parse_device
+from fp4cache._device import DeviceGuard, array_device, by_value, parse_device
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
 
@@ -30,6 +30,41 @@ def test_cpu_device_forms():
     c = PagedKVCache(4, 16, 2, 64, device="cpu")
     assert c.device == "cpu" and c.device_id is None
     assert "device='cpu'" in repr(c)
+
+
+def test_by_value_takes_one_element_and_copies_it():
+    with pytest.raises(ValueError, match="one element, got shape \\(2,\\)"):
+        by_value(np.zeros(2, np.uint32))
+    dt = np.dtype([("a", "<u4"), ("b", "<f4")], align=True)
+    p = np.zeros((), dt)
+    arg = by_value(p)
+    p["a"] = 7  # later changes do not reach the prepared argument
+    try:
+        from cupy.cuda.function import CPointer
+    except ImportError:
+        assert isinstance(arg, np.ndarray) and arg.shape == () and int(arg["a"]) == 0
+    else:
+        assert isinstance(arg, CPointer)
+
+
+@pytest.mark.skipif(not gpu_available(), reason="needs a GPU")
+def test_by_value_struct_reaches_the_kernel():
+    import cupy
+
+    dt = np.dtype([("a", "<u4"), ("b", "<f4"), ("c", "<u8")], align=True)
+    k = cupy.RawKernel(r"""
+        struct P { unsigned int a; float b; unsigned long long c; };
+        extern "C" __global__ void k(unsigned long long* out, P p) {
+          out[0] = p.a; out[1] = __float_as_uint(p.b); out[2] = p.c; }""", "k")
+    p = np.zeros((), dt)
+    p["a"], p["b"], p["c"] = 3, 1.5, 2**40 + 5
+    arg = by_value(p)
+    p["a"] = 99
+    out = cupy.zeros(3, np.uint64)
+    for _ in range(2):  # the same prepared argument, launched twice
+        k((1,), (1,), (out, arg))
+        assert out.get().tolist() == [3, int(np.float32(1.5).view(np.uint32)), 2**40 + 5]
+        out.fill(0)
 
 
 @pytest.mark.skipif(gpu_available(), reason="checks the no-GPU error")

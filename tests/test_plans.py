@@ -154,13 +154,19 @@ def test_workspace_parts_of_one_launch():
     assert Workspace.layout(parts)[1] == 96 * 512 * 4 + 96 * 8 * 4
 
 
-def test_split_plan_prefers_one_split_for_short_decodes_and_longer_splits_at_2_ctas():
-    """Merging at all costs SPLIT_FIXED_TOKENS: B=1 and 16 x 512 take one split (measured
-    faster on the H200); a kernel of 2 CTAs per SM may take splits twice as long (one wave
-    of 4 splits of 8192 at B=8 x 32768); the 4-CTA plans keep SPLIT_TOKENS."""
-    assert ca.split_plan(1, 8, 512, 528) == (1, 512)
+def test_split_plan_short_contexts_and_longer_splits_at_2_ctas():
+    """A short sequence alone is split until its CTAs fill SMs of their own (B=1 x 512: 4
+    splits of 128, 8.3 against 9.6 us in one split on the H200), a batch whose CTAs fill
+    the SMs already is not (B=16 and 64 x 512: CTAs sharing an SM slow each other, and
+    merging costs SPLIT_FIXED_TOKENS); a kernel of 2 CTAs per SM may take splits twice as
+    long (one wave of 4 splits of 8192 at B=8 x 32768); the 4-CTA plans keep
+    SPLIT_TOKENS."""
+    assert ca.split_plan(1, 8, 512, 528) == (4, 128)
+    assert ca.split_plan(1, 8, 1024, 528) == (8, 128)
     assert ca.split_plan(16, 8, 512, 528) == (1, 512)
-    assert ca.split_plan(1, 8, 1024, 528).nsplit > 1  # 1,024 tokens alone: still split
+    assert ca.split_plan(64, 8, 1024, 528) == (1, 1024)
+    assert ca.split_plan(1, 8, 16384, 528) == (32, 512)
+    assert ca.split_plan(4, 8, 4096, 528) == (16, 256)
     assert ca.split_plan(8, 8, 32768, 528) == (8, 4096)
     assert ca.split_plan(8, 8, 32768, 264, per_sm=2) == (4, 8192)
     for per_sm in (3, 4, 5, 8):
@@ -186,8 +192,8 @@ def test_workspace_bound_covers_every_call_within_the_hints():
     takes, whatever the GPU (resident CTAs); and it is exactly the largest call's parts."""
     geom = PageGeometry(8, 16, 128, "HND", True)
     nbytes, tickets = ca.workspace_bound(geom, 64, 4096, 32)
-    # 64 * 8 (sequence, KV head) pairs, 4096 tokens -> at most 16 splits, group 4
-    rows = 64 * 8 * 16
+    # 64 * 8 (sequence, KV head) pairs, 4096 tokens -> at most 32 splits, group 4
+    rows = 64 * 8 * 32
     assert (nbytes, tickets) == (rows * 4 * 128 * 4 + rows * 4 * 2 * 4, 512)
     spec = K.decode_attention_spec("bf16", 128, False)
     rng = np.random.default_rng(0)
@@ -201,7 +207,7 @@ def test_workspace_bound_covers_every_call_within_the_hints():
         assert Workspace.layout(parts)[1] <= nbytes and t <= tickets
     # max_seq_len not a multiple of the page: block tables of ceil(len / T) columns
     assert ca.workspace_bound(geom, 1, 4097, 8) == ca.workspace_bound(geom, 1, 4112, 8)
-    assert ca.workspace_bound(geom, 1, 256, 8) == (0, 0)  # never more than one split
+    assert ca.workspace_bound(geom, 1, 128, 8) == (0, 0)  # never more than one split
 
 
 # -- the cache's hints (CPU: kept and shown, nothing to reserve) -------------------------
