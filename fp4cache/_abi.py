@@ -162,7 +162,7 @@ STRUCTS: dict[str, tuple[tuple, ...]] = {
         ("t", "FastDiv"),  # tokens per page
         ("max_blocks", "u32"), ("split_len", "u32"), ("nsplit", "u32"),
         ("row_h", "u32"), ("row_t", "u32"),  # row of (t, h) in a side: h*row_h + t*row_t
-        ("swizzle", "u32"), ("paged16", "u32"),  # V scales swizzled; T % 16 == 0
+        ("swizzle", "u32"),  # V scales swizzled
         ("bt64", "u32"), ("sl64", "u32"),  # int64 block tables / sequence lengths
         ("ql64", "u32"), ("causal", "u32"),  # int64 query_start_loc; bottom-right mask
         ("rows_lo", "u32"), ("rows_hi", "u32"),  # with query_start_loc: sequences of
@@ -171,7 +171,6 @@ STRUCTS: dict[str, tuple[tuple, ...]] = {
         ("rows_max", "u32"),  # rows per split partial in the workspace
         ("qk_scale", "float"),  # sm_scale * k_scale * 2^7 * log2(e)
         ("out_scale", "float"),  # v_scale * 2^7
-        ("_pad", "u32"),
     ),
     # kernels/varlen_attention.cu, every non-pointer argument of the varlen attention
     "VarlenParams": (

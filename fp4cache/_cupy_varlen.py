@@ -161,6 +161,13 @@ def _make_plan(buffer, q, query_start_loc, block_tables, seq_lens, geom: PageGeo
     group = check_attention_args("attention", buffer, q, geom, query_start_loc=query_start_loc,
                                  block_tables=block_tables, seq_lens=seq_lens)
     rows = max(1, int(max_query_len)) * group
+    args = (buffer, q, query_start_loc, block_tables, seq_lens, geom)
+    small = _abi.MMA_ROWS
+    if rows <= small:  # decode / speculative verification: one launch of the few-row kernel
+        return _VarlenCall((_few_rows_launch(*args, 0, 0xFFFFFFFF, max_query_len, causal, k_s,
+                                             v_s, sm_scale, stats, workspace),))
+    # mixed: sequences of <= 16 rows in the few-row kernel, the others in the smallest
+    # varlen kernel that holds the longest (and whose shared memory this device has)
     split_q = np.dtype(q.dtype).itemsize == 4
     smem_max = int(cupy.cuda.Device().attributes["MaxSharedMemoryPerBlockOptin"]) - 4096
     big = row_warps_for(rows)
@@ -169,13 +176,6 @@ def _make_plan(buffer, q, query_start_loc, block_tables, seq_lens, geom: PageGeo
     if _abi.varlen_smem_bytes(D, 1, split_q) > smem_max:
         raise ValueError(f"head_dim {D} with {q.dtype} q needs more shared memory per CTA "
                          f"than this device has ({smem_max + 4096} bytes)")
-    args = (buffer, q, query_start_loc, block_tables, seq_lens, geom)
-    small = _abi.MMA_ROWS
-    if rows <= small:  # decode / speculative verification: one launch of the few-row kernel
-        return _VarlenCall((_few_rows_launch(*args, 0, 0xFFFFFFFF, max_query_len, causal, k_s,
-                                             v_s, sm_scale, stats, workspace),))
-    # mixed: sequences of <= 16 rows in the few-row kernel, the others in the smallest
-    # varlen kernel that holds the longest
     return _VarlenCall((
         _few_rows_launch(*args, 0, small, small // group, causal, k_s, v_s, sm_scale, stats,
                          workspace),

@@ -151,39 +151,26 @@ struct SeqCtx {
   u64* stats;
   i64 num_blocks, page_bytes, side_bytes, data_bytes;
   FastDiv fT;
-  u32 len, h, row_h, row_t, swizzle, paged16, bt64, count_bad;
+  u32 len, h, row_h, row_t, swizzle, bt64, count_bad;
 };
 
 FP4C_DEVICE i64 load_id(const SeqCtx& S, u32 e) {
   return S.bt64 ? ((const i64*)S.table)[e] : (i64)((const int*)S.table)[e];
 }
 
-// Where the tile's tokens live when a tile never crosses a page (T % 16 == 0): its page
-// id and the row of its first token, read once per tile.
+// a block id inside the pool
 FP4C_DEVICE bool page_ok(const SeqCtx& S, i64 id) { return (u64)id < (u64)S.num_blocks; }
 // count a bad block-table entry (the caller picks the one lane and tile that own it)
 FP4C_DEVICE void count_bad_block(const SeqCtx& S) {
   if (S.count_bad) atomicAdd((unsigned long long*)S.stats + FP4C_STAT_BAD_BLOCK_IDS, 1ull);
 }
 
-struct TilePage {
-  i64 id;
-  u32 t0;
-};
-
-// Page (K side) and row of token i < len; ok = false for a bad id (then `page` is the
-// pool's first page, never read).
-FP4C_DEVICE const u8* token_page(const SeqCtx& S, u32 i, u32 tile, const TilePage& tp, u32& t,
-                                 bool& ok) {
-  i64 id;
-  if (S.paged16) {
-    t = tp.t0 + (i - tile);
-    id = tp.id;
-  } else {
-    const u32 pe = fdiv(i, S.fT);
-    t = i - pe * S.fT.d;
-    id = load_id(S, pe);
-  }
+// Page (K side) and row of token i < len (kernels without _paged16: each token's page
+// looked up); ok = false for a bad id (then `page` is the pool's first page, never read).
+FP4C_DEVICE const u8* token_page(const SeqCtx& S, u32 i, u32& t, bool& ok) {
+  const u32 pe = fdiv(i, S.fT);
+  t = i - pe * S.fT.d;
+  const i64 id = load_id(S, pe);
   ok = page_ok(S, id);
   return S.buffer + (ok ? id : 0) * S.page_bytes;
 }
@@ -193,12 +180,6 @@ FP4C_DEVICE void load_tile(const SeqCtx& S, u32 tile, TileRaw<D>& R) {
   using A = AttnDims<D>;
   const u32 lane = threadIdx.x & 31u, g = lane >> 2, c = lane & 3u;
   R.bad = 0u;
-  TilePage tp{0, 0u};
-  if (S.paged16) {
-    const u32 pe = fdiv(tile, S.fT);
-    tp.id = load_id(S, pe);
-    tp.t0 = tile - pe * S.fT.d;
-  }
   // K: tokens kt0, kt0 + 2, bytes c*D/8 of the row
   const u32 kt0 = k_token0(g);
 #pragma unroll
@@ -210,7 +191,7 @@ FP4C_DEVICE void load_tile(const SeqCtx& S, u32 tile, TileRaw<D>& R) {
     if (i < S.len) {
       u32 t;
       bool ok;
-      const u8* page = token_page(S, i, tile, tp, t, ok);
+      const u8* page = token_page(S, i, t, ok);
       if (ok) {
         const u32 row = S.h * S.row_h + t * S.row_t;
         const u8* p = page + (u64)row * (D / 2) + c * (D / 8);
@@ -252,7 +233,7 @@ FP4C_DEVICE void load_tile(const SeqCtx& S, u32 tile, TileRaw<D>& R) {
     if (i < S.len) {
       u32 t;
       bool ok;
-      const u8* vside = token_page(S, i, tile, tp, t, ok) + S.side_bytes;
+      const u8* vside = token_page(S, i, t, ok) + S.side_bytes;
       if (e == 0) {
         t0 = t;
         vpage0 = vside;
@@ -1105,7 +1086,6 @@ FP4C_DEVICE SeqCtx seq_ctx(const AttnParams& P, const void* __restrict__ tables,
   S.row_h = P.row_h;
   S.row_t = P.row_t;
   S.swizzle = P.swizzle;
-  S.paged16 = P.paged16;
   S.bt64 = P.bt64;
   S.count_bad = h == 0u ? 1u : 0u;
   return S;
