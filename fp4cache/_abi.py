@@ -65,9 +65,10 @@ ATTN_WARPS = 4
 #: live in shared memory).
 ATTN_MAX_SPLITS = 128
 #: The attention kernels decode an E2M1 code times its E4M3 scale as an exact f16 scaled
-#: by 2^-PAIR_SCALE_SHIFT (``pair_scale`` in kernels/attn_common.cuh: both decode routes'
-#: multipliers are generated from it); the host folds 2^PAIR_SCALE_SHIFT into the score
-#: scale and the output scale.
+#: by 2^-PAIR_SCALE_SHIFT (``pair_scale`` in kernels/attn_common.cuh: the bit route's
+#: multiplier is generated from it; the E4M3 route's pairs are 2^1 larger and the kernels
+#: take that into the two scales, ``FP4C_ROUTE_UNSCALE``); the host folds
+#: 2^PAIR_SCALE_SHIFT into the score scale and the output scale.
 PAIR_SCALE_SHIFT = 7
 
 #: Decode attention, groups of 1..8 with block_size % 16 == 0: 16-token tiles per chunk (a
@@ -260,9 +261,9 @@ def header() -> str:
             f"#define FP4C_ATTN_WARPS {ATTN_WARPS}",
             f"#define FP4C_ATTN_MAX_SPLITS {ATTN_MAX_SPLITS}",
             f"#define FP4C_PAIR_SCALE_SHIFT {PAIR_SCALE_SHIFT}"]
-    # pair_scale's f16x2 multipliers: the E4M3 route's codes are e2m1 * 2^-6 and its scales
-    # exact f16, the bit route's codes e2m1 * 2^-14 and its scales |sf| * 2^-8
-    for name, exp in (("E4M3", 6), ("BITS", 8 + 14)):
+    # pair_scale's f16x2 multiplier of the bit route (codes e2m1 * 2^-14, scales |sf| *
+    # 2^-8; the E4M3 route needs none: kernels/attn_common.cuh, FP4C_ROUTE_UNSCALE)
+    for name, exp in (("BITS", 8 + 14),):
         bits = int(np.float16(2.0 ** (exp - PAIR_SCALE_SHIFT)).view(np.uint16)) * 0x10001
         out.append(f"#define FP4C_PAIR_SCALE_{name} {bits:#010x}u  "
                    f"// f16x2 2^{exp - PAIR_SCALE_SHIFT}")

@@ -168,6 +168,7 @@ FP4C_DEVICE u32 e2m1_pair(u32 x, int p) {
   return h;
 }
 #define FP4C_V_SEL_LO 0x5140u  // a.b0, b.b0, a.b1, b.b1
+#define FP4C_ROUTE_UNSCALE 0.5f  // 2^(S_route - S): pairs are e2m1 * sf * 2^-6 (pair_scale)
 #define FP4C_V_SEL_HI 0x7362u  // a.b2, b.b2, a.b3, b.b3
 #else
 FP4C_DEVICE u32 e2m1_pair(u32 x, int p) {
@@ -184,6 +185,7 @@ FP4C_DEVICE void e2m1_pairs(u32 x, u32* r) {
   r[3] = (((x << 3) & 0x00400040u) | (x & 0x00070007u)) << 9;
 }
 #define FP4C_V_SEL_LO 0x5410u  // a.b0, a.b1, b.b0, b.b1
+#define FP4C_ROUTE_UNSCALE 1.0f  // pairs are e2m1 * sf * 2^-S (pair_scale)
 #define FP4C_V_SEL_HI 0x7632u  // a.b2, a.b3, b.b2, b.b3
 #endif
 
@@ -193,15 +195,16 @@ FP4C_DEVICE u32 v_pair_word(u32 a, u32 b, int hh) {
 }
 
 // pair_scale: the f16 pair of the two E4M3 bytes of x = 0xHHLL (any sign; 0x7F / 0xFF give
-// NaN) times 2^(-S - E), exact.  sm_89+: the conversion instruction, then one exact
-// multiply (FP4C_PAIR_SCALE_E4M3 = 2^(6 - S)).  Else by bits: (b & 0x7F) << 7 is the f16 of
-// |sf| * 2^-8 (E4M3 and f16 subnormals line up) and the multiply by FP4C_PAIR_SCALE_BITS =
-// 2^(22 - S) is exact.
+// NaN) times 2^(-S_route - E), exact.  sm_89+: the conversion instruction alone (S_route =
+// 6: no multiply; the kernels take the route's 2^(S_route - S) = 2^-1 into their score
+// and output scales, FP4C_ROUTE_UNSCALE, exact).  Else by bits: (b & 0x7F) << 7 is the f16
+// of |sf| * 2^-8 (E4M3 and f16 subnormals line up) and the multiply by
+// FP4C_PAIR_SCALE_BITS = 2^(22 - S) is exact (S_route = S).
 FP4C_DEVICE u32 pair_scale(u32 x) {
 #if FP4C_ATTN_E4M3
   u32 h;
   asm("cvt.rn.f16x2.e4m3x2 %0, %1;" : "=r"(h) : "h"((unsigned short)x));
-  return hmul2(h, FP4C_PAIR_SCALE_E4M3);
+  return h;
 #else
   x = __byte_perm(x, 0u, 0x4140u);  // 0x00HH00LL
   const u32 mag = x & 0x007F007Fu;

@@ -85,7 +85,8 @@
 // Host-checked table of the decode (tests/test_gpu_attention.py; a test-only kernel, built
 // only by _kernels.attn_dequant_table_spec): out[(p*2 + half)*4096 + code*256 + byte] = the
 // f32 value of half `half` of pair p of the word holding `code` in every nibble, times the
-// scale pair of `byte`: e2m1(code) * e4m3(byte) * 2^-FP4C_PAIR_SCALE_SHIFT exactly.
+// scale pair of `byte`: e2m1(code) * e4m3(byte) * 2^-FP4C_PAIR_SCALE_SHIFT exactly (the
+// route's pairs times FP4C_ROUTE_UNSCALE).
 // Entries are NaN where e2m1_pair and e2m1_pairs disagree or where `code` alone at nibble
 // pair_nibble(p, half) does not land in that half of pair p (zeros everywhere else).
 FP4C_DEVICE void attn_dequant_table(float* out) {
@@ -110,8 +111,8 @@ FP4C_DEVICE void attn_dequant_table(float* out) {
       if (!ok) e[p] |= half ? 0x7FFF0000u : 0x00007FFFu;  // NaN in that half
     }
     const u32 v = hmul2(e[p], sf);
-    out[(p * 2 + 0) * 4096 + i] = f16_bits_to_float(v & 0xFFFFu);
-    out[(p * 2 + 1) * 4096 + i] = f16_bits_to_float(v >> 16);
+    out[(p * 2 + 0) * 4096 + i] = f_mul(f16_bits_to_float(v & 0xFFFFu), FP4C_ROUTE_UNSCALE);
+    out[(p * 2 + 1) * 4096 + i] = f_mul(f16_bits_to_float(v >> 16), FP4C_ROUTE_UNSCALE);
   }
 }
 
@@ -1145,7 +1146,7 @@ FP4C_DEVICE void decode_attn_impl(const void* __restrict__ q, const void* __rest
   if constexpr (PAGED16) first = first_chunk<D>(S, s0, cap < 0xFFFFFFFFll ? (u32)cap : ~0u);
   QFrag<D, NC, SPLIT> Q;
   RowState<D, NC> St;
-  load_q<T, D, NC, SPLIT>(q, R, P.qk_scale, Q, St);
+  load_q<T, D, NC, SPLIT>(q, R, f_mul(P.qk_scale, FP4C_ROUTE_UNSCALE), Q, St);
   if (s0 < len) {
     // the columns' key limits, then the keys of this split
     const u32 c = threadIdx.x & 3u;
@@ -1184,7 +1185,8 @@ FP4C_DEVICE void decode_attn_impl(const void* __restrict__ q, const void* __rest
     }
     __syncthreads();
   }
-  write_rows<T, D, FP4C_ATTN_THREADS>(R, 0u, R.rows, s_o, s_M, s_L, P.out_scale, out, lse);
+  write_rows<T, D, FP4C_ATTN_THREADS>(R, 0u, R.rows, s_o, s_M, s_L,
+                                      f_mul(P.out_scale, FP4C_ROUTE_UNSCALE), out, lse);
 }
 
 #define FP4C_ATTN_PARAMS                                                                  \

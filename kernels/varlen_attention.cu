@@ -208,7 +208,8 @@ FP4C_DEVICE void load_q(const void* q, const VlWork& W, const VarlenParams& P, u
         sql[j * LD + col0 + 32u * k] = (u16)pack2(f16_t(), f_sub(v, lo_of(f16_t(), h2)), 0.0f);
     }
     if (lane == 0u) {
-      s_rsc[j] = f_mul(P.qk_scale, __uint_as_float((u32)(127 + e) << 23));
+      s_rsc[j] = f_mul(f_mul(P.qk_scale, FP4C_ROUTE_UNSCALE),
+                       __uint_as_float((u32)(127 + e) << 23));
       s_lim[j] = live ? row_limit(W, tok, P.causal) : 0u;
     }
   }
@@ -557,7 +558,8 @@ FP4C_DEVICE void vl_finish(const VlWork& W, const VarlenParams& P, float (*s_o)[
       return;
   }
   const RowMap R{W.qs0, 0u, 0u, P.group, P.H * P.group, W.h * P.group, P.causal};
-  write_rows<T, D, FP4C_VL_THREADS>(R, W.r0, W.rows_here, s_o, s_M, s_L, P.out_scale, out, lse);
+  write_rows<T, D, FP4C_VL_THREADS>(R, W.r0, W.rows_here, s_o, s_M, s_L,
+                                    f_mul(P.out_scale, FP4C_ROUTE_UNSCALE), out, lse);
 }
 
 // ---------------------------------------------------------------------------------------

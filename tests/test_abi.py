@@ -87,13 +87,16 @@ def test_shared_sizes_come_from_abi():
         assert f"#define FP4C_{name} {value}\n" in head
         for f in K.kernel_dir().iterdir():
             assert f"#define FP4C_{name} " not in f.read_text(), f.name
-    # pair_scale's multipliers: f16x2 of 2^(6 - S) (E4M3 route) and 2^(22 - S) (bits)
+    # pair_scale's multiplier of the bit route: f16x2 of 2^(22 - S); the E4M3 route has none
+    # (its pairs are 2^(S - 6) larger: FP4C_ROUTE_UNSCALE in attn_common.cuh)
     S = _abi.PAIR_SCALE_SHIFT
-    for name, exp in (("E4M3", 6 - S), ("BITS", 22 - S)):
-        m = re.search(rf"#define FP4C_PAIR_SCALE_{name} (0x[0-9a-f]+)u", head)
-        word = int(m.group(1), 16)
-        halves = np.array([word & 0xFFFF, word >> 16], dtype=np.uint16).view(np.float16)
-        assert (halves.astype(np.float64) == 2.0 ** exp).all()
+    m = re.search(r"#define FP4C_PAIR_SCALE_BITS (0x[0-9a-f]+)u", head)
+    word = int(m.group(1), 16)
+    halves = np.array([word & 0xFFFF, word >> 16], dtype=np.uint16).view(np.float16)
+    assert (halves.astype(np.float64) == 2.0 ** (22 - S)).all()
+    assert "FP4C_PAIR_SCALE_E4M3" not in head
+    common = (K.kernel_dir() / "attn_common.cuh").read_text()
+    assert f"#define FP4C_ROUTE_UNSCALE {2.0 ** (6 - S)}f" in common
 
 
 def test_every_shipped_store_shape_is_compiled_in_ci():
