@@ -229,6 +229,46 @@ FP4C_DEVICE void ldmatrix_x4_trans(u32 addr, u32 (&r)[4]) {
 }
 
 // ---------------------------------------------------------------------------------------
+// q's per-row scale and the merge of partial softmax states (both attention kernels)
+// ---------------------------------------------------------------------------------------
+// q is rounded to f16 per row after a multiply by a power of two, `q`, that brings the row's
+// largest |value| mx into [2^14, 2^15) (exact for bf16 components within 2^29 of it); the
+// row's score scale, `score`, undoes it: the host's qk_scale times the decode route's
+// FP4C_ROUTE_UNSCALE (both exact).
+struct QRowScale {
+  float q, score;
+};
+FP4C_DEVICE QRowScale q_row_scale(float mx, float qk_scale) {
+  int e = 0;
+  const u32 mb = __float_as_uint(mx);
+  if (mb != 0u && mb < 0x7F800000u) {
+    e = (int)(mb >> 23) - 127 - 14;  // mx * 2^-e in [2^14, 2^15) (normal mx)
+    e = max(-100, min(100, e));
+  }
+  return QRowScale{__uint_as_float((u32)(127 - e) << 23),
+                   f_mul(f_mul(qk_scale, FP4C_ROUTE_UNSCALE),
+                         __uint_as_float((u32)(127 + e) << 23))};
+}
+
+// The factor of a partial state of running maximum m in a merge to the maximum M (0 for a
+// state that saw no key, m = -inf)
+FP4C_DEVICE float merge_weight(float m, float M) {
+  return is_neg_inf(m) ? 0.0f : a_ex2(f_sub(m, M));
+}
+// (M, L) of row `row` from N partial states (s_m[k][row], s_l[k][row]): M = their largest m,
+// L = sum l_k 2^(m_k - M)
+template <int N, int S>
+FP4C_DEVICE void merge_row(const float (*s_m)[S], const float (*s_l)[S], u32 row, float& M,
+                           float& L) {
+  M = FP4C_NEG_INF;
+#pragma unroll
+  for (int k = 0; k < N; ++k) M = f_max(M, s_m[k][row]);
+  L = 0.0f;
+#pragma unroll
+  for (int k = 0; k < N; ++k) L = f_fma(s_l[k][row], merge_weight(s_m[k][row], M), L);
+}
+
+// ---------------------------------------------------------------------------------------
 // Rows of a CTA: (query token, query head) pairs of one sequence and KV head
 // ---------------------------------------------------------------------------------------
 // Row r is query token t = r / group of the sequence (q / out row tok0 + t) and query head
@@ -348,7 +388,7 @@ __device__ __noinline__ bool merge_splits(const SplitSet& set, float (*s_o)[D + 
     for (int i = 0; i < kPer; ++i) {
       const u32 s = lane + 32u * i;
       if (s < W.used) {
-        const float ws = is_neg_inf(ms[i]) ? 0.0f : a_ex2(f_sub(ms[i], M));
+        const float ws = merge_weight(ms[i], M);
         s_w[row][s] = ws;
         L = f_fma(ls[i], ws, L);
       }
@@ -396,7 +436,8 @@ __device__ __noinline__ bool merge_splits(const SplitSet& set, float (*s_o)[D + 
   return true;
 }
 
-// write out: out = O / L * out_scale (v_scale * 2^FP4C_PAIR_SCALE_SHIFT) and lse = (M +
+// write out: out = O / L * out_scale (v_scale * 2^FP4C_PAIR_SCALE_SHIFT, from the host; times
+// the decode route's FP4C_ROUTE_UNSCALE here, exact) and lse = (M +
 // log2 L) ln 2 for rows r0 .. r0 + rows - 1 of the map (s_o, s_M, s_L rows 0 .. rows - 1);
 // a row that saw no key (L = +0: bit compare, CuPy compiles with -ftz) gives 0 and -inf,
 // a NaN L (a bad page) NaN.
@@ -407,13 +448,14 @@ FP4C_DEVICE void write_rows(const RowMap& R, u32 r0, u32 rows, const float (*s_o
   // four consecutive values per thread and step: one 8-byte (16-bit types) or 16-byte
   // store where `out` is aligned to it (the row offsets are: D is a multiple of 64)
   const bool vec = ((u64)out & (4u * T::kBytes - 1u)) == 0u;
+  const float scale = f_mul(out_scale, FP4C_ROUTE_UNSCALE);
   for (u32 k = 4u * threadIdx.x; k < rows * D; k += 4u * THREADS) {
     const u32 row = k / D, d = k - row * D;
     const float L = s_L[row];
     float v[4];
 #pragma unroll
     for (int e = 0; e < 4; ++e)
-      v[e] = __float_as_uint(L) == 0u ? 0.0f : f_mul(f_div(s_o[row][d + e], L), out_scale);
+      v[e] = __float_as_uint(L) == 0u ? 0.0f : f_mul(f_div(s_o[row][d + e], L), scale);
     char* dst = (char*)out + (row_of(R, r0 + row) * D + d) * T::kBytes;
     if (vec) {
       if constexpr (T::kBytes == 2) {

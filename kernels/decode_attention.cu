@@ -594,14 +594,9 @@ FP4C_DEVICE void load_q(const void* __restrict__ q, const RowMap& R, float qk_sc
     for (int k = 0; k < D / 4; ++k) mx = f_max(mx, f_abs(x[nc][k]));
     mx = f_max(mx, __shfl_xor_sync(0xFFFFFFFFu, mx, 1));
     mx = f_max(mx, __shfl_xor_sync(0xFFFFFFFFu, mx, 2));
-    int e = 0;
-    const u32 mb = __float_as_uint(mx);
-    if (mb != 0u && mb < 0x7F800000u) {
-      e = (int)(mb >> 23) - 127 - 14;  // mx * 2^-e in [2^14, 2^15) (normal mx)
-      e = max(-100, min(100, e));
-    }
-    const float qscale = __uint_as_float((u32)(127 - e) << 23);
-    rsc[nc] = f_mul(qk_scale, __uint_as_float((u32)(127 + e) << 23));
+    const QRowScale rs = q_row_scale(mx, qk_scale);
+    const float qscale = rs.q;
+    rsc[nc] = rs.score;
 #pragma unroll
     for (int j = 0; j < A::KS; ++j) {
       const int w = j >> 1, p0 = 2 * (j & 1);
@@ -990,7 +985,7 @@ FP4C_DEVICE void merge_warps(RowState<D, NC>& St, u32 rows, u8* s_raw,
     float M = FP4C_NEG_INF;
 #pragma unroll
     for (int w = 0; w < FP4C_ATTN_WARPS; ++w) M = f_max(M, s_m[w][col]);
-    f[k] = is_neg_inf(St.m[k]) ? 0.0f : a_ex2(f_sub(St.m[k], M));  // (m >= M0: as grow)
+    f[k] = merge_weight(St.m[k], M);  // (m >= M0: as grow)
   }
   float(*mine)[D + 1] = slab(warp % MD::kSlabs);
 #pragma unroll
@@ -1024,16 +1019,8 @@ FP4C_DEVICE void merge_warps(RowState<D, NC>& St, u32 rows, u8* s_raw,
   }
   if (threadIdx.x < rows) {
     const u32 row = threadIdx.x;
-    float M = FP4C_NEG_INF;
-#pragma unroll
-    for (int w = 0; w < FP4C_ATTN_WARPS; ++w) M = f_max(M, s_m[w][row]);
-    float L = 0.0f;
-#pragma unroll
-    for (int w = 0; w < FP4C_ATTN_WARPS; ++w) {
-      const float mw = s_m[w][row];
-      const float fw = is_neg_inf(mw) ? 0.0f : a_ex2(f_sub(mw, M));
-      L = f_fma(s_l[w][row], fw, L);
-    }
+    float M, L;
+    merge_row<FP4C_ATTN_WARPS>(s_m, s_l, row, M, L);
     if (s_flag) L = FP4C_NAN;
     s_M[row] = M;
     s_L[row] = L;
@@ -1146,7 +1133,7 @@ FP4C_DEVICE void decode_attn_impl(const void* __restrict__ q, const void* __rest
   if constexpr (PAGED16) first = first_chunk<D>(S, s0, cap < 0xFFFFFFFFll ? (u32)cap : ~0u);
   QFrag<D, NC, SPLIT> Q;
   RowState<D, NC> St;
-  load_q<T, D, NC, SPLIT>(q, R, f_mul(P.qk_scale, FP4C_ROUTE_UNSCALE), Q, St);
+  load_q<T, D, NC, SPLIT>(q, R, P.qk_scale, Q, St);
   if (s0 < len) {
     // the columns' key limits, then the keys of this split
     const u32 c = threadIdx.x & 3u;
@@ -1185,8 +1172,7 @@ FP4C_DEVICE void decode_attn_impl(const void* __restrict__ q, const void* __rest
     }
     __syncthreads();
   }
-  write_rows<T, D, FP4C_ATTN_THREADS>(R, 0u, R.rows, s_o, s_M, s_L,
-                                      f_mul(P.out_scale, FP4C_ROUTE_UNSCALE), out, lse);
+  write_rows<T, D, FP4C_ATTN_THREADS>(R, 0u, R.rows, s_o, s_M, s_L, P.out_scale, out, lse);
 }
 
 #define FP4C_ATTN_PARAMS                                                                  \

@@ -192,13 +192,8 @@ FP4C_DEVICE void load_q(const void* q, const VlWork& W, const VarlenParams& P, u
     }
 #pragma unroll
     for (int o = 16; o >= 1; o >>= 1) mx = f_max(mx, __shfl_xor_sync(0xFFFFFFFFu, mx, o));
-    int e = 0;
-    const u32 mb = __float_as_uint(mx);
-    if (mb != 0u && mb < 0x7F800000u) {
-      e = (int)(mb >> 23) - 127 - 14;  // mx * 2^-e in [2^14, 2^15) (normal mx)
-      e = max(-100, min(100, e));
-    }
-    const float qscale = __uint_as_float((u32)(127 - e) << 23);
+    const QRowScale rs = q_row_scale(mx, P.qk_scale);
+    const float qscale = rs.q;
 #pragma unroll
     for (int k = 0; k < D / 32; ++k) {
       const float v = f_mul(x[k], qscale);
@@ -208,8 +203,7 @@ FP4C_DEVICE void load_q(const void* q, const VlWork& W, const VarlenParams& P, u
         sql[j * LD + col0 + 32u * k] = (u16)pack2(f16_t(), f_sub(v, lo_of(f16_t(), h2)), 0.0f);
     }
     if (lane == 0u) {
-      s_rsc[j] = f_mul(f_mul(P.qk_scale, FP4C_ROUTE_UNSCALE),
-                       __uint_as_float((u32)(127 + e) << 23));
+      s_rsc[j] = rs.score;
       s_lim[j] = live ? row_limit(W, tok, P.causal) : 0u;
     }
   }
@@ -491,7 +485,7 @@ FP4C_DEVICE void vl_merge_warps(VlRowState<D>& st, float (*s_o)[D + 1],
     float M = FP4C_NEG_INF;
 #pragma unroll
     for (int k = 0; k < KW; ++k) M = f_max(M, s_m[k][16u * mw + g + 8u * r]);
-    f[r] = is_neg_inf(st.m[r]) ? 0.0f : a_ex2(f_sub(st.m[r], M));
+    f[r] = merge_weight(st.m[r], M);
   }
 #pragma unroll
   for (int k = 0; k < KW; ++k) {
@@ -511,15 +505,8 @@ FP4C_DEVICE void vl_merge_warps(VlRowState<D>& st, float (*s_o)[D + 1],
   }
   if (threadIdx.x < (u32)ROWS) {
     const u32 row = threadIdx.x;
-    float M = FP4C_NEG_INF;
-#pragma unroll
-    for (int k = 0; k < KW; ++k) M = f_max(M, s_m[k][row]);
-    float L = 0.0f;
-#pragma unroll
-    for (int k = 0; k < KW; ++k) {
-      const float mk = s_m[k][row];
-      L = f_fma(s_l[k][row], is_neg_inf(mk) ? 0.0f : a_ex2(f_sub(mk, M)), L);
-    }
+    float M, L;
+    merge_row<KW>(s_m, s_l, row, M, L);
     if (nan_key < s_lim[row]) L = FP4C_NAN;
     s_M[row] = M;
     s_L[row] = L;
@@ -558,8 +545,7 @@ FP4C_DEVICE void vl_finish(const VlWork& W, const VarlenParams& P, float (*s_o)[
       return;
   }
   const RowMap R{W.qs0, 0u, 0u, P.group, P.H * P.group, W.h * P.group, P.causal};
-  write_rows<T, D, FP4C_VL_THREADS>(R, W.r0, W.rows_here, s_o, s_M, s_L,
-                                    f_mul(P.out_scale, FP4C_ROUTE_UNSCALE), out, lse);
+  write_rows<T, D, FP4C_VL_THREADS>(R, W.r0, W.rows_here, s_o, s_M, s_L, P.out_scale, out, lse);
 }
 
 // ---------------------------------------------------------------------------------------
