@@ -25,6 +25,8 @@ import pytest
 pytestmark = pytest.mark.gpu
 cp = pytest.importorskip("cupy")
 
+from nvfp4_ref import paged_attention_f64  # noqa: E402
+
 import fp4cache  # noqa: E402
 from fp4cache import _abi  # noqa: E402
 from fp4cache import _cupy_attention as ca  # noqa: E402
@@ -79,36 +81,10 @@ def tables_for(rng, lens, T, num_blocks, max_blocks, itype=np.int32):
 
 
 def reference(kd, vd, q, tab, lens, T, sm_scale, num_blocks):
-    """float64 attention over the decoded values; (out, lse); NaN rows for bad ids."""
-    q = q.astype(np.float64)
-    B, Hq, D = q.shape
-    H = kd.shape[1]
-    g = Hq // H
-    out = np.zeros((B, Hq, D))
-    lse = np.full((B, Hq), -np.inf)
-    cap = tab.shape[1] * T
-    for b in range(B):
-        L = int(min(max(int(lens[b]), 0), cap))
-        if L == 0:
-            continue
-        i = np.arange(L)
-        ids = tab[b, i // T].astype(np.int64)
-        bad = (ids < 0) | (ids >= num_blocks)
-        rows = np.where(bad, 0, ids) * T + i % T
-        K, V = kd[rows], vd[rows]  # (L, H, D)
-        for h in range(H):
-            qs = q[b, h * g:(h + 1) * g]  # (g, D)
-            with np.errstate(invalid="ignore", over="ignore"):
-                s = (qs @ K[:, h].T) * sm_scale  # (g, L)
-                m = s.max(axis=1, keepdims=True)
-                p = np.exp(s - m)
-                den = p.sum(axis=1, keepdims=True)
-                out[b, h * g:(h + 1) * g] = (p @ V[:, h]) / den
-                lse[b, h * g:(h + 1) * g] = (m + np.log(den))[:, 0]
-            if bad.any():
-                out[b, h * g:(h + 1) * g] = np.nan
-                lse[b, h * g:(h + 1) * g] = np.nan
-    return out, lse
+    """float64 attention over the decoded values; (out, lse); NaN rows for bad ids (one query
+    token per sequence of ``nvfp4_ref.paged_attention_f64``)."""
+    return paged_attention_f64(kd, vd, q, np.arange(q.shape[0] + 1), tab, lens, T, sm_scale,
+                               num_blocks, False)
 
 
 def poisoned(shape, dtype):

@@ -24,6 +24,7 @@ import pytest
 pytestmark = pytest.mark.gpu
 cp = pytest.importorskip("cupy")
 
+from nvfp4_ref import paged_attention_f64 as reference  # noqa: E402
 from test_gpu_attention import BF16, DT, check, make_cache, poisoned, tables_for  # noqa: E402
 
 from fp4cache import _abi  # noqa: E402
@@ -39,47 +40,6 @@ def make_q(rng, N, Hq, D, dtname):
 
 def qsl_of(ns, dtype=np.int32):
     return np.concatenate([[0], np.cumsum(ns)]).astype(dtype)
-
-
-def reference(kd, vd, q, qsl, tab, lens, T, sm_scale, num_blocks, causal):
-    """float64 attention of each row over the keys it sees; (out (N, Hq, D), lse (N, Hq))."""
-    q = q.astype(np.float64)
-    N, Hq, D = q.shape
-    H = kd.shape[1]
-    g = Hq // H
-    out = np.zeros((N, Hq, D))
-    lse = np.full((N, Hq), -np.inf)
-    cap = tab.shape[1] * T
-    for b in range(len(qsl) - 1):
-        s0, s1 = int(qsl[b]), int(qsl[b + 1])
-        n = s1 - s0
-        if n <= 0:
-            continue
-        L = int(min(max(int(lens[b]), 0), cap))
-        i = np.arange(L)
-        ids = tab[b, i // T].astype(np.int64) if L else np.zeros(0, np.int64)
-        bad = (ids < 0) | (ids >= num_blocks)
-        rows = np.where(bad, 0, ids) * T + i % T
-        K, V = kd[rows].copy(), vd[rows].copy()  # (L, H, D)
-        K[bad] = np.nan  # a bad page's keys: NaN scores -> NaN rows
-        for t in range(n):
-            lim = max(0, L - n + t + 1) if causal else L
-            if lim == 0:
-                continue
-            for h in range(H):
-                qs = q[s0 + t, h * g:(h + 1) * g]  # (g, D)
-                Vh = V[:lim, h].copy()
-                nanv = np.isnan(Vh)
-                with np.errstate(invalid="ignore", over="ignore"):
-                    s = (qs @ K[:lim, h].T) * sm_scale  # (g, lim)
-                    m = s.max(axis=1, keepdims=True)
-                    p = np.exp(s - m)
-                    den = p.sum(axis=1, keepdims=True)
-                    o = (p @ np.where(nanv, 0.0, Vh)) / den
-                o[:, nanv.any(axis=0)] = np.nan
-                out[s0 + t, h * g:(h + 1) * g] = o
-                lse[s0 + t, h * g:(h + 1) * g] = (m + np.log(den))[:, 0]
-    return out, lse
 
 
 def run(cache, q, qsl, tab, lens, *, max_query_len, causal, sm_scale=None, scratch=None,
