@@ -47,7 +47,7 @@ def test_by_value_takes_one_element_and_copies_it():
         assert isinstance(arg, CPointer)
 
 
-@pytest.mark.skipif(not gpu_available(), reason="needs a GPU")
+@pytest.mark.gpu
 def test_by_value_struct_reaches_the_kernel():
     import cupy
 
