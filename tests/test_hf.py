@@ -1,0 +1,340 @@
+"""``fp4cache.hf``: the transformers Cache over NVFP4 pages and the ``"fp4cache"`` attention.
+
+Tiny random-weight models built from configs (no download): Llama, Qwen2 and Mistral-style,
+GQA 1, 3 and 4, head_dim 64 and 128.  The fused path (``attn_implementation="fp4cache"``,
+attention read from the pages) is compared with transformers' sdpa over the same cache's
+dequantized K/V (the values the fused attention reads): the tokens must agree exactly and
+the logits within float32 attention tolerance (the two differ only in the order of the
+float32 sums, amplified through the layers: 2e-3 relative to the largest logit).
+The GPU cases run the same comparisons on CUDA tensors against the CPU backend.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch", reason="fp4cache.hf needs the 'hf' extra (torch)")
+transformers = pytest.importorskip("transformers",
+                                   reason="fp4cache.hf needs the 'hf' extra (transformers)")
+
+import fp4cache.hf as fh  # noqa: E402
+from fp4cache import gpu_available  # noqa: E402
+
+LOGIT_RTOL = 2e-3  # of the largest |logit|: float32 attention sums in another order
+
+
+def _config(kind: str, *, heads=8, kv_heads=2, head_dim=64, layers=2, vocab=96):
+    common = dict(vocab_size=vocab, hidden_size=heads * head_dim // 2, intermediate_size=128,
+                  num_hidden_layers=layers, num_attention_heads=heads,
+                  num_key_value_heads=kv_heads, head_dim=head_dim,
+                  max_position_embeddings=512, pad_token_id=0)
+    if kind == "llama":
+        return transformers.LlamaConfig(**common)
+    if kind == "qwen2":
+        return transformers.Qwen2Config(**common, use_sliding_window=False)
+    if kind == "mistral":
+        return transformers.MistralConfig(**common, sliding_window=None)
+    raise ValueError(kind)
+
+
+def _model(cfg, impl: str, device="cpu", dtype=torch.float32):
+    torch.manual_seed(0)  # the same weights for every model of one config
+    model = transformers.AutoModelForCausalLM.from_config(copy.deepcopy(cfg), dtype=dtype)
+    model = model.to(device).eval()
+    model.set_attn_implementation(impl)
+    return model
+
+
+def _greedy(model, cache, ids, steps, mask=None):
+    """Prefill, then ``steps`` greedy decode steps by hand: (tokens, logits per step)."""
+    logits, tokens = [], []
+    pos = None if mask is None else (mask.cumsum(1) - 1).clamp(min=0)  # as generate does
+    with torch.no_grad():
+        out = model(input_ids=ids, attention_mask=mask, position_ids=pos, past_key_values=cache,
+                    use_cache=True)
+        for _ in range(steps):
+            last = out.logits[:, -1].float()
+            logits.append(last)
+            nxt = last.argmax(-1, keepdim=True)
+            tokens.append(nxt)
+            if mask is not None:
+                mask = torch.cat([mask, torch.ones_like(nxt)], dim=1)
+                pos = pos[:, -1:] + 1
+            out = model(input_ids=nxt, attention_mask=mask, position_ids=pos,
+                        past_key_values=cache, use_cache=True)
+    return torch.cat(tokens, 1), torch.stack(logits, 1)
+
+
+def _close(a, b, rtol=LOGIT_RTOL):
+    scale = float(b.abs().max())
+    err = float((a - b).abs().max())
+    assert err <= rtol * scale, f"max |logit diff| {err:.3g} > {rtol} x {scale:.3g}"
+
+
+CASES = [("llama", 8, 2, 64), ("qwen2", 6, 2, 128), ("mistral", 4, 4, 64),
+         ("llama", 12, 4, 128)]  # GQA 4, 3, 1, 3; head_dim 64 and 128
+
+
+@pytest.mark.parametrize("kind,heads,kv_heads,head_dim", CASES)
+def test_fused_equals_sdpa_over_the_dequantized_cache(kind, heads, kv_heads, head_dim):
+    cfg = _config(kind, heads=heads, kv_heads=kv_heads, head_dim=head_dim)
+    fused, ref = _model(cfg, "fp4cache"), _model(cfg, "sdpa")
+    ids = torch.randint(1, cfg.vocab_size, (2, 19), generator=torch.Generator().manual_seed(1))
+    c_f = fh.FP4Cache(fused.config, 2, 64, device="cpu")
+    c_r = fh.FP4Cache(ref.config, 2, 64, device="cpu")
+    t_f, l_f = _greedy(fused, c_f, ids, 20)
+    t_r, l_r = _greedy(ref, c_r, ids, 20)
+    assert torch.equal(t_f, t_r)
+    _close(l_f, l_r)
+    # Layer 0's K/V depend on the embeddings only: both caches hold the same bytes there.
+    p_f, p_r = c_f.layers[0].pages, c_r.layers[0].pages
+    used = np.arange(2)[:, None] * c_f.pages_per_row + np.arange(-(-39 // 16))
+    assert np.array_equal(p_f.buffer[used.ravel()], p_r.buffer[used.ravel()])
+    assert c_f.get_seq_length() == c_r.get_seq_length() == 19 + 20
+    assert c_f.layers[0].mode == "fused" and c_r.layers[0].mode == "dequantize"
+
+
+def test_dequantize_mode_returns_the_cache_contents():
+    cfg = _config("llama")
+    model = _model(cfg, "eager")
+    cache = fh.FP4Cache(model.config, 1, 32, device="cpu")
+    k = torch.randn(1, 2, 5, 64)
+    v = torch.randn(1, 2, 5, 64)
+    kk, vv = cache.update(k, v, 0)
+    assert kk.shape == (1, 2, 5, 64) and kk.dtype == torch.float32
+    ref_k, ref_v = cache.layers[0].pages.gather_dequant(np.array([0]), dtype="float32")
+    assert torch.equal(kk[0].transpose(0, 1), torch.from_numpy(ref_k[:5]))
+    assert torch.equal(vv[0].transpose(0, 1), torch.from_numpy(ref_v[:5]))
+    assert float((kk - k).abs().max()) < 0.5 * float(k.abs().max())  # NVFP4, not garbage
+
+
+def test_left_padded_batch_equals_the_prompts_one_by_one():
+    cfg = _config("llama", heads=6, kv_heads=2)
+    model = _model(cfg, "fp4cache")
+    g = torch.Generator().manual_seed(2)
+    a = torch.randint(1, cfg.vocab_size, (1, 21), generator=g)
+    b = torch.randint(1, cfg.vocab_size, (1, 13), generator=g)
+    ids = torch.zeros(2, 21, dtype=torch.long)
+    mask = torch.zeros(2, 21, dtype=torch.long)
+    ids[0], mask[0] = a[0], 1
+    ids[1, 8:], mask[1, 8:] = b[0], 1
+    cache = fh.FP4Cache(model.config, 2, 48, device="cpu")
+    t, logits = _greedy(model, cache, ids, 12, mask)
+    # the pages of row 1 hold its 13 + 12 real tokens only, from its first page on
+    assert cache.layers[1].lens[:2].tolist() == [21 + 12, 13 + 12]
+    for row, prompt in ((0, a), (1, b)):
+        alone = fh.FP4Cache(model.config, 1, 48, device="cpu")
+        t1, l1 = _greedy(model, alone, prompt, 12)
+        assert torch.equal(t[row], t1[0])
+        _close(logits[row], l1[0])
+
+
+def test_generate_greedy_sampling_reset_and_reuse():
+    cfg = _config("qwen2", heads=4, kv_heads=2)
+    model = _model(cfg, "fp4cache")
+    ids = torch.randint(1, cfg.vocab_size, (2, 9), generator=torch.Generator().manual_seed(3))
+    mask = torch.ones_like(ids)
+    mask[0, :3] = 0
+    cache = fh.FP4Cache(model.config, 2, 40, device="cpu")
+    kw = dict(attention_mask=mask, past_key_values=cache, max_new_tokens=8, pad_token_id=0)
+    first = model.generate(ids, do_sample=False, **kw)
+    assert first.shape == (2, 17)
+    cache.reset()
+    assert cache.get_seq_length() == 0 and not cache.layers[0].lens.any()
+    again = model.generate(ids, do_sample=False, **kw)
+    assert torch.equal(first, again)
+    cache.reset()
+    torch.manual_seed(5)
+    sampled = model.generate(ids, do_sample=True, top_k=5, **kw)
+    cache.reset()
+    torch.manual_seed(5)
+    assert torch.equal(sampled, model.generate(ids, do_sample=True, top_k=5, **kw))
+
+
+def test_one_plan_per_step_for_all_layers(monkeypatch):
+    cfg = _config("llama", layers=4)
+    model = _model(cfg, "fp4cache")
+    cache = fh.FP4Cache(model.config, 2, 32, device="cpu")
+    made = []
+    real = fh._Step.__init__
+
+    def counting(self, *a):
+        made.append(1)
+        real(self, *a)
+
+    monkeypatch.setattr(fh._Step, "__init__", counting)
+    ids = torch.randint(1, cfg.vocab_size, (2, 5))
+    _greedy(model, cache, ids, 3, torch.ones_like(ids))
+    assert len(made) == 4  # prefill + 3 steps, not 4 layers x 4
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_precision_models(dtype):
+    cfg = _config("llama")
+    fused, ref = _model(cfg, "fp4cache", dtype=dtype), _model(cfg, "sdpa", dtype=dtype)
+    ids = torch.randint(1, cfg.vocab_size, (1, 11), generator=torch.Generator().manual_seed(4))
+    t_f, l_f = _greedy(fused, fh.FP4Cache(fused.config, 1, 32, device="cpu"), ids, 6)
+    t_r, l_r = _greedy(ref, fh.FP4Cache(ref.config, 1, 32, device="cpu"), ids, 6)
+    _close(l_f, l_r, rtol=2e-2)  # the model itself runs in 16 bits
+
+
+def test_reorder_cache_copies_pages_of_repeated_rows():
+    cfg = _config("llama", layers=2)
+    cache = fh.FP4Cache(cfg, 3, 40, device="cpu")
+    rows = [torch.randn(1, 2, 20, 64) for _ in range(3)]
+    k = torch.cat(rows)
+    for layer in range(2):
+        cache.update(k, -k, layer)
+    before = [cache.update(k[:, :, :0], k[:, :, :0], 0)[0][r].clone() for r in range(3)]
+    buf1 = cache.layers[1].pages.buffer.copy()
+    cache.reorder_cache(torch.tensor([2, 2, 0]))
+    after = cache.update(k[:, :, :0], k[:, :, :0], 0)[0]
+    for r, src in enumerate([2, 2, 0]):
+        assert torch.equal(after[r], before[src])
+    # the pages of rows 0 and 2 (picked) did not move; row 1's free pages took the copy
+    p = cache.pages_per_row
+    keep = np.r_[0:2, 2 * p:2 * p + 2]
+    assert np.array_equal(cache.layers[1].pages.buffer[keep], buf1[keep])
+    assert cache._table[:3, 0].tolist() == [2 * p, p, 0]
+
+
+def test_calibrate_scales_per_layer():
+    cfg = _config("llama", layers=3)
+    model = _model(cfg, "fp4cache")
+    ids = torch.randint(1, cfg.vocab_size, (1, 24))
+    ks, vs = fh.calibrate_scales(model, ids, "4over6")
+    assert len(ks) == len(vs) == 3 and all(s > 0 for s in ks + vs)
+    assert model.config._attn_implementation == "fp4cache"  # restored
+    cache = transformers.DynamicCache()
+    sdpa = _model(cfg, "sdpa")
+    with torch.no_grad():
+        sdpa(input_ids=ids, past_key_values=cache)
+    k0 = cache.layers[1].keys.float().abs().max().item()
+    assert ks[1] == pytest.approx(k0 / (6 * 256), rel=1e-6)
+    c = fh.FP4Cache(model.config, 1, 32, k_scales=ks, v_scales=vs, device="cpu")
+    assert [layer.pages.k_scale for layer in c.layers] == pytest.approx(ks, rel=1e-7)
+
+
+def test_nbytes_and_compression():
+    cfg = _config("llama", heads=8, kv_heads=2, head_dim=128, layers=4)
+    cache = fh.FP4Cache(cfg, 4, 256, device="cpu")
+    bf16 = 4 * 256 * 2 * 128 * 2 * 2 * 4  # B x L x H x D x (K, V) x 2 bytes x layers
+    assert cache.nbytes == sum(layer.pages.nbytes for layer in cache.layers)
+    assert bf16 / cache.nbytes == pytest.approx(256 / 72, rel=1e-3)
+
+
+# -- errors: clear, and nothing in the cache changes ----------------------------------------
+def test_fp4cache_attention_without_an_fp4cache():
+    model = _model(_config("llama"), "fp4cache")
+    with pytest.raises(TypeError, match="FP4Cache"), torch.no_grad():
+        model(input_ids=torch.ones(1, 4, dtype=torch.long))
+
+
+def test_overflow_and_batch_errors_leave_the_pages():
+    model = _model(_config("llama"), "fp4cache")
+    cache = fh.FP4Cache(model.config, 1, 16, device="cpu")
+    with torch.no_grad():
+        model(input_ids=torch.ones(1, 10, dtype=torch.long), past_key_values=cache)
+        before = cache.layers[0].pages.buffer.copy()
+        with pytest.raises(ValueError, match="max_cache_len=16"):
+            model(input_ids=torch.ones(1, 7, dtype=torch.long), past_key_values=cache)
+        with pytest.raises(ValueError, match="max_batch_size=1"):
+            model(input_ids=torch.ones(2, 1, dtype=torch.long), past_key_values=cache)
+    assert np.array_equal(cache.layers[0].pages.buffer, before)
+    assert cache.get_seq_length() == 10
+
+
+def test_unsupported_features_raise():
+    cfg = _config("mistral")
+    cfg.sliding_window = 8
+    model = _model(cfg, "fp4cache")
+    cache = fh.FP4Cache(model.config, 1, 32, device="cpu")
+    with pytest.raises(NotImplementedError, match="causal|sliding"), torch.no_grad():
+        model(input_ids=torch.ones(1, 12, dtype=torch.long), past_key_values=cache)
+    llama = _model(_config("llama"), "fp4cache")
+    cache = fh.FP4Cache(llama.config, 1, 32, device="cpu")
+    mask4d = torch.ones(1, 1, 4, 4, dtype=torch.bool).tril()
+    with pytest.raises(NotImplementedError, match="mask"), torch.no_grad():
+        llama(input_ids=torch.ones(1, 4, dtype=torch.long), attention_mask=mask4d,
+              past_key_values=cache)
+    with pytest.raises(NotImplementedError):
+        cache.crop(2)
+    with pytest.raises(ValueError, match="max_cache_len"):
+        fh.FP4Cache(llama.config, 1, 0)
+    with pytest.raises(ValueError, match="k_scales"):
+        fh.FP4Cache(llama.config, 1, 8, k_scales=[1.0])
+
+
+def test_switching_attention_needs_a_reset():
+    model = _model(_config("llama"), "fp4cache")
+    cache = fh.FP4Cache(model.config, 1, 32, device="cpu")
+    ids = torch.ones(1, 4, dtype=torch.long)
+    with torch.no_grad():
+        model(input_ids=ids, past_key_values=cache)
+        model.set_attn_implementation("sdpa")
+        with pytest.raises(RuntimeError, match="reset"):
+            model(input_ids=ids, past_key_values=cache)
+        cache.reset()
+        model(input_ids=ids, past_key_values=cache)
+
+
+# -- GPU: CUDA tensors, the CuPy kernels, checked against the CPU backend -------------------
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("kind,heads,kv_heads,head_dim", CASES[:2])
+def test_gpu_fused_matches_the_cpu_backend(kind, heads, kv_heads, head_dim, dtype):
+    cfg = _config(kind, heads=heads, kv_heads=kv_heads, head_dim=head_dim)
+    gpu = _model(cfg, "fp4cache", device="cuda", dtype=dtype)
+    cpu = _model(cfg, "fp4cache", dtype=dtype)
+    ids = torch.randint(1, cfg.vocab_size, (2, 37), generator=torch.Generator().manual_seed(6))
+    mask = torch.ones_like(ids)
+    mask[1, :5] = 0
+    c_g = fh.FP4Cache(gpu.config, 2, 80, device="cuda")
+    c_c = fh.FP4Cache(cpu.config, 2, 80, device="cpu")
+    t_g, l_g = _greedy(gpu, c_g, ids.cuda(), 16, mask.cuda())
+    t_c, l_c = _greedy(cpu, c_c, ids, 16, mask)
+    # the matmuls of the model differ between devices; 16-bit models more so
+    _close(l_g.cpu(), l_c, rtol=2e-3 if dtype == torch.float32 else 3e-2)
+    assert c_g.layers[0].pages.device == "cuda"
+    k_g = c_g.layers[0].pages.buffer.get()
+    # layer 0: same K/V inputs up to the model's device arithmetic; the page bytes of the
+    # prompt agree where the inputs do (float32: all but rounding-boundary groups)
+    if dtype == torch.float32:
+        same = np.mean(k_g[:3] == c_c.layers[0].pages.buffer[:3])
+        assert same > 0.99
+
+
+@pytest.mark.gpu
+def test_gpu_generate_and_no_sync_without_a_mask():
+    cfg = _config("llama", heads=8, kv_heads=2, head_dim=128)
+    model = _model(cfg, "fp4cache", device="cuda", dtype=torch.bfloat16)
+    cache = fh.FP4Cache(model.config, 4, 96, device="cuda")
+    ids = torch.randint(1, cfg.vocab_size, (4, 30), device="cuda")
+    out = model.generate(ids, past_key_values=cache, max_new_tokens=16, do_sample=False,
+                         pad_token_id=0)
+    assert out.shape == (4, 46)
+    ref = _model(cfg, "sdpa", device="cuda", dtype=torch.bfloat16)
+    out_ref = ref.generate(ids, past_key_values=fh.FP4Cache(ref.config, 4, 96), max_new_tokens=16,
+                           do_sample=False, pad_token_id=0)
+    assert (out == out_ref).float().mean() > 0.9  # bf16 models: ties may break either way
+    # a decode step without a padding mask launches without a host synchronization
+    step = torch.ones(4, 1, dtype=torch.long, device="cuda")
+    with torch.no_grad():
+        model(input_ids=step, past_key_values=cache)  # warm the launches
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            model(input_ids=step, past_key_values=cache)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+
+
+@pytest.mark.gpu
+def test_gpu_cache_lives_on_the_model_device():
+    cfg = _config("llama")
+    cache = fh.FP4Cache(cfg, 1, 32, device="cuda:0")
+    assert cache.device == torch.device("cuda", 0)
+    assert all(layer.pages.device_id == 0 for layer in cache.layers)
+    assert gpu_available()
