@@ -160,8 +160,13 @@ def test_changelog_has_unreleased_and_the_current_version_with_numbers():
 
     text = (REPO / "CHANGELOG.md").read_text(encoding="utf-8")
     heads = [ln for ln in text.splitlines() if ln.startswith("## ")]
-    assert heads[0] == "## Unreleased", heads
-    assert heads[1].startswith(f"## {fp4cache.__version__} ("), heads
+    assert heads[0] == "## [Unreleased]", heads  # Keep a Changelog
+    assert re.fullmatch(rf"## \[{re.escape(fp4cache.__version__)}\] - \d{{4}}-\d{{2}}-\d{{2}}",
+                        heads[1]), heads
+    for section in text.split("\n## ")[1:]:
+        subs = [ln for ln in section.splitlines() if ln.startswith("### ")]
+        assert subs and set(subs) <= {"### Added", "### Changed", "### Deprecated",
+                                      "### Removed", "### Fixed", "### Security"}, subs
     current = text.split(heads[1], 1)[1]
     assert len(re.findall(r"\d µs", current)) >= 8, "the version's section quotes few timings"
     assert "% of copy" in current
