@@ -634,7 +634,7 @@ def test_store_unique_slots_refuses_repeats_when_validating(device, slots):
     assert bool((cache.buffer == plain.buffer).all()) and not bool((cache.buffer == before).all())
 
 
-# -- flags must be bools (issue 23) ---------------------------------------------------------
+# -- flags must be bools ----------------------------------------------------------------
 FLAG_CALLS = {
     "store-unique_slots": ("unique_slots", lambda c, x: c.cache.store(
         c.slots, c.k, c.v, unique_slots=x)),
@@ -682,7 +682,7 @@ def test_optional_flags_take_none_required_flags_do_not(device):
             call()
 
 
-# -- numbers must be numbers; lists name the parameter (issue 23) ---------------------------
+# -- numbers must be numbers; lists name the parameter ----------------------------------
 NUMBER_CALLS = {
     "k_scale": lambda c, x: PagedKVCache(NB, T, H, D, device=c.cache.device, k_scale=x),
     "v_scale": lambda c, x: PagedKVCache(NB, T, H, D, device=c.cache.device, v_scale=x),

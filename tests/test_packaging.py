@@ -253,7 +253,7 @@ def test_bench_scripts_run_on_the_cpu(tmp_path):
 
 
 def test_sweep_bench_runs_on_the_cpu(tmp_path):
-    """``bench/sweep_bench.py --cpu --quick`` (issue 25's attention sweep on the NumPy
+    """``bench/sweep_bench.py --cpu --quick`` (the decode-attention sweep on the NumPy
     backend at tiny shapes): every (B, L) cell is measured, checked against the float32
     reference, and printed in the B x L markdown table; the JSON and the plot are written."""
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
@@ -296,7 +296,7 @@ def test_sweep_bench_runs_on_the_cpu(tmp_path):
 
 
 def test_sweep_bench_targets_and_tiles():
-    """issue 25's per-cell target (ratio >= 1.5 from B * L = 65536 tokens, >= 1.0 below)
+    """The per-cell target (ratio >= 1.5 from B * L = 65536 tokens, >= 1.0 below)
     and the disjoint tiles a cell rotates through."""
     code = (
         "import json, sys\n"
