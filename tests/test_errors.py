@@ -700,9 +700,9 @@ NUMBER_CALLS = {
 @pytest.mark.parametrize("name", list(NUMBER_CALLS))
 @pytest.mark.parametrize("bad", ["0.01", "0.1", b"1", True, None, [0.5]])
 def test_numbers_must_be_real_numbers(device, name, bad):
-    """``k_scale="0.01"`` or ``sm_scale="0.1"`` used to be accepted (float() parses
-    strings) while ``"abc"`` raised: every number is a real number now, and the
-    TypeError names the parameter."""
+    """``k_scale="0.01"`` or ``sm_scale="0.1"`` is refused like ``"abc"`` (float() would
+    parse the first two): every number must be a real number, and the TypeError names
+    the parameter."""
     c = make_ctx(device)
     before = host(c.cache.buffer).copy()
     if bad is None and name == "sm_scale":
