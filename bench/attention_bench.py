@@ -1,5 +1,5 @@
-"""Benchmark of the fused NVFP4 paged decode attention (issue 13) against the copy ceiling,
-torch SDPA over contiguous bf16 K/V and today's path (gather_dequant + SDPA).
+"""Benchmark of the fused NVFP4 paged decode attention against the copy ceiling, torch
+SDPA over contiguous bf16 K/V and the unfused path (gather_dequant + SDPA).
 
 Run on the GPU (from the repository root)::
 
@@ -31,7 +31,7 @@ for _p in (str(_ROOT), str(_ROOT / "bench")):
 
 from timing import BF16, Env, measure_copy  # noqa: E402
 
-#: issue 13's targets (printed, never asserted)
+#: the targets (printed, never asserted)
 TARGETS = {"speedup_sdpa": 2.5, "moonshot": 3.0, "frac_main": 0.80, "frac_mixed": 0.75,
            "host_ratio": 2.5}
 

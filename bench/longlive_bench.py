@@ -84,7 +84,7 @@ class LongLiveBench:
                          c["Tb"], c["nb"])
 
     def sec_longlive_list(self) -> None:
-        """The list API's cost per call as the block count grows (issue 14)."""
+        """The list API's cost per call as the block count grows."""
         c = self.sz["ll_list"]
         for nb in c["counts"]:
             self.attempt(f"LongLive list API x{nb}", self._longlive_list_case, c["H"], c["D"],

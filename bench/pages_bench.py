@@ -1,4 +1,4 @@
-"""Benchmark of moving pages (issue 24): copy_blocks, read_blocks / write_blocks through
+"""Benchmark of moving pages: copy_blocks, read_blocks / write_blocks through
 pinned host memory, save / load, slot_mapping, each beside its ceiling measured in the
 same run.
 
@@ -35,7 +35,7 @@ Rows and bytes counted (GB/s = bytes / median time):
 * ``slot_mapping``: 1M positions (256 sequences x 4,096), CuPy with and without the
   value checks, and NumPy.
 
-Targets (issue 24, printed, never asserted): copy_blocks >= 85 % of D2D copy; read_blocks
+Targets (printed, never asserted): copy_blocks >= 85 % of D2D copy; read_blocks
 >= 80 % of pinned D2H; write_blocks >= 80 % of pinned H2D.
 """
 

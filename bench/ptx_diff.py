@@ -31,7 +31,7 @@ From the repository root::
     python bench/ptx_diff.py dump /tmp/ptx_after             # this tree
     python bench/ptx_diff.py compare /tmp/ptx_before /tmp/ptx_after \
         --rename _g16_anyT=_wide --rename _g8_anyT= --rename _g16=_wide_paged16 \
-        --rename _g8=_paged16    # main before issue 22 -> after (attention kernel names)
+        --rename _g8=_paged16    # the attention kernels' old names -> their current ones
     python bench/ptx_diff.py cubin /tmp/old --arch sm_90 --match varlen_attn_bf16_d128
 """
 

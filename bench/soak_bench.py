@@ -1,4 +1,4 @@
-"""Soak benchmark (issue 26): a server's call pattern for many steps on one cache, device
+"""Soak benchmark: a server's call pattern for many steps on one cache, device
 memory and time per step over time, printed as a table.
 
 Every step, shapes drawn at random: a ``store`` of 1-4,095 tokens, a ``decode_attention``

@@ -54,7 +54,7 @@ SIZES: dict[str, dict[str, Any]] = {
 TARGETS = {
     "store static6": 0.85, "store 4over6": 0.40, "gather static6": 0.85, "gather 4over6": 0.85,
     "longlive": 0.85, "vs_compile": 3.0, "host_ratio": 2.0,
-    # 4over6's exact float32 error sums make its store arithmetic-bound (issue 13): at least
+    # 4over6's exact float32 error sums make its store arithmetic-bound: at least
     # 40 % of copy and at most 2.2x the static6 store time
     "store 4over6 vs static6": 2.2,
 }

@@ -1,5 +1,5 @@
-"""Sweep of the fused NVFP4 paged decode attention (issue 25, "attention speed at every
-shape"): ``decode_attention`` at B in {1, 4, 16, 64} x L in {512, 1024, 4096, 16384, 65536}
+"""Sweep of the fused NVFP4 paged decode attention (its speed at every shape):
+``decode_attention`` at B in {1, 4, 16, 64} x L in {512, 1024, 4096, 16384, 65536}
 against torch SDPA over contiguous bf16 K/V, and against the copy bandwidth.
 
 Run on the GPU (from the repository root)::
@@ -26,7 +26,7 @@ decoded to contiguous bf16 (B, H, L, D) K and V.
 
 Per cell: fused time (us), GB/s of page bytes (``B * L * 2 * H * (D/2 + D/16)``; the block
 table and q are left out), % of the device-to-device copy bandwidth measured in the same
-run, the best SDPA time and ratio = SDPA / fused.  Targets (issue 25, printed as met /
+run, the best SDPA time and ratio = SDPA / fused.  Targets (printed as met /
 MISSED, never asserted): ratio >= 1.0 everywhere, >= 1.5 where B * L >= 65536.
 Correctness: every cell against the float32 reference (max relative row error <= 1e-2);
 all sequences up to 2^18 tokens a cell, beyond that the first and the last sequence.
@@ -51,7 +51,7 @@ for _p in (str(_ROOT), str(_ROOT / "bench")):
 from attention_bench import AttnBench, log  # noqa: E402
 from timing import BF16, gb  # noqa: E402
 
-#: issue 25's targets (printed, never asserted): SDPA time / fused time
+#: the targets (printed, never asserted): SDPA time / fused time
 TARGETS = {"ratio": 1.0, "ratio_big": 1.5, "big_tokens": 65536}
 SIZES = {
     # rot_bytes: page bytes the rotated tiles of a cell hold together (at most max_sets);
@@ -70,7 +70,7 @@ HQ, H, D, T = 32, 8, 128, 16
 
 
 def target_ratio(B: int, L: int) -> float:
-    """Issue 25's least SDPA / fused ratio for a cell of B sequences of L tokens."""
+    """The least SDPA / fused ratio targeted for a cell of B sequences of L tokens."""
     return TARGETS["ratio_big"] if B * L >= TARGETS["big_tokens"] else TARGETS["ratio"]
 
 

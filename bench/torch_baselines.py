@@ -184,7 +184,7 @@ class TorchBaselines:
         row.extra["fp4cache_speedup"] = sp
         if row.impl == "torch.compile" and not case.startswith("gather"):
             # the store only: Inductor's gather already runs at 39 % of copy, so 3x would
-            # exceed HBM (issue 13); the gather's target is its fraction of copy alone
+            # exceed HBM; the gather's target is its fraction of copy alone
             row.target = f"fp4cache >= {TARGETS['vs_compile']:.0f}x"
             row.met = sp >= TARGETS["vs_compile"]
         self.log(f"     fp4cache is {sp:.2f}x faster than {row.impl}")

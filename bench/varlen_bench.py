@@ -1,4 +1,4 @@
-"""Benchmark of the NVFP4 paged attention for any query length (issue 21): speculative
+"""Benchmark of the NVFP4 paged attention for any query length: speculative
 verification, a prefill chunk, a mixed batch and the host time of a call, side by side with
 ``decode_attention`` on the same cache and torch SDPA over contiguous bf16 K/V.
 
@@ -35,7 +35,7 @@ from timing import BF16  # noqa: E402
 
 from fp4cache._cupy_attention import new_scratch  # noqa: E402
 
-#: issue 21's targets (printed, never asserted)
+#: the targets (printed, never asserted)
 TARGETS = {"n4_vs_decode": 1.2, "n4_vs_sdpa": 2.0, "n8_vs_decode": 1.6,
            "prefill_vs_sdpa": 0.9, "host_ratio": 2.5}
 

@@ -51,15 +51,14 @@ STAT: dict[str, int] = {name: i for i, name in enumerate(STAT_NAMES)}
 SCALE_SATURATES_ABOVE = 464.0
 
 #: 16-byte output chunks per thread of the decode kernels (gather, flat dequantize,
-#: LongLive decode); 1 and 4 were measured and dropped (bench/KERNEL_NOTES.md, v9).
+#: LongLive decode); 1 and 4 were measured and dropped (docs/kernels.md).
 DECODE_CHUNKS = 2
 #: Stores of up to this many tokens find repeated slots by a scan in the kernel (one
 #: launch, one thread per token of a 256-thread CTA); larger ones take a claim pass.
 SCAN_MAX_TOKENS = 128
-#: 1024-chunk tiles per CTA of the wide LongLive decode (all loads first; KERNEL_NOTES v14).
+#: 1024-chunk tiles per CTA of the wide LongLive decode (all loads first; docs/kernels.md).
 LL_WIDE_TILES = 2
-#: Warps per CTA of the decode attention (2, 3 and 8 measured and dropped: KERNEL_NOTES,
-#: seventh and eighth sessions).
+#: Warps per CTA of the decode attention (2, 3 and 8 measured and dropped: docs/kernels.md).
 ATTN_WARPS = 4
 #: Most KV splits per (sequence, KV head) of the decode attention (the merge's weights
 #: live in shared memory).
@@ -72,7 +71,7 @@ ATTN_MAX_SPLITS = 128
 PAIR_SCALE_SHIFT = 7
 
 #: Decode attention, groups of 1..8 with block_size % 16 == 0: 16-token tiles per chunk (a
-#: warp's step of the chunk ring), by head_dim.  Measured on the H200 (bench/KERNEL_NOTES.md):
+#: warp's step of the chunk ring), by head_dim.  Measured on the H200 (docs/kernels.md):
 #: D = 64 takes 4 (69.2 against 75.1 us with 2 at B=8 x 32768), D = 128 2 (4 would not fit
 #: the 48 KB of static shared memory), D = 256 1 (registers).
 ATTN_CHUNK_TILES: dict[int, int] = {64: 4, 128: 2, 256: 1}

@@ -46,8 +46,8 @@ _NULL = by_value(np.uint64(0))
 #: numpy twin of ``struct AttnParams`` (generated from :mod:`fp4cache._abi`).
 ATTN_PARAMS_DTYPE = _abi.struct_dtype("AttnParams")
 
-#: The split plan's constants (:func:`split_plan`; measured on the H200, bench/KERNEL_NOTES.md,
-#: "Short contexts", in CTA-tokens: the time one CTA alone on its SM takes per key, about
+#: The split plan's constants (:func:`split_plan`; measured on the H200, docs/kernels.md,
+#: "Decode attention", in CTA-tokens: the time one CTA alone on its SM takes per key, about
 #: 10 ns at head_dim 128): the longest and the shortest split; a wave's fixed cost (q, the
 #: first chunk's loads, the warp merge, the write: about 3 us); merging at all (partial
 #: write, ticket, the merge pass: about 2 us) and per split merged; and SM_SHARE, how much

@@ -149,7 +149,7 @@ def by_value(value: Any) -> Any:
     size-one NumPy array (``cupy.cuda.function.CNumpyArray``, which points at the array's
     bytes and keeps the array alive), so a prepared launch pays nothing for it: CuPy
     converts a NumPy scalar or a structured scalar anew on every call (about 3 us for the
-    attention parameters on a server CPU, measured in ``bench/KERNEL_NOTES.md``).  The
+    attention parameters on a server CPU, ``docs/kernels.md``).  The
     array is copied first (later changes to ``value`` do not reach the kernel).  Where
     CuPy does not offer that class, the copy itself is returned (CuPy then converts it
     at each launch, as before).

@@ -163,7 +163,7 @@ def clear_spec(slot: str) -> Spec:
 
 #: (value type, rule) pairs whose store gives each thread the same group of two heads
 #: (h and h + H/2) of one token when H is even (``kernels/paged_kv.cu``, NH = 2): 16-bit
-#: inputs with static6, measured faster on the H200 (bench/KERNEL_NOTES.md, v17); 4over6
+#: inputs with static6, measured faster on the H200 (docs/kernels.md); 4over6
 #: and float32 inputs would need too many registers.
 STORE_PAIR = frozenset({("bf16", "static6"), ("f16", "static6")})
 

@@ -149,7 +149,7 @@ FP4C_DEVICE void e4m3x4_to_f16(u32 x, u32& lo, u32& hi) {
 }
 // The shifts as multiplies by values ptxas cannot see (constant memory, never written):
 // IMAD runs on the FMA pipe, where SHF would take issue slots of the ALU pipe that the
-// LOP3s and conversions fill (measured: 2 % faster at head_dim 128, bench/KERNEL_NOTES.md).
+// LOP3s and conversions fill (measured: 2 % faster at head_dim 128, docs/kernels.md).
 __constant__ u32 c_e2m1_shift[3] = {4u, 16u, 1u << 30};  // x << 2, x << 4, hi(x << 30)
 FP4C_DEVICE void e2m1_pairs(u32 x, u32* r) {
   const u32 even = ((x * c_e2m1_shift[0]) & 0x1C1C1C1Cu) |  // nibbles 0, 2, 4, 6
@@ -331,7 +331,7 @@ FP4C_DEVICE void write_partial(const SplitSet& W, u32 s, const float (*s_o)[D + 
 // splits' largest m, L = sum l_s 2^(m_s - M)) and s_o (sum O_s 2^(m_s - M)) and returns
 // true; the others return false.  Call after write_partial, from every thread.
 // Not inlined: kept out of the key loop's register allocation, the decode kernel's long rows
-// run 1-2 % faster (B=8 x 32768: 102.8 against 105.2 us on the H200, KERNEL_NOTES); the
+// run 1-2 % faster (B=8 x 32768: 102.8 against 105.2 us on the H200); the
 // set is copied first so that its fields stay in registers (read through the reference,
 // the loops reloaded them from the stack: 1 x 16384 tokens 21 against 15 us).
 template <int D, int THREADS, int MAXS>

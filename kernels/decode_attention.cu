@@ -66,7 +66,7 @@
 #define FP4C_ATTN_THREADS (32 * FP4C_ATTN_WARPS)
 // minimum resident CTAs per SM (register budget) by head_dim, loader and row tiles (one n8
 // tile: D = 128 with 3 and 5 CTAs, D = 64 with 5, D = 256 with 3 measured and dropped:
-// KERNEL_NOTES, seventh and eighth sessions; two n8 tiles: the accumulators double)
+// docs/kernels.md, "What was tried"; two n8 tiles: the accumulators double)
 #define FP4C_ATTN_MINB(D, PAGED16, WIDE)                  \
   ((WIDE) ? ((D) == 64 ? 3 : (D) == 128 ? 2 : 1)          \
           : (D) == 64 ? 4 : (D) == 128 ? ((PAGED16) ? 4 : 3) : 1)
@@ -572,7 +572,7 @@ FP4C_DEVICE void load_q_slice(const char* src, bool use, bool vec, float (&x)[N]
 // lands in [2^14, 2^15)) and rounded to f16 (float32 q: hi + lo); the column's score scale
 // (qk_scale with that power undone) goes to St.rsc.  Lane (g, c) needs exactly the D/4
 // values d = c D/4 .. (c+1) D/4 - 1 of its rows (k_pair_d), loaded once, all at once (one
-// round trip: the loads of a short sequence's CTA are its latency, KERNEL_NOTES).
+// round trip: the loads of a short sequence's CTA are its latency, docs/kernels.md).
 template <typename T, int D, int NC, bool SPLIT>
 FP4C_DEVICE void load_q(const void* __restrict__ q, const RowMap& R, float qk_scale,
                         QFrag<D, NC, SPLIT>& Q, RowState<D, NC>& St) {
@@ -747,7 +747,7 @@ FP4C_DEVICE void trans_softmax(const float (&sT)[CH][NC][4], u32 first, bool ful
       chunk_scores<CH, NC>(sT, k, St.rsc[k], first, St.lim[k], full, x[k]);
       const float cap = f_add(St.m[k], FP4C_ATTN_SLACK);  // M0 while nothing was seen
       // (never true since m starts at FP4C_ATTN_M0, but ptxas schedules the loop 3 %
-      // faster with it: 109.2 against 112.2 us at B=8 x 32768, KERNEL_NOTES)
+      // faster with it: 109.2 against 112.2 us at B=8 x 32768 on the H200)
       grow |= is_neg_inf(St.m[k]);
 #pragma unroll
       for (int j = 0; j < CH; ++j)

@@ -1,4 +1,4 @@
-// fp4cache: moving whole pages of the paged pool as raw bytes (issue 24).  No decoding: the
+// fp4cache: moving whole pages of the paged pool as raw bytes.  No decoding: the
 // same kernels serve every geometry, layout and scale rule.
 //
 //   mark + copy:  page dst[i] <- page src[i], i < n, in two launches, every read of a page

@@ -148,7 +148,7 @@ FP4C_DEVICE void store_encode(const RawGroup<T>* rk, const RawGroup<T>* rv, cons
     unpack_raw(rv[q], xv);
     bool nk, nv;
     float mk, mv;
-    // 16-bit inputs: packed float maxima on sm_86+ (KERNEL_NOTES v21), an integer max of
+    // 16-bit inputs: packed float maxima on sm_86+ (measured faster), an integer max of
     // bf16 below; float32 (and f16 below sm_86): the float max
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 860
     constexpr bool kPacked = T::kBytes == 2;
@@ -215,7 +215,7 @@ FP4C_DEVICE void store_write(const Encoded16* ek, const Encoded16* ev, const Sto
 }
 
 // One kernel thread per item: M = 1 (two items per thread were measured and dropped:
-// KERNEL_NOTES v7, v16).  The one-trip loops over M stay on purpose: NVVM compiles this
+// docs/kernels.md).  The one-trip loops over M stay on purpose: NVVM compiles this
 // shape better than the same steps written straight (that gave other PTX and, by `ptxas
 // -v`, up to 16 more registers: 4over6 80 -> 96, i.e. 3 -> 2 CTAs per SM).  The loads of
 // the item are issued first, then its groups encoded, and only then is it decided whether

@@ -30,7 +30,7 @@
 // A step covers FP4C_VARLEN_WARPS tiles of FP4C_VARLEN_TILE_KEYS keys.  Steps:
 //   load:    lane (token t = lane % 16, side = lane / 16) reads its key's code row and scale
 //            row into registers (the next step's loads are in flight while this step is
-//            computed; a cp.async ring measured slower, bench/KERNEL_NOTES.md); any block
+//            computed; a cp.async ring measured slower, docs/kernels.md); any block
 //            size, either layout, V scales swizzled or not.
 //   decode:  the lane's row to f16 in shared memory ([16][D + pad] per side and tile):
 //            E2M1 pairs times the E4M3 scale pair (attn_common.cuh), so every page byte is

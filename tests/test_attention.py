@@ -621,8 +621,8 @@ def test_gpu_validate_true_refuses_before_the_backend(gpu_cache):
 @pytest.mark.parametrize("return_lse", [False, True])
 @pytest.mark.parametrize("pages", [3, 70])  # one chunk; many (the CPU works in chunks)
 def test_nan_q_warns_nothing_and_stays_in_its_head(dtype, return_lse, pages):
-    """Issue 23: a NaN q on the CPU must not leak a NumPy RuntimeWarning ("All-NaN
-    slice encountered" was reported); run with warnings as errors.  NaN stays where it
+    """A NaN q on the CPU must not leak a NumPy RuntimeWarning (such as "All-NaN slice
+    encountered"); run with warnings as errors.  NaN stays where it
     belongs: the NaN query heads give NaN, every other head and a length-0 row are
     exact as without the NaN."""
     import warnings

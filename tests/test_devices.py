@@ -377,7 +377,7 @@ def test_graph_on_gpu1_while_gpu0_holds_a_cache():
     assert not c0.buffer.any()
 
 
-# -- what is missing when no GPU is usable (issue 23) ---------------------------------
+# -- what is missing when no GPU is usable ------------------------------------------
 @pytest.mark.skipif(gpu_available(), reason="checks the no-GPU error")
 def test_no_gpu_error_says_what_is_missing_not_to_install_the_extra():
     """With CuPy installed but no driver or GPU, the error used to say to install the

@@ -1,4 +1,4 @@
-"""bfloat16 DLPack tensors on the CPU backend (issue 23, item 6).
+"""bfloat16 DLPack tensors on the CPU backend.
 
 NumPy's ``np.from_dlpack`` cannot import bfloat16 (``kDLBfloat``), so
 ``fp4cache._arrays.from_dlpack_cpu`` reads the ``DLManagedTensor`` itself.  The producers

@@ -16,6 +16,9 @@ ROOT = Path(__file__).resolve().parents[1]
 MARKDOWN = sorted([*ROOT.glob("*.md"), *(ROOT / "docs").glob("*.md"),
                    *(ROOT / "bench").glob("*.md")])
 DELIMITER = re.compile(r"^\|(\s*:?-{3,}:?\s*\|)+\s*$")
+#: A clock time such as "17:33 UTC" or "08:54-09:10": documents give dates, not times.
+TIME_OF_DAY = re.compile(r"\b[0-2]?\d:[0-5]\d(:[0-5]\d)?\s*(UTC|GMT|Z\b|-\s*[0-2]?\d:[0-5]\d)"
+                         r"|\bUTC\b")
 
 
 def _cells(row: str) -> int:
@@ -74,12 +77,15 @@ def test_markdown_tables_render(path):
 
 def test_scale_rule_page_cites_measured_numbers():
     """docs/scale_rules.md: both rules, vLLM's names for them, the calibration rule, and
-    every time it quotes is one of BENCHMARKS.md's measurements (with GPU and date)."""
+    every time it quotes is one of BENCHMARKS.md's measurements (with GPU and date: a day,
+    no time of day)."""
     page = (ROOT / "docs" / "scale_rules.md").read_text(encoding="utf-8")
     bench = (ROOT / "BENCHMARKS.md").read_text(encoding="utf-8")
-    for phrase in ("`nvfp4`", "`nvfp4_4over6`", "6·448", "6·256", "H200", "2026-12-01",
+    for phrase in ("`nvfp4`", "`nvfp4_4over6`", "6·448", "6·256", "H200",
                    "calibrate_scale", "## Which one to use"):
         assert phrase in page, phrase
+    assert re.search(r"\b20\d\d-[01]\d-[0-3]\d\b", page), "the speed table gives no date"
+    assert not TIME_OF_DAY.search(page), TIME_OF_DAY.search(page).group()
     times = re.findall(r"(\d+\.\d) µs", page)
     assert len(times) >= 5, times
     for t in times:
@@ -87,3 +93,31 @@ def test_scale_rule_page_cites_measured_numbers():
     readme = (ROOT / "README.md").read_text(encoding="utf-8")
     for doc in ("docs/scale_rules.md", "docs/interop.md"):
         assert doc in readme, f"README.md does not point at {doc}"
+
+
+#: What a development diary says (spelled so that this file does not match itself): the
+#: project's history is git's, documents and code describe the product.
+DIARY = re.compile(r"\bsess" r"ions?\b|\bissue\s+#?\d" r"|\bKERNEL_" r"NOTES\b", re.IGNORECASE)
+SOURCES = sorted({*MARKDOWN, *(ROOT / "fp4cache").glob("*.py"), *(ROOT / "tests").glob("*.py"),
+                  *(ROOT / "bench").glob("*.py"), *(ROOT / "kernels").glob("*.cu"),
+                  *(ROOT / "kernels").glob("*.cuh"), *(ROOT / "notebooks").glob("*.py")})
+
+
+def test_checker_finds_diary_words():
+    assert DIARY.search("measured in the sixth sess" + "ion")
+    assert DIARY.search("see Iss" + "ue 24")
+    assert TIME_OF_DAY.search("run at 17:33 UTC") and TIME_OF_DAY.search("08:54-09:10")
+    assert not DIARY.search("issue slots 61 % busy; the sess" + "ionless API")
+    assert not TIME_OF_DAY.search("k[5, 1, 16:32] and ro[16:20, :g]")
+
+
+@pytest.mark.parametrize("path", SOURCES, ids=lambda p: str(p.relative_to(ROOT)))
+def test_no_development_diary(path):
+    """No document, comment or test speaks of its own making (work periods, tracker
+    numbers, times of day, a removed notes file): BENCHMARKS.md holds the current numbers,
+    docs/ the design, CHANGELOG.md the changes by version, git the history."""
+    text = path.read_text(encoding="utf-8")
+    hits = [m.group() for m in DIARY.finditer(text)]
+    if path.suffix == ".md":
+        hits += [m.group() for m in TIME_OF_DAY.finditer(text)]
+    assert not hits, f"{path.relative_to(ROOT)}: {hits[:5]}"

@@ -1,4 +1,4 @@
-"""Edges from issue 14: empty gathers, ``validate=`` on the CPU, ``quantize(out=)``."""
+"""Edge cases: empty gathers, ``validate=`` on the CPU, ``quantize(out=)``."""
 
 from __future__ import annotations
 

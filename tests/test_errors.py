@@ -634,7 +634,7 @@ def test_store_unique_slots_refuses_repeats_when_validating(device, slots):
     assert bool((cache.buffer == plain.buffer).all()) and not bool((cache.buffer == before).all())
 
 
-# -- flags must be bools (issue 23) ---------------------------------------------------------
+# -- flags must be bools ----------------------------------------------------------------
 FLAG_CALLS = {
     "store-unique_slots": ("unique_slots", lambda c, x: c.cache.store(
         c.slots, c.k, c.v, unique_slots=x)),
@@ -682,7 +682,7 @@ def test_optional_flags_take_none_required_flags_do_not(device):
             call()
 
 
-# -- numbers must be numbers; lists name the parameter (issue 23) ---------------------------
+# -- numbers must be numbers; lists name the parameter ----------------------------------
 NUMBER_CALLS = {
     "k_scale": lambda c, x: PagedKVCache(NB, T, H, D, device=c.cache.device, k_scale=x),
     "v_scale": lambda c, x: PagedKVCache(NB, T, H, D, device=c.cache.device, v_scale=x),
@@ -700,9 +700,9 @@ NUMBER_CALLS = {
 @pytest.mark.parametrize("name", list(NUMBER_CALLS))
 @pytest.mark.parametrize("bad", ["0.01", "0.1", b"1", True, None, [0.5]])
 def test_numbers_must_be_real_numbers(device, name, bad):
-    """``k_scale="0.01"`` or ``sm_scale="0.1"`` used to be accepted (float() parses
-    strings) while ``"abc"`` raised: every number is a real number now, and the
-    TypeError names the parameter."""
+    """``k_scale="0.01"`` or ``sm_scale="0.1"`` is refused like ``"abc"`` (float() would
+    parse the first two): every number must be a real number, and the TypeError names
+    the parameter."""
     c = make_ctx(device)
     before = host(c.cache.buffer).copy()
     if bad is None and name == "sm_scale":

@@ -1,4 +1,4 @@
-"""GPU side of the LongLive front end (issue 14), against the NumPy backend, bit for bit.
+"""GPU side of the LongLive front end, against the NumPy backend, bit for bit.
 
 * the list API's hot path (arrays remembered by identity) returns what a checked call
   returns, reads new contents, and forgets arrays that die;
@@ -92,7 +92,7 @@ def test_longlive_mismatch_and_bad_blocks_refused_before_any_work(monkeypatch):
     monkeypatch.setattr(_cupy_backend, "longlive_pool_launcher", no_work)
     with pytest.raises(ValueError, match=r"num_heads=4 and block_token_size=32 do not match"):
         longlive.dequantize(vals, sfs, ams, 4, Tb, scale_rule="4over6")
-    # issue 23: raw arrays must say their rule; blocks refuse swapped counts
+    # raw arrays must say their rule; blocks refuse swapped counts
     with pytest.raises(TypeError, match=r"scale_rule='4over6'.*scale_rule='static6'"):
         longlive.dequantize(vals, sfs, ams, H, Tb)
     with pytest.raises(TypeError, match=r"scale_rule='4over6'.*scale_rule='static6'"):

@@ -13,7 +13,7 @@
 * A call that needs more workspace while the stream is capturing raises RuntimeError
   naming the hints; with hints, a first call inside a capture allocates nothing.
 
-Run under ``compute-sanitizer --tool memcheck`` too (see the report of issue 26).
+Run under ``compute-sanitizer --tool memcheck`` too (``bash bench/device_check.sh tests``).
 """
 
 from __future__ import annotations
@@ -44,7 +44,7 @@ def randn_bf16(rs, shape):
 
 
 def draw(rng, rs):
-    """One step's arguments, the server's pattern of issue 26."""
+    """One step's arguments: a server's call pattern (as ``bench/soak_bench.py``)."""
     n = int(rng.integers(1, 4096))
     B = int(rng.integers(1, 65))
     W = int(rng.integers(1, 257))

@@ -1,4 +1,4 @@
-"""Moving pages on the GPU (issue 24), against the NumPy backend byte for byte:
+"""Moving pages on the GPU, against the NumPy backend byte for byte:
 copy_blocks (overlapping sets, cycles, fan-out, self-copies, repeated destinations, bad
 ids, CUDA-graph capture and replay; the copy's tables are zero after every call),
 read_blocks / write_blocks (device and host memory, pinned and pageable, staged and

@@ -222,7 +222,7 @@ def test_quantize_block_non_contiguous_input():
         np.testing.assert_array_equal(a, b)
 
 
-# -- the rule travels with the block (issue 14) ---------------------------------------
+# -- the rule travels with the block ------------------------------------------------
 def test_quantize_block_returns_a_block_that_knows_its_rule():
     import pickle
 
@@ -348,10 +348,10 @@ def test_list_fast_path_entries_die_with_their_arrays(monkeypatch):
 
 
 def test_raw_lists_need_their_rule_and_blocks_catch_swapped_counts():
-    """Issue 23: a static6 block given as raw arrays decoded with 4over6's 256 silently
-    (max error 3.37 instead of 0.45); swapping num_heads and block_token_size (same
-    product) decoded scrambled rows.  Raw arrays now need the rule said; blocks know
-    their (Tb, H) and refuse a swap."""
+    """Without these checks a static6 block given as raw arrays would decode with 4over6's
+    256 silently (max error 3.37 instead of 0.45), and swapping num_heads and
+    block_token_size (same product) would decode scrambled rows.  Raw arrays need the rule
+    said; blocks know their (Tb, H) and refuse a swap."""
     rng = np.random.default_rng(13)
     Tb, H, D = 32, 8, 64
     x = rng.standard_normal((Tb, H, D)).astype(F32) * 3

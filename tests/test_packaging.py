@@ -160,8 +160,13 @@ def test_changelog_has_unreleased_and_the_current_version_with_numbers():
 
     text = (REPO / "CHANGELOG.md").read_text(encoding="utf-8")
     heads = [ln for ln in text.splitlines() if ln.startswith("## ")]
-    assert heads[0] == "## Unreleased", heads
-    assert heads[1].startswith(f"## {fp4cache.__version__} ("), heads
+    assert heads[0] == "## [Unreleased]", heads  # Keep a Changelog
+    assert re.fullmatch(rf"## \[{re.escape(fp4cache.__version__)}\] - \d{{4}}-\d{{2}}-\d{{2}}",
+                        heads[1]), heads
+    for section in text.split("\n## ")[1:]:
+        subs = [ln for ln in section.splitlines() if ln.startswith("### ")]
+        assert subs and set(subs) <= {"### Added", "### Changed", "### Deprecated",
+                                      "### Removed", "### Fixed", "### Security"}, subs
     current = text.split(heads[1], 1)[1]
     assert len(re.findall(r"\d µs", current)) >= 8, "the version's section quotes few timings"
     assert "% of copy" in current
@@ -248,7 +253,7 @@ def test_bench_scripts_run_on_the_cpu(tmp_path):
 
 
 def test_sweep_bench_runs_on_the_cpu(tmp_path):
-    """``bench/sweep_bench.py --cpu --quick`` (issue 25's attention sweep on the NumPy
+    """``bench/sweep_bench.py --cpu --quick`` (the decode-attention sweep on the NumPy
     backend at tiny shapes): every (B, L) cell is measured, checked against the float32
     reference, and printed in the B x L markdown table; the JSON and the plot are written."""
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
@@ -291,7 +296,7 @@ def test_sweep_bench_runs_on_the_cpu(tmp_path):
 
 
 def test_sweep_bench_targets_and_tiles():
-    """issue 25's per-cell target (ratio >= 1.5 from B * L = 65536 tokens, >= 1.0 below)
+    """The per-cell target (ratio >= 1.5 from B * L = 65536 tokens, >= 1.0 below)
     and the disjoint tiles a cell rotates through."""
     code = (
         "import json, sys\n"

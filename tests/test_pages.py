@@ -1,4 +1,4 @@
-"""Moving pages on the CPU backend (issue 24): copy_blocks, read_blocks, write_blocks,
+"""Moving pages on the CPU backend: copy_blocks, read_blocks, write_blocks,
 page_format, save / load / load_pages, slot_mapping, pinned_empty.
 
 Every move is of raw page bytes, so every comparison is exact.  Every refusal leaves the
