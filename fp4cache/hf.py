@@ -293,8 +293,8 @@ class FP4Cache(Cache):
             raise NotImplementedError(f"FP4Cache holds full-attention layers only; config has "
                                       f"layer types {other}")
         self.config = config
-        self.max_batch_size = int(max_batch_size)
-        self.max_cache_len = int(max_cache_len)
+        self._max_batch_size = int(max_batch_size)
+        self._max_cache_len = int(max_cache_len)
         self.block_size = int(block_size)
         self.layout = layout
         self.scale_rule = scale_rule
@@ -442,6 +442,16 @@ class FP4Cache(Cache):
         return step
 
     # -- Cache ----------------------------------------------------------------------------
+    @property
+    def max_batch_size(self) -> int:
+        """Rows of the largest batch the cache holds."""
+        return self._max_batch_size
+
+    @property
+    def max_cache_len(self) -> int:
+        """Positions per row."""
+        return self._max_cache_len
+
     @property
     def nbytes(self) -> int:
         """Bytes the layers' pools hold on their device (pages, tables, workspace)."""
