@@ -313,3 +313,58 @@ def test_sweep_bench_targets_and_tiles():
     assert len(full) == 8 and len(three) == 3 and len(none) == 1 and got["one"] == [[0, 0]]
     cover = [(r0 + i, c0 + j) for r0, c0 in full for i in range(2) for j in range(2)]
     assert sorted(cover) == [(i, j) for i in range(4) for j in range(8)]  # disjoint, in range
+
+
+def _run_bench_without_cupy(args, tmp_path):
+    """``bench/bench.py args`` in a subprocess where ``import cupy`` fails, as in the
+    CPU-only install (``.[test,notebooks]``), whether or not CuPy is installed here."""
+    code = ("import runpy, sys\n"
+            "sys.modules['cupy'] = None\n"
+            f"sys.argv = ['bench/bench.py'] + {list(args)!r}\n"
+            "runpy.run_path('bench/bench.py', run_name='__main__')\n")
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    env["PYTHONPATH"] = str(REPO)
+    return subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=300)
+
+
+def test_bench_longlive_list_runs_on_the_cpu_without_cupy(tmp_path):
+    """The LongLive list-API section imports the CuPy backend only for its GPU rows, so
+    ``--cpu`` works where CuPy is not installed."""
+    out = tmp_path / "bench.json"
+    r = _run_bench_without_cupy(["--cpu", "--quick", "--no-torch", "--only", "longlive-list",
+                                 "--watchdog-s", "0", "--out", str(out)], tmp_path)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    doc = json.loads(out.read_text())
+    assert doc["errors"] == [], doc["errors"]
+    assert {row["section"] for row in doc["rows"]} == {"longlive"}, doc["rows"]
+
+
+def test_bench_exits_nonzero_when_it_recorded_an_error(tmp_path, monkeypatch, capsys):
+    """A section that fails is recorded, the rest still runs, and the exit status is 1."""
+    import importlib.util
+
+    monkeypatch.syspath_prepend(str(REPO / "bench"))
+    spec = importlib.util.spec_from_file_location("fp4cache_bench_main",
+                                                  REPO / "bench" / "bench.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+
+    def broken():
+        raise RuntimeError("a section that fails")
+
+    def run(self):
+        self.section("broken section", broken)
+        self.write_json()
+
+    monkeypatch.setattr(mod.Bench, "run", run)
+    out = tmp_path / "bench.json"
+    args = ["--cpu", "--quick", "--no-torch", "--watchdog-s", "0", "--out", str(out)]
+    assert mod.main(args) == 1
+    doc = json.loads(out.read_text())
+    assert [e["error"] for e in doc["errors"]] == ["RuntimeError: a section that fails"]
+    text = capsys.readouterr()
+    assert "1 error(s)" in text.out and "exit status 1" in text.err
+
+    monkeypatch.setattr(mod.Bench, "run", lambda self: self.write_json())
+    assert mod.main(args) == 0
