@@ -65,6 +65,37 @@ def _gather_signature(blocks, dtype, out):
         return None
 
 
+def _pool_bytes(num_blocks: int, geom: PageGeometry, kind: str) -> int:
+    """Bytes a cache of ``num_blocks`` pages allocates at construction: the pool and, on
+    the GPU, the claim table of 4 bytes per slot."""
+    pool = num_blocks * 2 * geom.side_bytes
+    return pool + (4 * num_blocks * geom.block_size if kind == "cuda" else 0)
+
+
+def _check_pool_fits(num_blocks: int, geom: PageGeometry, kind: str,
+                     index: int | None) -> None:
+    """``ValueError`` naming ``num_blocks``, the bytes the pool needs and the memory
+    available (host ``MemAvailable``, or the GPU's free memory), before allocating."""
+    from ._device import format_bytes, host_memory
+
+    need = _pool_bytes(num_blocks, geom, kind)
+    if kind == "cuda":
+        import cupy
+
+        with DeviceGuard(index):
+            have = int(cupy.cuda.runtime.memGetInfo()[0])
+        where = f"GPU {index} has {format_bytes(have)} free"
+    else:
+        have = host_memory()
+        where = f"{format_bytes(have)} of host memory is available" if have is not None else ""
+    if have is not None and need > have:
+        raise ValueError(
+            f"num_blocks = {num_blocks} is too many for this machine: its page pool needs "
+            f"{format_bytes(need)} ({need} bytes: num_blocks * {need // num_blocks} bytes a "
+            f"page{' and its claim table' if kind == 'cuda' else ''}), but {where}; pass "
+            f"at most about num_blocks = {max(0, have * num_blocks // need)}")
+
+
 @functools.cache
 def _cupy_ndarray():
     import cupy
@@ -190,6 +221,7 @@ class PagedKVCache:
         if device is None:
             device = "cuda" if _arrays.gpu_available() else "cpu"
         kind, index = parse_device(device)
+        _check_pool_fits(int(num_blocks), geom, kind, index)
         self._impl = backend_module(kind)
         self.device = kind
         self.device_id = index
@@ -210,7 +242,12 @@ class PagedKVCache:
             self._stats = self._state.stats
             self._reserve_workspace()
         else:
-            self.buffer = np.zeros((self.num_blocks, 2, geom.side_bytes), dtype=np.uint8)
+            try:
+                self.buffer = np.zeros((self.num_blocks, 2, geom.side_bytes), dtype=np.uint8)
+            except (MemoryError, ValueError) as e:  # what the check above could not see
+                raise ValueError(f"num_blocks = {self.num_blocks}: the page pool of "
+                                 f"{_pool_bytes(self.num_blocks, geom, kind)} bytes cannot be "
+                                 f"allocated ({type(e).__name__}: {e})") from None
             self._stats = np.zeros(len(_abi.STAT_NAMES), dtype=np.uint64)
 
     def _reserve_workspace(self) -> None:
