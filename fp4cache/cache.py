@@ -423,8 +423,11 @@ class PagedKVCache:
             raise IndexError(
                 f"{st['bad_slots']} token(s) had a slot_mapping entry outside [0, "
                 f"num_slots = {self.num_slots}) other than -1 and were not stored; "
-                f"{st['bad_block_ids']} block id(s) were outside [0, {self.num_blocks}) and "
-                "gathered as NaN"
+                f"{st['bad_block_ids']} block id(s) were outside [0, {self.num_blocks}) "
+                "(nothing outside the pool was read or written for them): a read "
+                "(gather_dequant, decode_attention, attention, read_blocks) gave NaN for "
+                "each, a copy_blocks pair or write_blocks row with one was skipped (its "
+                "destination kept its bytes)"
             )
 
     def reset_counters(self) -> None:

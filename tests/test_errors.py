@@ -837,3 +837,23 @@ def test_a_tensor_that_requires_grad_names_the_parameter():
         c.decode_attention(q, np.array([[0]]), np.array([3]))
     c.store(np.arange(3), k.detach(), k.detach())  # detached: taken without a copy
     assert c.buffer.any()
+
+
+def test_check_says_what_happened_to_bad_block_ids_per_operation():
+    """A skipped copy_blocks pair is not reported as a page "gathered as NaN"."""
+    c = PagedKVCache(4, 16, 1, 64, device="cpu")
+    kv = np.ones((64, 1, 64), np.float32)
+    c.store(np.arange(64), kv, kv)
+    before = c.buffer.copy()
+    c.copy_blocks([99], [3], validate=False)
+    assert np.array_equal(before, c.buffer) and c.stats["bad_block_ids"] == 1
+    with pytest.raises(IndexError) as e:
+        c.check()
+    msg = str(e.value)
+    assert "gathered as NaN" not in msg
+    assert re.search(r"1 block id\(s\) were outside \[0, 4\) \(nothing outside the pool was "
+                     r"read or written for them\): a read \(gather_dequant, decode_attention, "
+                     r"attention, read_blocks\) gave NaN for each, a copy_blocks pair or "
+                     r"write_blocks row with one was skipped \(its destination kept its "
+                     r"bytes\)", msg), msg
+    c.check()  # cleared
