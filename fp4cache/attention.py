@@ -77,9 +77,11 @@ def decode_attention(cache: PagedKVCache, q: ArrayLike, block_tables: IndexLike,
     return (a.out, a.lse) if return_lse else a.out
 
 
-def attention(cache: PagedKVCache, q: Any, query_start_loc: Any, block_tables: Any,
-              seq_lens: Any, max_query_len: int | None, causal: bool, sm_scale: float | None,
-              out: Any, lse_out: Any, return_lse: bool, validate: bool | None):
+def attention(cache: PagedKVCache, q: ArrayLike, query_start_loc: IndexLike,
+              block_tables: IndexLike, seq_lens: IndexLike, max_query_len: int | None,
+              causal: bool, sm_scale: float | None, out: Array | None,
+              lse_out: Array | None, return_lse: bool,
+              validate: bool | None) -> Array | tuple[Array, Array]:
     """Implementation of :meth:`PagedKVCache.attention` (see its docstring); the method
     passes every argument by position."""
     check = cache.validate if validate is None else bool(validate)

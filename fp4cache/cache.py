@@ -10,7 +10,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import warnings
-from typing import Any
 
 import numpy as np
 
@@ -19,7 +18,7 @@ from ._device import DeviceGuard, parse_device
 from .codec import backend_module, check_rule
 from .formats import reciprocal_clamped, resolve_dtype
 from .layout import PageGeometry
-from .typing import Array, ArrayLike, DTypeLike, IndexLike
+from .typing import Array, ArrayLike, DeviceLike, DTypeLike, IndexLike, PageFormat, PathLike
 
 __all__ = ["PagedKVCache"]
 
@@ -203,7 +202,8 @@ class PagedKVCache:
 
     def __init__(self, num_blocks: int, block_size: int, num_heads: int, head_dim: int, *,
                  layout: str = "HND", scale_rule: str = "static6", k_scale: float = 1.0,
-                 v_scale: float = 1.0, swizzle_v_scales: bool = True, device: str | None = None,
+                 v_scale: float = 1.0, swizzle_v_scales: bool = True,
+                 device: DeviceLike | None = None,
                  validate: bool | None = None, max_batch_size: int | None = None,
                  max_seq_len: int | None = None, num_query_heads: int | None = None) -> None:
         swizzle_v_scales = _arrays.check_bool(swizzle_v_scales, "swizzle_v_scales")
@@ -792,10 +792,12 @@ class PagedKVCache:
             return attention.decode_attention(self, q, block_tables, seq_lens, sm_scale, out,
                                               lse_out, return_lse, validate)
 
-    def attention(self, q: Any, query_start_loc: Any, block_tables: Any, seq_lens: Any, *,
-                  max_query_len: int | None = None, causal: bool = True,
-                  sm_scale: float | None = None, out: Any = None, lse_out: Any = None,
-                  return_lse: bool = False, validate: bool | None = None):
+    def attention(self, q: ArrayLike, query_start_loc: IndexLike, block_tables: IndexLike,
+                  seq_lens: IndexLike, *, max_query_len: int | None = None,
+                  causal: bool = True, sm_scale: float | None = None,
+                  out: Array | None = None, lse_out: Array | None = None,
+                  return_lse: bool = False,
+                  validate: bool | None = None) -> Array | tuple[Array, Array]:
         """Attention of any number of query tokens per sequence over its cached K/V pages.
 
         Serves speculative-decoding verification (a few query tokens per sequence),
@@ -915,7 +917,7 @@ class PagedKVCache:
                                        return_lse, validate)
 
     # -- moving pages (fp4cache/pages.py) --------------------------------------------------
-    def page_format(self) -> dict[str, Any]:
+    def page_format(self) -> PageFormat:
         """What a receiver needs to read this cache's pages: a small JSON-able dict.
 
         Keys: ``format`` and ``version`` (of the byte layout), ``layout``, ``block_size``,
@@ -935,7 +937,8 @@ class PagedKVCache:
 
         return pages.page_format(self)
 
-    def copy_blocks(self, src: Any, dst: Any, *, validate: bool | None = None) -> None:
+    def copy_blocks(self, src: IndexLike, dst: IndexLike, *,
+                    validate: bool | None = None) -> None:
         """Page ``dst[i]`` becomes a byte copy of page ``src[i]`` (K and V, data and scales).
 
         Every read of a page happens before any write of it, so ``src`` and ``dst`` may
@@ -990,7 +993,8 @@ class PagedKVCache:
         with self._guard():
             pages.copy_blocks(self, src, dst, validate)
 
-    def read_blocks(self, blocks: Any, out: Any = None, *, validate: bool | None = None):
+    def read_blocks(self, blocks: IndexLike, out: Array | None = None, *,
+                    validate: bool | None = None) -> Array:
         """The raw bytes of pages ``blocks``, as a ``(n, page_bytes)`` uint8 array.
 
         Parameters
@@ -1031,7 +1035,8 @@ class PagedKVCache:
         with self._guard():
             return pages.read_blocks(self, blocks, out, validate)
 
-    def write_blocks(self, blocks: Any, data: Any, *, page_format: dict | None = None,
+    def write_blocks(self, blocks: IndexLike, data: ArrayLike, *,
+                     page_format: PageFormat | None = None,
                      validate: bool | None = None) -> None:
         """Write raw pages: page ``blocks[i]`` becomes ``data[i]`` (the inverse of
         :meth:`read_blocks`).
@@ -1077,7 +1082,7 @@ class PagedKVCache:
         with self._guard():
             pages.write_blocks(self, blocks, data, page_format, validate)
 
-    def save(self, path: Any, blocks: Any = None) -> None:
+    def save(self, path: PathLike, blocks: IndexLike | None = None) -> None:
         """Save pages (default: all) with their ids and :meth:`page_format` to one
         ``safetensors`` file (tensors ``pages`` (n, page_bytes) uint8 and ``blocks``
         int64; the format in the metadata).  Needs ``safetensors`` (``pip install
@@ -1089,7 +1094,7 @@ class PagedKVCache:
             pages.save(self, path, blocks)
 
     @classmethod
-    def load(cls, path: Any, *, device: Any = None,
+    def load(cls, path: PathLike, *, device: DeviceLike | None = None,
              validate: bool | None = None) -> PagedKVCache:
         """A new cache holding the pages of a file written by :meth:`save`, at their ids,
         with the saved geometry, rule and scales, on ``device`` (as in the constructor:
@@ -1111,7 +1116,7 @@ class PagedKVCache:
 
         return pages.load(cls, path, device, validate)
 
-    def load_pages(self, path: Any, blocks: Any = None) -> Any:
+    def load_pages(self, path: PathLike, blocks: IndexLike | None = None) -> np.ndarray:
         """Write the pages of a file saved by :meth:`save` into this cache: at ``blocks``
         (one id per saved page, e.g. pages just allocated for the request) or at their
         saved ids.  The file's page format must equal this cache's (``ValueError``
