@@ -366,15 +366,19 @@ def test_bad_block_ids_refused_by_default_and_deferred_with_validate_false():
     assert np.array_equal(cache.buffer, buf)
 
 
-def test_bad_ids_in_a_sequence_without_queries_are_still_validated():
-    """Validation checks the used entries of every row, as decode_attention does."""
+def test_bad_ids_in_a_sequence_without_queries_are_neither_validated_nor_counted():
+    """Validation checks the ids the call reads, as the unvalidated path counts them: a
+    sequence without query tokens reads none of its row."""
     cache = make_cache()
     tables = np.array([[0, 1], [50, -1]], np.int32)
-    with pytest.raises(IndexError, match=r"block_tables\[1, 0\] = 50"):
-        cache.attention(make_q(2, 4, 64), starts_of([2, 0]), tables, np.array([20, 3]))
-    cache.attention(make_q(2, 4, 64), starts_of([2, 0]), tables, np.array([20, 3]),
-                    validate=False)
+    q = make_q(2, 4, 64)
+    checked = cache.attention(q, starts_of([2, 0]), tables, np.array([20, 3]))
+    unchecked = cache.attention(q, starts_of([2, 0]), tables, np.array([20, 3]),
+                                validate=False)
+    assert np.array_equal(checked, unchecked)
     assert cache.stats["bad_block_ids"] == 0  # never read: not counted
+    with pytest.raises(IndexError, match=r"block_tables\[1, 0\] = 50"):  # read: refused
+        cache.attention(q, starts_of([1, 1]), tables, np.array([20, 3]))
 
 
 def test_nan_groups_reach_the_rows_that_see_them():
