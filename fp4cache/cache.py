@@ -81,8 +81,9 @@ def _check_pool_fits(num_blocks: int, geom: PageGeometry, kind: str,
     if kind == "cuda":
         import cupy
 
-        with DeviceGuard(index):
-            have = int(cupy.cuda.runtime.memGetInfo()[0])
+        with DeviceGuard(index):  # free on the device, plus what CuPy's pool keeps free
+            have = (int(cupy.cuda.runtime.memGetInfo()[0])
+                    + int(cupy.get_default_memory_pool().free_bytes()))
         where = f"GPU {index} has {format_bytes(have)} free"
     else:
         have = host_memory()

@@ -857,3 +857,11 @@ def test_check_says_what_happened_to_bad_block_ids_per_operation():
                      r"write_blocks row with one was skipped \(its destination kept its "
                      r"bytes\)", msg), msg
     c.check()  # cleared
+
+
+@pytest.mark.gpu
+def test_a_gpu_pool_larger_than_the_gpu_names_num_blocks():
+    with pytest.raises(ValueError, match=r"num_blocks = 1000000000000 is too many for this "
+                                         r"machine: its page pool needs 2.10 PiB .* and its "
+                                         r"claim table\), but GPU 0 has .* free"):
+        PagedKVCache(10**12, 16, 2, 64, device="cuda:0")
