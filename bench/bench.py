@@ -11,7 +11,9 @@ or on the CPU, NumPy backend, tiny sizes (same code paths, for testing the scrip
 
 See ``bench/README.md`` for what is measured and how bytes are counted.  Every section
 is wrapped: a failure prints its error and the rest still runs.  The JSON file is
-rewritten after every section, and a markdown table is the last thing printed.
+rewritten after every section, and a markdown table is the last thing printed.  Exit
+status: 0 when no section recorded an error, 1 when one did (the table lists them), 2
+without a GPU (and no ``--cpu``), 3 when the watchdog stopped the run.
 
 This file runs the sections (``--only``); each one's method is in its own module:
 ``timing.py`` (timing, copy ceiling, rows, JSON and table), ``suite.py`` (sizes, targets,
@@ -142,6 +144,10 @@ def main(argv=None) -> int:
         if args.out:
             print(f"\nJSON: {args.out}")
         print(bench.table(), flush=True)
+    if bench.errors:  # the table above lists them; a run that recorded one has failed
+        print(f"bench.py: {len(bench.errors)} error(s) recorded, exit status 1",
+              file=sys.stderr)
+        return 1
     return 0
 
 

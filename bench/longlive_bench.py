@@ -98,7 +98,6 @@ class LongLiveBench:
         ``cudaMemcpy`` of the pointer tables, allocate the output, one launch) is timed
         with fp4cache's decode kernel, since the seed itself is a torch extension.
         """
-        from fp4cache import _cupy_backend as cb
         from fp4cache import longlive
 
         env = self.env
@@ -128,6 +127,8 @@ class LongLiveBench:
                           out=outs[i], scale_rule="4over6") for i in range(2)],
                    nbytes + nb * 4, batch=4, reps=reps)
         if env.gpu:
+            from fp4cache import _cupy_backend as cb  # imports CuPy: GPU runs only
+
             cp = env.cp
             inv = longlive.inverse_global_denominator()
             h2d = cp.cuda.runtime.memcpyHostToDevice

@@ -18,6 +18,7 @@ import ml_dtypes
 import numpy as np
 
 from . import PagedKVCache, __version__, calibrate_scale, gpu_available
+from ._device import host_memory
 from .codec import backend_module
 
 DESCRIPTION = (
@@ -178,17 +179,7 @@ def _gib(n: float) -> str:
 
 def _host_memory() -> int | None:
     """Bytes of host memory available now (``MemAvailable``), else the machine's total."""
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        pass
-    try:
-        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    except (ValueError, OSError, AttributeError):
-        return None
+    return host_memory()
 
 
 def _check_size(p: argparse.ArgumentParser, args, device: str) -> None:

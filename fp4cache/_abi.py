@@ -33,7 +33,7 @@ STAT_NAMES: tuple[str, ...] = (
     "k_nonfinite_groups",   # groups of 16 stored with a NaN/Inf (they decode to NaN)
     "v_nonfinite_groups",
     "bad_slots",            # tokens whose slot was >= num_slots (not stored)
-    "bad_block_ids",        # block ids outside [0, num_blocks) (gathered as NaN)
+    "bad_block_ids",        # block ids outside [0, num_blocks) (read as NaN, or skipped)
     "k_saturated_groups",   # block scale clipped at E4M3's 448 (SCALE_SATURATES_ABOVE): the
                             # global scale is too small
     "v_saturated_groups",

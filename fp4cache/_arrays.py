@@ -136,23 +136,43 @@ def to_backend(a: Any, backend: str, name: str, *, allow_convert: bool = False):
         )
     if backend == "cpu":
         if isinstance(a, np.ndarray):
-            return a
+            return _native_ints(a)
         if is_cupy(a):
             return a.get()
         if hasattr(a, "__dlpack__") and not isinstance(a, (list, tuple)):
+            _check_grad(a, name)
             try:
                 return np.from_dlpack(a)
             except (BufferError, RuntimeError, TypeError):
                 pass  # bfloat16, which NumPy cannot import: read the DLTensor below
             return from_dlpack_cpu(a, name)
-        return np.asarray(a)
+        return _native_ints(np.asarray(a))
     import cupy
 
     if is_cupy(a):
         return a
     if hasattr(a, "__dlpack__") and backend_of(a) == "cuda":
+        _check_grad(a, name)
         return cupy.from_dlpack(a)
-    return cupy.asarray(np.asarray(a))
+    return cupy.asarray(_native_ints(np.asarray(a)))
+
+
+def _native_ints(a: np.ndarray) -> np.ndarray:
+    """An integer array in non-native byte order (``>i8`` on x86: index arrays read from a
+    file) as a native copy, as K/V of non-native order are converted; other arrays as is
+    (an output must stay the caller's array)."""
+    if a.dtype.kind in "iu" and not a.dtype.isnative:
+        return a.astype(a.dtype.newbyteorder("="))
+    return a
+
+
+def _check_grad(a: Any, name: str) -> None:
+    """A PyTorch tensor that requires grad refuses DLPack export (torch's own
+    ``BufferError``, naming no argument): say which argument and what to pass."""
+    if getattr(a, "requires_grad", False) is True:
+        raise TypeError(f"{name} is a tensor with requires_grad=True, which DLPack cannot "
+                        f"export (autograd would not see what fp4cache does with it): pass "
+                        f"{name}.detach()")
 
 
 # --- DLPack intake on the host, for what np.from_dlpack cannot import (bfloat16) ----------
@@ -342,7 +362,8 @@ def as_scale_bytes(a, name: str):
 
 
 def check_index_array(a, name: str, *, length: int | None = None):
-    """Check a 1-D int32/int64 index array (slot_mapping, blocks)."""
+    """Check a 1-D int32/int64 index array (slot_mapping, blocks); :func:`to_backend`
+    has already made one of non-native byte order native."""
     if a.dtype not in (np.int32, np.int64):
         raise TypeError(f"{name} must have dtype int32 or int64, got {a.dtype}")
     if a.ndim != 1:

@@ -8,12 +8,14 @@ current device as it found it.
 from __future__ import annotations
 
 import functools
+import os
 import re
 from typing import Any
 
 import numpy as np
 
-__all__ = ["parse_device", "device_name", "array_device", "DeviceGuard", "on_input_device",
+__all__ = ["parse_device", "host_memory", "format_bytes", "device_name", "array_device",
+           "DeviceGuard", "on_input_device",
            "num_sms", "resident_ctas", "by_value"]
 
 _CUDA = re.compile(r"^cuda(?::(\d+))?$")
@@ -40,6 +42,10 @@ def parse_device(device: Any) -> tuple[str, int | None]:
         raise ValueError(f"device must be 'cpu', 'cuda', 'cuda:N', an int or a "
                          f"cupy.cuda.Device, got {device!r}")
     elif isinstance(device, int):
+        if device < 0:
+            raise ValueError(f"device must be 'cpu', 'cuda', 'cuda:N', an int N >= 0 (a GPU "
+                             f"index) or a cupy.cuda.Device, got {device!r}: a GPU index "
+                             "cannot be negative")
         index = device
     elif type(device).__module__.startswith("cupy") and hasattr(device, "id"):
         index = int(device.id)
@@ -59,6 +65,32 @@ def parse_device(device: Any) -> tuple[str, int | None]:
     if not 0 <= index < count:
         raise ValueError(f"device {device!r}: CuPy sees {count} GPU(s), indices 0..{count - 1}")
     return "cuda", index
+
+
+def host_memory() -> int | None:
+    """Bytes of host memory available now (``MemAvailable``), else the machine's total,
+    else ``None`` (unknown)."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    try:
+        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def format_bytes(n: int) -> str:
+    """``n`` bytes in binary units (``2.05 PiB``)."""
+    x = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB", "PiB"):
+        if x < 1024 or unit == "PiB":
+            return f"{x:.0f} {unit}" if unit == "B" else f"{x:.2f} {unit}"
+        x /= 1024
+    raise AssertionError("unreachable")  # pragma: no cover
 
 
 def device_name(kind: str, index: int | None) -> str:

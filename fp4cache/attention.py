@@ -77,9 +77,11 @@ def decode_attention(cache: PagedKVCache, q: ArrayLike, block_tables: IndexLike,
     return (a.out, a.lse) if return_lse else a.out
 
 
-def attention(cache: PagedKVCache, q: Any, query_start_loc: Any, block_tables: Any,
-              seq_lens: Any, max_query_len: int | None, causal: bool, sm_scale: float | None,
-              out: Any, lse_out: Any, return_lse: bool, validate: bool | None):
+def attention(cache: PagedKVCache, q: ArrayLike, query_start_loc: IndexLike,
+              block_tables: IndexLike, seq_lens: IndexLike, max_query_len: int | None,
+              causal: bool, sm_scale: float | None, out: Array | None,
+              lse_out: Array | None, return_lse: bool,
+              validate: bool | None) -> Array | tuple[Array, Array]:
     """Implementation of :meth:`PagedKVCache.attention` (see its docstring); the method
     passes every argument by position."""
     check = cache.validate if validate is None else bool(validate)
@@ -96,9 +98,16 @@ def attention(cache: PagedKVCache, q: Any, query_start_loc: Any, block_tables: A
     a = _finish_args(cache, q, bt, sl, sm_scale, out, lse_out, return_lse)
     _arrays.check_device({"query_start_loc": qsl}, cache.buffer)
     if check or cache.device == "cpu":
-        _check_values(cache, a.block_tables, a.seq_lens, block_ids=check)
+        _check_values(cache, a.block_tables, a.seq_lens, block_ids=False)
         longest = _check_query_values(qsl, a.seq_lens, a.q.shape[0], causal, bound)
         bound = longest if bound is None else bound
+        if check:
+            # The ids a call reads: a sequence without query tokens reads no page, so its
+            # row is not checked, as the unvalidated paths do not count it (the NumPy
+            # backend's mask; the GPU kernels skip such a sequence before reading its
+            # table: seq_rows in decode_attention.cu, find_work in varlen_attention.cu).
+            n = np.diff(_host(qsl).astype(np.int64))
+            _check_values(cache, a.block_tables, a.seq_lens, block_ids=True, reads=n > 0)
     res = (a.out, a.lse) if return_lse else a.out
     if not a.q.shape[0]:
         return res
@@ -265,10 +274,13 @@ def _finish_args(cache: PagedKVCache, q, bt, sl, sm_scale, out, lse_out,
     return _Args(q, bt, sl, out, lse, float(scale))
 
 
-def _check_values(cache: PagedKVCache, block_tables, seq_lens, *, block_ids: bool) -> None:
+def _check_values(cache: PagedKVCache, block_tables, seq_lens, *, block_ids: bool,
+                  reads: np.ndarray | None = None) -> None:
     """Lengths within each row's capacity and (``block_ids``) block ids inside the pool in
     the used part of each row (a host synchronization on the GPU).  The CPU always checks
-    the lengths; its ``validate=False`` defers only the block ids, as the GPU does."""
+    the lengths; its ``validate=False`` defers only the block ids, as the GPU does.
+    ``reads`` (host bools, one per sequence): only those rows are read by the call, so
+    only their ids are checked (``attention``: the sequences with query tokens)."""
     sl = _host(seq_lens)
     T = cache.block_size
     max_blocks = block_tables.shape[1]
@@ -289,13 +301,16 @@ def _check_values(cache: PagedKVCache, block_tables, seq_lens, *, block_ids: boo
     bt = block_tables[:, :width]
     bt = bt.get() if _arrays.is_cupy(bt) else np.asarray(bt)
     used = np.arange(width)[None, :] < nblk[:, None]
+    if reads is not None:
+        used &= reads[:, None]
     bad = used & ((bt < 0) | (bt >= cache.num_blocks))
     if bad.any():
         b, j = np.unravel_index(int(bad.argmax()), bad.shape)
         raise IndexError(
             f"block_tables[{b}, {j}] = {int(bt[b, j])} is out of range: block ids must be in "
             f"[0, {cache.num_blocks}) in the first ceil(seq_lens[b] / block_size) entries of "
-            "each row (later entries are ignored); nothing was computed"
+            "each row" + (" of a sequence with query tokens" if reads is not None else "")
+            + " (later entries are ignored); nothing was computed"
         )
 
 

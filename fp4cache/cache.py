@@ -10,7 +10,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import warnings
-from typing import Any
 
 import numpy as np
 
@@ -19,7 +18,7 @@ from ._device import DeviceGuard, parse_device
 from .codec import backend_module, check_rule
 from .formats import reciprocal_clamped, resolve_dtype
 from .layout import PageGeometry
-from .typing import Array, ArrayLike, DTypeLike, IndexLike
+from .typing import Array, ArrayLike, DeviceLike, DTypeLike, IndexLike, PageFormat, PathLike
 
 __all__ = ["PagedKVCache"]
 
@@ -63,6 +62,38 @@ def _gather_signature(blocks, dtype, out):
                       b.data.ptr & 15, a.data.ptr == b.data.ptr)
     except (AttributeError, TypeError):
         return None
+
+
+def _pool_bytes(num_blocks: int, geom: PageGeometry, kind: str) -> int:
+    """Bytes a cache of ``num_blocks`` pages allocates at construction: the pool and, on
+    the GPU, the claim table of 4 bytes per slot."""
+    pool = num_blocks * 2 * geom.side_bytes
+    return pool + (4 * num_blocks * geom.block_size if kind == "cuda" else 0)
+
+
+def _check_pool_fits(num_blocks: int, geom: PageGeometry, kind: str,
+                     index: int | None) -> None:
+    """``ValueError`` naming ``num_blocks``, the bytes the pool needs and the memory
+    available (host ``MemAvailable``, or the GPU's free memory), before allocating."""
+    from ._device import format_bytes, host_memory
+
+    need = _pool_bytes(num_blocks, geom, kind)
+    if kind == "cuda":
+        import cupy
+
+        with DeviceGuard(index):  # free on the device, plus what CuPy's pool keeps free
+            have = (int(cupy.cuda.runtime.memGetInfo()[0])
+                    + int(cupy.get_default_memory_pool().free_bytes()))
+        where = f"GPU {index} has {format_bytes(have)} free"
+    else:
+        have = host_memory()
+        where = f"{format_bytes(have)} of host memory is available" if have is not None else ""
+    if have is not None and need > have:
+        raise ValueError(
+            f"num_blocks = {num_blocks} is too many for this machine: its page pool needs "
+            f"{format_bytes(need)} ({need} bytes: num_blocks * {need // num_blocks} bytes a "
+            f"page{' and its claim table' if kind == 'cuda' else ''}), but {where}; pass "
+            f"at most about num_blocks = {max(0, have * num_blocks // need)}")
 
 
 @functools.cache
@@ -172,7 +203,8 @@ class PagedKVCache:
 
     def __init__(self, num_blocks: int, block_size: int, num_heads: int, head_dim: int, *,
                  layout: str = "HND", scale_rule: str = "static6", k_scale: float = 1.0,
-                 v_scale: float = 1.0, swizzle_v_scales: bool = True, device: str | None = None,
+                 v_scale: float = 1.0, swizzle_v_scales: bool = True,
+                 device: DeviceLike | None = None,
                  validate: bool | None = None, max_batch_size: int | None = None,
                  max_seq_len: int | None = None, num_query_heads: int | None = None) -> None:
         swizzle_v_scales = _arrays.check_bool(swizzle_v_scales, "swizzle_v_scales")
@@ -190,6 +222,7 @@ class PagedKVCache:
         if device is None:
             device = "cuda" if _arrays.gpu_available() else "cpu"
         kind, index = parse_device(device)
+        _check_pool_fits(int(num_blocks), geom, kind, index)
         self._impl = backend_module(kind)
         self.device = kind
         self.device_id = index
@@ -210,7 +243,12 @@ class PagedKVCache:
             self._stats = self._state.stats
             self._reserve_workspace()
         else:
-            self.buffer = np.zeros((self.num_blocks, 2, geom.side_bytes), dtype=np.uint8)
+            try:
+                self.buffer = np.zeros((self.num_blocks, 2, geom.side_bytes), dtype=np.uint8)
+            except (MemoryError, ValueError) as e:  # what the check above could not see
+                raise ValueError(f"num_blocks = {self.num_blocks}: the page pool of "
+                                 f"{_pool_bytes(self.num_blocks, geom, kind)} bytes cannot be "
+                                 f"allocated ({type(e).__name__}: {e})") from None
             self._stats = np.zeros(len(_abi.STAT_NAMES), dtype=np.uint64)
 
     def _reserve_workspace(self) -> None:
@@ -386,8 +424,11 @@ class PagedKVCache:
             raise IndexError(
                 f"{st['bad_slots']} token(s) had a slot_mapping entry outside [0, "
                 f"num_slots = {self.num_slots}) other than -1 and were not stored; "
-                f"{st['bad_block_ids']} block id(s) were outside [0, {self.num_blocks}) and "
-                "gathered as NaN"
+                f"{st['bad_block_ids']} block id(s) were outside [0, {self.num_blocks}) "
+                "(nothing outside the pool was read or written for them): a read "
+                "(gather_dequant, decode_attention, attention, read_blocks) gave NaN for "
+                "each, a copy_blocks pair or write_blocks row with one was skipped (its "
+                "destination kept its bytes)"
             )
 
     def reset_counters(self) -> None:
@@ -752,10 +793,12 @@ class PagedKVCache:
             return attention.decode_attention(self, q, block_tables, seq_lens, sm_scale, out,
                                               lse_out, return_lse, validate)
 
-    def attention(self, q: Any, query_start_loc: Any, block_tables: Any, seq_lens: Any, *,
-                  max_query_len: int | None = None, causal: bool = True,
-                  sm_scale: float | None = None, out: Any = None, lse_out: Any = None,
-                  return_lse: bool = False, validate: bool | None = None):
+    def attention(self, q: ArrayLike, query_start_loc: IndexLike, block_tables: IndexLike,
+                  seq_lens: IndexLike, *, max_query_len: int | None = None,
+                  causal: bool = True, sm_scale: float | None = None,
+                  out: Array | None = None, lse_out: Array | None = None,
+                  return_lse: bool = False,
+                  validate: bool | None = None) -> Array | tuple[Array, Array]:
         """Attention of any number of query tokens per sequence over its cached K/V pages.
 
         Serves speculative-decoding verification (a few query tokens per sequence),
@@ -875,7 +918,7 @@ class PagedKVCache:
                                        return_lse, validate)
 
     # -- moving pages (fp4cache/pages.py) --------------------------------------------------
-    def page_format(self) -> dict[str, Any]:
+    def page_format(self) -> PageFormat:
         """What a receiver needs to read this cache's pages: a small JSON-able dict.
 
         Keys: ``format`` and ``version`` (of the byte layout), ``layout``, ``block_size``,
@@ -895,7 +938,8 @@ class PagedKVCache:
 
         return pages.page_format(self)
 
-    def copy_blocks(self, src: Any, dst: Any, *, validate: bool | None = None) -> None:
+    def copy_blocks(self, src: IndexLike, dst: IndexLike, *,
+                    validate: bool | None = None) -> None:
         """Page ``dst[i]`` becomes a byte copy of page ``src[i]`` (K and V, data and scales).
 
         Every read of a page happens before any write of it, so ``src`` and ``dst`` may
@@ -950,7 +994,8 @@ class PagedKVCache:
         with self._guard():
             pages.copy_blocks(self, src, dst, validate)
 
-    def read_blocks(self, blocks: Any, out: Any = None, *, validate: bool | None = None):
+    def read_blocks(self, blocks: IndexLike, out: Array | None = None, *,
+                    validate: bool | None = None) -> Array:
         """The raw bytes of pages ``blocks``, as a ``(n, page_bytes)`` uint8 array.
 
         Parameters
@@ -991,7 +1036,8 @@ class PagedKVCache:
         with self._guard():
             return pages.read_blocks(self, blocks, out, validate)
 
-    def write_blocks(self, blocks: Any, data: Any, *, page_format: dict | None = None,
+    def write_blocks(self, blocks: IndexLike, data: ArrayLike, *,
+                     page_format: PageFormat | None = None,
                      validate: bool | None = None) -> None:
         """Write raw pages: page ``blocks[i]`` becomes ``data[i]`` (the inverse of
         :meth:`read_blocks`).
@@ -1037,7 +1083,7 @@ class PagedKVCache:
         with self._guard():
             pages.write_blocks(self, blocks, data, page_format, validate)
 
-    def save(self, path: Any, blocks: Any = None) -> None:
+    def save(self, path: PathLike, blocks: IndexLike | None = None) -> None:
         """Save pages (default: all) with their ids and :meth:`page_format` to one
         ``safetensors`` file (tensors ``pages`` (n, page_bytes) uint8 and ``blocks``
         int64; the format in the metadata).  Needs ``safetensors`` (``pip install
@@ -1049,7 +1095,7 @@ class PagedKVCache:
             pages.save(self, path, blocks)
 
     @classmethod
-    def load(cls, path: Any, *, device: Any = None,
+    def load(cls, path: PathLike, *, device: DeviceLike | None = None,
              validate: bool | None = None) -> PagedKVCache:
         """A new cache holding the pages of a file written by :meth:`save`, at their ids,
         with the saved geometry, rule and scales, on ``device`` (as in the constructor:
@@ -1071,7 +1117,7 @@ class PagedKVCache:
 
         return pages.load(cls, path, device, validate)
 
-    def load_pages(self, path: Any, blocks: Any = None) -> Any:
+    def load_pages(self, path: PathLike, blocks: IndexLike | None = None) -> np.ndarray:
         """Write the pages of a file saved by :meth:`save` into this cache: at ``blocks``
         (one id per saved page, e.g. pages just allocated for the request) or at their
         saved ids.  The file's page format must equal this cache's (``ValueError``

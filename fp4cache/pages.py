@@ -65,12 +65,48 @@ def page_format(cache) -> dict[str, Any]:
     }
 
 
+#: The type of each ``page_format()`` field: ``int`` fields take Python or NumPy integers
+#: (not bools, not floats such as 16.0), ``bool`` ones bools, ``str`` ones strings, and
+#: ``float`` ones real numbers (Python or NumPy floats or integers; not bools, not strings).
+FIELD_TYPES = {"format": str, "version": int, "layout": str, "block_size": int,
+               "num_heads": int, "head_dim": int, "page_bytes": int, "scale_rule": str,
+               "swizzle_v_scales": bool, "k_scale": float, "v_scale": float}
+_TYPE_WORDS = {str: "a str", int: "an int", bool: "a bool (True or False)",
+               float: "a real number (float or int)"}
+
+
+def _has_type(value, kind) -> bool:
+    if kind is bool:
+        return isinstance(value, (bool, np.bool_))
+    if isinstance(value, (bool, np.bool_)):
+        return False
+    if kind is int:
+        return isinstance(value, (int, np.integer))
+    if kind is float:
+        return isinstance(value, (int, float, np.integer, np.floating))
+    return isinstance(value, str)
+
+
+def check_page_format_types(fmt: dict, *, what: str = "page_format") -> None:
+    """Raise ``TypeError`` naming the first field of ``fmt`` whose value has the wrong type
+    for :data:`FIELD_TYPES` (``version=True``, ``block_size=16.0``, ``k_scale='0.01'``);
+    fields ``fmt`` lacks or that are unknown are left to :func:`check_page_format`."""
+    for key, kind in FIELD_TYPES.items():
+        if key in fmt and not _has_type(fmt[key], kind):
+            got = fmt[key]
+            raise TypeError(f"{what} field {key!r} must be {_TYPE_WORDS[kind]}, got "
+                            f"{type(got).__name__} {got!r}; nothing was written")
+
+
 def check_page_format(fmt: Any, cache, *, what: str = "page_format") -> None:
-    """Raise ``ValueError`` naming the first field where ``fmt`` differs from
-    ``cache.page_format()`` (a missing or unknown field counts as different)."""
+    """Raise ``TypeError`` naming the first field of ``fmt`` of the wrong type (see
+    :data:`FIELD_TYPES`), else ``ValueError`` naming the first field where ``fmt``
+    differs from ``cache.page_format()`` (a missing or unknown field counts as
+    different)."""
     if not isinstance(fmt, dict):
         raise TypeError(f"{what} must be a dict as returned by page_format(), got "
                         f"{type(fmt).__name__}")
+    check_page_format_types(fmt, what=what)
     mine = page_format(cache)
     for key, want in mine.items():
         if key not in fmt:
@@ -89,10 +125,15 @@ def check_page_format(fmt: Any, cache, *, what: str = "page_format") -> None:
 
 
 def _same(got, want) -> bool:
-    if isinstance(got, (bool, np.bool_)) or isinstance(want, bool):
+    """Equal values of the same kind (the field's type, :data:`FIELD_TYPES`)."""
+    if isinstance(want, bool):
         return isinstance(got, (bool, np.bool_)) and bool(got) == want
-    if isinstance(want, (int, float)):
-        return isinstance(got, (int, float, np.integer, np.floating)) and got == want
+    if isinstance(got, (bool, np.bool_)):
+        return False
+    if isinstance(want, int):
+        return isinstance(got, (int, np.integer)) and int(got) == want
+    if isinstance(want, float):
+        return isinstance(got, (int, float, np.integer, np.floating)) and float(got) == want
     return isinstance(got, str) and got == want
 
 
@@ -422,15 +463,44 @@ def _safetensors():
     return stn, safe_open
 
 
+def _fspath(path) -> str:
+    """``path`` as a ``str`` (a ``TypeError`` naming ``path`` for anything not path-like)."""
+    try:
+        p = os.fspath(path)
+    except TypeError:
+        raise TypeError(f"path must be a str or an os.PathLike (a file name), got "
+                        f"{type(path).__name__} {path!r}") from None
+    if isinstance(p, bytes):
+        p = os.fsdecode(p)
+    return p
+
+
+def _check_save_path(path: str) -> None:
+    """Where ``save`` writes: not a directory, in a directory that exists."""
+    if os.path.isdir(path):
+        raise IsADirectoryError(f"path {path!r} is a directory: save writes one file, give "
+                                "its name (e.g. os.path.join(path, 'pages.safetensors')); "
+                                "nothing was saved")
+    parent = os.path.dirname(os.path.abspath(path))
+    if not os.path.exists(parent):
+        raise FileNotFoundError(f"path {path!r}: the directory {parent!r} does not exist "
+                                "(create it first, e.g. os.makedirs); nothing was saved")
+    if not os.path.isdir(parent):
+        raise NotADirectoryError(f"path {path!r}: {parent!r} is not a directory; nothing "
+                                 "was saved")
+
+
 def save(cache, path: str | os.PathLike, blocks=None) -> None:
     """See :meth:`PagedKVCache.save`."""
     stn, _ = _safetensors()
+    path = _fspath(path)
     if blocks is None:
         blocks = np.arange(cache.num_blocks, dtype=np.int64)
     hb = _arrays.to_backend(blocks, "cpu", "blocks", allow_convert=True)
     _arrays.check_index_array(hb, "blocks")
     _check_range(hb, cache.num_blocks, "blocks")
     _check_unique(hb, "blocks")  # a file of repeated ids could not be loaded
+    _check_save_path(path)
     pages = pinned_empty((hb.shape[0], cache.geometry.page_bytes), _U8) \
         if cache.device == "cuda" else None
     pages = read_blocks(cache, hb, pages, validate=True)
@@ -440,42 +510,161 @@ def save(cache, path: str | os.PathLike, blocks=None) -> None:
         cupy.cuda.get_current_stream().synchronize()
     meta = {META_FORMAT: json.dumps(page_format(cache)), META_NUM_BLOCKS: str(cache.num_blocks)}
     stn.save_file({TENSOR_PAGES: np.asarray(pages), TENSOR_BLOCKS: hb.astype(np.int64)},
-                  os.fspath(path), metadata=meta)
+                  path, metadata=meta)
 
 
-def _read_file(path) -> tuple[dict, int, np.ndarray, np.ndarray]:
-    stn, safe_open = _safetensors()
-    path = os.fspath(path)
-    with safe_open(path, framework="numpy") as f:
-        meta = f.metadata() or {}
-    if META_FORMAT not in meta:
-        raise ValueError(f"{path} holds no fp4cache pages (no {META_FORMAT!r} metadata)")
-    fmt = json.loads(meta[META_FORMAT])
+#: safetensors refuses headers above 100 MB; a larger length field is not a header.
+_MAX_HEADER = 100_000_000
+
+
+def _not_page_file(path: str, why: str) -> ValueError:
+    return ValueError(f"path {path!r} is not an fp4cache page file (a safetensors file "
+                      f"written by PagedKVCache.save): {why}")
+
+
+def _check_load_path(path: str) -> dict:
+    """The safetensors header of the file at ``path``, after checking that the file
+    exists, is a file, starts with a safetensors header holding fp4cache's metadata and
+    is as long as that header says (``FileNotFoundError``, ``IsADirectoryError``,
+    ``ValueError``), so that safetensors' own errors never reach the caller."""
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"path {path!r} does not exist (no such file)")
+    if os.path.isdir(path):
+        raise IsADirectoryError(f"path {path!r} is a directory, not an fp4cache page file")
+    size = os.path.getsize(path)
+    with open(path, "rb") as f:
+        head = f.read(8)
+        if len(head) < 8:
+            raise _not_page_file(path, f"it holds {size} byte(s), fewer than the 8 of a "
+                                       "safetensors header length")
+        n = int.from_bytes(head, "little")
+        if n > _MAX_HEADER or n < 2:
+            raise _not_page_file(path, f"its first 8 bytes {head!r} are no safetensors "
+                                       "header length")
+        if size < 8 + n:
+            raise ValueError(f"path {path!r} is truncated: {size} of at least {8 + n} bytes "
+                             f"(its header alone takes {n} bytes)")
+        raw = f.read(n)
+    try:
+        header = json.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError):
+        raise _not_page_file(path, "its header is not JSON") from None
+    if not isinstance(header, dict):
+        raise _not_page_file(path, "its header is not a JSON object")
+    meta = header.get("__metadata__") or {}
+    if not isinstance(meta, dict) or META_FORMAT not in meta:
+        raise _not_page_file(path, f"it holds no fp4cache pages (no {META_FORMAT!r} "
+                                   "metadata)")
+    try:
+        end = max([int(t["data_offsets"][1]) for k, t in header.items()
+                   if k != "__metadata__"], default=0)
+    except (TypeError, KeyError, IndexError, ValueError):
+        raise _not_page_file(path, "its header lists a tensor without data_offsets") from None
+    if size < 8 + n + end:
+        raise ValueError(f"path {path!r} is truncated: {size} of {8 + n + end} bytes")
+    return meta
+
+
+def _read_file(path) -> tuple[str, dict, int, np.ndarray, np.ndarray]:
+    """``(path as str, page format, saved num_blocks (0: not saved), pages, ids)`` of a
+    file written by :func:`save`; every problem of the file is an exception naming
+    ``path`` and nothing is written anywhere."""
+    stn, _ = _safetensors()
+    path = _fspath(path)
+    meta = _check_load_path(path)
+    try:
+        fmt = json.loads(meta[META_FORMAT])
+    except (TypeError, ValueError):
+        raise _not_page_file(path, f"its {META_FORMAT!r} metadata is not JSON") from None
+    if not isinstance(fmt, dict):
+        raise _not_page_file(path, f"its {META_FORMAT!r} metadata is not a JSON object")
     if fmt.get("format") != FORMAT_NAME or fmt.get("version") != FORMAT_VERSION:
-        raise ValueError(f"{path}: page format {fmt.get('format')!r} version "
+        raise ValueError(f"path {path!r}: page format {fmt.get('format')!r} version "
                          f"{fmt.get('version')!r}; this fp4cache reads {FORMAT_NAME!r} "
                          f"version {FORMAT_VERSION}")
-    tensors = stn.load_file(path)
-    return fmt, int(meta.get(META_NUM_BLOCKS, 0)), tensors[TENSOR_PAGES], tensors[TENSOR_BLOCKS]
+    try:
+        num_blocks = int(meta.get(META_NUM_BLOCKS, 0))
+    except (TypeError, ValueError):
+        raise _not_page_file(path, f"its {META_NUM_BLOCKS!r} metadata "
+                                   f"{meta.get(META_NUM_BLOCKS)!r} is not an integer") from None
+    try:
+        tensors = stn.load_file(path)
+    except Exception as e:  # noqa: BLE001 - SafetensorError and friends: say which file
+        raise _not_page_file(path, f"safetensors cannot read it ({type(e).__name__}: "
+                                   f"{e})") from None
+    pages, ids = tensors.get(TENSOR_PAGES), tensors.get(TENSOR_BLOCKS)
+    if pages is None or ids is None:
+        lacks = [t for t in (TENSOR_PAGES, TENSOR_BLOCKS) if t not in tensors]
+        raise _not_page_file(path, f"it lacks the tensor(s) {lacks}")
+    if pages.dtype != _U8 or pages.ndim != 2:
+        raise _not_page_file(path, f"its {TENSOR_PAGES!r} tensor must be 2-D uint8 (pages, "
+                                   f"page_bytes), got {pages.dtype} {pages.shape}")
+    if ids.dtype != np.int64 or ids.shape != (pages.shape[0],):
+        raise _not_page_file(path, f"its {TENSOR_BLOCKS!r} tensor must be int64 with one id "
+                                   f"per page ({pages.shape[0]}), got {ids.dtype} "
+                                   f"{ids.shape}")
+    return path, fmt, num_blocks, pages, ids
+
+
+def _check_file_format(path: str, fmt: dict, cache) -> None:
+    """``fmt`` (a file's page format) agrees with the cache it describes, field by field,
+    with the types :func:`check_page_format` takes."""
+    for key, want in page_format(cache).items():
+        if key not in fmt:
+            raise ValueError(f"path {path!r}: its page format has no field {key!r}; nothing "
+                             "was loaded")
+        if not _same(fmt[key], want):
+            raise ValueError(f"path {path!r}: its page format field {key!r} is "
+                             f"{fmt[key]!r}, but its other fields make it {want!r}: the "
+                             "file's metadata disagrees with itself; nothing was loaded")
 
 
 def load(cls, path, device=None, validate: bool | None = None):
     """See :meth:`PagedKVCache.load`."""
-    fmt, num_blocks, pages, ids = _read_file(path)
+    if device is not None:
+        from ._device import parse_device
+
+        parse_device(device)  # the caller's argument: its own error, before the file's
+    validate = _arrays.check_bool(validate, "validate", optional=True)
+    path, fmt, num_blocks, pages, ids = _read_file(path)
     if num_blocks <= 0:
         num_blocks = int(ids.max()) + 1 if ids.size else 1
-    cache = cls(num_blocks, fmt["block_size"], fmt["num_heads"], fmt["head_dim"],
-                layout=fmt["layout"], scale_rule=fmt["scale_rule"], k_scale=fmt["k_scale"],
-                v_scale=fmt["v_scale"], swizzle_v_scales=fmt["swizzle_v_scales"],
-                device=device, validate=validate)
-    write_blocks(cache, ids, pages, page_format=fmt, validate=True)
+    bad = (ids < 0) | (ids >= num_blocks)
+    if bad.any():
+        i = int(bad.argmax())
+        raise ValueError(f"path {path!r}: its block id {int(ids[i])} (entry {i}) is outside "
+                         f"the saved num_blocks = {num_blocks}; nothing was loaded")
+    if np.unique(ids).size != ids.size:
+        raise ValueError(f"path {path!r}: its block ids repeat; nothing was loaded")
+    names = ("block_size", "num_heads", "head_dim", "layout", "scale_rule", "k_scale",
+             "v_scale", "swizzle_v_scales")
+    missing = [k for k in names if k not in fmt]
+    if missing:
+        raise ValueError(f"path {path!r}: its page format lacks the field(s) {missing}; "
+                         "nothing was loaded")
+    try:
+        check_page_format_types(fmt, what=f"the page format of {path!r}")
+        cache = cls(num_blocks, fmt["block_size"], fmt["num_heads"], fmt["head_dim"],
+                    layout=fmt["layout"], scale_rule=fmt["scale_rule"],
+                    k_scale=fmt["k_scale"], v_scale=fmt["v_scale"],
+                    swizzle_v_scales=fmt["swizzle_v_scales"], device=device,
+                    validate=validate)
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"path {path!r}: its page format does not describe a cache "
+                         f"({e}); nothing was loaded") from None
+    _check_file_format(path, fmt, cache)
+    if pages.shape[1] != cache.geometry.page_bytes:
+        raise ValueError(f"path {path!r}: its pages have {pages.shape[1]} bytes each, but "
+                         f"its page format gives page_bytes {cache.geometry.page_bytes}; "
+                         "nothing was loaded")
+    write_blocks(cache, ids, pages, validate=True)
     return cache
 
 
 def load_pages(cache, path, blocks=None) -> np.ndarray:
     """See :meth:`PagedKVCache.load_pages`."""
-    fmt, _, pages, ids = _read_file(path)
-    check_page_format(fmt, cache, what=f"the page format of {os.fspath(path)}")
+    path, fmt, _, pages, ids = _read_file(path)
+    check_page_format(fmt, cache, what=f"the page format of {path!r}")
     if blocks is not None:
         ids = _arrays.to_backend(blocks, "cpu", "blocks", allow_convert=True)
         _arrays.check_index_array(ids, "blocks")

@@ -13,6 +13,10 @@ signatures name what an argument must *support*, not a class:
   return (NumPy integers or integer arrays).
 * :data:`Array`: what fp4cache returns: a ``numpy.ndarray`` on the CPU backend, a
   ``cupy.ndarray`` on the GPU (CuPy is imported only by type checkers here).
+* :data:`DeviceLike`: a ``device=`` argument: ``"cpu"``, ``"cuda"``, ``"cuda:N"``, a GPU
+  index or a ``cupy.cuda.Device``.
+* :data:`PageFormat`: what ``PagedKVCache.page_format()`` returns (a JSON-able dict).
+* :data:`PathLike`: a file name (``str`` or ``os.PathLike``).
 
 Examples
 --------
@@ -26,6 +30,7 @@ False
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, Protocol, Union, runtime_checkable
 
@@ -34,8 +39,8 @@ import numpy as np
 if TYPE_CHECKING:
     import cupy
 
-__all__ = ["Array", "ArrayLike", "DTypeLike", "IndexLike", "IntArray", "IntArrayLike",
-           "SupportsDLPack"]
+__all__ = ["Array", "ArrayLike", "DTypeLike", "DeviceLike", "IndexLike", "IntArray",
+           "IntArrayLike", "PageFormat", "PathLike", "SupportsDLPack"]
 
 
 @runtime_checkable
@@ -66,3 +71,13 @@ IntArrayLike = int | np.integer | np.ndarray | Sequence[int]
 
 #: What the offset formulas return: a NumPy integer or integer array.
 IntArray = np.integer | np.ndarray
+
+#: A ``device=`` argument: ``"cpu"``, ``"cuda"``, ``"cuda:N"``, a GPU index, a
+#: ``cupy.cuda.Device``.
+DeviceLike = Union[str, int, "cupy.cuda.Device"]  # noqa: UP007
+
+#: ``PagedKVCache.page_format()``: field name -> a str, int, float or bool value.
+PageFormat = dict[str, str | int | float | bool]
+
+#: A file name.
+PathLike = str | os.PathLike

@@ -23,7 +23,7 @@ import math
 
 import numpy as np
 import pytest
-from conftest import DLPackProducer
+from conftest import DEVICES, DLPackProducer
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from test_attention import (
@@ -39,6 +39,7 @@ from test_attention import (
 )
 
 import fp4cache
+from fp4cache import PagedKVCache
 from fp4cache import _numpy_backend as npb
 
 
@@ -365,15 +366,19 @@ def test_bad_block_ids_refused_by_default_and_deferred_with_validate_false():
     assert np.array_equal(cache.buffer, buf)
 
 
-def test_bad_ids_in_a_sequence_without_queries_are_still_validated():
-    """Validation checks the used entries of every row, as decode_attention does."""
+def test_bad_ids_in_a_sequence_without_queries_are_neither_validated_nor_counted():
+    """Validation checks the ids the call reads, as the unvalidated path counts them: a
+    sequence without query tokens reads none of its row."""
     cache = make_cache()
     tables = np.array([[0, 1], [50, -1]], np.int32)
-    with pytest.raises(IndexError, match=r"block_tables\[1, 0\] = 50"):
-        cache.attention(make_q(2, 4, 64), starts_of([2, 0]), tables, np.array([20, 3]))
-    cache.attention(make_q(2, 4, 64), starts_of([2, 0]), tables, np.array([20, 3]),
-                    validate=False)
+    q = make_q(2, 4, 64)
+    checked = cache.attention(q, starts_of([2, 0]), tables, np.array([20, 3]))
+    unchecked = cache.attention(q, starts_of([2, 0]), tables, np.array([20, 3]),
+                                validate=False)
+    assert np.array_equal(checked, unchecked)
     assert cache.stats["bad_block_ids"] == 0  # never read: not counted
+    with pytest.raises(IndexError, match=r"block_tables\[1, 0\] = 50"):  # read: refused
+        cache.attention(q, starts_of([1, 1]), tables, np.array([20, 3]))
 
 
 def test_nan_groups_reach_the_rows_that_see_them():
@@ -574,3 +579,30 @@ def test_float16_output_dtype_and_bf16_q():
     for dt in (F16, BF16):
         *_, out, lse = run_and_compare(cache, [5, 2], [9, 30], dtype=dt)
         assert out.dtype == dt and lse.dtype == np.float32
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_sequence_without_query_tokens_reads_no_block_id(device):
+    """One rule, validated or not, on both backends: a call checks and counts only the
+    block ids it reads, and a sequence with n_b = 0 reads none (docs/errors.md)."""
+    xp = np if device == "cpu" else pytest.importorskip("cupy")
+    c = PagedKVCache(16, 16, 2, 64, device=device)
+    ones = xp.ones((256, 2, 64), xp.float32)
+    c.store(xp.arange(256), ones, ones)
+    q = xp.ones((3, 8, 64), xp.float32)
+    tables = np.array([[0, 1, 2], [999, 1, 2]])
+    lens = np.array([30, 20])
+    before = c.buffer.copy()
+    outs = [c.attention(q, np.array([0, 3, 3]), tables, lens, validate=v) for v in (True, False)]
+    assert c.stats["bad_block_ids"] == 0
+    c.check()  # quiet
+    assert xp.array_equal(outs[0], outs[1]) and bool(xp.isfinite(outs[0]).all())
+    assert xp.array_equal(before, c.buffer)
+    # the same bad id in a sequence that has query tokens is read: refused, or counted
+    with pytest.raises(IndexError, match=r"block_tables\[1, 0\] = 999 is out of range.* of a "
+                                         "sequence with query tokens"):
+        c.attention(q, np.array([0, 2, 3]), tables, lens, validate=True)
+    out = c.attention(q, np.array([0, 2, 3]), tables, lens, validate=False)
+    assert c.stats["bad_block_ids"] == 1 and bool(xp.isnan(out[2]).all())
+    with pytest.raises(IndexError, match="1 block id"):
+        c.check()

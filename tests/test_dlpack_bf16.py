@@ -174,11 +174,35 @@ def test_reader_agrees_with_numpys_own_capsules(versioned, layout):
     assert np.array_equal(y, x) and y.ctypes.data == x.ctypes.data and y.flags.writeable
 
 
+def _numpy_exports_read_only() -> bool:
+    """Whether this NumPy exports a read-only array through DLPack: only a versioned
+    capsule can say read-only, and NumPy before 2.1 has none (it refuses the export with
+    ``BufferError``: the floor, numpy 1.24, does)."""
+    x = np.zeros(1)
+    x.flags.writeable = False
+    try:
+        x.__dlpack__(max_version=(1, 0))
+    except (TypeError, BufferError):
+        return False
+    return True
+
+
 def test_reader_keeps_numpys_read_only_flag():
     x = np.arange(12, dtype=np.float16).reshape(3, 4)
     x.flags.writeable = False
+    if not _numpy_exports_read_only():
+        with pytest.raises(BufferError):  # NumPy's own refusal, passed on; nothing imported
+            from_dlpack_cpu(x, "x")
+        return
     y = from_dlpack_cpu(x, "x")  # only a versioned capsule can say read-only
     assert not y.flags.writeable and np.array_equal(y, x) and y.ctypes.data == x.ctypes.data
+
+
+def test_reader_keeps_a_producers_read_only_flag():
+    """The same through a versioned capsule that says read-only, on any NumPy."""
+    bits = _bits((3, 16))
+    y = from_dlpack_cpu(Producer(bits, versioned=True, readonly=True), "x")
+    assert not y.flags.writeable and y.ctypes.data == bits.ctypes.data
 
 
 @pytest.mark.parametrize("versioned", [False, True], ids=["legacy", "versioned"])

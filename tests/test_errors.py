@@ -754,3 +754,114 @@ def test_page_moving_flags_must_be_bools(device, call):
         call(c, "no")
     np.testing.assert_array_equal(host(c.cache.buffer), before)
     call(c, np.bool_(True))
+
+
+# -- device, pool size, byte order, autograd -----------------------------------------------
+@pytest.mark.parametrize("device", [-1, -7])
+def test_negative_device_index_is_a_value_error(device):
+    """Refused as a bad index before any GPU is looked for, with or without CuPy."""
+    with pytest.raises(ValueError, match=rf"device must be .*an int N >= 0.*got {device}: "
+                                         "a GPU index cannot be negative"):
+        PagedKVCache(4, 16, 2, 64, device=device)
+
+
+@pytest.mark.parametrize("num_blocks, need", [(2**62, "9437184.00 PiB"),
+                                              (10**12, "2.05 PiB")])
+def test_a_pool_larger_than_memory_names_num_blocks(num_blocks, need):
+    with pytest.raises(ValueError, match=rf"num_blocks = {num_blocks} is too many for this "
+                                         rf"machine: its page pool needs {re.escape(need)} "
+                                         rf"\({num_blocks * 2304} bytes.* available"):
+        PagedKVCache(num_blocks, 16, 2, 64, device="cpu")
+
+
+def test_the_pool_check_uses_the_memory_available(monkeypatch):
+    import fp4cache._device as dev
+
+    PagedKVCache(4, 16, 2, 64, device="cpu")
+    monkeypatch.setattr(dev, "host_memory", lambda: 5000)
+    with pytest.raises(ValueError, match=r"num_blocks = 4 .* needs 9.00 KiB \(9216 bytes: "
+                                         r"num_blocks \* 2304 bytes a page\), but 4.88 KiB of "
+                                         r"host memory is available; pass at most about "
+                                         r"num_blocks = 2"):
+        PagedKVCache(4, 16, 2, 64, device="cpu")
+    monkeypatch.setattr(dev, "host_memory", lambda: None)  # unknown: nothing to compare
+    PagedKVCache(4, 16, 2, 64, device="cpu")
+
+
+@pytest.mark.parametrize("order", [">", "<"])
+def test_index_arrays_of_either_byte_order_are_taken(order):
+    """Ids in non-native byte order (read from a file, say) are converted like K/V; other
+    dtypes are still refused whatever their order."""
+    c = PagedKVCache(4, 16, 2, 64, device="cpu")
+    ref_c = PagedKVCache(4, 16, 2, 64, device="cpu")
+    kv = np.random.default_rng(0).standard_normal((40, 2, 64)).astype(np.float32)
+    for dt in ("i8", "i4"):
+        ids = np.arange(40).astype(order + dt)
+        c.store(ids, kv, kv)
+        ref_c.store(np.arange(40), kv, kv)
+        assert np.array_equal(c.buffer, ref_c.buffer)
+        k, _ = c.gather_dequant(np.array([2, 0]).astype(order + dt), dtype="float32")
+        k_ref, _ = ref_c.gather_dequant(np.array([2, 0]), dtype="float32")
+        assert np.array_equal(k, k_ref)
+        q = np.ones((2, 4, 64), np.float32)
+        tables, lens = np.array([[0, 1, 2], [1, 2, -1]]), np.array([40, 20])
+        out = c.decode_attention(q, tables.astype(order + dt), lens.astype(order + dt))
+        assert np.array_equal(out, ref_c.decode_attention(q, tables, lens))
+        out = c.attention(q, np.array([0, 1, 2]).astype(order + dt),
+                          tables.astype(order + dt), lens.astype(order + dt))
+        assert np.array_equal(out, ref_c.attention(q, np.array([0, 1, 2]), tables, lens))
+        c.copy_blocks(np.array([0]).astype(order + dt), np.array([3]).astype(order + dt))
+        ref_c.copy_blocks([0], [3])
+        assert np.array_equal(c.read_blocks(np.array([3, 1]).astype(order + dt)),
+                              ref_c.read_blocks([3, 1]))
+    before = c.buffer.copy()
+    with pytest.raises(TypeError, match=r"slot_mapping must have dtype int32 or int64, got "
+                                        r"(>f8|float64)"):
+        c.store(np.arange(40).astype(order + "f8"), kv, kv)
+    assert np.array_equal(before, c.buffer)
+
+
+def test_a_tensor_that_requires_grad_names_the_parameter():
+    torch = pytest.importorskip("torch")
+    c = PagedKVCache(4, 16, 2, 64, device="cpu")
+    before = c.buffer.copy()
+    k = torch.ones((3, 2, 64), requires_grad=True)
+    with pytest.raises(TypeError, match=r"k is a tensor with requires_grad=True.*pass "
+                                        r"k\.detach\(\)"):
+        c.store(np.arange(3), k, k.detach())
+    with pytest.raises(TypeError, match=r"v is a tensor with requires_grad=True.*v\.detach"):
+        c.store(np.arange(3), k.detach(), k)
+    assert np.array_equal(before, c.buffer)
+    q = torch.ones((1, 2, 64), requires_grad=True)
+    with pytest.raises(TypeError, match=r"q is a tensor with requires_grad=True"):
+        c.decode_attention(q, np.array([[0]]), np.array([3]))
+    c.store(np.arange(3), k.detach(), k.detach())  # detached: taken without a copy
+    assert c.buffer.any()
+
+
+def test_check_says_what_happened_to_bad_block_ids_per_operation():
+    """A skipped copy_blocks pair is not reported as a page "gathered as NaN"."""
+    c = PagedKVCache(4, 16, 1, 64, device="cpu")
+    kv = np.ones((64, 1, 64), np.float32)
+    c.store(np.arange(64), kv, kv)
+    before = c.buffer.copy()
+    c.copy_blocks([99], [3], validate=False)
+    assert np.array_equal(before, c.buffer) and c.stats["bad_block_ids"] == 1
+    with pytest.raises(IndexError) as e:
+        c.check()
+    msg = str(e.value)
+    assert "gathered as NaN" not in msg
+    assert re.search(r"1 block id\(s\) were outside \[0, 4\) \(nothing outside the pool was "
+                     r"read or written for them\): a read \(gather_dequant, decode_attention, "
+                     r"attention, read_blocks\) gave NaN for each, a copy_blocks pair or "
+                     r"write_blocks row with one was skipped \(its destination kept its "
+                     r"bytes\)", msg), msg
+    c.check()  # cleared
+
+
+@pytest.mark.gpu
+def test_a_gpu_pool_larger_than_the_gpu_names_num_blocks():
+    with pytest.raises(ValueError, match=r"num_blocks = 1000000000000 is too many for this "
+                                         r"machine: its page pool needs 2.10 PiB .* and its "
+                                         r"claim table\), but GPU 0 has .* free"):
+        PagedKVCache(10**12, 16, 2, 64, device="cuda:0")

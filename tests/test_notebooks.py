@@ -230,3 +230,34 @@ def test_notebooks_extra_can_open_them_and_readme_says_how():
     readme = (ROOT / "README.md").read_text(encoding="utf-8")
     assert 'pip install -e ".[notebooks]" && jupyter lab notebooks/' in readme
     assert "python notebooks/execute.py" in readme
+
+
+_COUNT_WORDS = {2: "two", 3: "three", 4: "four", 5: "five", 6: "six", 7: "seven",
+                8: "eight", 9: "nine", 10: "ten"}
+
+
+def test_readme_counts_and_names_every_notebook():
+    """The README's sentence on notebooks/ gives their number and a name for each."""
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    m = re.search(r"`notebooks/` holds (\w+) notebooks \(([^)]*)\)", readme)
+    assert m, "README: no '`notebooks/` holds N notebooks (...)' sentence"
+    assert m.group(1) == _COUNT_WORDS.get(len(NOTEBOOKS), str(len(NOTEBOOKS))), (
+        m.group(1), [p.name for p in NOTEBOOKS])
+    assert len(m.group(2).split(",")) == len(NOTEBOOKS), m.group(2)
+
+
+def test_interop_doc_says_first_that_its_examples_need_pytorch():
+    """docs/interop.md says at the top, before any example, that they need PyTorch, and
+    carries the marker that makes the doc test skip them without it."""
+    text = (DOCS_DIR / "interop.md").read_text(encoding="utf-8")
+    head = text.split(">>>", 1)[0]
+    assert doc_requirements(head) == ["torch"]
+    first = re.split(r"\n\s*\n", head.split("-->", 1)[1].strip(), maxsplit=1)[0]
+    assert "need PyTorch" in first and "skip" in first, first
+
+
+def test_doc_examples_skip_without_their_requirement(monkeypatch):
+    """Without PyTorch, docs/interop.md's examples are skipped, with the reason."""
+    monkeypatch.setitem(sys.modules, "torch", None)
+    with pytest.raises(pytest.skip.Exception, match="interop.md's examples need torch"):
+        test_doc_examples(DOCS_DIR / "interop.md", monkeypatch)

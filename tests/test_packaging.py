@@ -153,6 +153,83 @@ def test_metadata_classifiers_and_keywords():
                 for c in classifiers if c.startswith("Programming Language :: Python :: 3.")]
     assert versions and min(versions) == low, (versions, meta["requires-python"])
     assert {"nvfp4", "kv-cache", "vllm"} <= set(meta["keywords"])
+    for extra in meta["optional-dependencies"]:  # cuda12, cuda13: a classifier each
+        if re.fullmatch(r"cuda\d+", extra):
+            assert f"Environment :: GPU :: NVIDIA CUDA :: {extra[4:]}" in classifiers, extra
+
+
+def _floors() -> dict[str, tuple[int, ...]]:
+    """``{name: floor}`` of pyproject.toml's ``name>=floor`` dependencies."""
+    text = (REPO / "pyproject.toml").read_text()
+    deps = re.search(r"^dependencies\s*=\s*\[(.*?)\]", text, re.S | re.M).group(1)
+    return {m.group(1): tuple(int(x) for x in m.group(2).split("."))
+            for m in re.finditer(r'"([A-Za-z0-9_.-]+)>=([0-9.]+)"', deps)}
+
+
+def test_dependency_floors_are_versions_that_work():
+    """ml_dtypes 0.4 imports but has no float4_e2m1fn (the E2M1 type every store and
+    gather uses): the floor is 0.5.0, the first release with it; numpy 1.24 is the oldest
+    NumPy that CI's minimum-versions step (.ci/run, .ci/floors.py) installs and tests."""
+    import ml_dtypes
+
+    floors = _floors()
+    assert set(floors) == {"numpy", "ml_dtypes"}, floors
+    assert floors["ml_dtypes"] >= (0, 5), floors
+    assert floors["numpy"] >= (1, 24), floors
+    assert hasattr(ml_dtypes, "float4_e2m1fn")
+
+
+CI = REPO / ".ci" / "run"
+needs_ci = pytest.mark.skipif(not CI.is_file(), reason="a checkout's CI script (.ci/ is not "
+                                                       "in the sdist)")
+
+
+def _readme_installs() -> list[str]:
+    """The extras of the README's ``pip install -e ...`` lines that run the tests."""
+    lines = (REPO / "README.md").read_text().split("```")[1].splitlines()
+    out = []
+    for ln in lines:
+        m = re.search(r'pip install -e "?\.(?:\[([^\]]*)\])?"?\s*&&\s*python -m pytest -q', ln)
+        if m:
+            out.append(m.group(1) or "")
+    return out
+
+
+@needs_ci
+def test_ci_runs_the_suite_in_every_install_the_readme_gives():
+    """CI installs each of the README's test lines in its own venv (with CuPy and
+    without: the CPU-only one must not see CuPy) and runs the suite there, plus the
+    minimum-versions venv; every suite function is in the list that runs."""
+    text = CI.read_text()
+    installs = _readme_installs()
+    assert "test,notebooks,cuda12" in installs and "test,notebooks" in installs, installs
+    venvs = dict(re.findall(r'^\s+new_venv (\w+) "([^"]*)"', text, re.M))
+    for extras in installs:
+        assert extras in venvs.values(), (extras, venvs)
+    cpu = next(n for n, e in venvs.items() if e == "test,notebooks")
+    assert f"in_venv {cpu} no_cupy" in text
+    suites = re.search(r'^SUITES="([^"]*)"', text, re.M).group(1).split()
+    defined = re.findall(r"^suite_(\w+)\(\)", text, re.M)
+    assert sorted(suites) == sorted(defined) and set(venvs) <= set(suites), (suites, defined)
+    for name, extras in venvs.items():
+        if extras:  # the README's lines with an extra run the tests
+            assert re.search(rf"^\s*pytest_in {name}\b", text, re.M), name
+    base = next(n for n, e in venvs.items() if e == "")  # pip install -e . && python -m fp4cache
+    assert re.search(rf"^\s*in_venv {base} python -m fp4cache\b", text, re.M)
+    assert "pip install -e . && python -m fp4cache" in (REPO / "README.md").read_text()
+    assert '"$rc" -eq 5' in text  # pytest's "no tests collected" is a failure
+
+
+@needs_ci
+def test_ci_minimum_versions_step_pins_the_declared_floors():
+    r = subprocess.run([sys.executable, str(REPO / ".ci" / "floors.py")], capture_output=True,
+                       text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    pins = dict(ln.split("==") for ln in r.stdout.split())
+    assert {k: tuple(int(x) for x in v.split(".")) for k, v in pins.items()} == _floors()
+    text = CI.read_text()
+    assert "python3 .ci/floors.py" in text and 'new_venv min "test" -c' in text
+    assert "floors.py --check" in text
 
 
 def test_changelog_has_unreleased_and_the_current_version_with_numbers():
@@ -318,3 +395,58 @@ def test_sweep_bench_targets_and_tiles():
     assert len(full) == 8 and len(three) == 3 and len(none) == 1 and got["one"] == [[0, 0]]
     cover = [(r0 + i, c0 + j) for r0, c0 in full for i in range(2) for j in range(2)]
     assert sorted(cover) == [(i, j) for i in range(4) for j in range(8)]  # disjoint, in range
+
+
+def _run_bench_without_cupy(args, tmp_path):
+    """``bench/bench.py args`` in a subprocess where ``import cupy`` fails, as in the
+    CPU-only install (``.[test,notebooks]``), whether or not CuPy is installed here."""
+    code = ("import runpy, sys\n"
+            "sys.modules['cupy'] = None\n"
+            f"sys.argv = ['bench/bench.py'] + {list(args)!r}\n"
+            "runpy.run_path('bench/bench.py', run_name='__main__')\n")
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    env["PYTHONPATH"] = str(REPO)
+    return subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=300)
+
+
+def test_bench_longlive_list_runs_on_the_cpu_without_cupy(tmp_path):
+    """The LongLive list-API section imports the CuPy backend only for its GPU rows, so
+    ``--cpu`` works where CuPy is not installed."""
+    out = tmp_path / "bench.json"
+    r = _run_bench_without_cupy(["--cpu", "--quick", "--no-torch", "--only", "longlive-list",
+                                 "--watchdog-s", "0", "--out", str(out)], tmp_path)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    doc = json.loads(out.read_text())
+    assert doc["errors"] == [], doc["errors"]
+    assert {row["section"] for row in doc["rows"]} == {"longlive"}, doc["rows"]
+
+
+def test_bench_exits_nonzero_when_it_recorded_an_error(tmp_path, monkeypatch, capsys):
+    """A section that fails is recorded, the rest still runs, and the exit status is 1."""
+    import importlib.util
+
+    monkeypatch.syspath_prepend(str(REPO / "bench"))
+    spec = importlib.util.spec_from_file_location("fp4cache_bench_main",
+                                                  REPO / "bench" / "bench.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+
+    def broken():
+        raise RuntimeError("a section that fails")
+
+    def run(self):
+        self.section("broken section", broken)
+        self.write_json()
+
+    monkeypatch.setattr(mod.Bench, "run", run)
+    out = tmp_path / "bench.json"
+    args = ["--cpu", "--quick", "--no-torch", "--watchdog-s", "0", "--out", str(out)]
+    assert mod.main(args) == 1
+    doc = json.loads(out.read_text())
+    assert [e["error"] for e in doc["errors"]] == ["RuntimeError: a section that fails"]
+    text = capsys.readouterr()
+    assert "1 error(s)" in text.out and "exit status 1" in text.err
+
+    monkeypatch.setattr(mod.Bench, "run", lambda self: self.write_json())
+    assert mod.main(args) == 0

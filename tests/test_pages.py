@@ -307,6 +307,9 @@ def test_page_format_missing_unknown_and_type():
     with pytest.raises(ValueError, match=r"unknown field\(s\) \['extra'\]"):
         cache.write_blocks([0], data, page_format=fmt)
     fmt = dict(cache.page_format(), swizzle_v_scales=1)  # 1 is not True
+    with pytest.raises(TypeError, match="'swizzle_v_scales' must be a bool"):
+        cache.write_blocks([0], data, page_format=fmt)
+    fmt = dict(cache.page_format(), swizzle_v_scales=False)
     with pytest.raises(ValueError, match="'swizzle_v_scales' differs"):
         cache.write_blocks([0], data, page_format=fmt)
     with pytest.raises(TypeError, match="page_format must be a dict"):
@@ -317,7 +320,142 @@ def test_page_format_missing_unknown_and_type():
     assert not cache.buffer[0].any()
 
 
+@pytest.mark.parametrize("field, value", [
+    ("version", True), ("block_size", 16.0), ("num_heads", np.float64(2)),
+    ("page_bytes", "2304"), ("k_scale", "0.01"), ("v_scale", False),
+    ("swizzle_v_scales", 1), ("swizzle_v_scales", "True"), ("layout", b"HND"),
+    ("scale_rule", None), ("format", 1)])
+def test_page_format_field_of_the_wrong_type_is_a_type_error(field, value):
+    """Types are compared as well as values: ``version=True`` or ``block_size=16.0`` are
+    not 1 and 16, and ``k_scale='0.01'`` is a wrong type, not a value that differs."""
+    cache = filled(4, 16, 2, 64)
+    data = np.ones((1, cache.geometry.page_bytes), np.uint8)
+    before = cache.buffer.copy()
+    fmt = dict(cache.page_format(), **{field: value})
+    with pytest.raises(TypeError, match=rf"page_format field '{field}' must be (a|an) "):
+        cache.write_blocks([0], data, page_format=fmt)
+    assert np.array_equal(before, cache.buffer)
+    with pytest.raises(TypeError, match=rf"field '{field}' must be"):
+        pages.check_page_format(fmt, cache)
+
+
+def test_page_format_numbers_of_the_right_kind_pass():
+    cache = filled(4, 16, 2, 64)
+    data = np.ones((1, cache.geometry.page_bytes), np.uint8)
+    ok = dict(cache.page_format(), version=np.int32(1), k_scale=np.float64(0.5),
+              v_scale=0.25, swizzle_v_scales=np.bool_(True))
+    cache.write_blocks([0], data, page_format=ok)
+    assert (cache.buffer[0] == 1).all()
+
+
 # -- save / load ----------------------------------------------------------------------------
+def _saved(tmp_path, name="c.safetensors"):
+    pytest.importorskip("safetensors")
+    cache = filled(4, 16, 2, 64)
+    path = tmp_path / name
+    cache.save(path)
+    return cache, path
+
+
+def _refused(cache, path, exc, match):
+    """``PagedKVCache.load(path)`` and ``cache.load_pages(path)`` raise ``exc`` matching
+    ``match``; the cache's bytes are unchanged."""
+    before = cache.buffer.copy()
+    with pytest.raises(exc, match=match):
+        PagedKVCache.load(path, device="cpu")
+    with pytest.raises(exc, match=match):
+        cache.load_pages(path)
+    assert np.array_equal(before, cache.buffer)
+
+
+def test_load_names_a_missing_path_or_a_directory(tmp_path):
+    cache, _ = _saved(tmp_path)
+    _refused(cache, tmp_path / "nope.safetensors", FileNotFoundError,
+             r"path '.*nope\.safetensors' does not exist")
+    _refused(cache, tmp_path, IsADirectoryError, r"path '.*' is a directory")
+    with pytest.raises(TypeError, match="path must be a str or an os.PathLike"):
+        PagedKVCache.load(3, device="cpu")
+
+
+@pytest.mark.parametrize("content, match", [
+    (b"", "holds 0 byte"), (b"hello", "holds 5 byte"),
+    (b"this is a text file, not pages\n" * 4, "no safetensors header length"),
+    (b"\x05\x00\x00\x00\x00\x00\x00\x00nojsn", "header is not JSON"),
+    (b"\x02\x00\x00\x00\x00\x00\x00\x00{}", "no 'fp4cache.page_format' metadata")])
+def test_load_names_a_file_that_is_not_a_page_file(tmp_path, content, match):
+    cache, _ = _saved(tmp_path)
+    path = tmp_path / "text.txt"
+    path.write_bytes(content)
+    _refused(cache, path, ValueError, rf"path '.*text\.txt' is not an fp4cache page file.*{match}")
+
+
+def test_load_names_a_truncated_file(tmp_path):
+    cache, path = _saved(tmp_path)
+    raw = path.read_bytes()
+    n = int.from_bytes(raw[:8], "little")
+    for cut in (len(raw) - 1, len(raw) // 2, 8 + n):
+        short = tmp_path / f"short{cut}.safetensors"
+        short.write_bytes(raw[:cut])
+        _refused(cache, short, ValueError,
+                 rf"path '.*short{cut}\.safetensors' is truncated: {cut} of {len(raw)} bytes")
+    short = tmp_path / "header.safetensors"
+    short.write_bytes(raw[:20])
+    _refused(cache, short, ValueError, rf"is truncated: 20 of at least {8 + n} bytes")
+
+
+def test_save_names_a_missing_directory_or_a_directory(tmp_path):
+    pytest.importorskip("safetensors")
+    cache = filled(4, 16, 2, 64)
+    with pytest.raises(FileNotFoundError, match=r"path '.*c\.safetensors': the directory "
+                                                r"'.*missing' does not exist"):
+        cache.save(tmp_path / "missing" / "c.safetensors")
+    with pytest.raises(IsADirectoryError, match=r"path '.*' is a directory"):
+        cache.save(tmp_path)
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(NotADirectoryError, match=r"is not a directory"):
+        cache.save(tmp_path / "file" / "c.safetensors")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["file"]
+    with pytest.raises(TypeError, match="path must be a str or an os.PathLike"):
+        cache.save(None)
+
+
+def test_load_of_a_file_whose_metadata_disagrees_names_the_file(tmp_path):
+    """A file's format fields that contradict each other or its pages: the error names the
+    file and says nothing was loaded (there is no existing cache in ``load``)."""
+    stn = pytest.importorskip("safetensors.numpy")
+    cache, path = _saved(tmp_path)
+    t = stn.load_file(str(path))
+    fmt = cache.page_format()
+    bad = tmp_path / "bad.safetensors"
+    for meta, match in (
+            (dict(fmt, page_bytes=999), r"field 'page_bytes' is 999, but its other fields "
+                                        r"make it 2304: the file's metadata disagrees"),
+            (dict(fmt, block_size=0), r"page format does not describe a cache \(block_size"),
+            (dict(fmt, k_scale="0.5"), r"field 'k_scale' must be a real number"),
+            ({k: v for k, v in fmt.items() if k != "layout"},
+             r"lacks the field\(s\) \['layout'\]")):
+        stn.save_file(t, str(bad), metadata={"fp4cache.page_format": json.dumps(meta),
+                                             "fp4cache.num_blocks": "4"})
+        with pytest.raises(ValueError, match=match) as e:
+            PagedKVCache.load(bad, device="cpu")
+        assert "bad.safetensors" in str(e.value) and "this cache has" not in str(e.value)
+    stn.save_file({"pages": t["pages"][:, :100].copy(), "blocks": t["blocks"]}, str(bad),
+                  metadata={"fp4cache.page_format": json.dumps(fmt)})
+    with pytest.raises(ValueError, match=r"its pages have 100 bytes each, but its page "
+                                         r"format gives page_bytes 2304; nothing was loaded"):
+        PagedKVCache.load(bad, device="cpu")
+    stn.save_file(t, str(bad), metadata={"fp4cache.page_format": json.dumps(fmt),
+                                         "fp4cache.num_blocks": "2"})
+    with pytest.raises(ValueError, match=r"block id 2 \(entry 2\) is outside the saved "
+                                         r"num_blocks = 2"):
+        PagedKVCache.load(bad, device="cpu")
+
+
+def test_load_checks_device_before_the_file(tmp_path):
+    with pytest.raises(ValueError, match="device must be"):
+        PagedKVCache.load(tmp_path / "nope.safetensors", device="tpu")
+
+
 @pytest.mark.parametrize("geom", GEOMETRIES)
 def test_save_load_round_trip(tmp_path, geom):
     pytest.importorskip("safetensors")
