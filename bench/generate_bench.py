@@ -146,9 +146,28 @@ def run_cell(model, cfg, b, length, steps, budget) -> dict:
             row[name] = time_steps(model, cache, b, steps)
             del cache
         row[name + "_peak"] = peak_bytes()
-        print(f"  B={b} L={length} {name}: {row[name]:.2f} ms, peak {row[name + '_peak'] / 2**30:.1f}"
-              " GiB", flush=True)
+        peak = row[name + "_peak"] / 2**30
+        print(f"  B={b} L={length} {name}: {row[name]:.2f} ms, peak {peak:.1f} GiB", flush=True)
     return row
+
+
+def profile_steps(model, cfg, b=1, length=4096):
+    from torch.profiler import ProfilerActivity, profile
+
+    for name in ("dynamic", "fp4cache"):
+        if name == "dynamic":
+            model.set_attn_implementation("sdpa")
+            cache = DynamicCache()
+            fill_bf16(cache, cfg, b, length)
+        else:
+            model.set_attn_implementation("fp4cache")
+            cache = fh.FP4Cache(model.config, b, length + 8, device="cuda")
+            fill_fp4(cache, cfg, b, length)
+        time_steps(model, cache, b, 1)
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            time_steps(model, cache, b, 1)
+        print(f"-- {name}")
+        print(prof.key_averages().table(sort_by="cpu_time_total", row_limit=12))
 
 
 def run_e2e(model, cfg, b, length, new_tokens) -> dict:
@@ -197,8 +216,8 @@ def table(rows) -> str:
 
     for r in rows:
         ratio = f"{r['dynamic'] / r['fp4cache']:.2f}x" if r.get("dynamic") else "-"
-        lines.append(f"| {r['B']} x {r['L']:,} | {ms(r.get('dynamic'))} | {ms(r.get('static'))} | "
-                     f"{ms(r['fp4cache'])} | {ratio} | {ms(r['no_attn'])} | "
+        lines.append(f"| {r['B']} x {r['L']:,} | {ms(r.get('dynamic'))} | "
+                     f"{ms(r.get('static'))} | {ms(r['fp4cache'])} | {ratio} | {ms(r['no_attn'])} | "
                      f"{r['bf16_kv_bytes'] / 2**30:.2f} GiB | {r['fp4_kv_bytes'] / 2**30:.2f} GiB |")
     return "\n".join(lines)
 
@@ -212,6 +231,8 @@ def main(argv=None) -> int:
     ap.add_argument("--e2e", default="8x32768", help="B x L of the generate row ('' for none)")
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--quick", action="store_true", help="4 layers, small cells")
+    ap.add_argument("--profile", action="store_true",
+                    help="print PyTorch's profile of one DynamicCache and one fp4cache step")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     if args.quick:
@@ -221,9 +242,11 @@ def main(argv=None) -> int:
     with torch.device("cuda"):
         model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16).eval()
     free, total = torch.cuda.mem_get_info()
-    print(f"{torch.cuda.get_device_name()}: model {sum(p.numel() for p in model.parameters()) / 1e9:.2f}"
-          f"B params, {free / 2**30:.0f} of {total / 2**30:.0f} GiB free; torch "
+    params = sum(p.numel() for p in model.parameters()) / 1e9
+    print(f"{torch.cuda.get_device_name()}: model {params:.2f}B params, {free / 2**30:.0f} of {total / 2**30:.0f} GiB free; torch "
           f"{torch.__version__}, transformers {transformers.__version__}", flush=True)
+    if args.profile:
+        profile_steps(model, cfg)
     rows, e2e = [], None
     for cell in args.cells.split(","):
         b, length = (int(x) for x in cell.split("x"))

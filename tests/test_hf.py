@@ -285,26 +285,38 @@ def test_switching_attention_needs_a_reset():
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("kind,heads,kv_heads,head_dim", CASES[:2])
-def test_gpu_fused_matches_the_cpu_backend(kind, heads, kv_heads, head_dim, dtype):
+def test_gpu_fused_equals_sdpa_over_the_dequantized_cache(kind, heads, kv_heads, head_dim,
+                                                          dtype):
     cfg = _config(kind, heads=heads, kv_heads=kv_heads, head_dim=head_dim)
-    gpu = _model(cfg, "fp4cache", device="cuda", dtype=dtype)
-    cpu = _model(cfg, "fp4cache", dtype=dtype)
+    fused = _model(cfg, "fp4cache", device="cuda", dtype=dtype)
+    ref = _model(cfg, "sdpa", device="cuda", dtype=dtype)
     ids = torch.randint(1, cfg.vocab_size, (2, 37), generator=torch.Generator().manual_seed(6))
     mask = torch.ones_like(ids)
     mask[1, :5] = 0
-    c_g = fh.FP4Cache(gpu.config, 2, 80, device="cuda")
-    c_c = fh.FP4Cache(cpu.config, 2, 80, device="cpu")
-    t_g, l_g = _greedy(gpu, c_g, ids.cuda(), 16, mask.cuda())
-    t_c, l_c = _greedy(cpu, c_c, ids, 16, mask)
-    # the matmuls of the model differ between devices; 16-bit models more so
-    _close(l_g.cpu(), l_c, rtol=2e-3 if dtype == torch.float32 else 3e-2)
-    assert c_g.layers[0].pages.device == "cuda"
-    k_g = c_g.layers[0].pages.buffer.get()
-    # layer 0: same K/V inputs up to the model's device arithmetic; the page bytes of the
-    # prompt agree where the inputs do (float32: all but rounding-boundary groups)
-    if dtype == torch.float32:
-        same = np.mean(k_g[:3] == c_c.layers[0].pages.buffer[:3])
-        assert same > 0.99
+    c_f = fh.FP4Cache(fused.config, 2, 80, device="cuda")
+    c_r = fh.FP4Cache(ref.config, 2, 80, device="cuda")
+    _, l_f = _greedy(fused, c_f, ids.cuda(), 16, mask.cuda())
+    _, l_r = _greedy(ref, c_r, ids.cuda(), 16, mask.cuda())
+    # float32: the attention tolerance; 16-bit models round their activations too
+    _close(l_f.cpu(), l_r.cpu(), rtol=LOGIT_RTOL if dtype == torch.float32 else 3e-2)
+    assert c_f.layers[0].pages.device == "cuda" and c_f.layers[0].mode == "fused"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_gpu_pages_equal_the_cpu_backends(dtype):
+    """The same CUDA K/V stored through FP4Cache on the GPU and on the CPU: the same bytes,
+    and the same dequantized K/V back."""
+    cfg = _config("llama", heads=8, kv_heads=2, head_dim=128)
+    g = torch.Generator().manual_seed(7)
+    k = torch.randn(3, 2, 40, 128, generator=g).to(dtype) * 3
+    v = torch.randn(3, 2, 40, 128, generator=g).to(dtype)
+    gpu = fh.FP4Cache(cfg, 3, 64, device="cuda")
+    cpu = fh.FP4Cache(cfg, 3, 64, device="cpu")
+    kg, vg = gpu.update(k.cuda(), v.cuda(), 1)
+    kc, vc = cpu.update(k, v, 1)
+    assert np.array_equal(gpu.layers[1].pages.buffer.get(), cpu.layers[1].pages.buffer)
+    assert torch.equal(kg.cpu(), kc) and torch.equal(vg.cpu(), vc)
 
 
 @pytest.mark.gpu

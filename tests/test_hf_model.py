@@ -32,9 +32,9 @@ GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 PROMPTS = ["What is the capital of France?", "Name three primary colors.",
            "Write one sentence about the sea."]
 #: Perplexity increase allowed over float32 K/V on the two windows: NVFP4 alone loses
-#: 5-10 % on this model (bench/model_quality.py has the full measurement), so these bounds
+#: about 10 % on these windows (bench/model_quality.py has the full measurement), so these bounds
 #: catch a broken cache (a wrong scale or page gives +50 % and more), not noise.
-PPL_BOUND = {"4over6": 0.12, "static6": 0.15}
+PPL_BOUND = {"4over6": 0.15, "static6": 0.15}
 
 
 @pytest.fixture(scope="module")
@@ -52,7 +52,7 @@ def _answer(tok, model, prompt, cache, impl):
     enc = tok.apply_chat_template([{"role": "user", "content": prompt}],
                                   add_generation_prompt=True, return_dict=True,
                                   return_tensors="pt")
-    out = model.generate(**enc, past_key_values=cache, max_new_tokens=20, do_sample=False)
+    out = model.generate(**enc, past_key_values=cache, max_new_tokens=16, do_sample=False)
     return out[0, enc["input_ids"].shape[1]:]
 
 
