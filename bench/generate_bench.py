@@ -216,9 +216,10 @@ def table(rows) -> str:
 
     for r in rows:
         ratio = f"{r['dynamic'] / r['fp4cache']:.2f}x" if r.get("dynamic") else "-"
+        kv = f"{r['bf16_kv_bytes'] / 2**30:.2f} GiB | {r['fp4_kv_bytes'] / 2**30:.2f} GiB"
         lines.append(f"| {r['B']} x {r['L']:,} | {ms(r.get('dynamic'))} | "
-                     f"{ms(r.get('static'))} | {ms(r['fp4cache'])} | {ratio} | {ms(r['no_attn'])} | "
-                     f"{r['bf16_kv_bytes'] / 2**30:.2f} GiB | {r['fp4_kv_bytes'] / 2**30:.2f} GiB |")
+                     f"{ms(r.get('static'))} | {ms(r['fp4cache'])} | {ratio} | "
+                     f"{ms(r['no_attn'])} | {kv} |")
     return "\n".join(lines)
 
 
@@ -243,8 +244,8 @@ def main(argv=None) -> int:
         model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16).eval()
     free, total = torch.cuda.mem_get_info()
     params = sum(p.numel() for p in model.parameters()) / 1e9
-    print(f"{torch.cuda.get_device_name()}: model {params:.2f}B params, {free / 2**30:.0f} of {total / 2**30:.0f} GiB free; torch "
-          f"{torch.__version__}, transformers {transformers.__version__}", flush=True)
+    print(f"{torch.cuda.get_device_name()}: model {params:.2f}B params, {free / 2**30:.0f} of "
+          f"{total / 2**30:.0f} GiB free; torch {torch.__version__}, transformers {transformers.__version__}", flush=True)
     if args.profile:
         profile_steps(model, cfg)
     rows, e2e = [], None
