@@ -245,7 +245,8 @@ def main(argv=None) -> int:
     free, total = torch.cuda.mem_get_info()
     params = sum(p.numel() for p in model.parameters()) / 1e9
     print(f"{torch.cuda.get_device_name()}: model {params:.2f}B params, {free / 2**30:.0f} of "
-          f"{total / 2**30:.0f} GiB free; torch {torch.__version__}, transformers {transformers.__version__}", flush=True)
+          f"{total / 2**30:.0f} GiB free; torch {torch.__version__}, transformers "
+          f"{transformers.__version__}", flush=True)
     if args.profile:
         profile_steps(model, cfg)
     rows, e2e = [], None
