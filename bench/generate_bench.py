@@ -58,8 +58,11 @@ def kv_bytes_bf16(cfg, b, length) -> int:
 
 
 def peak_reset():
+    import gc
+
     import cupy
 
+    gc.collect()  # a cache's layers and the cache refer to each other
     torch.cuda.synchronize()
     cupy.get_default_memory_pool().free_all_blocks()
     torch.cuda.empty_cache()
