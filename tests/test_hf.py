@@ -226,6 +226,48 @@ def test_nbytes_and_compression():
     assert bf16 / cache.nbytes == pytest.approx(256 / 72, rel=1e-3)
 
 
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
+#: One layer's fused attention against float32 sdpa over the cache's dequantized K/V: the
+#: output's own rounding (bf16: 2^-8 of the largest value) on top of the backend's float32
+#: (CPU) or f16-MMA (GPU, ~2e-4) attention.
+LAYER_RTOL = {torch.bfloat16: 5e-3, torch.float32: 1e-3}
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("b,q,past", [(2, 37, 0), (2, 1, 37), (1, 5, 20)])
+def test_one_layer_against_float32_attention(device, dtype, b, q, past):
+    cfg = _config("llama", layers=1)
+    cfg._attn_implementation = "fp4cache"
+    cache = fh.FP4Cache(cfg, b, 80, device=device)
+    layer = cache.layers[0]
+    g = torch.Generator().manual_seed(8)
+
+    def rnd(*shape):
+        return torch.randn(*shape, generator=g).to(dtype).to(device)
+
+    if past:
+        kk, vv = layer.update(rnd(b, 2, past, 64), rnd(b, 2, past, 64), 0)
+        fh.fp4cache_attention_forward(None, rnd(b, 8, past, 64), kk, vv, None, 0.125)
+    query = rnd(b, 8, q, 64)
+    kk, vv = layer.update(rnd(b, 2, q, 64), rnd(b, 2, q, 64), 0)
+    out, weights = fh.fp4cache_attention_forward(None, query, kk, vv, None, 0.125)
+    assert weights is None and out.shape == (b, q, 8, 64) and out.dtype == dtype
+    n = past + q
+    blocks = (np.arange(b)[:, None] * cache.pages_per_row + np.arange(-(-n // 16))).ravel()
+    k_hat, v_hat = layer.pages.gather_dequant(cache._index(blocks), dtype="float32")
+
+    def heads(a):
+        t = torch.from_dlpack(a).to(device)
+        return t.view(b, -1, 2, 64)[:, :n].transpose(1, 2).repeat_interleave(4, 1)
+
+    mask = torch.ones(q, n, dtype=torch.bool, device=device).tril(n - q)
+    ref = torch.nn.functional.scaled_dot_product_attention(
+        query.float(), heads(k_hat), heads(v_hat), attn_mask=mask, scale=0.125).transpose(1, 2)
+    err = float((out.float() - ref).abs().max() / ref.abs().max())
+    assert err < LAYER_RTOL[dtype]
+
+
 # -- errors: clear, and nothing in the cache changes ----------------------------------------
 def test_fp4cache_attention_without_an_fp4cache():
     model = _model(_config("llama"), "fp4cache")
@@ -283,10 +325,9 @@ def test_switching_attention_needs_a_reset():
 
 # -- GPU: CUDA tensors, the CuPy kernels, checked against the CPU backend -------------------
 @pytest.mark.gpu
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("kind,heads,kv_heads,head_dim", CASES[:2])
 def test_gpu_fused_equals_sdpa_over_the_dequantized_cache(kind, heads, kv_heads, head_dim,
-                                                          dtype):
+                                                          dtype=torch.float32):
     cfg = _config(kind, heads=heads, kv_heads=kv_heads, head_dim=head_dim)
     fused = _model(cfg, "fp4cache", device="cuda", dtype=dtype)
     ref = _model(cfg, "sdpa", device="cuda", dtype=dtype)
