@@ -14,6 +14,11 @@ f16 or f32 queries), with no bf16 copy of the cache anywhere::
                                  device=model.device)
     out = model.generate(**inputs, past_key_values=cache, max_new_tokens=128)
 
+(transformers 5.24 and later name the argument ``cache=``; ``past_key_values=`` still works
+there, with a deprecation warning.)  Give the cache per-layer scales from
+:func:`calibrate_scales` on a sample of the model's own text: NVFP4's rounding depends on
+them, and on a small model the default scale can change a greedy answer.
+
 With any other attention implementation (``"sdpa"``, ``"eager"``, ...) the same cache
 works as a dequantizing cache, as transformers' ``QuantizedCache`` does: ``update``
 returns the whole cache dequantized to the model's dtype for that implementation to read.
@@ -256,7 +261,8 @@ class FP4Cache(Cache):
         Block-scale rule of :meth:`fp4cache.PagedKVCache.store`.
     k_scales, v_scales : float or sequence of float, optional
         Global scale of each layer's K and V (one value for all layers, or one per
-        layer), e.g. from :func:`calibrate_scales`.  Default :data:`DEFAULT_SCALE`.
+        layer), e.g. from :func:`calibrate_scales` (recommended).  Default
+        :data:`DEFAULT_SCALE`.
 
     Notes
     -----

