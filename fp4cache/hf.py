@@ -33,16 +33,16 @@ import math
 from collections.abc import Sequence
 from typing import Any
 
-import ml_dtypes
 import numpy as np
 import torch
 from transformers import AttentionInterface
 from transformers.cache_utils import Cache, CacheLayerMixin, DynamicCache
 from transformers.masking_utils import AttentionMaskInterface
 
-from . import formats
+from . import _arrays, formats
 from .cache import PagedKVCache
 from .calibrate import calibrate_scale
+from .pages import slot_mapping
 
 __all__ = ["ATTN_IMPLEMENTATION", "DEFAULT_SCALE", "FP4Cache", "FP4CacheLayer",
            "calibrate_scales", "fp4cache_attention_forward", "fp4cache_mask"]
@@ -60,33 +60,21 @@ DEFAULT_SCALE = 64.0 / (6 * formats.RULE_E4M3_MAX["4over6"])
 _TAG = "_fp4cache_layer"  # attribute of the K tensor that ``update`` hands to the attention
 
 
-# -- tensors <-> the cache's arrays -------------------------------------------------------
-def _array(t: torch.Tensor):
-    """A NumPy (CPU) or CuPy (CUDA) view of ``t``'s memory, without a copy."""
-    t = t.detach()
-    if t.is_cuda:
-        import cupy
-
-        return cupy.from_dlpack(t)
-    if t.dtype == torch.bfloat16:
-        return t.view(torch.int16).numpy().view(ml_dtypes.bfloat16)
-    return t.numpy()
-
-
-def _tensor(a, dtype: torch.dtype) -> torch.Tensor:
-    """The torch tensor over the memory of a NumPy or CuPy array (no copy)."""
-    if isinstance(a, np.ndarray):
-        if a.dtype == ml_dtypes.bfloat16:
-            return torch.from_numpy(a.view(np.int16)).view(torch.bfloat16)
-        return torch.from_numpy(a)
-    return torch.from_dlpack(a).view(dtype)
+# -- tensors -> the cache's arrays --------------------------------------------------------
+def _array(t: torch.Tensor, name: str):
+    """A NumPy (CPU) or CuPy (CUDA) view of ``t``'s memory through DLPack, without a copy
+    (the library's own intake, :func:`fp4cache._arrays.to_backend`)."""
+    return _arrays.to_backend(t.detach(), "cuda" if t.is_cuda else "cpu", name)
 
 
 class _Step:
     """Where one forward step's new tokens go, shared by every layer of the step.
 
-    ``rows`` (None: every token is real) are the flat indices ``b * q + j`` of the real
-    (non-padding) new tokens; the cache stores and attends only those.
+    ``slots`` holds -1 for the padding tokens (the store skips them); ``rows`` (None:
+    every token is real) are the flat indices ``b * q + j`` of the real new tokens, the
+    query rows the attention computes.  ``key`` is what the layers of one step share: the
+    padding mask object, the positions before the step, the batch shape, the rows'
+    lengths before the step (``lens``: those after it).
     """
 
     __slots__ = ("key", "rows", "slots", "qsl", "seq_lens", "max_q", "lens", "empty")
@@ -94,6 +82,11 @@ class _Step:
     def __init__(self, key, rows, slots, qsl, seq_lens, max_q, lens, empty):
         self.key, self.rows, self.slots, self.qsl = key, rows, slots, qsl
         self.seq_lens, self.max_q, self.lens, self.empty = seq_lens, max_q, lens, empty
+
+    def serves(self, new_tokens, positions: int, b: int, q: int, lens: np.ndarray) -> bool:
+        mask, p, bq, before = self.key
+        return mask is new_tokens and (p, bq) == (positions, (b, q)) and \
+            np.array_equal(before, lens)
 
 
 class FP4CacheLayer(CacheLayerMixin):
@@ -179,24 +172,25 @@ class FP4CacheLayer(CacheLayerMixin):
         owner = self._owner
         b, h, q, d = key_states.shape
         p = self.positions
+        n = p + q
         t = owner.block_size
-        pos = np.arange(p, p + q, dtype=np.int64)
         table = owner._table[:b]
-        slots = (table[:, pos // t] * t + pos % t).reshape(-1)
+        pos = np.broadcast_to(np.arange(p, n), (b, q))
+        slots = slot_mapping(table, pos, block_size=t, validate=False).reshape(-1)
         k = key_states.transpose(1, 2).reshape(b * q, h, d)
         v = value_states.transpose(1, 2).reshape(b * q, h, d)
+        nb = _arrays.ceil_div(n, t)
+        kt, vt = (key_states.new_empty((b, nb * t, h, d)) for _ in range(2))
         with owner._on_stream():
-            self.pages.store(owner._index(slots), _array(k), _array(v))
-            n = p + q
-            nb = -(-n // t)
-            blocks = owner._index(table[:, :nb].reshape(-1))
-            kk, vv = self.pages.gather_dequant(blocks, dtype=owner._dtype_name(key_states.dtype))
+            self.pages.store(owner._index(slots), _array(k, "key_states"),
+                             _array(v, "value_states"))
+            self.pages.gather_dequant(owner._index(table[:, :nb].reshape(-1)),
+                                      out=(_array(kt.view(-1, h, d), "keys"),
+                                           _array(vt.view(-1, h, d), "values")))
         self.positions = n
         self.lens = self.lens.copy()
         self.lens[:b] = n
-        kt = _tensor(kk, key_states.dtype).view(b, nb * t, h, d)[:, :n].transpose(1, 2)
-        vt = _tensor(vv, value_states.dtype).view(b, nb * t, h, d)[:, :n].transpose(1, 2)
-        return kt, vt
+        return kt[:, :n].transpose(1, 2), vt[:, :n].transpose(1, 2)
 
     def attend(self, query, key, value, new_tokens, scaling, sliding_window):
         """Store this step's real K/V tokens and attend from the pages: the output in
@@ -209,20 +203,24 @@ class FP4CacheLayer(CacheLayerMixin):
                 f"sliding-window attention (window {sliding_window}) over {self.positions + q} "
                 "positions: fp4cache attends to every cached token")
         step = owner._step(self, b, q, new_tokens)
-        out = torch.zeros((b * q, hq, d), dtype=query.dtype, device=query.device)
+        if step.rows is None:  # every row is computed
+            out = query.new_empty((b * q, hq, d))
+        else:  # padding rows stay zero
+            out = query.new_zeros((b * q, hq, d))
         if not step.empty:
             qf = query.detach().transpose(1, 2).reshape(b * q, hq, d)
-            kf = key.detach().transpose(1, 2).reshape(b * q, h, d)
-            vf = value.detach().transpose(1, 2).reshape(b * q, h, d)
+            kf = key.transpose(1, 2).reshape(b * q, h, d)
+            vf = value.transpose(1, 2).reshape(b * q, h, d)
+            res = out
             if step.rows is not None:
-                qf, kf, vf = qf[step.rows], kf[step.rows], vf[step.rows]
-            qf = qf.contiguous()
-            res = out if step.rows is None else torch.empty_like(qf)
+                qf = qf[step.rows]
+                res = torch.empty_like(qf)
             with owner._on_stream():
-                self.pages.store(step.slots, _array(kf), _array(vf))
-                self.pages.attention(_array(qf), step.qsl, owner._table_dev(b), step.seq_lens,
+                self.pages.store(step.slots, _array(kf, "key"), _array(vf, "value"))
+                self.pages.attention(_array(qf.contiguous(), "query"), step.qsl,
+                                     owner._table_dev(b), step.seq_lens,
                                      max_query_len=step.max_q, causal=True,
-                                     sm_scale=float(scaling), out=_array(res))
+                                     sm_scale=float(scaling), out=_array(res, "out"))
             if step.rows is not None:
                 out[step.rows] = res
         self.positions += q
@@ -321,7 +319,6 @@ class FP4Cache(Cache):
         self._last_step: _Step | None = None
         layers = [FP4CacheLayer(self, i, ks[i], vs[i]) for i in range(self.num_layers)]
         super().__init__(layers=layers)
-        self._share_lens()
         if device is not None:
             self._allocate(torch.device(device))
 
@@ -389,11 +386,6 @@ class FP4Cache(Cache):
             t = self._dev_tables[b] = self._index(np.ascontiguousarray(self._table[:b]))
         return t
 
-    @staticmethod
-    def _dtype_name(dtype: torch.dtype) -> str:
-        return {torch.bfloat16: "bfloat16", torch.float16: "float16",
-                torch.float32: "float32"}[dtype]
-
     def _fused(self) -> bool:
         return getattr(self.config, "_attn_implementation", None) == ATTN_IMPLEMENTATION
 
@@ -411,8 +403,7 @@ class FP4Cache(Cache):
     # -- one step's plan, shared by the layers --------------------------------------------
     def _step(self, layer: FP4CacheLayer, b: int, q: int, new_tokens) -> _Step:
         last = self._last_step
-        if last is not None and last.key[0] is layer.lens and last.key[1] is new_tokens \
-                and last.key[2:] == (layer.positions, b, q):
+        if last is not None and last.serves(new_tokens, layer.positions, b, q, layer.lens):
             return last
         lens = layer.lens[:b]
         if new_tokens is not None:
@@ -423,27 +414,22 @@ class FP4Cache(Cache):
                 real = None
         else:
             real = None
-        t = self.block_size
-        table = self._table[:b]
         if real is None:
             rows = None
             counts = np.full(b, q, np.int64)
             pos = lens[:, None] + np.arange(q)
-            slots = table[np.arange(b)[:, None], pos // t] * t + pos % t
-        else:
+        else:  # a padding token gets position -1: slot -1, which the store skips
             counts = real.sum(axis=1).astype(np.int64)
-            rank = np.cumsum(real, axis=1) - 1
-            pos = lens[:, None] + rank
-            rb = np.nonzero(real)
-            slots = table[rb[0], pos[rb] // t] * t + pos[rb] % t
-            rows = torch.as_tensor(rb[0] * q + rb[1], device=self.device)
+            pos = np.where(real, lens[:, None] + np.cumsum(real, axis=1) - 1, -1)
+            rows = torch.as_tensor(np.flatnonzero(real), device=self.device)
+        slots = slot_mapping(self._table[:b], pos, block_size=self.block_size, validate=False)
         new_lens = layer.lens.copy()
         new_lens[:b] = lens + counts
         qsl = np.concatenate([[0], np.cumsum(counts)])
-        step = _Step(None, rows, self._index(slots.reshape(-1)), self._index(qsl),
+        step = _Step((new_tokens, layer.positions, (b, q), layer.lens), rows,
+                     self._index(slots.reshape(-1)), self._index(qsl),
                      self._index(new_lens[:b].copy()), int(counts.max(initial=0)), new_lens,
                      int(counts.sum()) == 0)
-        step.key = (layer.lens, new_tokens, layer.positions, b, q)
         self._last_step = step
         return step
 
@@ -460,21 +446,16 @@ class FP4Cache(Cache):
 
     @property
     def nbytes(self) -> int:
-        """Bytes the layers' pools hold on their device (pages, tables, workspace)."""
-        return sum(layer.pages.nbytes for layer in self.layers if layer.pages is not None)
-
-    def _share_lens(self) -> None:
-        """One ``lens`` array for layers in the same state, so a step's plan is made once
-        (``_step`` recognizes the layers of one step by that array)."""
-        shared: dict[tuple[bytes, int], np.ndarray] = {}
-        for layer in self.layers:
-            layer.lens = shared.setdefault((layer.lens.tobytes(), layer.positions), layer.lens)
+        """Bytes the cache holds on its device: the layers' pools (pages, tables,
+        workspace) and the row-to-page tables of the batch sizes seen (at most
+        ``max_batch_size`` of them)."""
+        return (sum(layer.pages.nbytes for layer in self.layers if layer.pages is not None)
+                + sum(int(t.nbytes) for t in self._dev_tables.values()))
 
     def reset(self) -> None:
         """Forget every row (the pages are overwritten by later stores)."""
         for layer in self.layers:
             layer.reset()
-        self._share_lens()
         self._last_step = None
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
@@ -504,7 +485,7 @@ class FP4Cache(Cache):
         t = self.block_size
         for layer in self.layers:
             if copies and layer.pages is not None:
-                n = [-(-int(layer.lens[s]) // t) for s, _ in copies]
+                n = [_arrays.ceil_div(int(layer.lens[s]), t) for s, _ in copies]
                 src = np.concatenate([old[s, :k] for (s, _), k in zip(copies, n)])
                 dst = np.concatenate([old[d, :k] for (_, d), k in zip(copies, n)])
                 if src.size:
@@ -515,7 +496,6 @@ class FP4Cache(Cache):
             layer.lens = lens
         self._table[:b] = new
         self._dev_tables.clear()
-        self._share_lens()
         self._last_step = None
 
     def crop(self, tokens_to_remove: int) -> None:
@@ -555,7 +535,7 @@ def fp4cache_mask(batch_size: int, q_length: int, kv_length: int, q_offset: int 
 
 
 def _check_causal(mask_function, q_length, kv_length, q_offset, kv_offset) -> None:
-    first = int(q_offset) if not isinstance(q_offset, torch.Tensor) else int(q_offset.item())
+    first = int(q_offset)  # FP4CacheLayer.get_seq_length: a host int
     pos = torch.arange(first, first + q_length)
     b = torch.zeros_like(pos)
     zero = torch.zeros_like(pos) + int(kv_offset)
@@ -644,8 +624,8 @@ def calibrate_scales(model: Any, input_ids: torch.Tensor, scale_rule: str = "4ov
         if attention_mask is not None:  # padding is not data
             keep = attention_mask.to(torch.bool)[:, None, :, None].to(k.device)
             k, v = k * keep, v * keep
-        ks.append(calibrate_scale(_array(k.float().contiguous()), scale_rule))
-        vs.append(calibrate_scale(_array(v.float().contiguous()), scale_rule))
+        ks.append(calibrate_scale(k.float(), scale_rule))
+        vs.append(calibrate_scale(v.float(), scale_rule))
     return ks, vs
 
 
