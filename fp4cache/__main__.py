@@ -177,18 +177,13 @@ def _gib(n: float) -> str:
     return f"{n / 2**30:.1f} GiB"
 
 
-def _host_memory() -> int | None:
-    """Bytes of host memory available now (``MemAvailable``), else the machine's total."""
-    return host_memory()
-
-
 def _check_size(p: argparse.ArgumentParser, args, device: str) -> None:
     """Refuse (usage error, exit 2) a workload that cannot fit, before generating it."""
     n = _tokens(args, device)
     values = 2 * n * args.heads * args.head_dim  # K and V
     what = f"{n} tokens x {args.heads} heads x head_dim {args.head_dim}"
     need = HOST_BYTES_PER_VALUE * values
-    have = _host_memory()
+    have = host_memory()
     if have is not None and need > have:
         p.error(f"argument --tokens: {what} need about {_gib(need)} of host memory (the "
                 f"demo's K/V and references), {_gib(have)} available; pass at most about "

@@ -98,16 +98,17 @@ def attention(cache: PagedKVCache, q: ArrayLike, query_start_loc: IndexLike,
     a = _finish_args(cache, q, bt, sl, sm_scale, out, lse_out, return_lse)
     _arrays.check_device({"query_start_loc": qsl}, cache.buffer)
     if check or cache.device == "cpu":
-        _check_values(cache, a.block_tables, a.seq_lens, block_ids=False)
-        longest = _check_query_values(qsl, a.seq_lens, a.q.shape[0], causal, bound)
+        sl = _host(a.seq_lens)
+        _check_lengths(a.block_tables, sl, cache.block_size)
+        n = _check_query_values(qsl, sl, a.q.shape[0], causal, bound)
+        longest = int(n.max()) if n.size else 0
         bound = longest if bound is None else bound
         if check:
             # The ids a call reads: a sequence without query tokens reads no page, so its
             # row is not checked, as the unvalidated paths do not count it (the NumPy
             # backend's mask; the GPU kernels skip such a sequence before reading its
             # table: seq_rows in decode_attention.cu, find_work in varlen_attention.cu).
-            n = np.diff(_host(qsl).astype(np.int64))
-            _check_values(cache, a.block_tables, a.seq_lens, block_ids=True, reads=n > 0)
+            _check_block_ids(cache, a.block_tables, sl, reads=n > 0)
     res = (a.out, a.lse) if return_lse else a.out
     if not a.q.shape[0]:
         return res
@@ -274,15 +275,19 @@ def _finish_args(cache: PagedKVCache, q, bt, sl, sm_scale, out, lse_out,
     return _Args(q, bt, sl, out, lse, float(scale))
 
 
-def _check_values(cache: PagedKVCache, block_tables, seq_lens, *, block_ids: bool,
-                  reads: np.ndarray | None = None) -> None:
+def _check_values(cache: PagedKVCache, block_tables, seq_lens, *,
+                  block_ids: bool) -> None:
     """Lengths within each row's capacity and (``block_ids``) block ids inside the pool in
     the used part of each row (a host synchronization on the GPU).  The CPU always checks
-    the lengths; its ``validate=False`` defers only the block ids, as the GPU does.
-    ``reads`` (host bools, one per sequence): only those rows are read by the call, so
-    only their ids are checked (``attention``: the sequences with query tokens)."""
+    the lengths; its ``validate=False`` defers only the block ids, as the GPU does."""
     sl = _host(seq_lens)
-    T = cache.block_size
+    _check_lengths(block_tables, sl, cache.block_size)
+    if block_ids:
+        _check_block_ids(cache, block_tables, sl)
+
+
+def _check_lengths(block_tables, sl: np.ndarray, T: int) -> None:
+    """Host ``seq_lens`` ``sl`` within each row's capacity in ``block_tables``."""
     max_blocks = block_tables.shape[1]
     cap = max_blocks * T
     wrong = (sl < 0) | (sl > cap)
@@ -292,8 +297,15 @@ def _check_values(cache: PagedKVCache, block_tables, seq_lens, *, block_ids: boo
             f"seq_lens[{b}] = {int(sl[b])} is out of range: it must be in [0, {cap}], the "
             f"capacity of row {b} of block_tables (max_blocks {max_blocks} * block_size {T})"
         )
-    if not block_ids:
-        return
+
+
+def _check_block_ids(cache: PagedKVCache, block_tables, sl: np.ndarray, *,
+                     reads: np.ndarray | None = None) -> None:
+    """Block ids inside the pool in the used part of each row (host ``seq_lens`` ``sl``;
+    reading the table is a host synchronization on the GPU).  ``reads`` (host bools, one
+    per sequence): only those rows are read by the call, so only their ids are checked
+    (``attention``: the sequences with query tokens)."""
+    T = cache.block_size
     nblk = -(-sl.astype(np.int64) // T)
     width = int(nblk.max()) if sl.size else 0
     if width == 0:
@@ -329,10 +341,10 @@ def _check_query_start_loc(cache: PagedKVCache, query_start_loc):
 
 
 def _check_query_values(query_start_loc, seq_lens, num_tokens: int, causal: bool,
-                        max_query_len: int | None) -> int:
+                        max_query_len: int | None) -> np.ndarray:
     """``query_start_loc`` non-decreasing from 0 to ``num_tokens``, each sequence's query
     count ``n_b`` at most ``max_query_len`` and (``causal``) at most ``seq_lens[b]`` (a
-    host synchronization on the GPU).  Returns the largest ``n_b``."""
+    host synchronization on the GPU).  Returns every ``n_b`` (host int64)."""
     qsl = _host(query_start_loc).astype(np.int64)
     if qsl[0] != 0:
         raise ValueError(f"query_start_loc[0] must be 0, got {int(qsl[0])}")
@@ -361,7 +373,7 @@ def _check_query_values(query_start_loc, seq_lens, num_tokens: int, causal: bool
                 f"sequence {b} has {int(n[b])} query tokens but seq_lens[{b}] = {int(sl[b])}:"
                 " seq_lens counts the cached tokens including this step's queries (store "
                 "them first), so with causal=True each sequence needs n_b <= seq_lens[b]")
-    return longest
+    return n
 
 
 def _check_flag(value, name: str) -> bool:
