@@ -35,6 +35,7 @@ import torch
 import transformers
 from transformers import AttentionInterface, DynamicCache, StaticCache
 
+import fp4cache
 import fp4cache.hf as fh
 
 
@@ -102,12 +103,11 @@ def fill_fp4(cache: fh.FP4Cache, cfg, b, length):
     """Random K/V straight into every layer's pages (what a prefill would leave)."""
     h, d = cfg.num_key_value_heads, cfg.head_dim
     k = torch.randn(b * length, h, d, dtype=torch.bfloat16, device="cuda")
-    pos = np.arange(length)
-    t = cache.block_size
-    slots = (cache._table[:b][:, pos // t] * t + pos % t).reshape(-1)
     import cupy
 
-    slots = cupy.asarray(slots)
+    pos = np.broadcast_to(np.arange(length), (b, length))
+    slots = cupy.asarray(fp4cache.slot_mapping(cache.block_tables[:b], pos,
+                                               block_size=cache.block_size).reshape(-1))
     kc = cupy.from_dlpack(k)
     lens = np.zeros(cache.max_batch_size, np.int64)
     lens[:b] = length

@@ -268,24 +268,12 @@ def _fp8(ctx: Context, max_len: int) -> Cache:
     return FakeQuantCache(ctx.num_layers, fp8_round(ks), fp8_round(vs))
 
 
-@register("nvfp4-static6", "NVFP4 static6, default global scale (FP4Cache)")
-def _static6(ctx: Context, max_len: int) -> Cache:
-    return _fp4cache(ctx, max_len, "static6", calibrated=False)
-
-
-@register("nvfp4-static6-cal", "NVFP4 static6, calibrated global scales (FP4Cache)")
-def _static6_cal(ctx: Context, max_len: int) -> Cache:
-    return _fp4cache(ctx, max_len, "static6", calibrated=True)
-
-
-@register("nvfp4-4over6", "NVFP4 4over6, default global scale (FP4Cache)")
-def _4over6(ctx: Context, max_len: int) -> Cache:
-    return _fp4cache(ctx, max_len, "4over6", calibrated=False)
-
-
-@register("nvfp4-4over6-cal", "NVFP4 4over6, calibrated global scales (FP4Cache)")
-def _4over6_cal(ctx: Context, max_len: int) -> Cache:
-    return _fp4cache(ctx, max_len, "4over6", calibrated=True)
+for _rule in ("static6", "4over6"):  # through FP4Cache, default and calibrated scales
+    for _cal in (False, True):
+        register(f"nvfp4-{_rule}" + ("-cal" if _cal else ""),
+                 f"NVFP4 {_rule}, {'calibrated' if _cal else 'default'} global "
+                 f"scale{'s' if _cal else ''} (FP4Cache)")(
+            lambda ctx, max_len, rule=_rule, cal=_cal: _fp4cache(ctx, max_len, rule, cal))
 
 
 @register("nvfp4-4over6-k-only", "K in NVFP4 4over6 (default scale), V float32")

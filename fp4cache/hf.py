@@ -445,6 +445,12 @@ class FP4Cache(Cache):
         return self._max_cache_len
 
     @property
+    def block_tables(self) -> np.ndarray:
+        """Row ``b``'s pages in order, ``(max_batch_size, pages_per_row)`` int64 (a copy):
+        the ``block_tables`` of every layer's :class:`fp4cache.PagedKVCache` calls."""
+        return self._table.copy()
+
+    @property
     def nbytes(self) -> int:
         """Bytes the cache holds on its device: the layers' pools (pages, tables,
         workspace) and the row-to-page tables of the batch sizes seen (at most
