@@ -393,3 +393,38 @@ def test_gpu_cache_lives_on_the_model_device():
     assert cache.device == torch.device("cuda", 0)
     assert all(layer.pages.device_id == 0 for layer in cache.layers)
     assert gpu_available()
+
+
+@pytest.mark.gpu
+def test_gpu_random_shapes_keep_memory_flat():
+    """Steps of random batch sizes, query lengths and padding: after a warm-up that sees
+    every shape, neither the cache's bytes nor CuPy's pool grow."""
+    import cupy
+
+    cfg = _config("llama", heads=8, kv_heads=2, head_dim=64)
+    cfg._attn_implementation = "fp4cache"
+    cache = fh.FP4Cache(cfg, 4, 96, device="cuda")
+    layer = cache.layers[0]
+    rng = np.random.default_rng(9)
+    pool = cupy.get_default_memory_pool()
+
+    def steps(n):
+        for _ in range(n):
+            b, q = int(rng.integers(1, 5)), int(rng.choice([1, 3, 17]))
+            if layer.positions + q > cache.max_cache_len:
+                cache.reset()
+            mask = torch.from_numpy(rng.random((b, q)) < 0.8).cuda() if rng.random() < 0.5 \
+                else None
+            k = torch.randn(b, 2, q, 64, device="cuda", dtype=torch.bfloat16)
+            kk, vv = layer.update(k, k, 0)
+            fh.fp4cache_attention_forward(None, torch.randn(b, 8, q, 64, device="cuda",
+                                                            dtype=torch.bfloat16),
+                                          kk, vv, mask, 0.125)
+            if rng.random() < 0.05:
+                cache.reset()
+        torch.cuda.synchronize()
+
+    steps(300)
+    before = (cache.nbytes, pool.total_bytes())
+    steps(300)
+    assert (cache.nbytes, pool.total_bytes()) == before
