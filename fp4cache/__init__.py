@@ -11,11 +11,11 @@ Main entry points: :class:`PagedKVCache`, :func:`quantize`, :func:`dequantize`,
 
 from . import formats, layout, longlive
 from ._arrays import gpu_available
+from ._device import pinned_empty
 from .cache import PagedKVCache
 from .calibrate import calibrate_scale
 from .codec import dequantize, quantize
-from .layout import PageGeometry
-from .pages import pinned_empty, slot_mapping
+from .layout import PageGeometry, slot_mapping
 
 __version__ = "0.1.0"
 

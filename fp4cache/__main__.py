@@ -18,8 +18,8 @@ import ml_dtypes
 import numpy as np
 
 from . import PagedKVCache, __version__, calibrate_scale, gpu_available
+from ._backend import backend
 from ._device import host_memory
-from .codec import backend_module
 
 DESCRIPTION = (
     "Store synthetic K/V in an NVFP4 paged KV cache, gather them back and report bytes per "
@@ -221,7 +221,7 @@ def _main(argv=None) -> int:
     args = _parse(p, argv)
     if args.device == "cuda":
         try:
-            backend_module("cuda")  # the library's own check and its one-line message
+            backend("cuda")  # the library's own check and its one-line message
         except RuntimeError as e:
             print(f"{_prog()}: error: {e}", file=sys.stderr)
             return 1

@@ -60,6 +60,9 @@ SCAN_MAX_TOKENS = 128
 LL_WIDE_TILES = 2
 #: Warps per CTA of the decode attention (2, 3 and 8 measured and dropped: docs/kernels.md).
 ATTN_WARPS = 4
+#: Largest GQA group (query heads per KV head) the attention kernels serve from one K/V
+#: load (the group's heads are rows of one CTA's MMA tile).
+MAX_GROUP = 16
 #: Most KV splits per (sequence, KV head) of the decode attention (the merge's weights
 #: live in shared memory).
 ATTN_MAX_SPLITS = 128

@@ -1,10 +1,10 @@
-"""NumPy backend: the bit-exact CPU implementation of the NVFP4 contract.
+"""The NumPy backend: the bit-exact CPU implementation of the NVFP4 contract.
 
 Every function here follows ``docs/format.md`` operation by operation in float32, so
 that it is the oracle the CUDA kernels are compared against byte for byte.  The
-functions take validated arguments from the front end (``codec``, ``cache``,
-``longlive``) and write into preallocated outputs; see the backend protocol in
-``fp4cache/_cupy_backend.py``, which has the same names and signatures.
+functions take validated arguments from the front ends and write into preallocated
+outputs: the protocol of :mod:`fp4cache._backend`, implemented on the GPU by
+:mod:`fp4cache._cuda` with the same names and signatures.
 """
 
 from __future__ import annotations
@@ -470,3 +470,50 @@ def decode_attention(buffer, q, block_tables, seq_lens, out, lse, *, geom: PageG
     B = q.shape[0]
     attention(buffer, q, np.arange(B + 1), block_tables, seq_lens, out, lse, geom=geom,
               k_s=k_s, v_s=v_s, sm_scale=sm_scale, stats=stats, causal=False)
+
+
+# -- page moves ------------------------------------------------------------------------------
+def _valid_ids(host: np.ndarray, num_blocks: int) -> np.ndarray:
+    return (host >= 0) & (host < num_blocks)
+
+
+def _count_bad(pool, n_bad: int) -> None:
+    if n_bad:
+        pool.stats[STAT["bad_block_ids"]] += np.uint64(n_bad)
+
+
+def nan_page(geom: PageGeometry) -> np.ndarray:
+    """The bytes of a page that decodes to NaN everywhere: data 0, scale bytes 0x7F."""
+    side = np.zeros(geom.side_bytes, np.uint8)
+    side[geom.data_bytes:] = 0x7F
+    return np.concatenate([side, side])
+
+
+def copy_pages(pool, src, dst, host_src, host_dst) -> None:
+    """Copy pages ``src`` to ``dst`` (the host ids; every read before any write); a pair
+    with an id outside the pool is skipped and each bad id counted."""
+    n = pool.num_blocks
+    vs, vd = _valid_ids(host_src, n), _valid_ids(host_dst, n)
+    _count_bad(pool, int((~vs).sum() + (~vd).sum()))
+    ok = vs & vd
+    if ok.any():
+        buf = pool.buffer
+        buf[host_dst[ok]] = buf[host_src[ok]]  # the right side is a copy: reads first
+
+
+def read_pages(pool, blocks, host_blocks, out) -> None:
+    """Pages ``blocks`` into the rows of ``out``; a bad id reads a NaN page (counted)."""
+    ok = _valid_ids(host_blocks, pool.num_blocks)
+    rows = pool.buffer.reshape(pool.num_blocks, -1)
+    out[ok] = rows[host_blocks[ok]]
+    if not ok.all():
+        out[~ok] = nan_page(pool.geometry)
+        _count_bad(pool, int((~ok).sum()))
+
+
+def write_pages(pool, blocks, host_blocks, data) -> None:
+    """The rows of ``data`` into pages ``blocks``; a row with a bad id is skipped
+    (counted)."""
+    ok = _valid_ids(host_blocks, pool.num_blocks)
+    _count_bad(pool, int((~ok).sum()))
+    pool.buffer.reshape(pool.num_blocks, -1)[host_blocks[ok]] = data[ok]

@@ -1,4 +1,5 @@
-"""Which device a cache or an array lives on, and running GPU work there.
+"""Which device a cache or an array lives on, running GPU work there, and pinned host
+memory for transfers (:func:`pinned_empty`).
 
 Every GPU entry point runs on the device its data lives on, whatever device is current
 (like a PyTorch device guard), on that device's current CuPy stream, and leaves the
@@ -15,8 +16,8 @@ from typing import Any
 import numpy as np
 
 __all__ = ["parse_device", "host_memory", "format_bytes", "device_name", "array_device",
-           "DeviceGuard", "on_input_device",
-           "num_sms", "resident_ctas", "by_value"]
+           "DeviceGuard", "on_input_device", "num_sms", "resident_ctas", "by_value",
+           "pinned_empty"]
 
 _CUDA = re.compile(r"^cuda(?::(\d+))?$")
 
@@ -195,3 +196,29 @@ def by_value(value: Any) -> Any:
     except ImportError:  # pragma: no cover - another CuPy
         return arr
     return CNumpyArray(arr)
+
+
+def pinned_empty(shape, dtype=np.uint8) -> np.ndarray:
+    """An uninitialized NumPy array in page-locked (pinned) host memory.
+
+    Transfers between pinned memory and the GPU run asynchronously at full bus speed
+    (:meth:`PagedKVCache.read_blocks` / ``write_blocks`` with a host array).  Made with
+    ``cupyx.empty_pinned`` (CuPy's pinned memory pool keeps the memory for reuse); without
+    a usable GPU this is plain ``numpy.empty`` (nothing to pin for).
+
+    Examples
+    --------
+    >>> import fp4cache
+    >>> a = fp4cache.pinned_empty((2, 3), "uint8")
+    >>> a.shape, str(a.dtype)
+    ((2, 3), 'uint8')
+    """
+    from ._arrays import gpu_available
+
+    if gpu_available():
+        import cupyx
+
+        return cupyx.empty_pinned(shape, dtype=dtype)
+    return np.empty(shape, dtype=dtype)
+
+

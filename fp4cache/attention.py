@@ -3,33 +3,28 @@
 The front ends of ``PagedKVCache.decode_attention`` (one query token per sequence) and
 ``PagedKVCache.attention`` (any number of query tokens per sequence, vLLM's flattened
 layout): argument checks (the exceptions of ``docs/errors.md``; both methods share
-them), the GPU hot path for repeated argument signatures, and the call into the backend
-(``_numpy_backend.decode_attention`` / ``attention``, or the CUDA kernels of
-``_cupy_attention`` / ``_cupy_varlen``), which compute ``softmax(sm_scale * q K^T) V``
-over the values ``gather_dequant`` returns.
+them), the prepared launches of repeated argument signatures (:mod:`fp4cache._hotpath`)
+and the call into the backend (:mod:`fp4cache._cpu`, or the CUDA kernels of
+:mod:`fp4cache._cuda.attention` / :mod:`fp4cache._cuda.varlen`), which compute
+``softmax(sm_scale * q K^T) V`` over the values ``gather_dequant`` returns.  Every
+function takes the cache's :class:`~fp4cache._backend.Pool`.
 """
 
 from __future__ import annotations
 
-import functools
 import math
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import Any, NamedTuple
 
 import numpy as np
 
-from . import _arrays
+from . import _arrays, _hotpath
+from ._abi import MAX_GROUP
+from ._backend import Pool
 from .formats import resolve_dtype
+from .layout import PageGeometry
 from .typing import Array, ArrayLike, IndexLike
 
-if TYPE_CHECKING:
-    from .cache import PagedKVCache
-    from .layout import PageGeometry
-
-__all__ = ["MAX_GROUP", "attention", "decode_attention", "signature", "varlen_signature",
-           "workspace_hints"]
-
-#: Largest GQA group (query heads per KV head) the kernels serve from one K/V load.
-MAX_GROUP = 16
+__all__ = ["attention", "decode_attention", "workspace_hints"]
 
 _FLAG = (bool, type(None))  # classes of an optional flag that need no check
 
@@ -43,48 +38,50 @@ class _Args(NamedTuple):
     sm_scale: float
 
 
-def decode_attention(cache: PagedKVCache, q: ArrayLike, block_tables: IndexLike,
+def decode_attention(pool: Pool, q: ArrayLike, block_tables: IndexLike,
                      seq_lens: IndexLike, sm_scale: float | None = None, out: Array | None = None,
                      lse_out: Array | None = None, return_lse: bool = False,
                      validate: bool | None = None) -> Array | tuple[Array, Array]:
     """The checked path of :meth:`PagedKVCache.decode_attention` (see its docstring), run
     with the cache's device current.  On the GPU without validation it leaves the
-    prepared launch of these arguments in the cache's plans, under :func:`signature`:
-    the method's hot path (``PagedKVCache._hot``) runs it for the next call like this."""
+    prepared launch of these arguments in the cache's plans, under
+    :func:`fp4cache._hotpath.decode_signature`: the method's hot path runs it for the next
+    call like this."""
     if validate.__class__ not in _FLAG or return_lse.__class__ is not bool:
         validate = _arrays.check_bool(validate, "validate", optional=True)
         return_lse = _arrays.check_bool(return_lse, "return_lse")
-    check = cache.validate if validate is None else validate
-    a = _check_args(cache, q, block_tables, seq_lens, sm_scale, out, lse_out, return_lse)
-    if check or cache.device == "cpu":
-        _check_values(cache, a.block_tables, a.seq_lens, block_ids=check)
-    if cache.device == "cpu":
+    check = pool.validate if validate is None else validate
+    a = _check_args(pool, q, block_tables, seq_lens, sm_scale, out, lse_out, return_lse)
+    if check or pool.device == "cpu":
+        _check_values(pool, a.block_tables, a.seq_lens, block_ids=check)
+    if pool.device == "cpu":
         if a.q.shape[0]:
-            _launch(cache, a.q, a.block_tables, a.seq_lens, a.out, a.lse, a.sm_scale)
+            _launch(pool, a.q, a.block_tables, a.seq_lens, a.out, a.lse, a.sm_scale)
         return (a.out, a.lse) if return_lse else a.out
     if not a.q.shape[0]:
         return (a.out, a.lse) if return_lse else a.out
-    run = cache._impl.attention_runner(
-        cache.buffer, a.q, a.block_tables, a.seq_lens, geom=cache.geometry, k_s=cache._k_s,
-        v_s=cache._v_s, sm_scale=a.sm_scale, stats=cache._stats, scratch=cache._state)
+    run = pool.backend.decode_runner(
+        pool.buffer, a.q, a.block_tables, a.seq_lens, geom=pool.geometry, k_s=pool.k_s,
+        v_s=pool.v_s, sm_scale=a.sm_scale, stats=pool.stats, scratch=pool.state)
     run(a.q, a.block_tables, a.seq_lens, a.out, a.lse)
     if (not check and a.q is q and a.block_tables is block_tables
             and a.seq_lens is seq_lens and (out is None or a.out is out)
             and (lse_out is None or a.lse is lse_out)):
-        sig = signature(q, block_tables, seq_lens, sm_scale, out, lse_out, return_lse)
+        sig = _hotpath.decode_signature(q, block_tables, seq_lens, sm_scale, out, lse_out,
+                                        return_lse)
         if sig is not None:
-            cache._state.plans.put(sig, _hot_launch(run, return_lse))
+            pool.state.plans.put(sig, _hotpath.attention_launch(run, return_lse))
     return (a.out, a.lse) if return_lse else a.out
 
 
-def attention(cache: PagedKVCache, q: ArrayLike, query_start_loc: IndexLike,
+def attention(pool: Pool, q: ArrayLike, query_start_loc: IndexLike,
               block_tables: IndexLike, seq_lens: IndexLike, max_query_len: int | None,
               causal: bool, sm_scale: float | None, out: Array | None,
               lse_out: Array | None, return_lse: bool,
               validate: bool | None) -> Array | tuple[Array, Array]:
     """Implementation of :meth:`PagedKVCache.attention` (see its docstring); the method
     passes every argument by position."""
-    check = cache.validate if validate is None else bool(validate)
+    check = pool.validate if validate is None else bool(validate)
     return_lse = bool(return_lse)
     if causal is not True and causal is not False:
         causal = _check_flag(causal, "causal")
@@ -92,14 +89,14 @@ def attention(cache: PagedKVCache, q: ArrayLike, query_start_loc: IndexLike,
     if bound is not None and (type(bound) is not int or bound < 0):
         bound = _check_max_query_len(bound)
     q_in, qsl_in, bt_in, sl_in = q, query_start_loc, block_tables, seq_lens
-    q = _check_q(cache, q, "num_tokens")
-    qsl = _check_query_start_loc(cache, query_start_loc)
-    bt, sl = _check_tables(cache, block_tables, seq_lens, qsl.shape[0] - 1, "query_start_loc")
-    a = _finish_args(cache, q, bt, sl, sm_scale, out, lse_out, return_lse)
-    _arrays.check_device({"query_start_loc": qsl}, cache.buffer)
-    if check or cache.device == "cpu":
+    q = _check_q(pool, q, "num_tokens")
+    qsl = _check_query_start_loc(pool, query_start_loc)
+    bt, sl = _check_tables(pool, block_tables, seq_lens, qsl.shape[0] - 1, "query_start_loc")
+    a = _finish_args(pool, q, bt, sl, sm_scale, out, lse_out, return_lse)
+    _arrays.check_device({"query_start_loc": qsl}, pool.buffer)
+    if check or pool.device == "cpu":
         sl = _host(a.seq_lens)
-        _check_lengths(a.block_tables, sl, cache.block_size)
+        _check_lengths(a.block_tables, sl, pool.block_size)
         n = _check_query_values(qsl, sl, a.q.shape[0], causal, bound)
         longest = int(n.max()) if n.size else 0
         bound = longest if bound is None else bound
@@ -108,50 +105,48 @@ def attention(cache: PagedKVCache, q: ArrayLike, query_start_loc: IndexLike,
             # row is not checked, as the unvalidated paths do not count it (the NumPy
             # backend's mask; the GPU kernels skip such a sequence before reading its
             # table: seq_rows in decode_attention.cu, find_work in varlen_attention.cu).
-            _check_block_ids(cache, a.block_tables, sl, reads=n > 0)
+            _check_block_ids(pool, a.block_tables, sl, reads=n > 0)
     res = (a.out, a.lse) if return_lse else a.out
     if not a.q.shape[0]:
         return res
-    if cache.device == "cpu":
-        cache._impl.attention(
-            cache.buffer, a.q, qsl, a.block_tables, a.seq_lens, a.out, a.lse,
-            geom=cache.geometry, k_s=cache._k_s, v_s=cache._v_s, sm_scale=a.sm_scale,
-            stats=cache._stats, causal=causal, max_query_len=bound, scratch=None)
+    if pool.device == "cpu":
+        pool.backend.attention(
+            pool.buffer, a.q, qsl, a.block_tables, a.seq_lens, a.out, a.lse,
+            geom=pool.geometry, k_s=pool.k_s, v_s=pool.v_s, sm_scale=a.sm_scale,
+            stats=pool.stats, causal=causal, max_query_len=bound, scratch=None)
         return res
     if bound is None:
         # The one host synchronization of an unvalidated call without max_query_len.
         bound = int((qsl[1:] - qsl[:-1]).max().get()) if qsl.shape[0] > 1 else 0
     if bound <= 0 or qsl.shape[0] < 2:
         return res
-    run = _varlen_runner(cache, a.q, qsl, a.block_tables, a.seq_lens, a.sm_scale, causal,
+    run = _varlen_runner(pool, a.q, qsl, a.block_tables, a.seq_lens, a.sm_scale, causal,
                          bound)
     run(a.q, qsl, a.block_tables, a.seq_lens, a.out, a.lse)
     if (not check and max_query_len is not None and a.q is q_in and qsl is qsl_in
             and a.block_tables is bt_in and a.seq_lens is sl_in
             and (out is None or a.out is out) and (lse_out is None or a.lse is lse_out)):
-        sig = varlen_signature(q_in, qsl_in, bt_in, sl_in, sm_scale, out, lse_out,
+        sig = _hotpath.varlen_signature(q_in, qsl_in, bt_in, sl_in, sm_scale, out, lse_out,
                                return_lse, causal, bound)
         if sig is not None:
-            cache._state.plans.put(sig, _hot_launch(run, return_lse))
+            pool.state.plans.put(sig, _hotpath.attention_launch(run, return_lse))
     return res
 
 
-def _varlen_runner(cache: PagedKVCache, q, query_start_loc, block_tables, seq_lens,
+def _varlen_runner(pool: Pool, q, query_start_loc, block_tables, seq_lens,
                    sm_scale: float, causal: bool, max_query_len: int):
     """The prepared GPU launch of :func:`attention` for arrays like these (the hot path
     keeps it): ``run(q, query_start_loc, block_tables, seq_lens, out, lse)``."""
-    from ._cupy_varlen import attention_runner
-
-    return attention_runner(cache.buffer, q, query_start_loc, block_tables, seq_lens,
-                            max_query_len=max_query_len, causal=causal, geom=cache.geometry,
-                            k_s=cache._k_s, v_s=cache._v_s, sm_scale=sm_scale,
-                            stats=cache._stats, scratch=cache._state)
+    return pool.backend.varlen_runner(pool.buffer, q, query_start_loc, block_tables, seq_lens,
+                            max_query_len=max_query_len, causal=causal, geom=pool.geometry,
+                            k_s=pool.k_s, v_s=pool.v_s, sm_scale=sm_scale,
+                            stats=pool.stats, scratch=pool.state)
 
 
-def _launch(cache: PagedKVCache, q, block_tables, seq_lens, out, lse, sm_scale: float) -> None:
-    cache._impl.decode_attention(
-        cache.buffer, q, block_tables, seq_lens, out, lse, geom=cache.geometry,
-        k_s=cache._k_s, v_s=cache._v_s, sm_scale=sm_scale, stats=cache._stats, scratch=None,
+def _launch(pool: Pool, q, block_tables, seq_lens, out, lse, sm_scale: float) -> None:
+    pool.backend.decode_attention(
+        pool.buffer, q, block_tables, seq_lens, out, lse, geom=pool.geometry,
+        k_s=pool.k_s, v_s=pool.v_s, sm_scale=sm_scale, stats=pool.stats, scratch=None,
     )
 
 
@@ -183,21 +178,21 @@ def workspace_hints(geom: PageGeometry, num_blocks: int, max_batch_size, max_seq
 
 
 # -- checks --------------------------------------------------------------------------------
-def _check_args(cache: PagedKVCache, q, block_tables, seq_lens, sm_scale, out, lse_out,
+def _check_args(pool: Pool, q, block_tables, seq_lens, sm_scale, out, lse_out,
                 return_lse: bool) -> _Args:
     """Kinds, dtypes, shapes and devices of every argument of ``decode_attention``;
     touches no values."""
-    q = _check_q(cache, q)
-    bt, sl = _check_tables(cache, block_tables, seq_lens, q.shape[0], "q")
-    return _finish_args(cache, q, bt, sl, sm_scale, out, lse_out, return_lse)
+    q = _check_q(pool, q)
+    bt, sl = _check_tables(pool, block_tables, seq_lens, q.shape[0], "q")
+    return _finish_args(pool, q, bt, sl, sm_scale, out, lse_out, return_lse)
 
 
-def _check_q(cache: PagedKVCache, q, rows: str = "B"):
+def _check_q(pool: Pool, q, rows: str = "B"):
     """``q``: on the cache's backend, bf16 / f16 / f32, ``(rows, Hq, head_dim)`` with a
     GQA group of 1..MAX_GROUP query heads per KV head (``rows`` names the first axis in
     messages)."""
-    H, D = cache.num_heads, cache.head_dim
-    q = _arrays.to_backend(q, cache.device, "q")
+    H, D = pool.geometry.num_heads, pool.geometry.head_dim
+    q = _arrays.to_backend(q, pool.device, "q")
     try:
         resolve_dtype(q.dtype, name="q.dtype")
     except TypeError:
@@ -215,11 +210,11 @@ def _check_q(cache: PagedKVCache, q, rows: str = "B"):
     return q
 
 
-def _check_tables(cache: PagedKVCache, block_tables, seq_lens, B: int, source: str):
+def _check_tables(pool: Pool, block_tables, seq_lens, B: int, source: str):
     """``block_tables (B, max_blocks)`` and ``seq_lens (B,)``, int32/int64, on the cache's
     backend (host arrays are converted), C-contiguous; ``source`` names where ``B`` came
     from."""
-    be = cache.device
+    be = pool.device
     bt = _arrays.to_backend(block_tables, be, "block_tables", allow_convert=True)
     _check_int_dtype(bt, "block_tables")
     if bt.ndim != 2:
@@ -242,12 +237,12 @@ def _check_tables(cache: PagedKVCache, block_tables, seq_lens, B: int, source: s
     return bt, sl
 
 
-def _finish_args(cache: PagedKVCache, q, bt, sl, sm_scale, out, lse_out,
+def _finish_args(pool: Pool, q, bt, sl, sm_scale, out, lse_out,
                  return_lse: bool) -> _Args:
     """The scale, ``q`` made C-contiguous, the outputs (checked or allocated: ``out`` like
     ``q``, ``lse`` ``q.shape[:2]`` float32) and the devices of all arrays."""
-    be = cache.device
-    scale = _arrays.check_scale(1.0 / math.sqrt(cache.head_dim) if sm_scale is None
+    be = pool.device
+    scale = _arrays.check_scale(1.0 / math.sqrt(pool.geometry.head_dim) if sm_scale is None
                                 else sm_scale, "sm_scale")
     xp = _arrays.array_module(be)
     # The backends read C-contiguous inputs (the copies are small: no K/V), q at its
@@ -271,19 +266,19 @@ def _finish_args(cache: PagedKVCache, q, bt, sl, sm_scale, out, lse_out,
         if _arrays.share_bytes(lse, q) or _arrays.share_bytes(lse, out):
             raise ValueError("lse_out must not overlap q or out")
     _arrays.check_device({"q": q, "block_tables": bt, "seq_lens": sl, "out": out,
-                          "lse_out": lse}, cache.buffer)
+                          "lse_out": lse}, pool.buffer)
     return _Args(q, bt, sl, out, lse, float(scale))
 
 
-def _check_values(cache: PagedKVCache, block_tables, seq_lens, *,
+def _check_values(pool: Pool, block_tables, seq_lens, *,
                   block_ids: bool) -> None:
     """Lengths within each row's capacity and (``block_ids``) block ids inside the pool in
     the used part of each row (a host synchronization on the GPU).  The CPU always checks
     the lengths; its ``validate=False`` defers only the block ids, as the GPU does."""
     sl = _host(seq_lens)
-    _check_lengths(block_tables, sl, cache.block_size)
+    _check_lengths(block_tables, sl, pool.block_size)
     if block_ids:
-        _check_block_ids(cache, block_tables, sl)
+        _check_block_ids(pool, block_tables, sl)
 
 
 def _check_lengths(block_tables, sl: np.ndarray, T: int) -> None:
@@ -299,13 +294,13 @@ def _check_lengths(block_tables, sl: np.ndarray, T: int) -> None:
         )
 
 
-def _check_block_ids(cache: PagedKVCache, block_tables, sl: np.ndarray, *,
+def _check_block_ids(pool: Pool, block_tables, sl: np.ndarray, *,
                      reads: np.ndarray | None = None) -> None:
     """Block ids inside the pool in the used part of each row (host ``seq_lens`` ``sl``;
     reading the table is a host synchronization on the GPU).  ``reads`` (host bools, one
     per sequence): only those rows are read by the call, so only their ids are checked
     (``attention``: the sequences with query tokens)."""
-    T = cache.block_size
+    T = pool.block_size
     nblk = -(-sl.astype(np.int64) // T)
     width = int(nblk.max()) if sl.size else 0
     if width == 0:
@@ -315,28 +310,28 @@ def _check_block_ids(cache: PagedKVCache, block_tables, sl: np.ndarray, *,
     used = np.arange(width)[None, :] < nblk[:, None]
     if reads is not None:
         used &= reads[:, None]
-    bad = used & ((bt < 0) | (bt >= cache.num_blocks))
+    bad = used & ((bt < 0) | (bt >= pool.num_blocks))
     if bad.any():
         b, j = np.unravel_index(int(bad.argmax()), bad.shape)
         raise IndexError(
             f"block_tables[{b}, {j}] = {int(bt[b, j])} is out of range: block ids must be in "
-            f"[0, {cache.num_blocks}) in the first ceil(seq_lens[b] / block_size) entries of "
+            f"[0, {pool.num_blocks}) in the first ceil(seq_lens[b] / block_size) entries of "
             "each row" + (" of a sequence with query tokens" if reads is not None else "")
             + " (later entries are ignored); nothing was computed"
         )
 
 
-def _check_query_start_loc(cache: PagedKVCache, query_start_loc):
+def _check_query_start_loc(pool: Pool, query_start_loc):
     """``query_start_loc (B + 1,)`` int32/int64 on the cache's backend (host arrays are
     converted), C-contiguous; touches no values."""
-    qsl = _arrays.to_backend(query_start_loc, cache.device, "query_start_loc",
+    qsl = _arrays.to_backend(query_start_loc, pool.device, "query_start_loc",
                              allow_convert=True)
     _check_int_dtype(qsl, "query_start_loc")
     if qsl.ndim != 1 or qsl.shape[0] < 1:
         raise ValueError("query_start_loc must be 1-D (B + 1,) with at least one entry "
                          f"(0 for no sequence), got shape {tuple(qsl.shape)}")
     if not qsl.flags.c_contiguous:
-        qsl = _arrays.array_module(cache.device).ascontiguousarray(qsl)
+        qsl = _arrays.array_module(pool.device).ascontiguousarray(qsl)
     return qsl
 
 
@@ -399,77 +394,3 @@ def _host(a) -> np.ndarray:
 def _check_int_dtype(a, name: str) -> None:
     if a.dtype not in (np.int32, np.int64):
         raise TypeError(f"{name} must have dtype int32 or int64, got {a.dtype}")
-
-
-# -- GPU hot path ---------------------------------------------------------------------------
-@functools.cache
-def _cupy():
-    import cupy
-
-    return cupy
-
-
-def _hot_launch(run, return_lse: bool):
-    """What the hot path runs for a signature: ``hot(q, *index_arrays, out, lse_out)``
-    (``decode_attention``: block_tables, seq_lens; ``attention``: query_start_loc first)
-    allocates the outputs not given (on the current device) and launches."""
-    empty = _cupy().empty
-    f32 = np.dtype(np.float32)
-
-    def hot(q, *args):
-        ids, out, lse_out = args[:-2], args[-2], args[-1]
-        if out is None:
-            out = empty(q.shape, dtype=q.dtype)
-        if return_lse:
-            if lse_out is None:
-                lse_out = empty(q.shape[:2], dtype=f32)
-            run(q, *ids, out, lse_out)
-            return out, lse_out
-        run(q, *ids, out, None)
-        return out
-
-    return hot
-
-
-def signature(q, block_tables, seq_lens, sm_scale, out, lse_out, return_lse):
-    """What the checks above depend on (kinds, shapes, dtypes, strides, devices, the
-    scale), or None for arguments that are not all CuPy arrays or an unhashable scale.
-    The stream is not part of it: the workspace is the cache's, one for every stream."""
-    nd = _cupy().ndarray
-    if type(q) is not nd or type(block_tables) is not nd or type(seq_lens) is not nd:
-        return None
-    if out is None:
-        o = None
-    elif type(out) is nd:
-        o = (out.shape, out.dtype, out.strides, out.data.device_id, out.data.ptr & 15)
-    else:
-        return None
-    if lse_out is None:
-        e = None
-    elif type(lse_out) is nd:
-        e = (lse_out.shape, lse_out.dtype, lse_out.strides, lse_out.data.device_id,
-             lse_out.data.ptr & 15)
-    else:
-        return None
-    try:
-        hash(sm_scale)
-    except TypeError:
-        return None
-    return ("decode_attention", q.shape, q.dtype, q.strides, q.data.device_id,
-            q.data.ptr & 15, block_tables.shape, block_tables.dtype, block_tables.strides,
-            block_tables.data.device_id, seq_lens.shape, seq_lens.dtype, seq_lens.strides,
-            seq_lens.data.device_id, type(sm_scale), sm_scale, bool(return_lse), o, e)
-
-
-def varlen_signature(q, query_start_loc, block_tables, seq_lens, sm_scale, out, lse_out,
-                     return_lse: bool, causal: bool, max_query_len: int):
-    """:func:`signature` for :func:`attention`: plus ``query_start_loc``'s kind, shape,
-    dtype, strides and device, ``causal`` and ``max_query_len`` (None for arguments the
-    hot path cannot take: not all CuPy arrays, or no ``max_query_len``)."""
-    base = signature(q, block_tables, seq_lens, sm_scale, out, lse_out, return_lse)
-    if (base is None or max_query_len is None
-            or type(query_start_loc) is not _cupy().ndarray):
-        return None
-    return ("attention",) + base[1:] + (
-        query_start_loc.shape, query_start_loc.dtype, query_start_loc.strides,
-        query_start_loc.data.device_id, causal, max_query_len)

@@ -8,15 +8,14 @@ methods; the work is elsewhere (argument checks in ``_arrays``, attention in
 from __future__ import annotations
 
 import contextlib
-import functools
 import warnings
 
 import numpy as np
 
-from . import _abi, _arrays, attention
+from . import _abi, _arrays, _hotpath, attention, pages
+from ._backend import Pool, backend
 from ._device import DeviceGuard, parse_device
-from .codec import backend_module, check_rule
-from .formats import reciprocal_clamped, resolve_dtype
+from .formats import check_rule, reciprocal_clamped, resolve_dtype
 from .layout import PageGeometry
 from .typing import Array, ArrayLike, DeviceLike, DTypeLike, IndexLike, PageFormat, PathLike
 
@@ -25,45 +24,6 @@ __all__ = ["PagedKVCache"]
 _STAT = _abi.STAT
 _NO_GUARD = contextlib.nullcontext()
 _FLAG = (bool, type(None))  # classes of an optional flag that need no check
-#: What :meth:`PagedKVCache._hot` returns when no launch is prepared for a signature.
-_MISS = object()
-
-
-def _store_signature(slot_mapping, k, v, unique_slots):
-    """Everything a prepared store launch depends on, for CuPy arrays (else None): kinds,
-    shapes, dtypes, strides, pointer alignment, devices."""
-    try:
-        nd = _cupy_ndarray()
-        if not (type(k) is nd and type(v) is nd and type(slot_mapping) is nd):
-            return None
-        kd, vd, sd = k.data, v.data, slot_mapping.data
-        return (k.shape, k.dtype, k.strides, v.shape, v.dtype, v.strides, slot_mapping.shape,
-                slot_mapping.dtype, slot_mapping.strides, kd.ptr & 15, vd.ptr & 15,
-                kd.device_id, vd.device_id, sd.device_id, bool(unique_slots))
-    except AttributeError:
-        return None
-
-
-def _gather_signature(blocks, dtype, out):
-    """Everything a prepared gather depends on, for CuPy arrays (else None)."""
-    try:
-        if type(blocks) is not _cupy_ndarray():
-            return None
-        sig = ("gather", blocks.ndim, blocks.dtype, blocks.strides, blocks.data.device_id, dtype)
-        hash(sig)  # an unhashable dtype argument just takes the checked path
-        if out is None:
-            return sig
-        if not (isinstance(out, tuple) and len(out) == 2 and type(out[0]) is _cupy_ndarray()
-                and type(out[1]) is _cupy_ndarray()):
-            return None
-        a, b = out
-        return sig + (blocks.shape, a.shape, a.dtype, a.strides, a.data.device_id,
-                      a.data.ptr & 15, b.shape, b.dtype, b.strides, b.data.device_id,
-                      b.data.ptr & 15, a.data.ptr == b.data.ptr)
-    except (AttributeError, TypeError):
-        return None
-
-
 def _pool_bytes(num_blocks: int, geom: PageGeometry, kind: str) -> int:
     """Bytes a cache of ``num_blocks`` pages allocates at construction: the pool and, on
     the GPU, the claim table of 4 bytes per slot."""
@@ -94,20 +54,6 @@ def _check_pool_fits(num_blocks: int, geom: PageGeometry, kind: str,
             f"{format_bytes(need)} ({need} bytes: num_blocks * {need // num_blocks} bytes a "
             f"page{' and its claim table' if kind == 'cuda' else ''}), but {where}; pass "
             f"at most about num_blocks = {max(0, have * num_blocks // need)}")
-
-
-@functools.cache
-def _cupy_ndarray():
-    import cupy
-
-    return cupy.ndarray
-
-
-@functools.cache
-def _get_device():
-    import cupy
-
-    return cupy.cuda.runtime.getDevice
 
 
 class PagedKVCache:
@@ -215,15 +161,14 @@ class PagedKVCache:
                 or num_blocks <= 0):
             raise ValueError(f"num_blocks must be a positive integer, got {num_blocks!r}")
         self.scale_rule = check_rule(scale_rule)
-        self._k_s = _arrays.check_scale(k_scale, "k_scale")
-        self._v_s = _arrays.check_scale(v_scale, "v_scale")
-        self._k_g = reciprocal_clamped(self._k_s)
-        self._v_g = reciprocal_clamped(self._v_s)
+        k_s = _arrays.check_scale(k_scale, "k_scale")
+        v_s = _arrays.check_scale(v_scale, "v_scale")
+        k_g, v_g = reciprocal_clamped(k_s), reciprocal_clamped(v_s)
         if device is None:
             device = "cuda" if _arrays.gpu_available() else "cpu"
         kind, index = parse_device(device)
         _check_pool_fits(int(num_blocks), geom, kind, index)
-        self._impl = backend_module(kind)
+        impl = backend(kind)
         self.device = kind
         self.device_id = index
         self.geometry = geom
@@ -232,16 +177,12 @@ class PagedKVCache:
             warnings.warn("PagedKVCache(validate=False) has no effect on the CPU backend: it "
                           "always checks slot and block ids on the host, before writing",
                           UserWarning, stacklevel=2)
-        self.validate = True if kind == "cpu" else bool(validate)
-        self._hints = attention.workspace_hints(geom, self.num_blocks, max_batch_size, max_seq_len,
-                                       num_query_heads)
-        self._state = None  # GPU: pool, counters, tables, plans, workspace (CacheState)
+        self._hints = attention.workspace_hints(geom, self.num_blocks, max_batch_size,
+                                                max_seq_len, num_query_heads)
+        state = None  # GPU: pool, counters, tables, plans, workspace (CacheState)
         if kind == "cuda":
-            self._state = self._impl.CacheState(index, geom, self.num_blocks, self._k_s,
-                                                self._k_g, self._v_s, self._v_g)
-            self.buffer = self._state.buffer
-            self._stats = self._state.stats
-            self._reserve_workspace()
+            state = impl.CacheState(index, geom, self.num_blocks, k_s, k_g, v_s, v_g)
+            self.buffer, stats = state.buffer, state.stats
         else:
             try:
                 self.buffer = np.zeros((self.num_blocks, 2, geom.side_bytes), dtype=np.uint8)
@@ -249,17 +190,39 @@ class PagedKVCache:
                 raise ValueError(f"num_blocks = {self.num_blocks}: the page pool of "
                                  f"{_pool_bytes(self.num_blocks, geom, kind)} bytes cannot be "
                                  f"allocated ({type(e).__name__}: {e})") from None
-            self._stats = np.zeros(len(_abi.STAT_NAMES), dtype=np.uint64)
+            stats = np.zeros(len(_abi.STAT_NAMES), dtype=np.uint64)
+        self._pool = Pool(impl, kind, index, geom, self.num_blocks, self.buffer, k_s, v_s, k_g,
+                          v_g, stats, state, True if kind == "cpu" else bool(validate),
+                          self.scale_rule)
+        if state is not None:
+            self._reserve_workspace()
+
+    @property
+    def pool(self) -> Pool:
+        """The view of the page pool that the front ends, integrations and benchmarks use:
+        the backend, the pages, the global scales, the counters and (GPU) the cache's
+        ``CacheState`` (prepared launches, workspace).  See :class:`fp4cache._backend.Pool`;
+        the pages and counters are the cache's own (writing them changes the cache)."""
+        return self._pool
+
+    @property
+    def validate(self) -> bool:
+        """The default of every method's ``validate=None``: check ids and lengths on the
+        host before any work (always True on the CPU)."""
+        return self._pool.validate
+
+    @validate.setter
+    def validate(self, value: bool) -> None:
+        value = _arrays.check_bool(value, "validate")
+        self._pool.validate = True if self.device == "cpu" else value
 
     def _reserve_workspace(self) -> None:
         """The split-KV workspace every call within the hints needs (none without hints)."""
         if not self._hints:
             return
-        from ._cupy_attention import workspace_bound
-
-        nbytes, tickets = workspace_bound(self.geometry, **self._hints)
+        nbytes, tickets = self._pool.backend.workspace_bound(self.geometry, **self._hints)
         with DeviceGuard(self.device_id):
-            self._state.workspace.reserve(nbytes, tickets, hint=", ".join(
+            self._pool.state.workspace.reserve(nbytes, tickets, hint=", ".join(
                 f"{k}={v}" for k, v in self._hints.items()))
 
     def release_workspace(self) -> None:
@@ -271,7 +234,7 @@ class PagedKVCache:
         is made again).  The only call that frees memory a graph may use; the CPU
         backend has nothing to free.
         """
-        st = self._state
+        st = self._pool.state
         if st is None:
             return
         with DeviceGuard(self.device_id):
@@ -304,11 +267,11 @@ class PagedKVCache:
 
     @property
     def k_scale(self) -> float:
-        return float(self._k_s)
+        return float(self._pool.k_s)
 
     @property
     def v_scale(self) -> float:
-        return float(self._v_s)
+        return float(self._pool.v_s)
 
     @property
     def num_slots(self) -> int:
@@ -331,30 +294,18 @@ class PagedKVCache:
         encode table, duplicate-slot claim table (4 bytes per slot) and the workspace of
         :meth:`decode_attention` and of page transfers through host memory
         (:attr:`workspace_nbytes`)."""
-        if self._state is not None:
-            return self._state.nbytes
-        return self.buffer.nbytes + self._stats.nbytes
+        if self._pool.state is not None:
+            return self._pool.state.nbytes
+        return self.buffer.nbytes + self._pool.stats.nbytes
 
     @property
     def workspace_nbytes(self) -> int:
         """Device bytes of the decode-attention workspace: what the hints reserved or the
         largest call needed, plus outgrown buffers kept for graphs (0 on the CPU)."""
-        return 0 if self._state is None else self._state.workspace.nbytes
+        return 0 if self._pool.state is None else self._pool.state.workspace.nbytes
 
     def _guard(self):
-        return DeviceGuard(self.device_id) if self._state is not None else _NO_GUARD
-
-    def _hot(self, sig, *args):
-        """The hot path of every GPU method: the launch an earlier checked call prepared
-        for signature ``sig`` (in the cache's plans), run with the cache's GPU current
-        (switching only when another is), else ``_MISS``."""
-        run = self._state.plans.get(sig)
-        if run is None:
-            return _MISS
-        if _get_device()() == self.device_id:
-            return run(*args)
-        with DeviceGuard(self.device_id):
-            return run(*args)
+        return DeviceGuard(self.device_id) if self._pool.state is not None else _NO_GUARD
 
     @property
     def stats(self) -> dict[str, int]:
@@ -371,7 +322,8 @@ class PagedKVCache:
         both.
         """
         with self._guard():
-            vals = self._stats.get() if self._state is not None else self._stats
+            stats = self._pool.stats
+            vals = stats.get() if self._pool.state is not None else stats
         return {k: int(v) for k, v in zip(_abi.STAT_NAMES, vals)}
 
     @property
@@ -419,8 +371,8 @@ class PagedKVCache:
         st = self.stats
         if st["bad_slots"] or st["bad_block_ids"]:
             with self._guard():
-                self._stats[_STAT["bad_slots"]] = 0
-                self._stats[_STAT["bad_block_ids"]] = 0
+                self._pool.stats[_STAT["bad_slots"]] = 0
+                self._pool.stats[_STAT["bad_block_ids"]] = 0
             raise IndexError(
                 f"{st['bad_slots']} token(s) had a slot_mapping entry outside [0, "
                 f"num_slots = {self.num_slots}) other than -1 and were not stored; "
@@ -447,7 +399,7 @@ class PagedKVCache:
         (0, 0)
         """
         with self._guard():
-            self._stats[...] = 0
+            self._pool.stats[...] = 0
 
     def __repr__(self) -> str:
         """Sizes and settings, plus the counters of groups stored badly so far (saturated
@@ -469,7 +421,7 @@ class PagedKVCache:
             + "".join(f", {k}={v}" for k, v in self._hints.items()) + ")"
             f"  # {self.bytes_per_token} B/token, "
             f"{self.compression_ratio:.2f}x vs bf16, pool {(self.nbytes - ws) / 2**20:.1f} MiB"
-            + (f", workspace {ws / 2**20:.1f} MiB" if self._state is not None else "")
+            + (f", workspace {ws / 2**20:.1f} MiB" if self._pool.state is not None else "")
             + "".join(f"; {f}" for f in flagged)
         )
 
@@ -519,12 +471,13 @@ class PagedKVCache:
         if unique_slots.__class__ is not bool or validate.__class__ not in _FLAG:
             unique_slots = _arrays.check_bool(unique_slots, "unique_slots")
             validate = _arrays.check_bool(validate, "validate", optional=True)
-        check = self.validate if validate is None else validate
+        check = self._pool.validate if validate is None else validate
         # Hot path of a decode step: arguments whose kind, shape, dtype, strides,
         # alignment and devices were checked before go straight to their launch.
-        if self._state is not None and not check and self._hot(
-                _store_signature(slot_mapping, k, v, unique_slots), slot_mapping, k, v) \
-                is not _MISS:
+        pool = self._pool
+        if pool.state is not None and not check and _hotpath.run(
+                pool, _hotpath.store_signature(slot_mapping, k, v, unique_slots), slot_mapping,
+                k, v) is not _hotpath.MISS:
             return
         with self._guard():
             self._store_checked(slot_mapping, k, v, bool(unique_slots), check)
@@ -558,7 +511,7 @@ class PagedKVCache:
                     "nothing was stored"
                 )
             if unique_slots:
-                host = slots.get() if self._state is not None else np.asarray(slots)
+                host = slots.get() if self._pool.state is not None else np.asarray(slots)
                 valid = np.sort(host[host >= 0])
                 rep = valid[1:][valid[1:] == valid[:-1]]
                 if rep.size:
@@ -567,11 +520,11 @@ class PagedKVCache:
                         "promises that no slot repeats (pass unique_slots=False to let the "
                         "last occurrence win); nothing was stored"
                     )
-        if self._state is None:
-            self._impl.store(
-                self.buffer, slots, k, v, geom=g, rule=self.scale_rule, k_s=self._k_s,
-                k_g=self._k_g, v_s=self._v_s, v_g=self._v_g, stats=self._stats,
-                unique_slots=unique_slots)
+        p = self._pool
+        if p.state is None:
+            p.backend.store(self.buffer, slots, k, v, geom=g, rule=self.scale_rule, k_s=p.k_s,
+                            k_g=p.k_g, v_s=p.v_s, v_g=p.v_g, stats=p.stats,
+                            unique_slots=unique_slots)
             return
         # the kernels read the last axis contiguously, 2-byte values at their alignment
         # and slot ids in order
@@ -583,12 +536,12 @@ class PagedKVCache:
             v = v.copy()
         if not slots.flags.c_contiguous:
             slots = slots.copy()
-        sig = _store_signature(slots, k, v, unique_slots)
-        plans = self._state.plans
+        sig = _hotpath.store_signature(slots, k, v, unique_slots)
+        plans = p.state.plans
         run = plans.get(sig)
         if run is None:
-            run = self._impl.store_plan(self._state, slots, k, v, rule=self.scale_rule,
-                                        unique_slots=unique_slots)
+            run = p.backend.store_plan(p.state, slots, k, v, rule=self.scale_rule,
+                                       unique_slots=unique_slots)
             plans.put(sig, run)
         run(slots, k, v)
 
@@ -632,34 +585,14 @@ class PagedKVCache:
         """
         if validate.__class__ not in _FLAG:
             validate = _arrays.check_bool(validate, "validate", optional=True)
-        check = self.validate if validate is None else validate
-        if self._state is not None and not check:
-            res = self._hot(_gather_signature(blocks, dtype, out), blocks, out)
-            if res is not _MISS:
+        check = self._pool.validate if validate is None else validate
+        if self._pool.state is not None and not check:
+            res = _hotpath.run(self._pool, _hotpath.gather_signature(blocks, dtype, out),
+                               blocks, out)
+            if res is not _hotpath.MISS:
                 return res
         with self._guard():
             return self._gather_checked(blocks, dtype, out, check)
-
-    def _gather_hot(self, run, dt, allocate: bool):
-        """What the hot path runs for a gather signature: ``hot(blocks, out)``."""
-        if not allocate:
-            def hot(blocks, out):
-                run(blocks, out[0], out[1])
-                return out[0], out[1]
-
-            return hot
-        import cupy
-
-        empty, tail = cupy.empty, (self.num_heads, self.head_dim)
-        T = self.block_size
-
-        def hot_alloc(blocks, out):
-            shape = (blocks.shape[0] * T,) + tail
-            k, v = empty(shape, dtype=dt), empty(shape, dtype=dt)
-            run(blocks, k, v)
-            return k, v
-
-        return hot_alloc
 
     def _gather_checked(self, blocks, dtype, out, check: bool):
         be = self.device
@@ -696,24 +629,25 @@ class PagedKVCache:
                     f"blocks[{i}] = {int(blocks[i])} is out of range: block ids must be in "
                     f"[0, {self.num_blocks})"
                 )
-        if self._state is None:
-            self._impl.gather_dequant(self.buffer, blocks, out_k, out_v, geom=g, k_s=self._k_s,
-                                      v_s=self._v_s, stats=self._stats)
+        p = self._pool
+        if p.state is None:
+            p.backend.gather_dequant(self.buffer, blocks, out_k, out_v, geom=g, k_s=p.k_s,
+                                     v_s=p.v_s, stats=p.stats)
             return out_k, out_v
         if not blocks.flags.c_contiguous:
             blocks = blocks.copy()
         key = ("gather-plan", blocks.dtype, dt, out_k.data.ptr % 16 == 0
                and out_v.data.ptr % 16 == 0)
-        plans = self._state.plans
+        plans = p.state.plans
         run = plans.get(key)
         if run is None:
-            run = self._impl.gather_plan(self._state, blocks, out_k, out_v)
+            run = p.backend.gather_plan(p.state, blocks, out_k, out_v)
             plans.put(key, run)
         run(blocks, out_k, out_v)
         if blocks is blocks_in and (out is None or (out_k is out[0] and out_v is out[1])):
-            sig = _gather_signature(blocks, dtype, None if out is None else (out_k, out_v))
+            sig = _hotpath.gather_signature(blocks, dtype, None if out is None else (out_k, out_v))
             if sig is not None:
-                plans.put(sig, self._gather_hot(run, dt, out is None))
+                plans.put(sig, _hotpath.gather_launch(run, dt, g, out is None))
         return out_k, out_v
 
     # -- attention -----------------------------------------------------------------------
@@ -783,14 +717,15 @@ class PagedKVCache:
         if validate.__class__ not in _FLAG or return_lse.__class__ is not bool:
             validate = _arrays.check_bool(validate, "validate", optional=True)
             return_lse = _arrays.check_bool(return_lse, "return_lse")
-        if self._state is not None and not (self.validate if validate is None else validate):
-            res = self._hot(attention.signature(q, block_tables, seq_lens, sm_scale, out,
-                                                lse_out, return_lse),
-                            q, block_tables, seq_lens, out, lse_out)
-            if res is not _MISS:
+        pool = self._pool
+        if pool.state is not None and not (pool.validate if validate is None else validate):
+            res = _hotpath.run(pool, _hotpath.decode_signature(
+                q, block_tables, seq_lens, sm_scale, out, lse_out, return_lse),
+                q, block_tables, seq_lens, out, lse_out)
+            if res is not _hotpath.MISS:
                 return res
         with self._guard():
-            return attention.decode_attention(self, q, block_tables, seq_lens, sm_scale, out,
+            return attention.decode_attention(pool, q, block_tables, seq_lens, sm_scale, out,
                                               lse_out, return_lse, validate)
 
     def attention(self, q: ArrayLike, query_start_loc: IndexLike, block_tables: IndexLike,
@@ -904,16 +839,16 @@ class PagedKVCache:
         >>> bool(np.array_equal(out[3], dec[0]))                       # n_b = 1 is decode
         True
         """
-        if (self._state is not None and max_query_len is not None
-                and not (self.validate if validate is None else validate)):
-            res = self._hot(attention.varlen_signature(q, query_start_loc, block_tables,
-                                                       seq_lens, sm_scale, out, lse_out,
-                                                       return_lse, causal, max_query_len),
-                            q, query_start_loc, block_tables, seq_lens, out, lse_out)
-            if res is not _MISS:
+        pool = self._pool
+        if (pool.state is not None and max_query_len is not None
+                and not (pool.validate if validate is None else validate)):
+            res = _hotpath.run(pool, _hotpath.varlen_signature(
+                q, query_start_loc, block_tables, seq_lens, sm_scale, out, lse_out, return_lse,
+                causal, max_query_len), q, query_start_loc, block_tables, seq_lens, out, lse_out)
+            if res is not _hotpath.MISS:
                 return res
         with self._guard():
-            return attention.attention(self, q, query_start_loc, block_tables, seq_lens,
+            return attention.attention(pool, q, query_start_loc, block_tables, seq_lens,
                                        max_query_len, causal, sm_scale, out, lse_out,
                                        return_lse, validate)
 
@@ -934,9 +869,7 @@ class PagedKVCache:
         >>> fmt["layout"], fmt["page_bytes"], fmt["k_scale"], fmt["swizzle_v_scales"]
         ('HND', 2304, 1.0, True)
         """
-        from . import pages
-
-        return pages.page_format(self)
+        return pages.page_format(self._pool)
 
     def copy_blocks(self, src: IndexLike, dst: IndexLike, *,
                     validate: bool | None = None) -> None:
@@ -989,10 +922,8 @@ class PagedKVCache:
         >>> bool(cache.buffer[0].any()), bool(cache.buffer[1].any())
         (False, True)
         """
-        from . import pages
-
         with self._guard():
-            pages.copy_blocks(self, src, dst, validate)
+            pages.copy_blocks(self._pool, src, dst, validate)
 
     def read_blocks(self, blocks: IndexLike, out: Array | None = None, *,
                     validate: bool | None = None) -> Array:
@@ -1031,10 +962,8 @@ class PagedKVCache:
         >>> rows.shape, rows.dtype == np.uint8, cache.geometry.page_bytes
         ((2, 1152), True, 1152)
         """
-        from . import pages
-
         with self._guard():
-            return pages.read_blocks(self, blocks, out, validate)
+            return pages.read_blocks(self._pool, blocks, out, validate)
 
     def write_blocks(self, blocks: IndexLike, data: ArrayLike, *,
                      page_format: PageFormat | None = None,
@@ -1078,10 +1007,8 @@ class PagedKVCache:
         >>> bool((b.buffer[2] == a.buffer[0]).all())
         True
         """
-        from . import pages
-
         with self._guard():
-            pages.write_blocks(self, blocks, data, page_format, validate)
+            pages.write_blocks(self._pool, blocks, data, page_format, validate)
 
     def save(self, path: PathLike, blocks: IndexLike | None = None) -> None:
         """Save pages (default: all) with their ids and :meth:`page_format` to one
@@ -1089,10 +1016,8 @@ class PagedKVCache:
         int64; the format in the metadata).  Needs ``safetensors`` (``pip install
         'fp4cache[io]'``).  Synchronizes with the current stream on the GPU.  The
         counters (:attr:`stats`) are not saved."""
-        from . import pages
-
         with self._guard():
-            pages.save(self, path, blocks)
+            pages.save(self._pool, path, blocks)
 
     @classmethod
     def load(cls, path: PathLike, *, device: DeviceLike | None = None,
@@ -1113,8 +1038,6 @@ class PagedKVCache:
         >>> back.k_scale, bool((back.buffer[:2] == cache.buffer[:2]).all())
         (0.5, True)
         """
-        from . import pages
-
         return pages.load(cls, path, device, validate)
 
     def load_pages(self, path: PathLike, blocks: IndexLike | None = None) -> np.ndarray:
@@ -1123,7 +1046,5 @@ class PagedKVCache:
         saved ids.  The file's page format must equal this cache's (``ValueError``
         naming the first differing field; nothing is written).  Returns the ids written
         (NumPy int64).  Synchronizes with the current stream on the GPU."""
-        from . import pages
-
         with self._guard():
-            return pages.load_pages(self, path, blocks)
+            return pages.load_pages(self._pool, path, blocks)

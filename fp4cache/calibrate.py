@@ -4,10 +4,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from . import _arrays
+from . import _arrays, _backend
 from ._device import on_input_device
-from .codec import backend_module, check_rule
-from .formats import RULE_E4M3_MAX
+from .formats import RULE_E4M3_MAX, check_rule
 from .typing import ArrayLike
 
 __all__ = ["calibrate_scale"]
@@ -85,7 +84,7 @@ def calibrate_scale(x: ArrayLike, scale_rule: str = "static6") -> float:
     if x.size == 0:
         raise ValueError("x must hold at least one value to calibrate a scale, got an empty "
                          f"array of shape {tuple(x.shape)}")
-    amax = np.float32(backend_module(backend).abs_max(x))
+    amax = np.float32(_backend.backend(backend).abs_max(x))
     if not np.isfinite(amax):
         raise ValueError("x holds a NaN or an infinity: calibrate on finite data (such "
                          "values are stored as NaN groups whatever the scale)")

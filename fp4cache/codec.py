@@ -2,43 +2,17 @@
 
 from __future__ import annotations
 
-from types import ModuleType
-
 import numpy as np
 
-from . import _arrays
+from . import _arrays, _backend
 from ._device import on_input_device
-from .formats import SCALE_RULES, reciprocal_clamped, resolve_dtype
+from .formats import check_rule, reciprocal_clamped, resolve_dtype
 from .layout import GROUP
 from .typing import Array, ArrayLike, DTypeLike
 
-__all__ = ["quantize", "dequantize", "backend_module", "check_rule"]
+__all__ = ["quantize", "dequantize"]
 
 
-def backend_module(backend: str) -> ModuleType:
-    """The backend implementation module for ``"cpu"`` or ``"cuda"``."""
-    if backend == "cpu":
-        from . import _numpy_backend
-
-        return _numpy_backend
-    if backend == "cuda":
-        why = _arrays.gpu_unavailable_reason()
-        if why is not None:
-            raise RuntimeError(f"device='cuda' needs CuPy and a CUDA GPU: {why}")
-        from . import _cupy_backend
-
-        return _cupy_backend
-    raise ValueError(f"device must be 'cpu', 'cuda' or None, got {backend!r}")
-
-
-def check_rule(scale_rule: str) -> str:
-    """Validate ``scale_rule`` (``"static6"`` or ``"4over6"``)."""
-    if scale_rule not in SCALE_RULES:
-        raise ValueError(f"scale_rule must be 'static6' or '4over6', got {scale_rule!r}")
-    return scale_rule
-
-
-@on_input_device
 def quantize(x: ArrayLike, scale: float = 1.0, scale_rule: str = "static6", *,
              out: tuple[Array, Array] | None = None) -> tuple[Array, Array]:
     """Quantize ``x`` to NVFP4: packed E2M1 values and one E4M3 scale per 16 values.
@@ -104,7 +78,7 @@ def quantize(x: ArrayLike, scale: float = 1.0, scale_rule: str = "static6", *,
         data, scales, result = _check_quantize_out(out, lead, d, backend)
     rows = xp.ascontiguousarray(x).reshape(-1, d)
     if rows.shape[0]:
-        backend_module(backend).quantize(
+        _backend.backend(backend).quantize(
             rows, s, reciprocal_clamped(s), scale_rule,
             data.reshape(-1, d // 2), scales.reshape(-1, d // GROUP),
         )
@@ -181,7 +155,7 @@ def dequantize(data: ArrayLike, scales: ArrayLike, scale: float = 1.0,
                                 backend)
     n = int(np.prod(shape[:-1], dtype=np.int64))
     if n:
-        backend_module(backend).dequantize(
+        _backend.backend(backend).dequantize(
             xp.ascontiguousarray(data).reshape(n, half),
             xp.ascontiguousarray(scales).reshape(n, half // 8), s, out.reshape(n, 2 * half),
         )

@@ -20,6 +20,7 @@ __all__ = [
     "C6",
     "C4",
     "SCALE_RULES",
+    "check_rule",
     "e2m1_encode",
     "e2m1_decode",
     "e4m3_encode",
@@ -46,6 +47,15 @@ C6 = np.float32(1.0) / np.float32(6.0)
 C4 = np.float32(0.25)
 #: ``static6`` always scales the group max to 6; ``4over6`` also tries 4 and keeps the better.
 SCALE_RULES: tuple[str, ...] = tuple(_abi.RULES)
+
+
+def check_rule(scale_rule: str) -> str:
+    """Validate ``scale_rule`` (``"static6"`` or ``"4over6"``)."""
+    if scale_rule not in SCALE_RULES:
+        raise ValueError(f"scale_rule must be 'static6' or '4over6', got {scale_rule!r}")
+    return scale_rule
+
+
 #: ``M`` of each rule (spec section 3): the largest block scale a calibrated global scale
 #: aims at, ``6 * M`` the largest value.  4over6 uses 256 so that its 4-candidate (1.5x
 #: the 6-candidate) stays below 448; it is also LongLive's ``e4m3_max`` default.

@@ -42,7 +42,7 @@ from transformers.masking_utils import AttentionMaskInterface
 from . import _arrays, formats
 from .cache import PagedKVCache
 from .calibrate import calibrate_scale
-from .pages import slot_mapping
+from .layout import slot_mapping
 
 __all__ = ["ATTN_IMPLEMENTATION", "DEFAULT_SCALE", "FP4Cache", "FP4CacheLayer",
            "calibrate_scales", "fp4cache_attention_forward", "fp4cache_mask"]

@@ -11,8 +11,9 @@ Two layouts are described here (see ``docs/format.md`` for the prose version):
   ``Tb`` tokens is a ``[Rp, D/2]`` value matrix (row ``r = t*H + h``, rows padded to a
   multiple of 128) and ``Rp*D/16`` scale bytes in cuBLAS' 128x4 tile order.
 
-All functions accept NumPy integer arrays (or Python ints) and broadcast.  The CUDA
-kernels implement the same formulas; the tests check both against independent forms.
+All functions accept NumPy integer arrays (or Python ints) and broadcast
+(:func:`slot_mapping` CuPy ones too).  The CUDA kernels implement the same formulas; the
+tests check both against independent forms.
 """
 
 from __future__ import annotations
@@ -22,11 +23,12 @@ from typing import Literal
 
 import numpy as np
 
-from . import _abi
+from . import _abi, _arrays
 from .typing import IntArray, IntArrayLike
 
 __all__ = [
     "GROUP",
+    "slot_mapping",
     "Layout",
     "PageGeometry",
     "swizzle_scale_index",
@@ -189,3 +191,80 @@ def blocked_scale_offset(r: IntArrayLike, s: IntArrayLike, scales_per_row: int) 
     s = np.asarray(s)
     tile = (r // 128) * (scales_per_row // 4) + s // 4
     return tile * 512 + (r % 32) * 16 + ((r % 128) // 32) * 4 + s % 4
+
+
+# -- vLLM's slot mapping ---------------------------------------------------------------------
+def slot_mapping(block_tables, positions, *, block_size: int, validate: bool = True):
+    """vLLM's slot of every token position: ``block_tables[b, p // block_size] *
+    block_size + p % block_size``, and -1 where ``p`` is -1 (padding).
+
+    Parameters
+    ----------
+    block_tables : array of int32 or int64, shape (B, max_blocks)
+        Row ``b`` lists the pages of sequence ``b`` in order (vLLM's block table).
+    positions : array of int32 or int64, shape (B, n)
+        Token positions of each sequence, -1 for padding.  NumPy or CuPy, the same
+        backend as ``block_tables``.
+    block_size : int
+        Tokens per page (the cache's ``block_size``).
+    validate : bool, default True
+        Check the values: a position below -1 or a used table entry below 0 is a
+        ``ValueError``, a position past the table (``p >= max_blocks * block_size``) an
+        ``IndexError``.  On CuPy arrays the checks read a result back (a host sync);
+        with ``validate=False`` such positions give slot -1 (the store skips them).
+
+    Returns
+    -------
+    slots : array of int64, shape (B, n), on the inputs' backend
+        Flatten it (``slots.reshape(-1)``) to get the ``slot_mapping`` of
+        :meth:`PagedKVCache.store` for the tokens in row-major order.
+
+    Examples
+    --------
+    >>> import numpy as np, fp4cache
+    >>> tables = np.array([[7, 2], [5, -1]])
+    >>> fp4cache.slot_mapping(tables, np.array([[0, 17, 18], [3, -1, -1]]), block_size=16)
+    array([[112,  33,  34],
+           [ 83,  -1,  -1]])
+    """
+    if isinstance(block_size, bool) or not isinstance(block_size, (int, np.integer)) \
+            or block_size <= 0:
+        raise ValueError(f"block_size must be a positive integer, got {block_size!r}")
+    T = int(block_size)
+    on_gpu = _arrays.is_cupy(block_tables) or _arrays.is_cupy(positions)
+    be = "cuda" if on_gpu else "cpu"
+    tables = _arrays.to_backend(block_tables, be, "block_tables",
+                                allow_convert=isinstance(block_tables, (list, tuple)))
+    pos = _arrays.to_backend(positions, be, "positions",
+                             allow_convert=isinstance(positions, (list, tuple)))
+    for name, a in (("block_tables", tables), ("positions", pos)):
+        if a.dtype not in (np.int32, np.int64):
+            raise TypeError(f"{name} must have dtype int32 or int64, got {a.dtype}")
+        if a.ndim != 2:
+            raise ValueError(f"{name} must be 2-D (sequences, ...), got shape {tuple(a.shape)}")
+    if pos.shape[0] != tables.shape[0]:
+        raise ValueError(f"positions must have one row per block_tables row "
+                         f"({tables.shape[0]}), got {pos.shape[0]}")
+    xp = _arrays.array_module(be)
+    max_blocks = tables.shape[1]
+    limit = max_blocks * T
+    pos = pos.astype(np.int64)
+    pad = pos < 0
+    past = pos >= limit
+    col = xp.where(pad | past, 0, pos // T)
+    if max_blocks == 0:
+        blk = xp.full(pos.shape, -1, np.int64)
+    else:
+        blk = xp.take_along_axis(tables, col, axis=1).astype(np.int64)
+    if _arrays.check_bool(validate, "validate"):
+        for bad, exc, what in (
+                (pos < -1, ValueError, "is below -1 (only -1 marks padding)"),
+                (past, IndexError, f"is past the block table ({max_blocks} pages of "
+                                   f"{T} tokens: positions must be < {limit})"),
+                (~pad & ~past & (blk < 0), ValueError,
+                 "falls in a block table entry below 0 (no page)")):
+            if bool(bad.any()):
+                b, j = (int(x) for x in np.unravel_index(int(bad.argmax()), bad.shape))
+                raise exc(f"positions[{b}, {j}] = {int(pos[b, j])} {what}")
+    slots = blk * T + pos % T
+    return xp.where(pad | past | (blk < 0), -1, slots)

@@ -25,7 +25,6 @@ docstrings and examples; the arithmetic is in the backends.
 
 from __future__ import annotations
 
-import weakref
 from collections.abc import Sequence
 from itertools import chain
 from operator import attrgetter
@@ -33,11 +32,9 @@ from typing import NamedTuple
 
 import numpy as np
 
-from . import _arrays
+from . import _arrays, _backend, _hotpath
 from ._device import on_input_device
-from ._plans import PlanCache
-from .codec import backend_module, check_rule
-from .formats import RULE_E4M3_MAX, resolve_dtype
+from .formats import RULE_E4M3_MAX, check_rule, resolve_dtype
 from .layout import GROUP, longlive_padded_rows
 from .typing import Array, ArrayLike, DTypeLike, IndexLike
 
@@ -185,7 +182,7 @@ def quantize_block(x: ArrayLike, scale_rule: str = "4over6") -> LongLiveBlock:
     if Rp * (D // GROUP) >= _MAX_GROUPS:
         raise ValueError(f"x is too large for one LongLive block: {Rp} padded rows x "
                          f"{D // GROUP} groups must stay below 2**31 - 1")
-    impl = backend_module(backend)
+    impl = _backend.backend(backend)
     xp = _arrays.array_module(backend)
     values = xp.empty((Rp, D // 2), dtype=np.uint8)
     sf = xp.empty((Rp * (D // GROUP),), dtype=np.uint8)
@@ -345,7 +342,7 @@ def dequantize(values: Sequence[ArrayLike] | Sequence[LongLiveBlock],
         vals, sfs, ams = values, scale_factors, amax
         e4m3_max = _resolve_e4m3_max(e4m3_max, scale_rule, None)
     args = (num_heads, block_token_size, dtype, e2m1_max, e4m3_max)
-    hit = _list_hit(vals, sfs, ams, args)
+    hit = _hotpath.longlive_list_hit(vals, sfs, ams, args)
     if hit is not None:  # the same arrays as a checked earlier call: launch at once
         run, shape, dt, xp = hit
         out = xp.empty(shape, dtype=dt)
@@ -370,7 +367,7 @@ def dequantize(values: Sequence[ArrayLike] | Sequence[LongLiveBlock],
     checked, plain = _intake(vals, sfs, ams, backend)
     Rp, D = _check_block_arrays(*checked, H, Tb)
     xp = _arrays.array_module(backend)
-    impl = backend_module(backend)
+    impl = _backend.backend(backend)
     if backend == "cuda":  # everything is checked before the GPU sees any work
         _check_gpu_blocks(*checked)
     out = xp.empty((1, len(vals) * Tb, H, D), dtype=dt)
@@ -384,7 +381,7 @@ def dequantize(values: Sequence[ArrayLike] | Sequence[LongLiveBlock],
                                       block_token_size=Tb, inv_denom=inv)
     run(out)
     if plain:  # the checked arrays are the caller's own objects
-        _list_remember(vals, sfs, ams, args, (run, out.shape, out.dtype, xp))
+        _hotpath.longlive_list_remember(vals, sfs, ams, args, (run, out.shape, out.dtype, xp))
     return out
 
 
@@ -392,6 +389,7 @@ def _all_blocks(values) -> bool:
     return type(values) in _SEQ and bool(values) and set(map(type, values)) == {LongLiveBlock}
 
 
+_SEQ = (list, tuple)
 _RULE_OF = attrgetter("scale_rule")
 
 
@@ -431,63 +429,6 @@ def _check_gpu_blocks(vals, sfs, ams) -> None:
             i = _first(group, lambda a: not a.flags.c_contiguous)
             raise ValueError(f"{name}[{i}] must be C-contiguous")
 
-
-# -- the list API's hot path ----------------------------------------------------------
-# A checked GPU call of ``dequantize`` is remembered by the identity of its block arrays
-# (``id`` of each, in order) and its scalar arguments.  Identity is safe because every
-# entry holds a weak reference to each of its arrays whose callback drops the entry
-# when the array dies, before its id can be reused; a CuPy array's data pointer, dtype
-# and size never change.  A hit costs three ``map(id, ...)`` and one lookup.  The plans
-# own their small pointer tables (device memory), so the list API is not for CUDA-graph
-# capture (it allocates its output anyway); at most 32 are kept, least recently used
-# dropped first (fp4cache._plans.PlanCache, the one plan cache of the library).
-_LIST_FAST = PlanCache(32)
-
-
-def _list_key(vals, sfs, ams, args: tuple):
-    try:
-        key = (tuple(map(id, vals)), tuple(map(id, sfs)), tuple(map(id, ams)),
-               tuple((type(a), a) for a in args))
-        hash(key)
-        return key
-    except TypeError:  # an unhashable argument (a dtype object, say): no fast path
-        return None
-
-
-def _list_hit(vals, sfs, ams, args: tuple):
-    """The prepared launch of an earlier checked call with these arrays, or None."""
-    if not _LIST_FAST or type(vals) not in _SEQ or type(sfs) not in _SEQ \
-            or type(ams) not in _SEQ:
-        return None
-    key = _list_key(vals, sfs, ams, args)
-    entry = _LIST_FAST.get(key) if key is not None else None
-    if entry is None or entry[0] != _current_device():
-        return None
-    return entry[2]
-
-
-_SEQ = (list, tuple)
-
-
-def _current_device() -> int:
-    import cupy
-
-    return cupy.cuda.runtime.getDevice()
-
-
-def _list_remember(vals, sfs, ams, args, launch) -> None:
-    key = _list_key(vals, sfs, ams, args)
-    if key is None:
-        return
-
-    def drop(_ref, key=key):
-        _LIST_FAST.pop(key, None)
-
-    try:
-        refs = [weakref.ref(a, drop) for a in chain(vals, sfs, ams)]
-    except TypeError:  # an array type without weak references: no fast path
-        return
-    _LIST_FAST.put(key, (_current_device(), refs, launch))
 
 
 @on_input_device
@@ -542,9 +483,10 @@ def dequantize_pool(values: ArrayLike, scale_factors: ArrayLike, amax: ArrayLike
     >>> bool((y[0, :8] == longlive.dequantize([blocks[3]])[0]).all())
     True
     """
-    key = _signature("pool", (values, scale_factors, amax, block_ids), num_heads,
-                     block_token_size, dtype, e2m1_max, e4m3_max, out, scale_rule)
-    hit = _FAST.get(key) if key is not None else None
+    key = _hotpath.longlive_signature("pool", (values, scale_factors, amax, block_ids),
+                                      num_heads, block_token_size, dtype, e2m1_max, e4m3_max,
+                                      out, scale_rule)
+    hit = _hotpath.LONGLIVE_POOL.get(key) if key is not None else None
     if hit is not None:  # same arrays as a validated earlier call: launch straight away
         run, shape, dt = hit
         if out is None:
@@ -587,7 +529,7 @@ def dequantize_pool(values: ArrayLike, scale_factors: ArrayLike, amax: ArrayLike
         out = _arrays.check_out(out, "out", shape, dt, backend)
     if n == 0:
         return out
-    impl = backend_module(backend)
+    impl = _backend.backend(backend)
     if backend == "cpu":
         if int(ids.min()) < 0 or int(ids.max()) >= N:
             raise IndexError(f"block_ids must be in [0, {N}), got min {int(ids.min())} "
@@ -602,46 +544,10 @@ def dequantize_pool(values: ArrayLike, scale_factors: ArrayLike, amax: ArrayLike
                                       block_token_size=Tb, inv_denom=inv)
     run(out)
     if ids is block_ids and ids.flags.c_contiguous:  # the launch reads block_ids itself
-        _remember(key, (run, out.shape, out.dtype))
+        if key is not None:
+            _hotpath.LONGLIVE_POOL.put(key, (run, out.shape, out.dtype))
     return out
 
-
-# Prepared GPU launches of dequantize / dequantize_pool, keyed by everything the checks
-# and the launch depend on: the type, address, shape, strides and dtype of every array,
-# the counts (with their types), the dtype and maxima, and the device.  A call with the
-# same signature as an earlier validated one skips the checks and launches at once
-# (the kernels read the arrays' current contents, so new data is decoded).  Entries
-# hold addresses, not the arrays: they are only used for live arrays at those addresses,
-# and no device memory (block_ids is read in place), so dropping one (least recently
-# used first, beyond 256) frees nothing a captured graph uses.
-_FAST = PlanCache(256)
-
-
-def _signature(api, arrays, num_heads, block_token_size, dtype, e2m1_max, e4m3_max, out,
-               *extra):
-    """Hashable signature of a GPU call, or None (CPU arrays, unhashable arguments)."""
-    try:
-        if not arrays or not _arrays.is_cupy(arrays[0]):
-            return None
-        parts = [api, type(num_heads), num_heads, type(block_token_size), block_token_size,
-                 type(e2m1_max), e2m1_max, type(e4m3_max), e4m3_max, extra,
-                 _arrays.array_module("cuda").cuda.runtime.getDevice()]
-        for a in arrays:
-            parts.append((type(a), a.data.ptr, a.shape, a.strides, a.dtype))
-        if out is None:
-            parts.append(("new", type(dtype), dtype))
-        else:
-            parts.append((type(out), out.data.ptr, out.shape, out.strides, out.dtype))
-        key = tuple(parts)
-        hash(key)
-        return key
-    except (AttributeError, TypeError):
-        return None
-
-
-def _remember(key, entry) -> None:
-    if key is not None:
-        _FAST.put(key, entry)
 
 
 def _check_counts(num_heads, block_token_size):

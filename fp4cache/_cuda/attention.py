@@ -25,24 +25,25 @@ from typing import Any, NamedTuple
 import cupy
 import numpy as np
 
-from . import _abi
-from . import _kernels as K
-from ._arrays import ceil_div
-from ._device import by_value, num_sms, resident_ctas
-from ._plans import PlanCache, Scratch, Workspace
-from .attention import MAX_GROUP
-from .layout import PageGeometry
+from .. import _abi
+from .. import _kernels as K
+from .._abi import MAX_GROUP
+from .._arrays import ceil_div
+from .._device import by_value, num_sms, resident_ctas
+from .._plans import PlanCache, Scratch, Workspace
+from ..layout import PageGeometry
 
-__all__ = ["decode_attention", "attention_runner", "attention_plans", "new_scratch",
+__all__ = ["decode_attention", "decode_runner", "attention_plans", "new_scratch",
            "split_plan", "max_splits", "workspace_parts", "workspace_bound",
-           "dequant_table", "bytes_read", "attention_scales", "ATTN_PARAMS_DTYPE", "SPLIT_TOKENS",
+           "make_decode_plan", "check_attention_args", "fill_shared_params", "RowsSpec", "NULL",
+           "bytes_read", "attention_scales", "ATTN_PARAMS_DTYPE", "SPLIT_TOKENS",
            "MIN_SPLIT_TOKENS", "CTA_TOKENS", "MERGE_TOKENS", "SPLIT_FIXED_TOKENS", "splits_of"]
 
 _U32, _I64, _F32 = np.uint32, np.int64, np.float32
 _LOG2E = 1.4426950408889634
 
 #: a null pointer argument (``query_start_loc`` of decode, ``lse`` when not asked for)
-_NULL = by_value(np.uint64(0))
+NULL = by_value(np.uint64(0))
 #: numpy twin of ``struct AttnParams`` (generated from :mod:`fp4cache._abi`).
 ATTN_PARAMS_DTYPE = _abi.struct_dtype("AttnParams")
 
@@ -223,7 +224,34 @@ class RowsSpec(NamedTuple):
     max_q: int = 1
 
 
-def _make_plan(buffer, q, block_tables, seq_lens, geom: PageGeometry, k_s, v_s, sm_scale,
+def fill_shared_params(p, buffer, geom: PageGeometry, stats, workspace: tuple[int, int, int],
+                       group: int, block_tables, seq_lens, ql64: bool, causal: bool,
+                       rows_lo: int, rows_hi: int, num_tokens: int,
+                       scales: tuple[np.float32, np.float32]) -> None:
+    """Fill the fields both attention kernels' parameter structs share (``AttnParams`` and
+    ``VarlenParams``, ``kernels/attn_seq.cuh``): the pool and its geometry, the counters,
+    the workspace ``(ws_o, ws_ml, counters)`` addresses, the index dtypes, the row range
+    and mask, and the ``(qk_scale, out_scale)`` of :func:`attention_scales`."""
+    H, T = geom.num_heads, geom.block_size
+    hnd = geom.layout == "HND"
+    ws_o, ws_ml, counters = workspace
+    for name, value in (
+            ("buffer", buffer.data.ptr), ("ws_o", ws_o), ("ws_ml", ws_ml),
+            ("counters", counters), ("stats", stats.data.ptr),
+            ("num_blocks", buffer.shape[0]), ("side_bytes", geom.side_bytes),
+            ("data_bytes", geom.data_bytes), ("H", H), ("group", group),
+            ("t", _abi.fastdiv(T)), ("max_blocks", int(block_tables.shape[1])),
+            ("row_h", T if hnd else 1), ("row_t", 1 if hnd else H),
+            ("swizzle", 1 if geom.swizzle_v_scales else 0),
+            ("bt64", 1 if np.dtype(block_tables.dtype).itemsize == 8 else 0),
+            ("sl64", 1 if np.dtype(seq_lens.dtype).itemsize == 8 else 0),
+            ("ql64", 1 if ql64 else 0), ("causal", 1 if causal else 0),
+            ("rows_lo", rows_lo), ("rows_hi", rows_hi), ("num_tokens", num_tokens),
+            ("qk_scale", scales[0]), ("out_scale", scales[1])):
+        p[name] = value
+
+
+def make_decode_plan(buffer, q, block_tables, seq_lens, geom: PageGeometry, k_s, v_s, sm_scale,
                stats, workspace: Workspace, decode_route: str = "auto",
                kernel_file: str | None = None, rows: RowsSpec | None = None) -> _AttnPlan:
     num_tokens, Hq, D = q.shape
@@ -244,8 +272,6 @@ def _make_plan(buffer, q, block_tables, seq_lens, geom: PageGeometry, k_s, v_s, 
     if buffer.shape[0] >= 2**32 - 1:  # the kernel's 32-bit page index (FP4C_BAD_PAGE)
         raise ValueError(f"the page pool must hold fewer than 2**32 - 1 pages, got "
                          f"{buffer.shape[0]}")
-    bt = np.dtype(block_tables.dtype)
-    sl = np.dtype(seq_lens.dtype)
     spec = K.decode_attention_spec(K.value_type(q.dtype, "q.dtype"), D,
                                    rows_max > _abi.MMA_ROWS // 2, T % 16 == 0, decode_route)
     if kernel_file is not None:
@@ -261,28 +287,18 @@ def _make_plan(buffer, q, block_tables, seq_lens, geom: PageGeometry, k_s, v_s, 
     views = workspace.get(parts, tickets=tickets, hint=(
         f"max_batch_size >= {B}, max_seq_len >= {max_blocks * T}, num_query_heads >= {Hq}"))
     ws_o, ws_ml, counters = (a.data.ptr for a in views) if views else (0, 0, 0)
-    hnd = geom.layout == "HND"
-    qk, out_scale = attention_scales(sm_scale, k_s, v_s)
     p = np.zeros((), dtype=ATTN_PARAMS_DTYPE)
-    for name, value in (
-            ("buffer", buffer.data.ptr), ("ws_o", ws_o), ("ws_ml", ws_ml),
-            ("counters", counters), ("stats", stats.data.ptr),
-            ("num_blocks", buffer.shape[0]), ("side_bytes", geom.side_bytes),
-            ("data_bytes", geom.data_bytes), ("H", H), ("group", group),
-            ("t", _abi.fastdiv(T)), ("max_blocks", max_blocks), ("split_len", split_len),
-            ("nsplit", nsplit), ("row_h", T if hnd else 1), ("row_t", 1 if hnd else H),
-            ("swizzle", 1 if geom.swizzle_v_scales else 0),
-            ("bt64", 1 if bt.itemsize == 8 else 0),
-            ("sl64", 1 if sl.itemsize == 8 else 0), ("ql64", 1 if rows.ql64 else 0),
-            ("causal", 1 if rows.causal else 0), ("rows_lo", rows.rows_lo),
-            ("rows_hi", rows.rows_hi), ("max_q", rows.max_q), ("num_tokens", num_tokens),
-            ("rows_max", rows_max), ("qk_scale", qk), ("out_scale", out_scale)):
+    fill_shared_params(p, buffer, geom, stats, (ws_o, ws_ml, counters), group, block_tables,
+                       seq_lens, rows.ql64, rows.causal, rows.rows_lo, rows.rows_hi,
+                       num_tokens, attention_scales(sm_scale, k_s, v_s))
+    for name, value in (("split_len", split_len), ("nsplit", nsplit), ("max_q", rows.max_q),
+                        ("rows_max", rows_max)):
         p[name] = value
     threads = 32 * _abi.ATTN_WARPS
     return _AttnPlan(fn, (nsplit, H, B), (threads,), by_value(p), (buffer, stats, geom), spec)
 
 
-def _plan_key(buffer, q, block_tables, seq_lens, geom, k_s, v_s, sm_scale, stats,
+def decode_plan_key(buffer, q, block_tables, seq_lens, geom, k_s, v_s, sm_scale, stats,
               decode_route, kernel_file) -> tuple:
     # id(geom): the plan keeps geom alive, so the id is not reused while the key exists.
     # No stream: the workspace is the owner's, shared by every stream (calls on different
@@ -332,29 +348,29 @@ def decode_attention(buffer, q, block_tables, seq_lens, out, lse, *, geom: PageG
     """
     if q.shape[0] == 0:
         return
-    attention_runner(buffer, q, block_tables, seq_lens, geom=geom, k_s=k_s, v_s=v_s,
+    decode_runner(buffer, q, block_tables, seq_lens, geom=geom, k_s=k_s, v_s=v_s,
                      sm_scale=sm_scale, stats=stats, scratch=scratch,
                      decode_route=decode_route, kernel_file=kernel_file)(
         q, block_tables, seq_lens, out, lse)
 
 
-def attention_runner(buffer, q, block_tables, seq_lens, *, geom: PageGeometry, k_s, v_s,
+def decode_runner(buffer, q, block_tables, seq_lens, *, geom: PageGeometry, k_s, v_s,
                      sm_scale, stats, scratch, decode_route: str = "auto",
                      kernel_file: str | None = None):
     """``run(q, block_tables, seq_lens, out, lse)``: :func:`decode_attention` for arrays
     like these (shapes, dtypes) on the current stream, prepared once (the front end keeps
     it for its hot path: one launch, nothing else)."""
-    key = _plan_key(buffer, q, block_tables, seq_lens, geom, k_s, v_s, sm_scale, stats,
+    key = decode_plan_key(buffer, q, block_tables, seq_lens, geom, k_s, v_s, sm_scale, stats,
                     decode_route, kernel_file)
     plans = scratch.plans
     plan = plans.get(key)
     if plan is None:
-        plan = _make_plan(buffer, q, block_tables, seq_lens, geom, k_s, v_s, sm_scale, stats,
+        plan = make_decode_plan(buffer, q, block_tables, seq_lens, geom, k_s, v_s, sm_scale, stats,
                           scratch.workspace, decode_route, kernel_file)
         plans.put(key, plan)
     nsplit, H, B = plan.grid
     fn, grid, block, params, zero = plan.fn, (nsplit * H * B,), plan.block, plan.params, \
-        _NULL
+        NULL
 
     def run(q, block_tables, seq_lens, out, lse, _keep=plan):
         fn(grid, block, (q, zero, block_tables, seq_lens, out, zero if lse is None else lse,
@@ -374,17 +390,6 @@ def new_scratch(device: int | None = None) -> Scratch:
     for calling :func:`decode_attention` outside a cache (tests, benchmarks)."""
     return Scratch(PlanCache(), Workspace(cupy.cuda.runtime.getDevice() if device is None
                                           else device))
-
-
-def dequant_table(decode_route: str = "auto") -> np.ndarray:
-    """The kernel's E2M1 x E4M3 decode for every code, scale byte and pair position
-    (``_kernels.attn_dequant_table_spec``), as float32 ``[4 pairs, 2 halves, 16 codes, 256
-    bytes]`` (a test hook).  ``decode_route="bitmove"``: the bit-move route that GPUs
-    before sm_89 use."""
-    fn = K.get_kernel(K.attn_dequant_table_spec(decode_route))
-    out = cupy.empty(8 * 4096, dtype=np.float32)
-    fn((16,), (256,), (out,))
-    return out.get().reshape(4, 2, 16, 256)
 
 
 def bytes_read(geom: PageGeometry, seq_lens) -> int:

@@ -30,15 +30,22 @@ from typing import Any, NamedTuple
 import cupy
 import numpy as np
 
-from . import _abi
-from . import _kernels as K
-from ._arrays import ceil_div
-from ._cupy_attention import _NULL, RowsSpec, attention_scales, check_attention_args, split_plan
-from ._cupy_attention import _make_plan as make_decode_plan
-from ._device import by_value, resident_ctas
-from .layout import PageGeometry
+from .. import _abi
+from .. import _kernels as K
+from .._arrays import ceil_div
+from .._device import by_value, resident_ctas
+from ..layout import PageGeometry
+from .attention import (
+    NULL,
+    RowsSpec,
+    attention_scales,
+    check_attention_args,
+    fill_shared_params,
+    make_decode_plan,
+    split_plan,
+)
 
-__all__ = ["attention", "attention_runner", "plan_shape", "row_warps_for", "GRID_WAVES",
+__all__ = ["attention", "varlen_runner", "plan_shape", "row_warps_for", "GRID_WAVES",
            "VARLEN_PARAMS_DTYPE", "WORKSPACE_WAVES"]
 
 #: numpy twin of ``struct VarlenParams`` (generated from :mod:`fp4cache._abi`).
@@ -133,28 +140,17 @@ def _make_launch(buffer, q, query_start_loc, block_tables, seq_lens, geom: PageG
     ws_ml, ws_o, counters = (a.data.ptr for a in workspace.get(
         [(n_part * 2, np.float32), (n_part * D, np.float32)], tickets=bh,
         hint=f"attention of {B} sequences x {max_blocks * T} tokens x {Hq} query heads"))
-    hnd = geom.layout == "HND"
-    qk, out_scale = attention_scales(sm_scale, k_s, v_s)
     p = np.zeros((), dtype=VARLEN_PARAMS_DTYPE)
-    for name, value in (
-            ("buffer", buffer.data.ptr), ("ws_o", ws_o), ("ws_ml", ws_ml),
-            ("counters", counters), ("stats", stats.data.ptr),
-            ("num_blocks", buffer.shape[0]), ("side_bytes", geom.side_bytes),
-            ("data_bytes", geom.data_bytes), ("H", H), ("group", group),
-            ("t", _abi.fastdiv(T)), ("max_blocks", max_blocks), ("slots", ps.slots),
-            ("max_splits", ps.max_splits), ("row_h", T if hnd else 1),
-            ("row_t", 1 if hnd else H), ("swizzle", 1 if geom.swizzle_v_scales else 0),
-            ("bt64", block_tables.dtype.itemsize == 8), ("sl64", seq_lens.dtype.itemsize == 8),
-            ("ql64", query_start_loc.dtype.itemsize == 8), ("causal", 1 if causal else 0),
-            ("smem", smem), ("rows_lo", rows_lo), ("rows_hi", rows_hi), ("items", items),
-            ("num_tokens", q.shape[0]),
-            ("qk_scale", qk),
-            ("out_scale", out_scale)):
+    fill_shared_params(p, buffer, geom, stats, (ws_o, ws_ml, counters), group, block_tables,
+                       seq_lens, query_start_loc.dtype.itemsize == 8, causal, rows_lo, rows_hi,
+                       q.shape[0], attention_scales(sm_scale, k_s, v_s))
+    for name, value in (("slots", ps.slots), ("max_splits", ps.max_splits), ("smem", smem),
+                        ("items", items)):
         p[name] = value
     return _VarlenPlan(fn, grid, smem, by_value(p), (buffer, stats, geom, ps))
 
 
-def _make_plan(buffer, q, query_start_loc, block_tables, seq_lens, geom: PageGeometry,
+def make_varlen_plan(buffer, q, query_start_loc, block_tables, seq_lens, geom: PageGeometry,
                max_query_len: int, causal: bool, k_s, v_s, sm_scale, stats,
                workspace) -> _VarlenCall:
     _, Hq, D = q.shape
@@ -199,7 +195,7 @@ def _few_rows_launch(buffer, q, query_start_loc, block_tables, seq_lens, geom: P
     return _VarlenPlan(plan.fn, nsplit * H * B, 0, plan.params, (plan,), plan.block[0])
 
 
-def _plan_key(buffer, q, query_start_loc, block_tables, seq_lens, geom, max_query_len, causal,
+def varlen_plan_key(buffer, q, query_start_loc, block_tables, seq_lens, geom, max_query_len, causal,
               k_s, v_s, sm_scale, stats) -> tuple:
     # id(geom): the plan keeps geom alive, so the id is not reused while the key exists.
     # No stream: the workspace is the owner's, shared by every stream (calls on different
@@ -210,20 +206,20 @@ def _plan_key(buffer, q, query_start_loc, block_tables, seq_lens, geom, max_quer
             bool(causal), float(k_s), float(v_s), float(sm_scale), stats.data.ptr)
 
 
-def attention_runner(buffer, q, query_start_loc, block_tables, seq_lens, *, max_query_len: int,
+def varlen_runner(buffer, q, query_start_loc, block_tables, seq_lens, *, max_query_len: int,
                      causal: bool, geom: PageGeometry, k_s, v_s, sm_scale, stats,
                      scratch):
     """``run(q, query_start_loc, block_tables, seq_lens, out, lse)``: :func:`attention` for
     arrays like these on the current stream, prepared once (one or two launches per call;
     the front end keeps it for its hot path)."""
-    key = _plan_key(buffer, q, query_start_loc, block_tables, seq_lens, geom, max_query_len,
+    key = varlen_plan_key(buffer, q, query_start_loc, block_tables, seq_lens, geom, max_query_len,
                     causal, k_s, v_s, sm_scale, stats)
     plan = scratch.plans.get(key)
     if plan is None:
-        plan = _make_plan(buffer, q, query_start_loc, block_tables, seq_lens, geom,
+        plan = make_varlen_plan(buffer, q, query_start_loc, block_tables, seq_lens, geom,
                           max_query_len, causal, k_s, v_s, sm_scale, stats, scratch.workspace)
         scratch.plans.put(key, plan)
-    zero = _NULL
+    zero = NULL
     launches = tuple((lp.fn, (lp.grid,), (lp.block,), lp.smem, lp.params)
                      for lp in plan.launches)
 
@@ -279,7 +275,7 @@ def attention(buffer, q, query_start_loc, block_tables, seq_lens, out, lse, *,
     """
     if q.shape[0] == 0 or query_start_loc.shape[0] < 2 or int(max_query_len) <= 0:
         return
-    attention_runner(buffer, q, query_start_loc, block_tables, seq_lens,
+    varlen_runner(buffer, q, query_start_loc, block_tables, seq_lens,
                      max_query_len=max_query_len, causal=causal, geom=geom, k_s=k_s, v_s=v_s,
                      sm_scale=sm_scale, stats=stats, scratch=scratch)(
         q, query_start_loc, block_tables, seq_lens, out, lse)

@@ -1,0 +1,41 @@
+"""The CuPy backend: the kernels of ``kernels/`` launched on CuPy's current stream.
+
+It implements the protocol of :mod:`fp4cache._backend` (the front end has validated
+shapes, dtypes and ranges, computed the float32 scalars, allocated the outputs and made
+the arrays' device current) and its prepared form: a cache keeps its GPU resources in a
+:class:`~fp4cache._cuda.state.CacheState`, and ``store_plan`` / ``gather_plan`` /
+``decode_runner`` / ``varlen_runner`` prepare a launch once per signature (the hot path
+of :mod:`fp4cache._hotpath` keeps them).  One module per feature:
+
+* :mod:`.state`: what a cache owns on the GPU;
+* :mod:`.paged`: store, gather and the flat codec;
+* :mod:`.attention`: the split plan, decode and few-row attention;
+* :mod:`.varlen`: attention for any query length;
+* :mod:`.pages`: page moves and host transfers;
+* :mod:`.longlive`: LongLive's blocks;
+* :mod:`.launch`: launch helpers.
+"""
+
+from __future__ import annotations
+
+from .attention import decode_attention, decode_runner, workspace_bound
+from .longlive import (
+    abs_max,
+    longlive_dequantize,
+    longlive_list_launcher,
+    longlive_pointer_tables,
+    longlive_pool_launcher,
+    longlive_quantize,
+)
+from .paged import dequantize, gather_dequant, gather_plan, quantize, store, store_plan
+from .pages import copy_pages, read_pages, write_pages
+from .state import CacheState
+from .varlen import attention, varlen_runner
+
+__all__ = [
+    "CacheState", "store_plan", "gather_plan", "decode_runner", "varlen_runner",
+    "workspace_bound", "store", "gather_dequant", "decode_attention", "attention",
+    "quantize", "dequantize", "abs_max", "longlive_quantize", "longlive_dequantize",
+    "longlive_pointer_tables", "longlive_pool_launcher", "longlive_list_launcher",
+    "copy_pages", "read_pages", "write_pages",
+]
