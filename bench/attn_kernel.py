@@ -104,8 +104,8 @@ def run_case(cp, ca, K, env, case, variants, args) -> None:
 
             def call(out=out, scratch=scratch, fname=fname):
                 ca.decode_attention(cache.buffer, q, tab, lensd, out, None,
-                                    geom=cache.geometry, k_s=cache._k_s, v_s=cache._v_s,
-                                    sm_scale=sm_scale, stats=cache._stats, scratch=scratch,
+                                    geom=cache.geometry, k_s=cache.pool.k_s, v_s=cache.pool.v_s,
+                                    sm_scale=sm_scale, stats=cache.pool.stats, scratch=scratch,
                                     kernel_file=fname)
             call()
             cp.cuda.Device().synchronize()
@@ -133,14 +133,14 @@ def main(argv=None) -> int:
     ap.add_argument("--batch", type=int, default=10)
     ap.add_argument("--no-check", action="store_true")
     ap.add_argument("--split-tokens", type=int, default=None,
-                    help="override _cupy_attention.SPLIT_TOKENS (tokens per split)")
+                    help="override _cuda.attention.SPLIT_TOKENS (tokens per split)")
     ap.add_argument("--nsplit", type=int, default=None, help="force this many splits")
     args = ap.parse_args(argv)
 
     import cupy as cp
 
-    from fp4cache import _cupy_attention as ca
     from fp4cache import _kernels as K
+    from fp4cache._cuda import attention as ca
 
     if args.split_tokens:
         ca.SPLIT_TOKENS = args.split_tokens

@@ -98,7 +98,7 @@ class LongLiveBench:
         ``cudaMemcpy`` of the pointer tables, allocate the output, one launch) is timed
         with fp4cache's decode kernel, since the seed itself is a torch extension.
         """
-        from fp4cache import longlive
+        from fp4cache import _hotpath, longlive
 
         env = self.env
         values, sf, amax, ids, outs, lists, nbytes = self._longlive_inputs(H, D, Tb, nb, 41)
@@ -107,7 +107,7 @@ class LongLiveBench:
         if env.gpu:  # the first call of a list: checks, pointer tables, one copy
             firsts = []
             for _ in range(3):
-                longlive._LIST_FAST.clear()
+                _hotpath.LONGLIVE_LISTS.clear()
                 env.sync()
                 t0 = time.perf_counter()
                 longlive.dequantize(*lists[0], H, Tb, scale_rule="4over6")
@@ -127,7 +127,7 @@ class LongLiveBench:
                           out=outs[i], scale_rule="4over6") for i in range(2)],
                    nbytes + nb * 4, batch=4, reps=reps)
         if env.gpu:
-            from fp4cache import _cupy_backend as cb  # imports CuPy: GPU runs only
+            from fp4cache import _cuda as cb  # imports CuPy: GPU runs only
 
             cp = env.cp
             inv = longlive.inverse_global_denominator()

@@ -60,7 +60,6 @@ for _p in (str(_ROOT), str(_ROOT / "bench")):
 from timing import Env  # noqa: E402
 
 import fp4cache  # noqa: E402
-from fp4cache import pages  # noqa: E402
 
 
 def wall_median_s(fn, n: int = 3) -> float:
@@ -176,7 +175,9 @@ class PagesBench:
         t = self.time([lambda s=s, d=d: cache.copy_blocks(s, d) for s, d in sets], batch=rot * 4)
         note = ""
         if self.env.gpu:
-            staging, tables = pages.copy_workspace(cache, n)
+            from fp4cache._cuda.pages import copy_workspace
+
+            staging, tables = copy_workspace(cache.pool, n)
             note = (f"2 launches; workspace {staging.nbytes >> 20} MiB staging + "
                     f"{tables.nbytes >> 10} KiB tables")
         self.row(f"copy_blocks {n} pages", "fp4cache", t, nbytes, "copy",

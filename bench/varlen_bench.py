@@ -33,7 +33,7 @@ for _p in (str(_ROOT), str(_ROOT / "bench")):
 from attention_bench import AttnBench, log  # noqa: E402
 from timing import BF16  # noqa: E402
 
-from fp4cache._cupy_attention import new_scratch  # noqa: E402
+from fp4cache._cuda.attention import new_scratch  # noqa: E402
 
 #: the targets (printed, never asserted)
 TARGETS = {"n4_vs_decode": 1.2, "n4_vs_sdpa": 2.0, "n8_vs_decode": 1.6,
@@ -42,12 +42,12 @@ TARGETS = {"n4_vs_decode": 1.2, "n4_vs_sdpa": 2.0, "n8_vs_decode": 1.6,
 
 class VarlenBench(AttnBench):
     def varlen(self, cache, q, qsl, tab, lens, out, scratch, sm_scale, mql, causal=True):
-        from fp4cache import _cupy_varlen as cv
+        from fp4cache._cuda import varlen as cv
 
         def call():
             cv.attention(cache.buffer, q, qsl, tab, lens, out, None, max_query_len=mql,
-                         causal=causal, geom=cache.geometry, k_s=cache._k_s, v_s=cache._v_s,
-                         sm_scale=sm_scale, stats=cache._stats, scratch=scratch)
+                         causal=causal, geom=cache.geometry, k_s=cache.pool.k_s, v_s=cache.pool.v_s,
+                         sm_scale=sm_scale, stats=cache.pool.stats, scratch=scratch)
         return call
 
     def check(self, cache, tab, lens, qsl, q, out, sm_scale, H, D, T, causal=True):
@@ -251,14 +251,14 @@ class VarlenBench(AttnBench):
         q = self.env.randn_bf16((B * n, Hq, D), seed)
         qsl = cp.arange(B + 1, dtype=cp.int32) * n
         out = cp.empty((B * n, Hq, D), dtype=BF16)
-        from fp4cache import _cupy_varlen as cv
+        from fp4cache._cuda import varlen as cv
         call = self.varlen(cache, q, qsl, tab, lensd, out, new_scratch(), 1 / np.sqrt(D), n)
         call()
         # what a front end keeps for its hot path: the prepared runner (one launch)
-        runner = cv.attention_runner(cache.buffer, q, qsl, tab, lensd, max_query_len=n,
-                                     causal=True, geom=cache.geometry, k_s=cache._k_s,
-                                     v_s=cache._v_s, sm_scale=1 / np.sqrt(D),
-                                     stats=cache._stats, scratch=new_scratch())
+        runner = cv.varlen_runner(cache.buffer, q, qsl, tab, lensd, max_query_len=n,
+                                     causal=True, geom=cache.geometry, k_s=cache.pool.k_s,
+                                     v_s=cache.pool.v_s, sm_scale=1 / np.sqrt(D),
+                                     stats=cache.pool.stats, scratch=new_scratch())
 
         def hot():
             runner(q, qsl, tab, lensd, out, None)
