@@ -3,8 +3,10 @@
 Written from the contract (``docs/format.md``) only: nothing here imports ``fp4cache``.
 There are two group encoders, a scalar one (plain Python loops over NumPy float32 scalars, the spec
 pseudo-code line by line) and a vectorized one (the same steps on ``[N, 16]`` arrays),
-checked against each other in ``test_formats.py``.  Offsets are computed with direct
-formulas and with NumPy reshape/transpose forms, never with ``fp4cache.layout``.
+checked against each other in ``test_codec.py``.  Offsets are computed with direct
+formulas and with NumPy reshape/transpose forms, never with ``fp4cache.layout``.  Last,
+the float64 attention over decoded pages (``paged_attention_f64``) that every attention
+test compares with, and the LongLive block encoder and decoder.
 """
 
 from __future__ import annotations
@@ -302,6 +304,7 @@ def to_blocked(scales: np.ndarray) -> np.ndarray:
     return blocks.reshape(-1, 4, 32, 4).transpose(0, 2, 1, 3).reshape(-1, 32, 16).ravel()
 
 
+# -- LongLive blocks: quantize_block and dequantize ------------------------------------
 def longlive_quantize_block(x, rule):
     """Spec sections 3 + 5 from scratch: (values [Rp, D/2], sf [Rp*S], amax [1])."""
     x32 = np.asarray(x).astype(F32)
@@ -373,8 +376,9 @@ def assert_same_values(got, want) -> None:
 
 # -- attention over decoded pages ----------------------------------------------------
 def paged_attention_f64(kd, vd, q, qsl, tab, lens, T, sm_scale, num_blocks, causal):
-    """float64 attention of each query row over the keys it sees, the GPU attention tests'
-    reference: ``kd``, ``vd`` are the decoded K / V of every slot, ``(num_blocks * T, H, D)``;
+    """float64 attention of each query row over the keys it sees, the attention tests'
+    one reference (CPU and GPU, decode and any query length): ``kd``, ``vd`` are the
+    decoded K / V of every slot, ``(num_blocks * T, H, D)``;
     rows ``qsl[b] .. qsl[b+1]`` of ``q`` are sequence b's query tokens (bottom-right causal
     mask with ``causal``); ``(out (N, Hq, D), lse (N, Hq))``.  A sequence length is clamped
     to the table's capacity; a block id outside the pool makes its keys NaN (NaN rows), a

@@ -101,8 +101,8 @@ def run_and_compare(cache, nq, lens, *, Hq=4, dtype=F32, causal=True, sm_scale=N
     return q, qsl, tables, lens, out, lse
 
 
-#: Query counts (each of the issue's n_b) and cache lengths of a ragged batch, lengths
-#: at and across page edges of 16-token pages; every length >= its query count.
+#: Query counts n_b of a ragged batch (0 to 100) and its cache lengths, at and across
+#: page edges of 16-token pages; every length >= its query count.
 RAGGED_NQ = [0, 1, 2, 5, 16, 100, 1, 5]
 
 
@@ -632,8 +632,8 @@ def call(cache, q, qsl, tab, lens, **kw):
     return out, lse
 
 
-#: A ragged batch: the issue's query counts, a whole prefill chunk from the start (24 of
-#: 24), and lengths at and across page edges (scaled by T below).
+#: A ragged batch: query counts from 0 to 100, a whole prefill chunk from the start (24
+#: of 24), and lengths at and across page edges (scaled by T below).
 NQ = [0, 1, 2, 5, 16, 100, 1, 3, 24]
 
 
@@ -1184,7 +1184,7 @@ class TestKernel:
         out, lse, _ = run(cache, cp.asarray(q), cp.asarray(qsl), cp.asarray(tab),
                           cp.asarray(np.array(lens, np.int32)), max_query_len=max(ns), causal=True)
         ro, rl = paged_attention_f64(kd, vd, q, qsl, tab, lens, T, 1 / np.sqrt(D),
-                                         num_blocks, True)
+                                     num_blocks, True)
         assert np.isnan(ro[6:20, group:, 64:80]).all() and not np.isnan(ro[:6]).any()
         assert not np.isnan(ro[6:16, group:, :64]).any()
         assert np.isnan(ro[16:20, :group]).all()
@@ -1227,7 +1227,7 @@ class TestKernel:
         out, lse, _ = run(cache, cp.asarray(q), cp.asarray(qsl), cp.asarray(tab), cp.asarray(lens),
                           max_query_len=20, causal=True)
         ro, rl = paged_attention_f64(kd, vd, q, qsl, tab, lens, T, 1 / np.sqrt(D),
-                                         num_blocks, True)
+                                     num_blocks, True)
         check(out, lse, ro, rl, "float16", "clamped")
 
     def test_cuda_graph_capture_and_replay(self):

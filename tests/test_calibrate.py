@@ -86,7 +86,7 @@ def test_largest_block_scale_lands_on_e4m3_max(device):
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_small_data_survives_only_with_a_calibrated_scale(device):
-    """The issue's trap: std 1e-4 with k_scale=1.0 stores only zeros."""
+    """The trap: std 1e-4 with k_scale=1.0 stores only zeros."""
     xp = xp_of(device)
     rng = np.random.default_rng(4)
     k = (rng.standard_normal((64, 2, 64)) * 1e-4).astype(BF16)

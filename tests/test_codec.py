@@ -30,6 +30,7 @@ except ImportError:
     cb = cp = None
 
 
+BF16 = np.dtype(ml_dtypes.bfloat16)
 F32 = np.float32
 RULES = ("static6", "4over6")
 DTYPES = ("bfloat16", "float16", "float32")
@@ -344,9 +345,6 @@ def test_tiny_scale_clamps_keep_zero_groups_zero():
 
 
 # -- quantize(out=) ------------------------------------------------------------------------
-BF16 = np.dtype(ml_dtypes.bfloat16)
-
-
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("rule", ["static6", "4over6"])
 def test_quantize_out_writes_the_same_bytes(device, rule):

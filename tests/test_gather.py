@@ -42,6 +42,7 @@ except ImportError:
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
 DTYPES = ("bfloat16", "float16", "float32")
+F32 = np.float32
 
 
 @pytest.mark.parametrize("in_dtype", DTYPES)
@@ -80,9 +81,6 @@ def test_gather_repeated_and_empty():
     before = cache.buffer.copy()
     cache.store(np.zeros(0, np.int64), np.zeros((0, 2, 128), BF16), np.zeros((0, 2, 128), BF16))
     np.testing.assert_array_equal(cache.buffer, before)
-
-
-F32 = np.float32
 
 
 @pytest.mark.parametrize("device", DEVICES)

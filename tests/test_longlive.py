@@ -249,7 +249,7 @@ def test_dequantize_takes_blocks_and_their_rule():
 
 
 @pytest.mark.parametrize("H, Tb, bad_H, bad_Tb", [
-    (8, 32, 4, 32),    # the case: 256 rows read as 128
+    (8, 32, 4, 32),    # 256 rows read as 128
     (8, 32, 8, 16),
     (8, 32, 8, 64),    # more rows than the arrays hold
     (3, 5, 3, 50),     # 15 -> 128 rows vs 150 -> 256

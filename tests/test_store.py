@@ -360,8 +360,8 @@ def _boundary_groups():
 @pytest.mark.parametrize("rule", ["static6", "4over6"])
 def test_saturation_counts_only_scales_that_round_above_448(rule):
     """A wanted scale in (448, 464] encodes exactly as 448 (no value is clipped): not
-    counted; above 464 it is.  The issue's case: the group holding the calibration
-    maximum wants fl(g * fl(amax/6)) = 448.00003."""
+    counted; above 464 it is.  The case that matters: the group holding
+    the calibration maximum wants fl(g * fl(amax/6)) = 448.00003."""
     k = _boundary_groups()
     n = k.shape[0]
     c = PagedKVCache(NB, T, H, D, scale_rule=rule, swizzle_v_scales=False, device="cpu")
@@ -379,8 +379,8 @@ def test_saturation_counts_only_scales_that_round_above_448(rule):
 
 @pytest.mark.parametrize("rule", ["static6", "4over6"])
 def test_calibrated_maximum_is_not_saturated(rule):
-    """The issue's false alarm: with calibrate_scale's scale, the group holding amax
-    wants 448.00003 in float32 (static6), which still encodes as 448."""
+    """No false alarm: with calibrate_scale's scale, the group holding amax wants
+    448.00003 in float32 (static6), which still encodes as 448."""
     x = np.linspace(-1, 1, 64 * H * D, dtype=F32).reshape(64, H, D)
     x[5, 1, 17] = np.float32(56.140755)  # calibrate_scale -> g * fl(amax * fl(1/6)) > 448
     s = np.float32(calibrate_scale(x, rule))
