@@ -36,10 +36,9 @@ try:  # CuPy and its backend modules, for the GPU cases (which skip by their mar
     # where there is no GPU: collection needs no CuPy)
     import cupy as cp
 
-    from fp4cache import _cupy_backend
     from fp4cache import _cupy_backend as cb
 except ImportError:
-    _cupy_backend = cb = cp = None
+    cb = cp = None
 
 
 F32 = np.float32
@@ -458,8 +457,8 @@ def test_longlive_mismatch_and_bad_blocks_refused_before_any_work(monkeypatch):
     def no_work(*a, **k):
         raise AssertionError("GPU work was prepared before the arguments were checked")
 
-    monkeypatch.setattr(_cupy_backend, "longlive_list_launcher", no_work)
-    monkeypatch.setattr(_cupy_backend, "longlive_pool_launcher", no_work)
+    monkeypatch.setattr(cb, "longlive_list_launcher", no_work)
+    monkeypatch.setattr(cb, "longlive_pool_launcher", no_work)
     with pytest.raises(ValueError, match=r"num_heads=4 and block_token_size=32 do not match"):
         longlive.dequantize(vals, sfs, ams, 4, Tb, scale_rule="4over6")
     # raw arrays must say their rule; blocks refuse swapped counts
@@ -497,7 +496,7 @@ def test_quantize_block_on_gpu_checks_before_any_work(bad, exc, match, monkeypat
     def no_work(*a, **k):
         raise AssertionError("GPU work was queued before the arguments were checked")
 
-    monkeypatch.setattr(_cupy_backend, "longlive_quantize", no_work)
+    monkeypatch.setattr(cb, "longlive_quantize", no_work)
     monkeypatch.setattr(cp, "ascontiguousarray", no_work)
     with pytest.raises(exc, match=match):
         longlive.quantize_block(*args)
