@@ -1,11 +1,22 @@
-"""Shared test helpers, and the one way a test says it needs a GPU.
+"""Shared fixtures and markers, and the one way a test says it needs a GPU.
+
+The modules are grouped by feature (codec, store, gather, attention, pages, longlive,
+errors, devices, ...): each holds its CPU cases and, under the ``gpu`` marker, the GPU
+cases of the same feature, against the CPU backend or the float64 reference.  Cases one
+layer down (a CuPy backend function against the NumPy backend's, a kernel against the
+reference) sit in a class of the module (``TestCupyBackend``, ``TestKernel``).  Builders
+and checks shared by several modules are in ``helpers.py``, the independent reference
+(formats, codec, pages, LongLive, float64 attention) in ``nvfp4_ref.py``; no test module
+imports another one.
 
 GPU tests: the ``gpu`` marker, nothing else
 -------------------------------------------
 - one test or class: ``@pytest.mark.gpu``; a test that needs N GPUs: ``@pytest.mark.gpu(N)``;
 - a whole module: ``pytestmark = pytest.mark.gpu``.  A module that imports CuPy at the top
   does so after that line as ``cp = pytest.importorskip("cupy")`` (collection must work
-  where CuPy is not installed; the marker, not the import, decides the skip);
+  where CuPy is not installed; the marker, not the import, decides the skip); a module of
+  CPU and GPU cases imports CuPy (and fp4cache's CuPy modules) in ``try: ... except
+  ImportError:`` with ``None`` in their place, so that its CPU cases run without CuPy;
 - a parameter: ``@pytest.mark.parametrize("device", DEVICES)`` (its ``"cuda"`` carries the
   marker).
 

@@ -3,8 +3,10 @@
 Written from the contract (``docs/format.md``) only: nothing here imports ``fp4cache``.
 There are two group encoders, a scalar one (plain Python loops over NumPy float32 scalars, the spec
 pseudo-code line by line) and a vectorized one (the same steps on ``[N, 16]`` arrays),
-checked against each other in ``test_formats.py``.  Offsets are computed with direct
-formulas and with NumPy reshape/transpose forms, never with ``fp4cache.layout``.
+checked against each other in ``test_codec.py``.  Offsets are computed with direct
+formulas and with NumPy reshape/transpose forms, never with ``fp4cache.layout``.  Last,
+the float64 attention over decoded pages (``paged_attention_f64``) that every attention
+test compares with, and the LongLive block encoder and decoder.
 """
 
 from __future__ import annotations
@@ -302,6 +304,56 @@ def to_blocked(scales: np.ndarray) -> np.ndarray:
     return blocks.reshape(-1, 4, 32, 4).transpose(0, 2, 1, 3).reshape(-1, 32, 16).ravel()
 
 
+# -- LongLive blocks: quantize_block and dequantize ------------------------------------
+def longlive_quantize_block(x, rule):
+    """Spec sections 3 + 5 from scratch: (values [Rp, D/2], sf [Rp*S], amax [1])."""
+    x32 = np.asarray(x).astype(F32)
+    Tb, H, D = x32.shape
+    R, S = Tb * H, D // 16
+    Rp = -(-R // 128) * 128
+    values = np.zeros((Rp, D // 2), np.uint8)
+    sfm = np.zeros((Rp, S), np.uint8)
+    if not np.isfinite(x32).all():
+        sfm[:R] = 0x7F
+        return values, to_blocked(sfm), np.array([np.nan], F32)
+    amax = F32(np.abs(x32).max())
+    if amax == 0:
+        return values, to_blocked(sfm), np.array([amax], F32)
+    six_m = F32(6) * F32(256 if rule == "4over6" else 448)
+    with np.errstate(over="ignore", divide="ignore"):
+        g = min(F32(six_m / amax), FLT_MAX)
+    s = F32(amax * F32(F32(1) / six_m))
+    codes, sf = encode_groups(x32.reshape(-1, 16), s, g, rule)
+    values[:R] = pack(codes.reshape(R, D))
+    sfm[:R] = sf.reshape(R, S)
+    return values, to_blocked(sfm), np.array([amax], F32)
+
+
+def longlive_unblock(flat, Rp, S):
+    """Inverse of to_blocked: flat E4M3 bytes -> [Rp, S] matrix."""
+    perm = to_blocked(np.arange(Rp * S).reshape(Rp, S))
+    mat = np.empty(Rp * S, np.uint8)
+    mat[perm] = np.asarray(flat).reshape(-1).view(np.uint8)
+    return mat.reshape(Rp, S)
+
+
+def longlive_dequantize(values, sfs, amaxes, H, Tb, dtype, e2m1_max=6.0, e4m3_max=256.0):
+    """Per-element decode fl(fl(v*sf) * fl(amax * fl(1/fl(e2m1_max*e4m3_max))))."""
+    inv = F32(F32(1) / F32(F32(e2m1_max) * F32(e4m3_max)))
+    D = 2 * values[0].shape[1]
+    S, R = D // 16, Tb * H
+    out = np.empty((1, len(values) * Tb, H, D), DTYPES[dtype])
+    for b, (val, sf, am) in enumerate(zip(values, sfs, amaxes)):
+        gs = F32(F32(np.asarray(am).reshape(-1)[0]) * inv)
+        sfm = longlive_unblock(sf, val.shape[0], S)[:R]
+        v = E2M1_TABLE[unpack(val[:R])]  # [R, D]
+        f = np.repeat(e4m3_value(sfm), 16, axis=1)
+        with np.errstate(invalid="ignore", over="ignore"):
+            x = ((v * f) * gs).astype(DTYPES[dtype])
+        out[0, b * Tb:(b + 1) * Tb] = x.reshape(Tb, H, D)
+    return out
+
+
 # -- comparison helpers ----------------------------------------------------------------
 def bits(a) -> np.ndarray:
     """Raw bits of an array (uint of the same itemsize)."""
@@ -324,8 +376,9 @@ def assert_same_values(got, want) -> None:
 
 # -- attention over decoded pages ----------------------------------------------------
 def paged_attention_f64(kd, vd, q, qsl, tab, lens, T, sm_scale, num_blocks, causal):
-    """float64 attention of each query row over the keys it sees, the GPU attention tests'
-    reference: ``kd``, ``vd`` are the decoded K / V of every slot, ``(num_blocks * T, H, D)``;
+    """float64 attention of each query row over the keys it sees, the attention tests'
+    one reference (CPU and GPU, decode and any query length): ``kd``, ``vd`` are the
+    decoded K / V of every slot, ``(num_blocks * T, H, D)``;
     rows ``qsl[b] .. qsl[b+1]`` of ``q`` are sequence b's query tokens (bottom-right causal
     mask with ``causal``); ``(out (N, Hq, D), lse (N, Hq))``.  A sequence length is clamped
     to the table's capacity; a block id outside the pool makes its keys NaN (NaN rows), a

@@ -1,90 +1,87 @@
-"""``PagedKVCache.attention`` (any number of query tokens per sequence) on the CPU backend,
-against an independent float64 reference.
+"""``PagedKVCache.attention`` (any number of query tokens per sequence, vLLM's flattened
+layout) on the CPU against the float64 reference, and under the ``gpu`` marker on the GPU
+against the CPU backend and, one layer down (``TestKernel``), the kernels of
+``fp4cache._cupy_varlen`` against the float64 reference.
 
-The reference (``reference`` below) is written plainly, one query row at a time: the
-float32 K/V values that ``gather_dequant`` returns for the sequence's pages, cut to the
-keys the row sees (``seq_lens[b] - n_b + i + 1`` with ``causal``, else ``seq_lens[b]``),
-and a float64 softmax per query head with KV head ``hq // (Hq // H)``.
+Rows are (query token, query head) pairs: sequence b owns tokens ``qsl[b]:qsl[b+1]`` (n_b
+of them); causal token i sees keys ``0 .. len_b - n_b + i`` (bottom-right), else all
+``len_b``; a row that sees no key gives zeros and lse = -inf.  The reference
+(``nvfp4_ref.paged_attention_f64``; ``helpers.attention_reference`` feeds it a CPU
+cache's pages) takes, for each row, only the keys that row sees, and a float64 softmax
+per query head with KV head ``hq // (Hq // H)``.  Bad block ids make the rows that see a
+key of the page NaN (output and lse); a K group stored as NaN makes the rows that see it
+NaN; a V group stored as NaN makes the group's 16 columns NaN in the rows that see it (the
+same rules as decode_attention, which sees every key).
 
-Tolerances: those of ``tests/test_attention.py`` (``assert_close``, ``assert_lse_close``),
-for the same reason.  The backend reads the same float32 values and accumulates in
-float64, so it differs from the reference only by float64 rounding order (~1e-15 of a
-row's magnitude) before both are rounded to q's dtype: each element must be within
-``2 u |ref| + 1e-9 max|ref row|`` (``u`` the unit roundoff of q's dtype; doubled for the
-float64 -> float32 -> dtype double rounding; plus 2^-24 for float16's subnormals), and
-``lse`` (float32) within ``2^-23 |ref| + 1e-9``.  A row that sees one key too many or
-too few, a query row paired with the wrong sequence or head, a wrong page or float32
-accumulation over long rows all break these bounds.
+CPU tolerances: those of ``tests/test_attention_decode.py`` (``helpers.assert_close``,
+``helpers.assert_lse_close``), for the same reason: each element within ``2 u |ref| +
+1e-9 max|ref row|`` (plus 2^-24 for float16's subnormals), ``lse`` within ``2^-23 |ref|
++ 1e-9``.  A row that sees one key too many or too few, a query row paired with the wrong
+sequence or head, a wrong page or float32 accumulation over long rows all break these
+bounds.
+
+GPU tolerances: decode_attention's (same reasons): the relative 2-norm error per row <=
+1e-2 for bf16/f16 outputs and <= 3e-3 for float32, lse within 1e-3 * max(1, |lse|), NaN
+positions exact; outputs are poisoned before every call.  Against the CPU backend
+(``cpu_reference``: float32 outputs, exact to ~2^-24, so the error measured is the GPU's)
+a row that sees no key must also be exactly zeros (``helpers.check_rows``), and where the
+contract leaves a row's NaN open (``PagedKVCache.attention``'s notes: rows of a sequence
+with a bad page that do not see that page; rows that do not see a NaN V group of their
+sequence's last ``n_b`` tokens) the row may be all NaN in the affected entries or must be
+within tolerance.
 """
 
 from __future__ import annotations
 
 import math
+import zlib
 
+import ml_dtypes
 import numpy as np
 import pytest
 from conftest import DEVICES, DLPackProducer
-from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
-from test_attention import (
-    BF16,
-    DTYPES,
-    F16,
-    F32,
+from helpers import (
+    ATTENTION_CASES,
     assert_close,
     assert_lse_close,
+    attention_reference,
+    check,
+    check_rows,
     make_cache,
+    make_gpu_cache,
     make_q,
     make_tables,
+    poisoned,
+    rand_q,
+    starts_of,
+    tables_for,
 )
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from nvfp4_ref import paged_attention_f64
 
 import fp4cache
-from fp4cache import PagedKVCache
+from fp4cache import PagedKVCache, _abi
 from fp4cache import _numpy_backend as npb
+from fp4cache import attention as front
+
+try:  # CuPy and its backend modules, for the GPU cases (which skip by their marker
+    # where there is no GPU: collection needs no CuPy)
+    import cupy as cp
+
+    from fp4cache import _cupy_varlen as cv
+    from fp4cache._cupy_attention import new_scratch
+except ImportError:
+    cp = cv = new_scratch = None
 
 
-# -- helpers ----------------------------------------------------------------------------------
-def starts_of(nq) -> np.ndarray:
-    """``query_start_loc`` of per-sequence query counts."""
-    return np.concatenate([[0], np.cumsum(nq, dtype=np.int64)]).astype(np.int32)
+BF16 = np.dtype(ml_dtypes.bfloat16)
+F16 = np.dtype(np.float16)
+F32 = np.dtype(np.float32)
+DTYPES = {"bfloat16": BF16, "float16": F16, "float32": F32}
 
 
-def reference(cache, q, qsl, tables, lens, *, causal=True, sm_scale=None):
-    """float64 attention of each query row over the keys it sees (module docstring);
-    rows that see no key give zeros and lse -inf; a bad page in a row's keys gives NaN."""
-    N, Hq, D = q.shape
-    H, T = cache.num_heads, cache.block_size
-    group = Hq // H
-    scale = float(np.float32(1.0 / math.sqrt(D) if sm_scale is None else sm_scale))
-    out = np.zeros((N, Hq, D))
-    lse = np.full((N, Hq), -np.inf)
-    kv_head = np.arange(Hq) // group
-    for b in range(len(qsl) - 1):
-        n_b, L = int(qsl[b + 1] - qsl[b]), int(lens[b])
-        if n_b == 0 or L == 0:
-            continue
-        pages = np.asarray(tables[b, : -(-L // T)])
-        bad = (pages < 0) | (pages >= cache.num_blocks)
-        k, v = cache.gather_dequant(np.where(bad, 0, pages), dtype="float32")
-        k, v = k.astype(np.float64), v.astype(np.float64)
-        k[np.repeat(bad, T)] = np.nan  # a page outside the pool reads as NaN
-        v[np.repeat(bad, T)] = np.nan
-        for i in range(n_b):
-            row = int(qsl[b]) + i
-            see = L - n_b + i + 1 if causal else L
-            if see <= 0:
-                continue
-            kk = k[:see][:, kv_head]  # [see, Hq, D]
-            vv = v[:see][:, kv_head]
-            with np.errstate(invalid="ignore"):
-                s = scale * np.einsum("thd,hd->ht", kk, q[row].astype(np.float64))
-                top = s.max(axis=1, keepdims=True)
-                w = np.exp(s - top)
-                out[row] = np.einsum("ht,thd->hd", w, vv) / w.sum(axis=1)[:, None]
-                lse[row] = top[:, 0] + np.log(w.sum(axis=1))
-    return out, lse
-
-
+# -- helpers -------------------------------------------------------------------------------
 def run_and_compare(cache, nq, lens, *, Hq=4, dtype=F32, causal=True, sm_scale=None,
                     max_blocks=None, seed=2, **kw):
     """Random tables and q for query counts ``nq`` and lengths ``lens``; the call on the
@@ -95,8 +92,8 @@ def run_and_compare(cache, nq, lens, *, Hq=4, dtype=F32, causal=True, sm_scale=N
     buf = cache.buffer.copy()
     out, lse = cache.attention(q, qsl, tables, lens, causal=causal, sm_scale=sm_scale,
                                return_lse=True, **kw)
-    ref_out, ref_lse = reference(cache, q, qsl, tables, lens, causal=causal,
-                                 sm_scale=sm_scale)
+    ref_out, ref_lse = attention_reference(cache, q, qsl, tables, lens, causal=causal,
+                                           sm_scale=sm_scale)
     assert out.shape == q.shape and lse.shape == q.shape[:2]
     assert_close(out, ref_out, q.dtype)
     assert_lse_close(lse, ref_lse)
@@ -104,13 +101,15 @@ def run_and_compare(cache, nq, lens, *, Hq=4, dtype=F32, causal=True, sm_scale=N
     return q, qsl, tables, lens, out, lse
 
 
-#: Query counts (each of the issue's n_b) and cache lengths of a ragged batch, lengths
-#: at and across page edges of 16-token pages; every length >= its query count.
+#: Query counts n_b of a ragged batch (0 to 100) and its cache lengths, at and across
+#: page edges of 16-token pages; every length >= its query count.
 RAGGED_NQ = [0, 1, 2, 5, 16, 100, 1, 5]
+
+
 RAGGED_LENS = [13, 1, 16, 17, 32, 130, 0 + 48, 5]
 
 
-# -- the values ---------------------------------------------------------------------------------
+# -- the values ----------------------------------------------------------------------------
 @pytest.mark.parametrize("causal", [True, False])
 @pytest.mark.parametrize("layout", ["HND", "NHD"])
 @pytest.mark.parametrize("rule", ["static6", "4over6"])
@@ -213,7 +212,7 @@ def test_long_chunked_prefill_and_sm_scale():
     qsl = starts_of([300, 1, 1])
     q = make_q(302, 4, 64) * q_scale
     out, lse = cache.attention(q, qsl, tables, lens, sm_scale=0.3, return_lse=True)
-    ref_out, ref_lse = reference(cache, q, qsl, tables, lens, sm_scale=0.3)
+    ref_out, ref_lse = attention_reference(cache, q, qsl, tables, lens, sm_scale=0.3)
     assert_close(out, ref_out, F32)
     assert_lse_close(lse, ref_lse)
 
@@ -279,7 +278,7 @@ def test_backend_rows_that_see_no_key():
     npb.attention(cache.buffer, q, qsl, tables, lens, out, lse, geom=cache.geometry,
                   k_s=cache._k_s, v_s=cache._v_s, sm_scale=np.float32(1 / 8),
                   stats=cache._stats, causal=True, max_query_len=5)
-    ref_out, ref_lse = reference(cache, q, qsl, tables, lens)
+    ref_out, ref_lse = attention_reference(cache, q, qsl, tables, lens)
     none = [0, 1, 7, 8]
     assert not out[none].any() and np.isneginf(lse[none]).all()
     assert np.isneginf(ref_lse[none]).all()
@@ -330,7 +329,7 @@ def test_dlpack_lists_and_non_contiguous_inputs():
     assert np.array_equal(got, want)
 
 
-# -- bad ids and NaN --------------------------------------------------------------------------
+# -- bad ids and NaN -----------------------------------------------------------------------
 def test_bad_block_ids_refused_by_default_and_deferred_with_validate_false():
     """Validating (the CPU default): IndexError, nothing computed, buffer and counters
     unchanged.  validate=False does what the GPU does: the rows that see a token of a bad
@@ -351,7 +350,7 @@ def test_bad_block_ids_refused_by_default_and_deferred_with_validate_false():
         cache.attention(q, qsl, tables, lens)
     assert np.array_equal(cache.buffer, buf) and cache.stats == stats
     out, lse = cache.attention(q, qsl, tables, lens, return_lse=True, validate=False)
-    ref_out, ref_lse = reference(cache, q, qsl, tables, lens)
+    ref_out, ref_lse = attention_reference(cache, q, qsl, tables, lens)
     sees = [True] * 4 + [lens[1] - 6 + i + 1 > T for i in range(6)] + [False] * 3
     assert sees[4:10] == [False, False, True, True, True, True]  # 7..12 keys
     assert np.array_equal(np.isnan(out).all(axis=(1, 2)), np.array(sees))
@@ -406,12 +405,12 @@ def test_nan_groups_reach_the_rows_that_see_them():
     want = np.zeros((11, H * group, 64), bool)
     want[1:, :2, 32:48] = True
     assert np.array_equal(nan[4:], want) and np.isfinite(lse[4:]).all()
-    ref_out, _ = reference(cache, q, qsl, tables, lens)
+    ref_out, _ = attention_reference(cache, q, qsl, tables, lens)
     assert np.array_equal(np.isnan(ref_out), nan)
     assert_close(np.where(nan, 0, out).astype(F32), np.where(nan, 0, ref_out), F32)
 
 
-# -- out= and lse_out= ------------------------------------------------------------------------
+# -- out= and lse_out= ---------------------------------------------------------------------
 def test_out_and_lse_out_are_written_and_returned():
     cache = make_cache()
     tables, lens = make_tables(cache, [40, 0, 5])
@@ -462,7 +461,7 @@ def test_out_overlapping_q_is_refused():
                         lse_out=q.reshape(-1)[:20].reshape(5, 4), return_lse=True)
 
 
-# -- errors: each names its parameter and leaves the buffer and counters alone ---------------
+# -- errors: each names its parameter and leaves the buffer and counters alone -------------
 def _good():
     return dict(q=make_q(5, 4, 64), query_start_loc=np.array([0, 3, 5], np.int32),
                 block_tables=np.array([[0, 1, 2], [3, -1, -1]], np.int32),
@@ -558,8 +557,8 @@ def test_n_b_above_seq_len_is_allowed_without_causal():
     lens = np.array([2, 1])
     out, lse = cache.attention(g["q"], g["query_start_loc"], g["block_tables"], lens,
                                causal=False, return_lse=True)
-    ref_out, ref_lse = reference(cache, g["q"], g["query_start_loc"], g["block_tables"],
-                                 lens, causal=False)
+    ref_out, ref_lse = attention_reference(cache, g["q"], g["query_start_loc"], g["block_tables"],
+                                           lens, causal=False)
     assert_close(out, ref_out, F32)
     assert_lse_close(lse, ref_lse)
 
@@ -606,3 +605,688 @@ def test_a_sequence_without_query_tokens_reads_no_block_id(device):
     assert c.stats["bad_block_ids"] == 1 and bool(xp.isnan(out[2]).all())
     with pytest.raises(IndexError, match="1 block id"):
         c.check()
+
+
+# -- the public method on the GPU, against the CPU backend ---------------------------------
+def cpu_reference(cache, q, qsl, tab, lens, *, causal=True, sm_scale=None):
+    """The CPU backend on the GPU cache's page bytes: float32 (out, lse) and the number of
+    bad block ids it counted."""
+    D = cache.head_dim
+    scale = np.float32(1 / np.sqrt(D) if sm_scale is None else sm_scale)
+    out = np.empty(q.shape, np.float32)
+    lse = np.empty(q.shape[:2], np.float32)
+    stats = np.zeros_like(cp.asnumpy(cache._stats))
+    npb.attention(cp.asnumpy(cache.buffer), np.asarray(q), np.asarray(qsl), np.asarray(tab),
+                  np.asarray(lens), out, lse, geom=cache.geometry, k_s=cache._k_s,
+                  v_s=cache._v_s, sm_scale=scale, stats=stats, causal=causal)
+    return out, lse, int(stats[fp4cache._abi.STAT["bad_block_ids"]])
+
+
+def call(cache, q, qsl, tab, lens, **kw):
+    """The public method with poisoned out / lse_out; returns (out, lse)."""
+    out = poisoned(q.shape, q.dtype)
+    lse = poisoned(q.shape[:2], np.float32)
+    got = cache.attention(cp.asarray(q), cp.asarray(qsl), cp.asarray(tab), cp.asarray(lens),
+                          out=out, lse_out=lse, return_lse=True, **kw)
+    assert got[0] is out and got[1] is lse
+    return out, lse
+
+
+#: A ragged batch: query counts from 0 to 100, a whole prefill chunk from the start (24
+#: of 24), and lengths at and across page edges (scaled by T below).
+NQ = [0, 1, 2, 5, 16, 100, 1, 3, 24]
+
+
+def ragged_lens(T):
+    base = [5, 1, T, T + 1, 2 * T + 3, 130 + T, 3 * T, 7, 24]
+    return [max(b, n) for b, n in zip(base, NQ)]
+
+
+# (H, T, D, layout, swizzle, rule, group, dtype): the first 14 of the decode tests' shapes,
+# plus four of its own
+CASES = ATTENTION_CASES[:14] + [
+    (2, 16, 128, "HND", True, "static6", 1, "bfloat16"),
+    (2, 16, 64, "NHD", True, "static6", 2, "float16"),
+    (3, 32, 64, "HND", False, "4over6", 7, "bfloat16"),
+    (2, 16, 128, "HND", True, "static6", 8, "float32"),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", CASES, ids=lambda c: "-".join(map(str, c)))
+def test_ragged_batch_matches_cpu_backend(case):
+    """Both masks, with max_query_len given and omitted (one synchronization), int32 and
+    int64 index arrays."""
+    H, T, D, layout, swizzle, rule, group, dtname = case
+    rng = np.random.default_rng(zlib.crc32(repr(case).encode()))
+    lens = ragged_lens(T)
+    max_blocks = -(-max(lens) // T) + 2
+    num_blocks = sum(-(-L // T) for L in lens) + 3
+    cache = make_gpu_cache(rng, H=H, T=T, D=D, layout=layout, swizzle=swizzle, rule=rule,
+                           num_blocks=num_blocks, decoded=False)
+    itype = np.int64 if D == 64 else np.int32
+    tab = tables_for(rng, lens, T, num_blocks, max_blocks, itype)
+    qsl = starts_of(NQ, np.int32 if D == 64 else np.int64)
+    lens_a = np.array(lens, dtype=np.int32 if D != 128 else np.int64)
+    q = rand_q(rng, int(qsl[-1]), H * group, D, dtname)
+    for causal in (True, False):
+        ro, rl, _ = cpu_reference(cache, q, qsl, tab, lens_a, causal=causal)
+        for bound in (max(NQ), None, 4 * max(NQ)):
+            out, lse = call(cache, q, qsl, tab, lens_a, causal=causal, max_query_len=bound)
+            check_rows(out, lse, ro, rl, dtname, f"{case} causal={causal} bound={bound}")
+    assert cache.stats["bad_block_ids"] == 0
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("nq", [2, 4, 8, 16])
+@pytest.mark.parametrize("group", [1, 4, 8])
+def test_speculative_verification(nq, group):
+    """n query tokens for every sequence (n x group from 2 to 128 rows per KV head),
+    long cached sequences (split over the GPU), bf16."""
+    rng = np.random.default_rng(100 * nq + group)
+    H, T, D = 4, 16, 128
+    lens = [3000, 777, 4099, nq]
+    num_blocks = sum(-(-L // T) for L in lens) + 1
+    cache = make_gpu_cache(rng, H=H, T=T, D=D, num_blocks=num_blocks, decoded=False)
+    tab = tables_for(rng, lens, T, num_blocks, -(-max(lens) // T))
+    qsl = starts_of([nq] * len(lens))
+    q = rand_q(rng, int(qsl[-1]), H * group, D, "bfloat16")
+    ro, rl, _ = cpu_reference(cache, q, qsl, tab, lens)
+    out, lse = call(cache, q, qsl, tab, np.array(lens, np.int32), max_query_len=nq)
+    check_rows(out, lse, ro, rl, "bfloat16", f"spec n={nq} g={group}")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("D,dtname,group", [(128, "bfloat16", 4), (64, "float16", 1),
+                                             (256, "float32", 8), (128, "float16", 16)])
+def test_chunked_prefill_in_a_mixed_batch(D, dtname, group):
+    """A 300-token causal chunk after 1,000 cached tokens next to decodes and a short
+    verification: the shapes of vLLM's mixed batches (bench/ measures the large ones)."""
+    rng = np.random.default_rng(D + group)
+    H, T = 2, 16
+    nq = [1, 300, 1, 4, 0, 1]
+    lens = [5000, 1300, 1, 1234, 60, 17]
+    num_blocks = sum(-(-L // T) for L in lens) + 1
+    cache = make_gpu_cache(rng, H=H, T=T, D=D, num_blocks=num_blocks, decoded=False)
+    tab = tables_for(rng, lens, T, num_blocks, -(-max(lens) // T) + 1)
+    qsl = starts_of(nq)
+    q = rand_q(rng, int(qsl[-1]), H * group, D, dtname)
+    for causal in (True, False):
+        ro, rl, _ = cpu_reference(cache, q, qsl, tab, lens, causal=causal)
+        out, lse = call(cache, q, qsl, tab, np.array(lens), causal=causal, max_query_len=300)
+        check_rows(out, lse, ro, rl, dtname, f"mixed D={D} causal={causal}")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtname,group", [("bfloat16", 4), ("float32", 16), ("float16", 1)])
+def test_all_n_b_one_matches_decode_attention(dtname, group):
+    """decode_attention is the n_b = 1 case: both calls against the CPU backend."""
+    rng = np.random.default_rng(11 + group)
+    H, T, D = 2, 16, 128
+    lens = [1, 15, 16, 17, 300, 4097, 2]
+    num_blocks = sum(-(-L // T) for L in lens) + 1
+    cache = make_gpu_cache(rng, H=H, T=T, D=D, num_blocks=num_blocks, decoded=False)
+    tab = tables_for(rng, lens, T, num_blocks, -(-max(lens) // T))
+    q = rand_q(rng, len(lens), H * group, D, dtname)
+    qsl = np.arange(len(lens) + 1, dtype=np.int32)
+    ro, rl, _ = cpu_reference(cache, q, qsl, tab, lens)
+    out, lse = call(cache, q, qsl, tab, np.array(lens, np.int32), max_query_len=1)
+    check_rows(out, lse, ro, rl, dtname, "attention n_b = 1")
+    dec, dec_lse = cache.decode_attention(cp.asarray(q), cp.asarray(tab),
+                                          cp.asarray(np.array(lens, np.int32)),
+                                          return_lse=True)
+    check_rows(dec, dec_lse, ro, rl, dtname, "decode_attention")
+
+
+@pytest.mark.gpu
+def test_rows_that_see_no_key_without_validation():
+    """n_b > seq_lens[b] is not checked on the GPU without validation: the rows that see
+    no key give zeros and lse = -inf, the others the CPU backend's values; nothing else
+    is touched (a sequence of length 0 with queries included)."""
+    rng = np.random.default_rng(12)
+    H, T, D, group = 2, 16, 128, 4
+    nq = [5, 20, 3, 1]
+    lens = [3, 40, 0, 9]  # sequence 0: rows 0, 1 see nothing; sequence 2: no row sees a key
+    num_blocks = 8
+    cache = make_gpu_cache(rng, H=H, T=T, D=D, num_blocks=num_blocks, decoded=False)
+    tab = tables_for(rng, lens, T, num_blocks, 3)
+    qsl = starts_of(nq)
+    q = rand_q(rng, int(qsl[-1]), H * group, D, "bfloat16")
+    ro, rl, _ = cpu_reference(cache, q, qsl, tab, lens)
+    empty = np.isneginf(rl).all(axis=1)
+    assert empty[[0, 1, 25, 26, 27]].all() and empty.sum() == 5
+    out, lse = call(cache, q, qsl, tab, np.array(lens, np.int32), max_query_len=20)
+    check_rows(out, lse, ro, rl, "bfloat16", "no key")
+    with pytest.raises(ValueError, match="sequence 0 has 5 query tokens"):
+        call(cache, q, qsl, tab, np.array(lens, np.int32), validate=True)
+
+
+@pytest.mark.gpu
+def test_bad_block_ids_nan_and_counted():
+    """Unvalidated bad ids: every row that sees a token of a bad page is NaN, rows of other
+    sequences are exact, rows of that sequence that stop before the page may be NaN;
+    each bad used entry of a sequence with queries is counted once; check() raises."""
+    rng = np.random.default_rng(13)
+    H, T, D, group = 2, 16, 128, 4
+    nq = [4, 30, 3, 0, 200]
+    lens = [100, 3000, 50, 40, 400]
+    num_blocks = sum(-(-L // T) for L in lens) + 2
+    cache = make_gpu_cache(rng, H=H, T=T, D=D, num_blocks=num_blocks, decoded=False)
+    tab = tables_for(rng, lens, T, num_blocks, -(-max(lens) // T) + 2)
+    tab[0, 2] = num_blocks + 5      # used, seen by every row of sequence 0
+    tab[1, 150] = -3                # used, long sequence: every row sees it
+    tab[1, 186] = 2**31 - 1         # used: tokens 2976..2991, seen by rows 6.. of 30
+    tab[2, 7] = num_blocks          # past the used pages (50 tokens = 4 pages): ignored
+    tab[3, 0] = -1                  # used, but sequence 3 has no queries: never read
+    tab[4, 20] = num_blocks + 1     # tokens 320..335: seen by rows 120.. of 200
+    qsl = starts_of(nq)
+    q = rand_q(rng, int(qsl[-1]), H * group, D, "bfloat16")
+    ro, rl, count = cpu_reference(cache, q, qsl, tab, lens)
+    assert count == 4
+    seq = np.repeat(np.arange(len(nq)), nq)
+    nan_rows = np.isnan(ro).all(axis=(1, 2))
+    assert nan_rows[seq == 0].all() and nan_rows[seq == 1].all() and not nan_rows[seq == 2].any()
+    assert nan_rows[seq == 4].sum() == 80  # rows 120..199
+    maybe = np.broadcast_to((seq == 4)[:, None, None], ro.shape)  # rows 0..119 of seq 4
+    cache.reset_counters()
+    out, lse = call(cache, q, qsl, tab, np.array(lens), max_query_len=200)
+    check_rows(out, lse, ro, rl, "bfloat16", "bad ids", maybe_nan=maybe)
+    assert cache.stats["bad_block_ids"] == count
+    with pytest.raises(IndexError, match="4 block id"):
+        cache.check()
+
+
+@pytest.mark.gpu
+def test_nan_groups_propagate():
+    """A K group stored as NaN in a token every row of its sequence sees: the outputs of
+    that KV head's query heads are NaN in every row; a V group in the last n_b tokens:
+    those 16 channels in the rows that see it (rows of that sequence that do not see it
+    may be NaN there too: the contract leaves them open)."""
+    rng = np.random.default_rng(14)
+    H, T, D, group = 2, 16, 128, 4
+    nq = [3, 8, 2]
+    lens = [64, 64, 64]
+    num_blocks = 12
+    # tables below map sequence b to pages 4b .. 4b + 3 in order: slot = 64 b + token
+    nan_k = [(5, 1, 3)]             # sequence 0, token 5, head 1: K group 0
+    nan_v = [(64 + 60, 0, 70)]      # sequence 1, token 60, head 0: V group 4
+    cache = make_gpu_cache(rng, H=H, T=T, D=D, num_blocks=num_blocks, nan_k=nan_k, nan_v=nan_v,
+                           decoded=False)
+    tab = np.arange(12, dtype=np.int32).reshape(3, 4)
+    qsl = starts_of(nq)
+    q = rand_q(rng, int(qsl[-1]), H * group, D, "bfloat16")
+    ro, rl, _ = cpu_reference(cache, q, qsl, tab, lens)
+    nan = np.isnan(ro)
+    assert nan[0:3, group:].all() and not nan[0:3, :group].any()
+    # sequence 1's rows see 57..64 keys: rows 4..7 (61..64 keys) see token 60
+    assert nan[3 + 4:11, :group, 64:80].all() and not nan[3:3 + 4].any()
+    assert nan[3 + 4:11].sum() == 4 * group * 16 and not nan[11:].any()
+    maybe = np.zeros(ro.shape, bool)
+    maybe[3:3 + 4, :group, 64:80] = True
+    out, lse = call(cache, q, qsl, tab, np.array(lens), max_query_len=8)
+    check_rows(out, lse, ro, rl, "bfloat16", "nan groups", maybe_nan=maybe)
+
+
+class _Recorder:
+    """Stands in for ``fp4cache._cupy_varlen.attention_runner``: records what the front end
+    hands to the backend, once per launch (the prepared launch's arguments with the
+    arrays of the call)."""
+
+    def __init__(self):
+        self.calls = []
+
+    def __call__(self, buffer, q, query_start_loc, block_tables, seq_lens, **kw):
+        def run(q, query_start_loc, block_tables, seq_lens, out, lse):
+            self.calls.append(dict(q=q, query_start_loc=query_start_loc,
+                                   block_tables=block_tables, seq_lens=seq_lens, out=out,
+                                   lse=lse, **kw))
+
+        return run
+
+
+@pytest.fixture
+def recorded(monkeypatch):
+    from fp4cache import _cupy_varlen
+
+    rec = _Recorder()
+    monkeypatch.setattr(_cupy_varlen, "attention_runner", rec)
+    return rec
+
+
+@pytest.mark.gpu
+def test_validate_true_refuses_before_the_backend(recorded):
+    cache = fp4cache.PagedKVCache(8, 16, 2, 64, device="cuda")
+    q = cp.zeros((5, 4, 64), dtype=cp.float32)
+    qsl = cp.asarray(np.array([0, 3, 5], np.int32))
+    bt = cp.asarray(np.array([[0, 1], [8, -1]], np.int32))
+    buf = cache.buffer.copy()
+    with pytest.raises(IndexError, match=r"block_tables\[1, 0\] = 8"):
+        cache.attention(q, qsl, bt, cp.asarray([20, 3]), validate=True)
+    with pytest.raises(ValueError, match=r"seq_lens\[0\] = 33"):
+        cache.attention(q, qsl, bt, cp.asarray([33, 0]), validate=True)
+    for bad_qsl, pattern in (([1, 3, 5], "must be 0"), ([0, 6, 5], "non-decreasing"),
+                             ([0, 3, 4], r"query_start_loc\[-1\]")):
+        with pytest.raises(ValueError, match=pattern):
+            cache.attention(q, cp.asarray(bad_qsl), bt, cp.asarray([20, 0]), validate=True)
+    with pytest.raises(ValueError, match="sequence 1 has 2 query tokens"):
+        cache.attention(q, qsl, bt, cp.asarray([20, 0]), validate=True)
+    good_bt = np.array([[0, 1], [2, -1]], np.int32)
+    with pytest.raises(ValueError, match="max_query_len = 2"):
+        cache.attention(q, qsl, good_bt, [20, 16], max_query_len=2, validate=True)
+    with pytest.raises(TypeError, match="q must be a CuPy"):
+        cache.attention(q.get(), qsl, bt, cp.asarray([20, 16]))
+    assert recorded.calls == []
+    assert bool((cache.buffer == buf).all())
+    bt[1, 0] = 2
+    cache.attention(q, qsl, bt, cp.asarray([20, 16]), validate=True)
+    cache.attention(q, qsl.get(), bt.get(), [20, 16], causal=False)  # host arrays converted
+    assert [c["max_query_len"] for c in recorded.calls] == [3, 3]
+    assert recorded.calls[1]["causal"] is False and recorded.calls[0]["causal"] is True
+
+
+@pytest.mark.gpu
+def test_front_end_hands_over_the_arguments_and_takes_the_hot_path(recorded, monkeypatch):
+    cache = fp4cache.PagedKVCache(8, 16, 2, 64, device="cuda")
+    q = cp.zeros((5, 4, 64), dtype=BF16)
+    qsl = cp.asarray(np.array([0, 3, 5], np.int64))
+    bt = cp.zeros((2, 2), dtype=cp.int32)
+    sl = cp.asarray(np.array([20, 16], np.int32))
+    out = cp.empty((5, 4, 64), dtype=BF16)
+    lse = cp.empty((5, 4), dtype=cp.float32)
+    first = cache.attention(q, qsl, bt, sl, max_query_len=3, out=out, lse_out=lse,
+                            return_lse=True)
+    assert first[0] is out and first[1] is lse
+    checks = []
+    real = front._check_q
+    monkeypatch.setattr(front, "_check_q", lambda *a: checks.append(1) or real(*a))
+    again = cache.attention(q, qsl, bt, sl, max_query_len=3, out=out, lse_out=lse,
+                            return_lse=True)
+    assert checks == [] and again[0] is out and again[1] is lse
+    auto = cache.attention(q, qsl, bt, sl)  # no bound: checked, one sync computes it
+    assert checks == [1] and auto.shape == (5, 4, 64) and auto.dtype == BF16
+    cache.attention(q, qsl, bt, sl, max_query_len=7, causal=False, sm_scale=0.5)
+    assert len(recorded.calls) == 4
+    for c in recorded.calls:
+        assert c["q"] is q and c["query_start_loc"] is qsl and c["block_tables"] is bt
+        assert c["seq_lens"] is sl and c["stats"] is cache._stats
+        assert c["scratch"] is cache._state and c["geom"] == cache.geometry
+    assert [c["max_query_len"] for c in recorded.calls] == [3, 3, 3, 7]
+    assert recorded.calls[3]["causal"] is False and recorded.calls[3]["sm_scale"] == 0.5
+    assert recorded.calls[0]["sm_scale"] == float(np.float32(1 / 8))
+    assert recorded.calls[0]["out"] is out and recorded.calls[2]["lse"] is None
+    with pytest.raises(TypeError, match="out must have dtype bfloat16"):  # changed signature
+        cache.attention(q, qsl, bt, sl, max_query_len=3, out=out.astype(cp.float16))
+    assert len(recorded.calls) == 4
+
+
+@pytest.mark.gpu
+def test_no_allocation_when_warm():
+    rng = np.random.default_rng(15)
+    H, T, D, group = 8, 16, 128, 4
+    lens = [3000, 900, 17]
+    nq = [4, 1, 17]
+    num_blocks = sum(-(-L // T) for L in lens)
+    cache = make_gpu_cache(rng, H=H, T=T, D=D, num_blocks=num_blocks, decoded=False)
+    tab = cp.asarray(tables_for(rng, lens, T, num_blocks, -(-max(lens) // T)))
+    qsl = cp.asarray(starts_of(nq))
+    ld = cp.asarray(np.array(lens, np.int32))
+    q = cp.asarray(rand_q(rng, sum(nq), H * group, D, "bfloat16"))
+    out = cp.empty(q.shape, dtype=BF16)
+    lse = cp.empty(q.shape[:2], dtype=cp.float32)
+    kw = dict(max_query_len=17, out=out, lse_out=lse, return_lse=True)
+    cache.attention(q, qsl, tab, ld, **kw)
+    cache.attention(q, qsl, tab, ld, **kw)
+    pool = cp.get_default_memory_pool()
+    cp.cuda.get_current_stream().synchronize()
+    used, nbytes = pool.used_bytes(), cache.nbytes
+    cache.attention(q, qsl, tab, ld, **kw)
+    cp.cuda.get_current_stream().synchronize()
+    assert pool.used_bytes() == used and cache.nbytes == nbytes
+
+
+@pytest.mark.gpu
+def test_cuda_graph_capture_and_replay():
+    """Captured once through the public method (out, lse_out and max_query_len given),
+    replayed with new q, query_start_loc, lengths and block tables: decodes, a
+    speculative batch, a chunk and a mixed batch of the same num_tokens."""
+    rng = np.random.default_rng(16)
+    H, T, D, group = 8, 16, 128, 4
+    B, N, bound, max_blocks = 4, 64, 61, 300
+    num_blocks = B * max_blocks
+    cache = make_gpu_cache(rng, H=H, T=T, D=D, num_blocks=num_blocks, decoded=False)
+    qd = cp.empty((N, H * group, D), dtype=BF16)
+    qsld = cp.empty((B + 1,), dtype=cp.int32)
+    td = cp.empty((B, max_blocks), dtype=cp.int32)
+    ld = cp.empty((B,), dtype=cp.int32)
+    out = cp.empty((N, H * group, D), dtype=BF16)
+    lse = cp.empty((N, H * group), dtype=cp.float32)
+    kw = dict(max_query_len=bound, out=out, lse_out=lse, return_lse=True)
+    steps = [  # (query counts summing to N, lengths >= them)
+        ([16, 16, 16, 16], [4000, 16, 300, 4799]),
+        ([1, 1, 1, 61], [4800, 2, 999, 61]),
+        ([61, 0, 2, 1], [3000, 7, 2, 1]),
+        ([4, 4, 4, 52], [17, 4096, 4, 1000]),
+    ]
+    stream = cp.cuda.Stream(non_blocking=True)
+    with stream:
+        nq, lens = steps[0]
+        qsld[...] = cp.asarray(starts_of(nq))
+        td[...] = cp.asarray(tables_for(rng, lens, T, num_blocks, max_blocks))
+        ld[...] = cp.asarray(np.array(lens, np.int32))
+        qd[...] = cp.asarray(rand_q(rng, N, H * group, D, "bfloat16"))
+        cache.attention(qd, qsld, td, ld, **kw)  # checked call and warm-up
+        cache.attention(qd, qsld, td, ld, **kw)
+        stream.synchronize()
+        stream.begin_capture()
+        cache.attention(qd, qsld, td, ld, **kw)
+        graph = stream.end_capture()
+    for rep, (nq, lens) in enumerate(steps + steps[:1]):
+        q = rand_q(rng, N, H * group, D, "bfloat16")
+        qsl = starts_of(nq)
+        tab = tables_for(rng, lens, T, num_blocks, max_blocks)
+        with stream:
+            qd[...] = cp.asarray(q)
+            qsld[...] = cp.asarray(qsl)
+            td[...] = cp.asarray(tab)
+            ld[...] = cp.asarray(np.array(lens, np.int32))
+            out.view(cp.uint16).fill(0x7E7E)
+            lse.fill(12345.0)
+            graph.launch(stream)
+        stream.synchronize()
+        ro, rl, _ = cpu_reference(cache, q, qsl, tab, lens)
+        check_rows(out, lse, ro, rl, "bfloat16", f"replay {rep} nq={nq}")
+
+
+# -- the kernels on the GPU, against the float64 reference ---------------------------------
+def run(cache, q, qsl, tab, lens, *, max_query_len, causal, sm_scale=None, scratch=None,
+        with_lse=True):
+    geom = cache.geometry
+    sm_scale = 1.0 / np.sqrt(geom.head_dim) if sm_scale is None else sm_scale
+    out = poisoned(q.shape, q.dtype)
+    lse = poisoned(q.shape[:2], np.float32) if with_lse else None
+    scratch = new_scratch() if scratch is None else scratch
+    cv.attention(cache.buffer, q, qsl, tab, lens, out, lse, max_query_len=max_query_len,
+                 causal=causal, geom=geom, k_s=cache._k_s, v_s=cache._v_s, sm_scale=sm_scale,
+                 stats=cache._stats, scratch=scratch)
+    return out, lse, scratch
+
+
+def case(rng, *, ns, lens, H, T, D, group, dtname="bfloat16", layout="HND", swizzle=True,
+         causal=True, itype=np.int32, max_query_len=None, nan_k=(), nan_v=(), spare=2,
+         tab_edit=None):
+    max_blocks = max(-(-max(int(L), 1) // T) for L in lens) + 1
+    num_blocks = sum(-(-max(int(L), 0) // T) for L in lens) + spare
+    cache, kd, vd = make_gpu_cache(rng, H=H, T=T, D=D, layout=layout, swizzle=swizzle,
+                                   num_blocks=num_blocks, nan_k=nan_k, nan_v=nan_v)
+    tab = tables_for(rng, lens, T, num_blocks, max_blocks, itype)
+    if tab_edit is not None:
+        tab_edit(tab, num_blocks)
+    qsl = starts_of(ns, itype)
+    q = rand_q(rng, int(qsl[-1]), H * group, D, dtname)
+    mql = max(ns) if max_query_len is None else max_query_len
+    cache.reset_counters()
+    out, lse, scratch = run(cache, cp.asarray(q), cp.asarray(qsl), cp.asarray(tab),
+                            cp.asarray(np.array(lens, dtype=itype)), max_query_len=mql,
+                            causal=causal)
+    ro, rl = paged_attention_f64(kd, vd, q, qsl, tab, lens, T, 1 / np.sqrt(D), num_blocks, causal)
+    return cache, out, lse, ro, rl, scratch
+
+
+RAGGED = [0, 1, 2, 5, 16, 100]
+
+
+def zlib_seed(*parts) -> int:
+    import zlib
+
+    return zlib.crc32(repr(parts).encode())
+
+
+@pytest.mark.gpu
+class TestKernel:
+    """``fp4cache._cupy_varlen``'s kernels against the float64 reference."""
+
+    @pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
+    @pytest.mark.parametrize("D,group,dtname,layout", [
+        (128, 4, "bfloat16", "HND"), (64, 1, "float16", "NHD"), (256, 8, "bfloat16", "HND"),
+        (128, 16, "float32", "NHD"), (64, 3, "float32", "HND"), (256, 2, "float16", "NHD"),
+        (256, 4, "float32", "HND")])
+    def test_ragged_matches_reference(self, D, group, dtname, layout, causal):
+        rng = np.random.default_rng(zlib_seed(D, group, dtname, layout, causal))
+        ns = RAGGED
+        lens = [37, 1, 40, 5, 300, 161]  # cached + n_b, across page edges (T = 16)
+        _, out, lse, ro, rl, _ = case(rng, ns=ns, lens=lens, H=2, T=16, D=D, group=group,
+                                      dtname=dtname, layout=layout, causal=causal)
+        check(out, lse, ro, rl, dtname, f"ragged D={D} g={group}")
+
+    @pytest.mark.parametrize("T,swizzle,layout", [(16, True, "HND"), (5, False, "NHD"),
+                                                  (12, True, "NHD"), (32, False, "HND"),
+                                                  (4, True, "HND")])
+    def test_block_sizes_and_page_edges(self, T, swizzle, layout):
+        rng = np.random.default_rng(T * 7 + swizzle)
+        ns = [3, 1, 17, 4, 2]
+        lens = [T, T + 1, 2 * T - 1 + 17, 3, 2]  # at, across and just before page edges
+        _, out, lse, ro, rl, _ = case(rng, ns=ns, lens=lens, H=3, T=T, D=128, group=2,
+                                      layout=layout, swizzle=swizzle, itype=np.int64)
+        check(out, lse, ro, rl, "bfloat16", f"T={T}")
+
+    @pytest.mark.parametrize("n,group", [(1, 4), (2, 4), (4, 4), (8, 2), (2, 8), (1, 16),
+                                         (8, 4), (5, 5), (3, 16)])
+    def test_speculative_split_kv(self, n, group):
+        """n * group <= 16 rows: one launch of the few-row (decode) kernel, its two-n8-tile
+        form above 8 rows; <= 32 (<= 64): the 32-row (64-row) varlen kernel.  One query tile
+        per (sequence, KV head), keys split over CTAs and merged through the workspace (long
+        sequences, different lengths)."""
+        rng = np.random.default_rng(100 + n * group)
+        lens = [9000, 4099, 300, n]
+        _, out, lse, ro, rl, scratch = case(rng, ns=[n] * 4, lens=lens, H=2, T=16, D=128,
+                                            group=group)
+        check(out, lse, ro, rl, "bfloat16", f"spec n={n}")
+        (call,) = scratch.plans.values()
+        if n * group <= 16:
+            (lp,) = call.launches
+            (plan,) = lp.keep
+            assert plan.spec.name.endswith("_wide_paged16" if n * group > 8 else "d128_paged16")
+            assert plan.grid[0] > 1 and lp.grid == plan.grid[0] * 2 * 4  # splits x H x B
+        else:
+            assert len(call.launches) == 2
+            ps = call.launches[-1].keep[-1]
+            assert ps.row_warps == cv.row_warps_for(n * group) and ps.slots > 1
+
+    def test_more_sequences_than_a_grid_dimension(self):
+        """65,540 sequences of 0-2 query tokens: more than a CUDA grid's y / z limit (65,535);
+        the few-row kernel's grid is one-dimensional (splits x KV heads x sequences)."""
+        rng = np.random.default_rng(23)
+        B = 65540
+        ns = rng.integers(0, 3, B)
+        lens = (ns + rng.integers(0, 20, B)).tolist()
+        _, out, lse, ro, rl, scratch = case(rng, ns=ns.tolist(), lens=lens, H=1, T=16, D=64,
+                                            group=4)
+        check(out, lse, ro, rl, "bfloat16", "65540 sequences")
+        (call,) = scratch.plans.values()
+        (lp,) = call.launches
+        assert lp.grid >= B
+
+    def test_mixed_batch_one_launch(self):
+        """Decode tokens, speculative tokens and a long chunk in one call: two launches (the
+        few-row kernel splits the keys of the sequences of <= 16 rows, the 64-row kernel takes
+        the others; its 24-row sequence fits one tile and splits too)."""
+        rng = np.random.default_rng(11)
+        ns = [1, 4, 300, 1, 0, 2, 6]
+        lens = [5000, 3000, 1000, 77, 50, 2, 4000]
+        _, out, lse, ro, rl, scratch = case(rng, ns=ns, lens=lens, H=2, T=16, D=128, group=4)
+        check(out, lse, ro, rl, "bfloat16", "mixed")
+        (call,) = scratch.plans.values()
+        (small,), big = (lp.keep for lp in call.launches)
+        assert small.spec.name.endswith("_wide_paged16") and small.grid[0] > 1
+        assert big[-1].row_warps == 4
+
+    def test_one_cta_takes_every_work_item(self, monkeypatch):
+        """A grid of one CTA for the varlen launch (GRID_WAVES = 0): it loops over every work
+        item, splits of one sequence included (their ticket merge never waits)."""
+        monkeypatch.setattr(cv, "GRID_WAVES", 0)
+        rng = np.random.default_rng(19)
+        ns = [1, 4, 70, 0, 3]
+        lens = [3000, 700, 500, 9, 2000]
+        _, out, lse, ro, rl, scratch = case(rng, ns=ns, lens=lens, H=2, T=16, D=64, group=4)
+        check(out, lse, ro, rl, "bfloat16", "one CTA")
+        (call,) = scratch.plans.values()
+        assert call.launches[-1].grid == 1 and len(call.launches) == 2
+
+    def test_rows_without_keys_and_empty_sequences(self):
+        """n_b > seq_len (no validation): the first rows see no key -> zeros, lse = -inf;
+        seq_len 0; n_b = 0 rows are never written by anyone else."""
+        rng = np.random.default_rng(12)
+        ns = [6, 3, 0, 2]
+        lens = [2, 0, 10, 40]
+        _, out, lse, ro, rl, _ = case(rng, ns=ns, lens=lens, H=2, T=16, D=64, group=2)
+        check(out, lse, ro, rl, "bfloat16", "no keys")
+        o, lh = cp.asnumpy(out), cp.asnumpy(lse)
+        assert not o[:4].astype(np.float32).any() and np.isneginf(lh[:4]).all()
+        assert np.isneginf(lh[6:9]).all()
+
+    def test_bad_ids_nan_only_where_seen_and_counted(self):
+        rng = np.random.default_rng(13)
+        T = 16
+        ns = [50, 2, 3]
+        lens = [200, 5000, 40]
+
+        def edit(tab, num_blocks):
+            tab[0, 12] = num_blocks + 5  # tokens 192..199: only the last 8 causal rows see it
+            tab[1, 100] = -3             # long sequence (split-KV): both rows see it
+            tab[2, 5] = num_blocks       # past the used pages (40 tokens = 3 pages): ignored
+
+        cache, out, lse, ro, rl, _ = case(rng, ns=ns, lens=lens, H=2, T=T, D=128, group=4,
+                                          tab_edit=edit)
+        assert np.isnan(ro[42:50]).all() and not np.isnan(ro[:42]).any()
+        assert np.isnan(ro[50:52]).all() and not np.isnan(ro[52:]).any()
+        check(out, lse, ro, rl, "bfloat16", "bad ids")
+        assert int(cp.asnumpy(cache._stats)[_abi.STAT["bad_block_ids"]]) == 2
+
+    def test_nan_groups(self):
+        rng = np.random.default_rng(14)
+        T = 16
+        # tables_for gives sequence pages from a permutation: NaN at pool rows; find them after
+        ns = [20, 3]
+        lens = [64, 64]
+        H, D, group = 2, 128, 2
+        num_blocks = 8 + 2
+        perm_rng = np.random.default_rng(15)
+        tab = tables_for(perm_rng, lens, T, num_blocks, 5)
+        # sequence 0 key 50 (seen by causal rows 6..19 only): V group 4 NaN; K NaN at key 60
+        # (rows 16..19); sequence 1 key 10: V group 0 NaN (all rows)
+        pool_row = lambda b, key: int(tab[b, key // T]) * T + key % T  # noqa: E731
+        nan_v = [(pool_row(0, 50), 1, 70), (pool_row(1, 10), 0, 3)]
+        nan_k = [(pool_row(0, 60), 0, 100)]
+        cache, kd, vd = make_gpu_cache(rng, H=H, T=T, D=D, num_blocks=num_blocks, nan_k=nan_k,
+                                       nan_v=nan_v)
+        qsl = starts_of(ns)
+        q = rand_q(rng, int(qsl[-1]), H * group, D, "bfloat16")
+        out, lse, _ = run(cache, cp.asarray(q), cp.asarray(qsl), cp.asarray(tab),
+                          cp.asarray(np.array(lens, np.int32)), max_query_len=max(ns), causal=True)
+        ro, rl = paged_attention_f64(kd, vd, q, qsl, tab, lens, T, 1 / np.sqrt(D),
+                                     num_blocks, True)
+        assert np.isnan(ro[6:20, group:, 64:80]).all() and not np.isnan(ro[:6]).any()
+        assert not np.isnan(ro[6:16, group:, :64]).any()
+        assert np.isnan(ro[16:20, :group]).all()
+        assert np.isnan(ro[20:, :group, 0:16]).all() and not np.isnan(ro[20:, group:]).any()
+        check(out, lse, ro, rl, "bfloat16", "nan groups")
+
+    def test_query_start_loc_clamped_to_q(self):
+        """Unvalidated query_start_loc past q's rows (or decreasing): the kernel clamps it to
+        [0, num_tokens], so nothing outside q and out is read or written."""
+        rng = np.random.default_rng(20)
+        H, T, D, group = 2, 16, 64, 2
+        lens = [40, 30, 50, 20]
+        num_blocks = 16
+        cache, kd, vd = make_gpu_cache(rng, H=H, T=T, D=D, num_blocks=num_blocks)
+        tab = tables_for(rng, lens, T, num_blocks, 4)
+        N = 9
+        qsl = np.array([0, 3, 5, 1_000_000, 2], np.int64)
+        q = rand_q(rng, N, H * group, D, "bfloat16")
+        guard = cp.zeros((N + 64, H * group, D), dtype=BF16)  # out plus rows that must stay 0
+        out = guard[:N]
+        cv.attention(cache.buffer, cp.asarray(q), cp.asarray(qsl), cp.asarray(tab),
+                     cp.asarray(np.array(lens, np.int32)), out, None, max_query_len=16,
+                     causal=True, geom=cache.geometry, k_s=cache._k_s, v_s=cache._v_s,
+                     sm_scale=1 / np.sqrt(D), stats=cache._stats, scratch=new_scratch())
+        ro, rl = paged_attention_f64(kd, vd, q, np.clip(qsl, 0, N), tab, lens, T, 1 / np.sqrt(D),
+                                     num_blocks, True)
+        check(out, None, ro, rl, "bfloat16", "clamped query_start_loc")
+        assert not cp.asnumpy(guard[N:]).astype(np.float32).any()
+
+    def test_lengths_clamped_and_int64(self):
+        rng = np.random.default_rng(16)
+        T, max_blocks, num_blocks = 16, 3, 16
+        H, D, group = 2, 64, 2
+        cache, kd, vd = make_gpu_cache(rng, H=H, T=T, D=D, num_blocks=num_blocks)
+        tab = rng.permutation(num_blocks)[:3 * max_blocks].reshape(3, max_blocks).astype(np.int64)
+        lens = np.array([10_000, -5, 47], dtype=np.int64)
+        ns = [4, 1, 20]
+        qsl = starts_of(ns, np.int64)
+        q = rand_q(rng, int(qsl[-1]), H * group, D, "float16")
+        out, lse, _ = run(cache, cp.asarray(q), cp.asarray(qsl), cp.asarray(tab), cp.asarray(lens),
+                          max_query_len=20, causal=True)
+        ro, rl = paged_attention_f64(kd, vd, q, qsl, tab, lens, T, 1 / np.sqrt(D),
+                                     num_blocks, True)
+        check(out, lse, ro, rl, "float16", "clamped")
+
+    def test_cuda_graph_capture_and_replay(self):
+        """Captured once with max_query_len, replayed with new q, query_start_loc, lengths and
+        block tables (the split tickets reset themselves); no allocation when warm."""
+        rng = np.random.default_rng(17)
+        H, T, D, group = 4, 16, 128, 4
+        B, max_blocks, N = 3, 320, 12
+        num_blocks = 3 * max_blocks
+        cache, kd, vd = make_gpu_cache(rng, H=H, T=T, D=D, num_blocks=num_blocks)
+        qd = cp.empty((N, H * group, D), dtype=BF16)
+        qsld = cp.empty((B + 1,), dtype=cp.int32)
+        td = cp.empty((B, max_blocks), dtype=cp.int32)
+        ld = cp.empty((B,), dtype=cp.int32)
+        out = cp.empty((N, H * group, D), dtype=BF16)
+        lse = cp.empty((N, H * group), dtype=cp.float32)
+        scratch = new_scratch()
+        stream = cp.cuda.Stream(non_blocking=True)
+        kw = dict(max_query_len=4, causal=True, geom=cache.geometry, k_s=cache._k_s,
+                  v_s=cache._v_s, sm_scale=1 / np.sqrt(D), stats=cache._stats, scratch=scratch)
+        with stream:
+            qsld[...] = cp.asarray(starts_of([4, 4, 4]))
+            td[...] = cp.asarray(tables_for(rng, [5000, 100, 4], T, num_blocks, max_blocks))
+            ld[...] = cp.asarray(np.array([5000, 100, 4], np.int32))
+            qd[...] = cp.asarray(rand_q(rng, N, H * group, D, "bfloat16"))
+            cv.attention(cache.buffer, qd, qsld, td, ld, out, lse, **kw)  # warm
+            stream.synchronize()
+            pool = cp.get_default_memory_pool()
+            used = pool.used_bytes()
+            stream.begin_capture()
+            cv.attention(cache.buffer, qd, qsld, td, ld, out, lse, **kw)
+            graph = stream.end_capture()
+            assert pool.used_bytes() == used
+        (call,) = scratch.plans.values()
+        assert len(call.launches) == 1 and call.launches[0].grid > B * H
+        for rep, (ns, lens) in enumerate((([4, 4, 4], [5000, 100, 4]), ([1, 3, 4], [7, 5000, 4000]),
+                                          ([0, 4, 2], [0, 4, 4096]), ([4, 0, 1], [2, 9, 1]))):
+            qsl = starts_of(ns)
+            q = rand_q(rng, N, H * group, D, "bfloat16")
+            tab = tables_for(rng, lens, T, num_blocks, max_blocks)
+            with stream:
+                qd[...] = cp.asarray(q)
+                qsld[...] = cp.asarray(qsl)
+                td[...] = cp.asarray(tab)
+                ld[...] = cp.asarray(np.array(lens, np.int32))
+                out.view(cp.uint16).fill(0x7E7E)
+                lse.fill(12345.0)
+                graph.launch(stream)
+            stream.synchronize()
+            ro, rl = paged_attention_f64(kd, vd, q, qsl, tab, lens, T, 1 / np.sqrt(D),
+                                         num_blocks, True)
+            n = int(qsl[-1])  # rows past the last sequence are nobody's: not compared
+            check(out[:n], lse[:n], ro[:n], rl[:n], "bfloat16", f"replay {rep}")
+
+    def test_long_prefill_chunk_tiles(self):
+        """A 600-token causal chunk after 1,500 cached tokens, GQA 8 (75 query tiles of 64
+        rows), with a decode sequence beside it."""
+        rng = np.random.default_rng(18)
+        ns = [600, 1]
+        lens = [2100, 3000]
+        _, out, lse, ro, rl, _ = case(rng, ns=ns, lens=lens, H=1, T=16, D=128, group=8)
+        check(out, lse, ro, rl, "bfloat16", "prefill chunk")

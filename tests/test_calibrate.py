@@ -1,4 +1,6 @@
-"""``fp4cache.calibrate_scale``: amax / (6 * M) in float32 (spec section 3), on both backends."""
+"""``fp4cache.calibrate_scale``: amax / (6 * M) in float32 (spec section 3), on both
+backends (CuPy input: one reduction, a host float, under the ``gpu`` marker).
+"""
 
 from __future__ import annotations
 
@@ -6,17 +8,20 @@ import ml_dtypes
 import numpy as np
 import pytest
 from conftest import DEVICES, DLPackProducer
+from helpers import xp_of
 
 import fp4cache
 from fp4cache import formats
-from fp4cache._arrays import array_module
+
+try:  # CuPy and its backend modules, for the GPU cases (which skip by their marker
+    # where there is no GPU: collection needs no CuPy)
+    import cupy as cp
+except ImportError:
+    cp = None
+
 
 F32 = np.float32
 BF16 = np.dtype(ml_dtypes.bfloat16)
-
-
-def _xp(device):
-    return array_module(device)
 
 
 def _expected(x, M):
@@ -32,7 +37,7 @@ def test_value_is_amax_over_6M_in_float32(device, dtype, rule, M):
     rng = np.random.default_rng(1)
     for mag in (1e-3, 1.0, 37.5, 3e3):  # float16 holds 4-sigma values of 3e3
         x = (rng.standard_normal((33, 3, 64)) * mag).astype(dtype)
-        xp = _xp(device)
+        xp = xp_of(device)
         got = fp4cache.calibrate_scale(xp.asarray(x), rule)
         assert type(got) is float
         assert got == _expected(x, M)
@@ -64,7 +69,7 @@ def test_dlpack_producer():
 def test_largest_block_scale_lands_on_e4m3_max(device):
     """static6: the group holding amax gets block scale 448 (byte 0x7E), none saturates
     beyond it; 4over6 with its own calibration never clips (both candidates <= 448)."""
-    xp = _xp(device)
+    xp = xp_of(device)
     rng = np.random.default_rng(3)
     x = (rng.standard_normal((64, 4, 128)) * 1e-3).astype(F32)
     xd = xp.asarray(x)
@@ -81,8 +86,8 @@ def test_largest_block_scale_lands_on_e4m3_max(device):
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_small_data_survives_only_with_a_calibrated_scale(device):
-    """The issue's trap: std 1e-4 with k_scale=1.0 stores only zeros."""
-    xp = _xp(device)
+    """The trap: std 1e-4 with k_scale=1.0 stores only zeros."""
+    xp = xp_of(device)
     rng = np.random.default_rng(4)
     k = (rng.standard_normal((64, 2, 64)) * 1e-4).astype(BF16)
     kd = xp.asarray(k)
@@ -107,7 +112,7 @@ def test_small_data_survives_only_with_a_calibrated_scale(device):
     (-np.inf, "NaN or an infinity"),
 ])
 def test_nonfinite_is_refused(device, bad, match):
-    xp = _xp(device)
+    xp = xp_of(device)
     x = np.ones((4, 2, 32), F32)
     x[3, 1, 31] = bad
     with pytest.raises(ValueError, match=match):
@@ -118,7 +123,7 @@ def test_nonfinite_is_refused(device, bad, match):
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_zero_empty_tiny_and_wrong_inputs(device):
-    xp = _xp(device)
+    xp = xp_of(device)
     with pytest.raises(ValueError, match="all zeros"):
         fp4cache.calibrate_scale(xp.zeros((4, 16), F32))
     with pytest.raises(ValueError, match="at least one value"):
@@ -155,3 +160,21 @@ def test_one_scale_rule_in_the_docs():
     doc = " ".join(fp4cache.PagedKVCache.__doc__.split())
     assert "calibrate_scale(x, scale_rule)" in doc
     assert "6 * 256" in doc
+
+
+# -- on the GPU, against the CPU -----------------------------------------------------------
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [np.float32, np.float16, BF16])
+def test_calibrate_scale_on_gpu_equals_cpu(dtype):
+    rng = np.random.default_rng(23)
+    x = (rng.standard_normal((1000, 3, 128)) * 0.07).astype(dtype)
+    xd = cp.asarray(x)
+    for rule in ("static6", "4over6"):
+        got = fp4cache.calibrate_scale(xd, rule)
+        assert type(got) is float
+        assert got == fp4cache.calibrate_scale(x, rule)
+        assert fp4cache.calibrate_scale(xd[:, ::-1, 1::2], rule) == \
+            fp4cache.calibrate_scale(x[:, ::-1, 1::2], rule)  # strided: copied, then reduced
+    x[500, 1, 7] = np.nan
+    with pytest.raises(ValueError, match="NaN"):
+        fp4cache.calibrate_scale(cp.asarray(x))

@@ -1,4 +1,11 @@
-"""fp4cache.quantize / dequantize against the independent reference of spec section 2."""
+"""fp4cache.quantize / dequantize (the flat codec, spec section 2) against the
+independent reference of ``nvfp4_ref``, and ``quantize(out=)``.
+
+Under the ``gpu`` marker the same calls on CuPy arrays equal the CPU's byte for byte: the
+public functions, every (code, scale byte) pair at extreme scales through the decoder's
+fast and plain paths, and one layer down (``TestCupyBackend``) the CuPy backend's flat
+kernels against the NumPy backend's, unaligned inputs and outputs included.
+"""
 
 from __future__ import annotations
 
@@ -6,18 +13,28 @@ import ml_dtypes
 import numpy as np
 import nvfp4_ref as ref
 import pytest
+from conftest import DEVICES
+from helpers import host, make_values, poisoned_elements, same_bytes, same_values, scales_for, xp_of
 from nvfp4_ref import assert_same_values, bits
 
 import fp4cache
+from fp4cache import _numpy_backend as nb
+from fp4cache import codec
 
+try:  # CuPy and its backend modules, for the GPU cases (which skip by their marker
+    # where there is no GPU: collection needs no CuPy)
+    import cupy as cp
+
+    from fp4cache import _cupy_backend as cb
+except ImportError:
+    cb = cp = None
+
+
+BF16 = np.dtype(ml_dtypes.bfloat16)
 F32 = np.float32
 RULES = ("static6", "4over6")
 DTYPES = ("bfloat16", "float16", "float32")
 TINY = F32(np.uint32(1).view(F32))  # smallest float32 subnormal
-
-
-
-
 
 
 def assert_matches_reference(x, scale, rule):
@@ -31,7 +48,7 @@ def assert_matches_reference(x, scale, rule):
     return data, scales
 
 
-# -- adversarial groups ------------------------------------------------------------------
+# -- adversarial groups --------------------------------------------------------------------
 def adversarial_groups() -> np.ndarray:
     """float32 groups [N, 16] chosen to hit every branch of spec section 2."""
     rng = np.random.default_rng(11)
@@ -89,7 +106,7 @@ def nonfinite_groups() -> np.ndarray:
 SCALES = [1.0, 0.5, 3.0, 1 / 2688, 1e-3, 7.25e-5, 1e4, 1e-30, 1e-38, float(TINY), 1e30, 3e38]
 
 
-# -- the reference against itself --------------------------------------------------------
+# -- the reference against itself ----------------------------------------------------------
 @pytest.mark.parametrize("rule", RULES)
 def test_reference_scalar_equals_vectorized(rule):
     groups = adversarial_groups()
@@ -102,7 +119,7 @@ def test_reference_scalar_equals_vectorized(rule):
             assert list(codes[i]) == c, (scale, i)
 
 
-# -- quantize vs reference ---------------------------------------------------------------
+# -- quantize vs reference -----------------------------------------------------------------
 @pytest.mark.parametrize("rule", RULES)
 @pytest.mark.parametrize("scale", SCALES)
 def test_quantize_adversarial_groups(rule, scale):
@@ -182,7 +199,7 @@ def test_quantize_does_not_modify_input():
     np.testing.assert_array_equal(bits(x), bits(before))
 
 
-# -- 4over6 picks the better candidate ---------------------------------------------------
+# -- 4over6 picks the better candidate -----------------------------------------------------
 def candidate_bytes(x16, scale, c):
     """(codes, sf) of one candidate, straight from the spec (no selection)."""
     s, g = F32(scale), ref.encode_multiplier(scale)
@@ -248,7 +265,7 @@ def test_4over6_beats_static6_on_gaussian_data():
         assert mse["static6"] < 0.02  # sane magnitude for NVFP4 on unit Gaussians
 
 
-# -- dequantize --------------------------------------------------------------------------
+# -- dequantize ----------------------------------------------------------------------------
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_dequantize_exhaustive_bytes(dtype):
     """Every data byte against every scale byte (NaN scales included)."""
@@ -325,3 +342,163 @@ def test_tiny_scale_clamps_keep_zero_groups_zero():
         assert not np.isnan(y).any()
         assert_matches_reference(x, scale, "4over6")
         assert_matches_reference(x, scale, "static6")
+
+
+# -- quantize(out=) ------------------------------------------------------------------------
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("rule", ["static6", "4over6"])
+def test_quantize_out_writes_the_same_bytes(device, rule):
+    xp = xp_of(device)
+    rng = np.random.default_rng(30)
+    x = xp.asarray((rng.standard_normal((3, 5, 64)) * 4).astype(BF16))
+    want_d, want_s = fp4cache.quantize(x, 0.5, rule)
+    data = xp.full((3, 5, 32), 0xAA, dtype=np.uint8)
+    scales = xp.full((3, 5, 4), 0xAA, dtype=np.uint8)
+    got = fp4cache.quantize(x, 0.5, rule, out=(data, scales))
+    assert got[0] is data and got[1] is scales
+    np.testing.assert_array_equal(host(data), host(want_d))
+    np.testing.assert_array_equal(host(scales), host(want_s))
+    empty = (xp.empty((0, 32), np.uint8), xp.empty((0, 4), np.uint8))
+    assert fp4cache.quantize(xp.zeros((0, 64), F32), out=empty)[0] is empty[0]
+
+
+def test_quantize_out_float8_scales_view():
+    x = np.random.default_rng(31).standard_normal((4, 32)).astype(F32)
+    want_d, want_s = fp4cache.quantize(x)
+    data = np.empty((4, 16), np.uint8)
+    scales = np.empty((4, 2), ml_dtypes.float8_e4m3fn)
+    got = fp4cache.quantize(x, out=(data, scales))
+    assert got[1] is scales
+    np.testing.assert_array_equal(scales.view(np.uint8), want_s)
+    np.testing.assert_array_equal(data, want_d)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("make_out, exc, match", [
+    (lambda xp: xp.empty((2, 32), np.uint8), TypeError, "out must be a tuple"),
+    (lambda xp: (xp.empty((2, 32), np.uint8),), TypeError, "out must be a tuple"),
+    (lambda xp: (xp.empty((2, 16), np.uint8), xp.empty((2, 4), np.uint8)), ValueError,
+     r"out\[0\] must have shape \(2, 32\)"),
+    (lambda xp: (xp.empty((2, 32), np.uint8), xp.empty((2, 2), np.uint8)), ValueError,
+     r"out\[1\] must have shape \(2, 4\)"),
+    (lambda xp: (xp.empty((2, 32), np.int8), xp.empty((2, 4), np.uint8)), TypeError,
+     r"out\[0\] must have dtype uint8"),
+    (lambda xp: (xp.empty((2, 32), np.uint8), xp.empty((2, 4), np.float32)), TypeError,
+     r"out\[1\] must have dtype uint8 or float8_e4m3fn"),
+    (lambda xp: (xp.empty((2, 64), np.uint8)[:, ::2], xp.empty((2, 4), np.uint8)), ValueError,
+     r"out\[0\] must be C-contiguous"),
+    (lambda xp: (xp.empty((2, 32), np.uint8), xp.empty((4, 4), np.uint8)[::2]), ValueError,
+     r"out\[1\] must be C-contiguous"),
+])
+def test_quantize_out_is_checked_before_writing(device, make_out, exc, match):
+    xp = xp_of(device)
+    x = xp.ones((2, 64), F32)
+    out = make_out(xp)
+    parts = out if isinstance(out, tuple) else (out,)
+    for p in parts:
+        p[...] = 7
+    with pytest.raises(exc, match=match):
+        fp4cache.quantize(x, out=out)
+    for p in parts:
+        assert (host(p) == 7).all()  # untouched
+
+
+@pytest.mark.gpu
+def test_quantize_out_on_the_other_backend_is_refused():
+    import cupy
+
+    x = cupy.ones((2, 64), F32)
+    with pytest.raises(TypeError, match=r"out\[0\] must be a CuPy"):
+        fp4cache.quantize(x, out=(np.empty((2, 32), np.uint8), np.empty((2, 4), np.uint8)))
+
+
+# -- on the GPU, against the CPU -----------------------------------------------------------
+@pytest.mark.gpu
+@pytest.mark.parametrize("rule", ["static6", "4over6"])
+@pytest.mark.parametrize("dtype", [BF16, np.float16, np.float32], ids=str)
+def test_codec_cuda_equals_cpu(rule, dtype):
+    rng = np.random.default_rng(1)
+    x = (rng.standard_normal((3, 33, 64)) * 7).astype(dtype)
+    d_c, s_c = codec.quantize(x, 0.25, rule)
+    d_g, s_g = codec.quantize(cp.asarray(x), 0.25, rule)
+    assert_same_values(d_g, d_c)
+    assert_same_values(s_g, s_c)
+    for dt in ("bfloat16", "float16", "float32"):
+        assert_same_values(codec.dequantize(d_g, s_g, 0.25, dt),
+                           codec.dequantize(d_c, s_c, 0.25, dt))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16", "float32"])
+@pytest.mark.parametrize("scale", [1e-45, 3e-39, 1 / 448, 1.0, 2.0**115, 2.0**116, 1e37, 3e38])
+def test_decode_every_code_and_scale_byte_at_extreme_scales(dtype, scale):
+    """Every (code, scale byte) pair through the flat decoder, fast and plain paths."""
+    # row r: scale byte r // 4 for all 8 groups; its 64 data bytes are (r % 4)*64 + 0..63,
+    # so every (code byte, scale byte) pair occurs
+    r = np.arange(1024)
+    data = ((r[:, None] % 4) * 64 + np.arange(64)[None, :]).astype(np.uint8)
+    scales = np.repeat((r // 4).astype(np.uint8)[:, None], 8, axis=1)
+    ref = codec.dequantize(data, scales, scale, dtype=dtype)
+    got = codec.dequantize(cp.asarray(data), cp.asarray(scales), scale, dtype=dtype)
+    assert_same_values(got, ref)
+
+
+VALUE_DTYPES = [BF16, np.dtype(np.float16), np.dtype(np.float32)]
+
+
+@pytest.mark.gpu
+class TestCupyBackend:
+    """The CuPy backend against the NumPy backend on the same inputs, byte for
+    byte (float outputs as unsigned-integer views, NaN positions compared apart:
+    their payloads differ between CPU and GPU arithmetic)."""
+
+    @pytest.mark.parametrize("dtype", VALUE_DTYPES, ids=str)
+    @pytest.mark.parametrize("rule", RULES)
+    @pytest.mark.parametrize("scale", ["one", "calib", "tiny", "huge"])
+    @pytest.mark.parametrize("D", [16, 48, 128])
+    def test_flat_quantize_dequantize(self, dtype, rule, scale, D):
+        rng = np.random.default_rng(D + len(scale))
+        n = 257
+        x = make_values(rng, (n, D), dtype, nonfinite=0.003, tiny=True)
+        s, g = scales_for(rng, scale)
+        data_r = np.empty((n, D // 2), np.uint8)
+        sc_r = np.empty((n, D // 16), np.uint8)
+        nb.quantize(x, s, g, rule, data_r, sc_r)
+        data = cp.empty((n, D // 2), cp.uint8)
+        sc = cp.empty((n, D // 16), cp.uint8)
+        cb.quantize(cp.asarray(x), s, g, rule, data, sc)
+        same_bytes(data, data_r, "data")
+        same_bytes(sc, sc_r, "scales")
+        for out_dt in VALUE_DTYPES:
+            ref = np.empty((n, D), out_dt)
+            nb.dequantize(data_r, sc_r, s, ref)
+            out = poisoned_elements((n, D), out_dt)
+            cb.dequantize(data, sc, s, out)
+            same_values(out, ref, f"dequantize {out_dt}")
+
+    def test_flat_unaligned_and_random_bytes(self):
+        rng = np.random.default_rng(11)
+        n, D = 100, 64
+        x = make_values(rng, (n, D), np.float16)
+        flat = cp.zeros(n * D + 1, cp.float16)
+        xd = flat[1:].reshape(n, D)
+        xd[...] = cp.asarray(x)
+        data_r = np.empty((n, D // 2), np.uint8)
+        sc_r = np.empty((n, D // 16), np.uint8)
+        nb.quantize(x, np.float32(1), np.float32(1), "4over6", data_r, sc_r)
+        dbuf = cp.zeros(n * D // 2 + 3, cp.uint8)
+        data = dbuf[3:].reshape(n, D // 2)
+        sc = cp.empty((n, D // 16), cp.uint8)
+        cb.quantize(xd, np.float32(1), np.float32(1), "4over6", data, sc)
+        same_bytes(data, data_r, "data")
+        same_bytes(sc, sc_r, "scales")
+        # random bytes decode, unaligned input and output
+        raw = rng.integers(0, 256, (n, D // 2), dtype=np.uint8)
+        rsc = rng.integers(0, 256, (n, D // 16), dtype=np.uint8)
+        ref = np.empty((n, D), BF16)
+        nb.dequantize(raw, rsc, np.float32(2.5), ref)
+        obuf = cp.empty(n * D + 1, BF16)
+        out = obuf[1:].reshape(n, D)
+        dbuf[3:] = cp.asarray(raw.reshape(-1))
+        cb.dequantize(data, cp.asarray(rsc), np.float32(2.5), out)
+        same_values(out, ref, "dequantize")

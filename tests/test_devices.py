@@ -1,5 +1,9 @@
-"""Each cache owns its device: the ``device=`` forms, the guard around every GPU call, and
-arrays from another GPU.  The multi-GPU tests run only where two GPUs are visible."""
+"""Each cache owns its device: the ``device=`` forms, the guard around every GPU call,
+arrays from another GPU, and CuPy's streams.  The multi-GPU tests run only where two GPUs
+are visible.
+
+Streams: kernels run on CuPy's current stream; events order them.
+"""
 
 from __future__ import annotations
 
@@ -17,7 +21,7 @@ from fp4cache._device import DeviceGuard, array_device, by_value, parse_device
 BF16 = np.dtype(ml_dtypes.bfloat16)
 
 
-# -- on any machine ---------------------------------------------------------------------
+# -- on any machine ------------------------------------------------------------------------
 @pytest.mark.parametrize("bad", ["tpu", "cuda:", "cuda:x", "cuda:-1", "CUDA", "cuda0", 1.5,
                                  True, [0]])
 def test_device_forms_refused_with_the_accepted_forms(bad):
@@ -95,7 +99,7 @@ def test_foreign_device_error_names_argument_and_both_devices():
         _arrays.check_device({"slot_mapping": FakeCupy(0), "k": FakeCupy(1)}, FakeCupy(0))
 
 
-# -- one GPU ----------------------------------------------------------------------------
+# -- one GPU -------------------------------------------------------------------------------
 @pytest.mark.gpu
 @pytest.mark.parametrize("form", ["cuda", "cuda:0", 0, "device"])
 def test_gpu_device_forms(form):
@@ -248,7 +252,7 @@ def test_two_threads_share_one_stream():
     assert np.array_equal(c.buffer.get(), ref.buffer)
 
 
-# -- two GPUs ---------------------------------------------------------------------------
+# -- two GPUs ------------------------------------------------------------------------------
 def _rand(rng, n, H, D):
     return rng.standard_normal((n, H, D)).astype(BF16)
 
@@ -377,7 +381,7 @@ def test_graph_on_gpu1_while_gpu0_holds_a_cache():
     assert not c0.buffer.any()
 
 
-# -- what is missing when no GPU is usable ------------------------------------------
+# -- what is missing when no GPU is usable -------------------------------------------------
 @pytest.mark.skipif(gpu_available(), reason="checks the no-GPU error")
 def test_no_gpu_error_says_what_is_missing_not_to_install_the_extra():
     """With CuPy installed but no driver or GPU, the error used to say to install the
@@ -456,3 +460,78 @@ def test_gpu_unavailable_reason_without_cupy_names_the_extra(monkeypatch):
         assert "pip install 'fp4cache[cuda12]'" in _arrays.gpu_unavailable_reason()
     finally:
         _arrays.gpu_unavailable_reason.cache_clear()
+
+
+# -- streams -------------------------------------------------------------------------------
+def _kv(rng, n, h, d):
+    k = rng.standard_normal((n, h, d), dtype=np.float32).astype(ml_dtypes.bfloat16)
+    v = rng.standard_normal((n, h, d), dtype=np.float32).astype(ml_dtypes.bfloat16)
+    return k, v
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("rule", ["static6", "4over6"])
+def test_store_on_one_stream_gather_on_another(rule):
+    import cupy
+
+    rng = np.random.default_rng(7)
+    nb, T, H, D = 512, 16, 8, 128
+    n = nb * T
+    k, v = _kv(rng, n, H, D)
+    slots = rng.permutation(n).astype(np.int64)
+    blocks = rng.integers(0, nb, 300).astype(np.int32)
+
+    gpu = PagedKVCache(nb, T, H, D, scale_rule=rule, device="cuda")
+    cpu = PagedKVCache(nb, T, H, D, scale_rule=rule, device="cpu")
+    cpu.store(slots, k, v)
+    k_ref, v_ref = cpu.gather_dequant(blocks)
+
+    producer = cupy.cuda.Stream(non_blocking=True)
+    consumer = cupy.cuda.Stream(non_blocking=True)
+    with producer:
+        kd, vd, sd = cupy.asarray(k), cupy.asarray(v), cupy.asarray(slots)
+        gpu.store(sd, kd, vd)
+        stored = producer.record()
+    consumer.wait_event(stored)
+    with consumer:
+        k_out, v_out = gpu.gather_dequant(cupy.asarray(blocks))
+        page_copy = gpu.buffer.copy()
+    consumer.synchronize()
+
+    assert np.array_equal(page_copy.get(), cpu.buffer)
+    assert np.array_equal(k_out.get().view(np.uint16), k_ref.view(np.uint16))
+    assert np.array_equal(v_out.get().view(np.uint16), v_ref.view(np.uint16))
+
+
+@pytest.mark.gpu
+def test_calls_on_one_stream_are_ordered():
+    """Two stores to the same slots then a gather, back to back on one stream: last wins."""
+    import cupy
+
+    rng = np.random.default_rng(11)
+    nb, T, H, D = 64, 16, 4, 64
+    n = nb * T
+    k1, v1 = _kv(rng, n, H, D)
+    k2, v2 = _kv(rng, n, H, D)
+    slots = np.arange(n, dtype=np.int32)
+    gpu = PagedKVCache(nb, T, H, D, device="cuda")
+    cpu = PagedKVCache(nb, T, H, D, device="cpu")
+    cpu.store(slots, k2, v2)
+    stream = cupy.cuda.Stream(non_blocking=True)
+    with stream:
+        sd = cupy.asarray(slots)
+        gpu.store(sd, cupy.asarray(k1), cupy.asarray(v1))
+        gpu.store(sd, cupy.asarray(k2), cupy.asarray(v2))
+        k_out, _ = gpu.gather_dequant(cupy.arange(nb, dtype=cupy.int32), dtype="float32")
+    stream.synchronize()
+    k_ref, _ = cpu.gather_dequant(np.arange(nb), dtype="float32")
+    assert np.array_equal(k_out.get().view(np.uint32), k_ref.view(np.uint32))
+
+
+# -- kernels -------------------------------------------------------------------------------
+@pytest.mark.gpu
+def test_every_specialization_compiles_and_loads():
+    from fp4cache import _kernels
+
+    for spec in _kernels.all_specs():
+        assert _kernels.get_kernel(spec) is not None

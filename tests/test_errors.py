@@ -7,11 +7,13 @@ The same table runs on ``device="cuda"`` when a GPU is present (caches built wit
 Over 600 lines because it is one table of refusals per public entry point (store, gather,
 attention, LongLive, pages, the constructor), each checked with the buffer unchanged;
 splitting it by entry point would repeat the fixtures.
+
 """
 
 from __future__ import annotations
 
 import re
+import warnings
 from dataclasses import dataclass
 from typing import Any
 
@@ -20,27 +22,17 @@ import numpy as np
 import nvfp4_ref as ref
 import pytest
 from conftest import DEVICES, gpu_available
+from helpers import host, xp_of
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import fp4cache
 from fp4cache import PagedKVCache, longlive
+from fp4cache.layout import PageGeometry
 
 F32 = np.float32
 BF16 = np.dtype(ml_dtypes.bfloat16)
 NB, T, H, D = 4, 8, 2, 64
-
-
-def xp_of(device):
-    if device == "cuda":
-        import cupy
-
-        return cupy
-    return np
-
-
-def host(a):
-    return a.get() if hasattr(a, "get") else np.asarray(a)
 
 
 @dataclass
@@ -119,6 +111,7 @@ STORE_CASES = [
         c.arr([0, 1, 2, 3, NB * T + 5], np.int64), c.arr(np.full((5, H, D), np.nan, BF16)), c.v),
      IndexError, "slot_mapping"),
 ]
+
 
 GATHER_CASES = [
     ("blocks-float", lambda c: c.cache.gather_dequant(c.arr([0, 1], F32)),
@@ -216,7 +209,7 @@ def test_cuda_device_without_gpu_is_a_clear_runtime_error():
     assert PagedKVCache(NB, T, H, D).device == "cpu"
 
 
-# -- construction ------------------------------------------------------------------------
+# -- construction --------------------------------------------------------------------------
 CTOR_CASES = [
     ("head-dim-40", dict(head_dim=40, swizzle_v_scales=False), ValueError, "head_dim"),
     ("head-dim-48-swizzle", dict(head_dim=48), ValueError, "head_dim"),
@@ -262,11 +255,20 @@ def test_constructor_refuses(kw, exc, fragment):
 def test_constructor_accepts_edge_values(kw):
     args = dict(num_blocks=NB, block_size=T, num_heads=H, head_dim=D, device="cpu")
     args.update(kw)
-    PagedKVCache(**args)
+    c = PagedKVCache(**args)
+    # taken as given: the geometry and float32 scales asked for, an all-zero pool of it
+    want = PageGeometry(H, args["block_size"], args["head_dim"], "HND",
+                        args.get("swizzle_v_scales", True))
+    assert c.num_blocks == NB and c.geometry == want
+    assert c.k_scale == float(np.float32(args.get("k_scale", 1.0)))
+    assert c.v_scale == float(np.float32(args.get("v_scale", 1.0)))
+    assert c.buffer.shape == (NB, 2, want.side_bytes) and not c.buffer.any()
 
 
-# -- functional API and LongLive ------------------------------------------------------------
+# -- functional API and LongLive -----------------------------------------------------------
 X = np.ones((2, 64), F32)
+
+
 CODEC_CASES = [
     ("x-int", lambda: fp4cache.quantize(np.ones((2, 64), np.int32)), TypeError, "x"),
     ("x-float64", lambda: fp4cache.quantize(np.ones((2, 64))), TypeError, "x"),
@@ -371,7 +373,7 @@ def test_empty_inputs_are_noops(device, dtype):
     assert fp4cache.dequantize(d, s).shape == (0, 3, 64)
 
 
-# -- non-finite values, duplicates and negative slots, on every backend -------------------------
+# -- non-finite values, duplicates and negative slots, on every backend --------------------
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("layout", ["HND", "NHD"])
 def test_nonfinite_groups_decode_to_nan_and_are_counted(device, layout):
@@ -494,11 +496,15 @@ def test_unvalidated_faults_are_counted_not_written(device):
     assert c.cache.stats["bad_slots"] == 0 and c.cache.stats["bad_block_ids"] == 0
 
 
-# -- hypothesis fuzz: random calls, documented outcome ----------------------------------------
+# -- hypothesis fuzz: random calls, documented outcome -------------------------------------
 VALUE_DTYPES = [BF16, np.dtype(np.float16), np.dtype(F32)]
+
+
 OTHER_DTYPES = [np.dtype(np.float64), np.dtype(np.int32), np.dtype(np.bool_)]
 INDEX_DTYPES = [np.dtype(np.int32), np.dtype(np.int64)]
 OTHER_INDEX = [np.dtype(np.int16), np.dtype(np.uint32), np.dtype(F32)]
+
+
 SPECIALS = [np.nan, np.inf, -np.inf, 0.0, -0.0, 2.0**-149, 2.0**-130, 3e38, -3e38, 1e-30,
             65504.0, 1e5]
 
@@ -634,7 +640,7 @@ def test_store_unique_slots_refuses_repeats_when_validating(device, slots):
     assert bool((cache.buffer == plain.buffer).all()) and not bool((cache.buffer == before).all())
 
 
-# -- flags must be bools ----------------------------------------------------------------
+# -- flags must be bools -------------------------------------------------------------------
 FLAG_CALLS = {
     "store-unique_slots": ("unique_slots", lambda c, x: c.cache.store(
         c.slots, c.k, c.v, unique_slots=x)),
@@ -682,7 +688,7 @@ def test_optional_flags_take_none_required_flags_do_not(device):
             call()
 
 
-# -- numbers must be numbers; lists name the parameter ----------------------------------
+# -- numbers must be numbers; lists name the parameter -------------------------------------
 NUMBER_CALLS = {
     "k_scale": lambda c, x: PagedKVCache(NB, T, H, D, device=c.cache.device, k_scale=x),
     "v_scale": lambda c, x: PagedKVCache(NB, T, H, D, device=c.cache.device, v_scale=x),
@@ -865,3 +871,19 @@ def test_a_gpu_pool_larger_than_the_gpu_names_num_blocks():
                                          r"machine: its page pool needs 2.10 PiB .* and its "
                                          r"claim table\), but GPU 0 has .* free"):
         PagedKVCache(10**12, 16, 2, 64, device="cuda:0")
+
+
+# -- validate= on the CPU ------------------------------------------------------------------
+def test_validate_false_on_the_cpu_warns_and_still_validates():
+    with pytest.warns(UserWarning, match=r"validate=False\) has no effect on the CPU"):
+        cache = PagedKVCache(2, 16, 1, 64, device="cpu", validate=False)
+    assert cache.validate is True
+    k = np.ones((1, 1, 64), F32)
+    before = cache.buffer.copy()
+    with pytest.raises(IndexError, match="slot_mapping"):
+        cache.store(np.array([32]), k, k)  # validated all the same: nothing written
+    np.testing.assert_array_equal(cache.buffer, before)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the defaults and validate=True do not warn
+        PagedKVCache(2, 16, 1, 64, device="cpu")
+        PagedKVCache(2, 16, 1, 64, device="cpu", validate=True)

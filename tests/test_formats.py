@@ -1,4 +1,8 @@
-"""Element formats (spec section 1): E2M1, E4M3, nibble packing, float32 clamps."""
+"""Element formats (spec section 1): E2M1, E4M3, nibble packing, float32 clamps.
+
+Under the ``gpu`` marker: the scale byte of the E4M3 conversion instruction the kernels use
+on sm_89+ equals the software encoder's on every non-negative float32.
+"""
 
 from __future__ import annotations
 
@@ -10,6 +14,13 @@ import nvfp4_ref as ref
 import pytest
 
 from fp4cache import formats
+
+try:  # CuPy and its backend modules, for the GPU cases (which skip by their marker
+    # where there is no GPU: collection needs no CuPy)
+    import cupy as cp
+except ImportError:
+    cp = None
+
 
 F32 = np.float32
 
@@ -44,7 +55,7 @@ def neighbours(values) -> np.ndarray:
     return np.concatenate([v, np.nextafter(v, inf), np.nextafter(v, -inf)])
 
 
-# -- constants ------------------------------------------------------------------------
+# -- constants -----------------------------------------------------------------------------
 def test_constants_bit_patterns():
     assert bits_of(formats.C6) == 0x3E2AAAAB
     assert formats.C6 == F32(1) / F32(6)
@@ -58,7 +69,7 @@ def test_constants_bit_patterns():
         bits_of([0, .5, 1, 1.5, 2, 3, 4, 6, -0.0, -.5, -1, -1.5, -2, -3, -4, -6]))
 
 
-# -- E2M1 -----------------------------------------------------------------------------
+# -- E2M1 ----------------------------------------------------------------------------------
 def test_e2m1_encode_stratified_vs_ml_dtypes_and_bruteforce():
     x = stratified_f32(seed=1)
     got = formats.e2m1_encode(x)
@@ -125,7 +136,7 @@ def test_e2m1_decode_exhaustive():
         bits_of(np.tile(ref.E2M1_TABLE, 16)))
 
 
-# -- E4M3 -----------------------------------------------------------------------------
+# -- E4M3 ----------------------------------------------------------------------------------
 def test_e4m3_encode_stratified_all_exponents():
     x = stratified_f32(seed=2, include_nonfinite=False)
     got = formats.e4m3_encode(x)
@@ -178,7 +189,7 @@ def test_e4m3_decode_exhaustive():
     np.testing.assert_array_equal(formats.e4m3_encode(got[ok]), codes[ok])
 
 
-# -- nibble packing -------------------------------------------------------------------
+# -- nibble packing ------------------------------------------------------------------------
 def test_pack_nibble_order():
     np.testing.assert_array_equal(formats.pack_nibbles(np.array([1, 2, 15, 8], np.uint8)),
                                   [0x21, 0x8F])
@@ -197,7 +208,7 @@ def test_pack_unpack_round_trip_shapes():
     np.testing.assert_array_equal(formats.unpack_nibbles(data), ref.unpack(data))
 
 
-# -- float32 clamps and dtype helpers -------------------------------------------------
+# -- float32 clamps and dtype helpers ------------------------------------------------------
 def test_reciprocal_clamped():
     tiny = f32_from_bits([1, 2, 0x00200000, 0x00400000])  # 1/x overflows for the first three
     got = np.array([formats.reciprocal_clamped(v) for v in tiny], dtype=F32)
@@ -249,3 +260,34 @@ def test_resolve_dtype_rejects(spec):
 
 def test_f32_helper_is_float32():
     assert struct.pack("<f", float(ref.C6)) == struct.pack("<I", 0x3E2AAAAB)
+
+
+# -- on the GPU, against the CPU -----------------------------------------------------------
+_E4M3_CHECK = r"""
+extern "C" __global__ void e4m3_check(unsigned long long* bad, unsigned int* first) {
+  // every float32 bit pattern from +0 to +inf
+  const u32 stride = gridDim.x * blockDim.x;
+  for (u32 u = blockIdx.x * blockDim.x + threadIdx.x; u <= 0x7F800000u; u += stride) {
+    const float v = __uint_as_float(u);
+    if (e4m3_encode_nonneg(v) != e4m3_encode_nonneg_sw(v)) {
+      atomicAdd(bad, 1ull);
+      atomicMin(first, u);
+    }
+  }
+}
+"""
+
+
+@pytest.mark.gpu
+def test_e4m3_conversion_instruction_matches_software_on_every_input():
+    """The scale byte from sm_89's cvt.rn.satfinite.e4m3x2.f32 (what the kernels use
+    there) equals the software encoder's, which the NumPy backend matches, on every
+    non-negative float32 up to +inf.  On older devices both are the software one."""
+    from fp4cache import _kernels
+
+    mod = cp.RawModule(code=_kernels.common_source() + _E4M3_CHECK,
+                       options=_kernels.NVRTC_OPTIONS)
+    bad = cp.zeros(1, cp.uint64)
+    first = cp.full(1, 0xFFFFFFFF, cp.uint32)
+    mod.get_function("e4m3_check")((132 * 8,), (256,), (bad, first))
+    assert int(bad[0]) == 0, f"{int(bad[0])} mismatches, first at bits {int(first[0]):#010x}"

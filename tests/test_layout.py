@@ -1,4 +1,8 @@
-"""Byte layouts (spec sections 4 and 5) against independent formulas and reshape forms."""
+"""Byte layouts (spec sections 4 and 5) against independent formulas and reshape forms.
+
+Under the ``gpu`` marker: the kernels' division by a run-time constant (``fdiv`` with
+``_abi.fastdiv``'s multiplier and shift) against the hardware division.
+"""
 
 from __future__ import annotations
 
@@ -15,6 +19,13 @@ from fp4cache.layout import (
     longlive_padded_rows,
     swizzle_scale_index,
 )
+
+try:  # CuPy and its backend modules, for the GPU cases (which skip by their marker
+    # where there is no GPU: collection needs no CuPy)
+    import cupy as cp
+except ImportError:
+    cp = None
+
 
 GEOMS = [  # (H, T, D, layout, swizzle)
     (h, t, d, lay, sw)
@@ -178,3 +189,46 @@ def test_check_rejects(kwargs, fragment):
                          + [(2, 4, 64, True), (1, 8, 256, True)])
 def test_check_accepts(H, T, D, sw):
     PageGeometry(H, T, D, "NHD", sw).check()
+
+
+# -- on the GPU -----------------------------------------------------------------------------
+_FDIV_CHECK = r"""
+extern "C" __global__ void fdiv_check(u32 d, u32 m, u32 s, u32 n0, u32 count,
+                                      unsigned long long* bad, unsigned int* first) {
+  const FastDiv f{d, m, s};
+  const u32 stride = gridDim.x * blockDim.x;
+  for (u32 i = blockIdx.x * blockDim.x + threadIdx.x; i < count; i += stride) {
+    const u32 n = n0 + i;
+    if (fdiv(n, f) != n / f.d) {
+      atomicAdd(bad, 1ull);
+      atomicMin(first, n);
+    }
+  }
+}
+"""
+
+
+@pytest.mark.gpu
+def test_fastdiv_matches_division():
+    """The kernels' division by a run-time constant (``fdiv`` with ``_abi.fastdiv``'s
+    multiplier and shift) against the hardware division: every 32-bit numerator for a
+    few divisors (block sizes among them), and the top 2^24 numerators for many more."""
+    from fp4cache import _abi, _kernels
+
+    mod = cp.RawModule(code=_kernels.common_source() + _FDIV_CHECK,
+                       options=_kernels.NVRTC_OPTIONS)
+    fn = mod.get_function("fdiv_check")
+    bad = cp.zeros(1, cp.uint64)
+    first = cp.full(1, 0xFFFFFFFF, cp.uint32)
+    every = [1, 3, 7, 16, 48, 1000, 2**31 - 1]
+    some = [2, 5, 12, 17, 31, 32, 64, 96, 100, 128, 255, 256, 4097, 65535, 2**20 + 3,
+            2**30, 2**30 + 1]
+    for d in every + some:
+        f = _abi.fastdiv(d)  # (d, m, s) as np.uint32
+        spans = [(0, 2**32)] if d in every else [(0, 2**24), (2**32 - 2**24, 2**24)]
+        for n0, count in spans:
+            for start in range(n0, n0 + count, 2**31):  # count fits the u32 argument
+                fn((132 * 8,), (256,), (*f, np.uint32(start),
+                                        np.uint32(min(2**31, n0 + count - start)), bad,
+                                        first))
+        assert int(bad[0]) == 0, f"d={d}: {int(bad[0])} wrong, first n={int(first[0])}"

@@ -141,7 +141,8 @@ def test_cache_matches_reference_model(case, data, in_dtype, out_dtype):
 @given(data=st.data(), Tb=st.integers(1, 20), H=st.integers(1, 4),
        D=st.sampled_from([64, 128, 256]), rule=rules, dtype=dtypes)
 def test_longlive_block_matches_reference(data, Tb, H, D, rule, dtype):
-    from test_longlive import ref_dequantize, ref_quantize_block
+    from nvfp4_ref import longlive_dequantize as ref_dequantize
+    from nvfp4_ref import longlive_quantize_block as ref_quantize_block
 
     with np.errstate(over="ignore"):
         x = data.draw(value_arrays((Tb, H, D))).astype(ref.DTYPES[dtype])

@@ -1,131 +1,93 @@
-"""``PagedKVCache.decode_attention`` on the CPU backend, against a float64 reference.
+"""``PagedKVCache.decode_attention`` (one query token per sequence) against the float64
+reference ``nvfp4_ref.paged_attention_f64``, on the CPU and, under the ``gpu`` marker, on
+the GPU.
 
-(Over 600 lines: the reference, the shape / layout / rule / dtype / GQA grid and the
-refusal cases of one method; the any-query-length method has its own file.)
+The reference is written plainly: for each sequence and query head, a float64 softmax
+over the float32 K/V values that ``gather_dequant`` returns for the sequence's pages, with
+KV head ``hq // (Hq // H)`` (``helpers.decode_reference`` feeds it a CPU cache's pages).
 
-The reference (``reference`` below) is written plainly: for each sequence and query head,
-a float64 softmax over the float32 K/V values that ``gather_dequant`` returns for the
-sequence's pages, with KV head ``hq // (Hq // H)``.
+CPU tolerances.  The NumPy backend reads the same float32 K/V values and accumulates
+scores, softmax and the weighted sum in float64; it differs from the reference only by
+float64 rounding order (relative error ~1e-15 of the row's magnitude), then both are
+rounded to q's dtype.  So each output element must be within ``2 * u * |ref| + 1e-9 *
+max|ref row|`` of the float64 reference, where ``u`` is the unit roundoff of q's dtype
+(2^-8 bf16, 2^-11 f16, 2^-24 f32): one rounding to the output dtype (at most ``u |ref|``,
+doubled for the float64 -> float32 -> dtype double rounding and the float64 noise at a
+rounding boundary), plus an absolute term far above the float64 noise and far below any
+real error.  For float16 the absolute term also covers its subnormal spacing (2^-24).
+``lse`` is float32: within ``2^-23 * |ref| + 1e-9``.  A wrong head mapping, a wrong page,
+a missed token or float32 accumulation over long rows all break these bounds
+(``helpers.assert_close``, ``helpers.assert_lse_close``).
 
-Tolerances.  The NumPy backend reads the same float32 K/V values and accumulates scores,
-softmax and the weighted sum in float64; it differs from the reference only by float64
-rounding order (relative error ~1e-15 of the row's magnitude), then both are rounded to
-q's dtype.  So each output element must be within ``2 * u * |ref| + 1e-9 * max|ref row|``
-of the float64 reference, where ``u`` is the unit roundoff of q's dtype (2^-8 bf16,
-2^-11 f16, 2^-24 f32): one rounding to the output dtype (at most ``u |ref|``, doubled
-for the float64 -> float32 -> dtype double rounding and the float64 noise at a rounding
-boundary), plus an absolute term far above the float64 noise and far below any real
-error.  For float16 the absolute term also covers its subnormal spacing (2^-24).  ``lse``
-is float32: within ``2^-23 * |ref| + 1e-9``.  A wrong head mapping, a wrong page, a
-missed token or float32 accumulation over long rows all break these bounds.
+GPU tolerances (``TestKernel``: the fused kernels of ``fp4cache._cupy_attention``; the
+public method on the GPU).  The reference and the kernel see the same decoded K/V values
+(the kernel's f16 K/V are exact: an E2M1 value times an E4M3 scale has at most 6
+significant bits); they differ by the kernel's rounding of q to f16 (exact for bf16/f16 q;
+hi + lo parts, ~2^-22, for float32 q), of the softmax weights P to f16 for the P.V MMA
+(2^-11 relative), the f32 accumulation order, ex2.approx, and the rounding of the output
+to its dtype (2^-9 for bf16).  Tolerances, per output row (b, query head), on the relative
+2-norm error over the row's finite entries: <= 1e-2 for bf16/f16 outputs, <= 3e-3 for
+float32 outputs (the expected errors are ~2e-3 and ~5e-4).  NaN positions must match
+exactly.  lse: |error| <= 1e-3 * max(1, |lse|) (the denominator is summed in f32 from f32
+weights; only the scores' f32 accumulation differs).  Outputs are poisoned before every
+run so that an unwritten entry cannot pass (``helpers.check``).
 """
 
 from __future__ import annotations
 
 import math
+import zlib
 
 import ml_dtypes
 import numpy as np
 import pytest
 from conftest import DLPackProducer
+from helpers import (
+    ATTENTION_CASES,
+    DT,
+    TOL,
+    assert_close,
+    assert_lse_close,
+    check,
+    decode_f64,
+    decode_reference,
+    kv_values,
+    make_cache,
+    make_gpu_cache,
+    make_q,
+    make_tables,
+    poisoned,
+    rand_q,
+    tables_for,
+)
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+import fp4cache
 from fp4cache import PagedKVCache
+from fp4cache import _kernels as K
 from fp4cache import _numpy_backend as npb
+
+try:  # CuPy and its backend modules, for the GPU cases (which skip by their marker
+    # where there is no GPU: collection needs no CuPy)
+    import cupy as cp
+
+    from fp4cache import _cupy_attention as ca
+except ImportError:
+    ca = cp = None
+
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
 F16 = np.dtype(np.float16)
 F32 = np.dtype(np.float32)
-UNIT_ROUNDOFF = {BF16: 2.0**-8, F16: 2.0**-11, F32: 2.0**-24}
 DTYPES = {"bfloat16": BF16, "float16": F16, "float32": F32}
 
 
-# -- helpers ---------------------------------------------------------------------------------
-def make_cache(num_blocks=24, block_size=16, num_heads=2, head_dim=64, *, fill=True, seed=0,
-               **kw) -> PagedKVCache:
-    """A CPU cache whose every slot holds random K/V (K with a few outlier channels)."""
-    cache = PagedKVCache(num_blocks, block_size, num_heads, head_dim, device="cpu", **kw)
-    if fill:
-        rng = np.random.default_rng(seed)
-        n = cache.num_slots
-        k = rng.standard_normal((n, num_heads, head_dim), dtype=np.float32)
-        k[:, :, :: max(1, head_dim // 4)] *= 8  # outlier channels
-        v = rng.standard_normal((n, num_heads, head_dim), dtype=np.float32)
-        cache.store(rng.permutation(n), k, v)
-    return cache
-
-
-def make_tables(cache, seq_lens, *, max_blocks=None, seed=1, pad=-1):
-    """Random distinct pages for each sequence; unused entries are ``pad``."""
-    rng = np.random.default_rng(seed)
-    T = cache.block_size
-    need = [-(-int(n) // T) for n in seq_lens]
-    width = max(need + [1]) if max_blocks is None else max_blocks
-    tables = np.full((len(seq_lens), width), pad, dtype=np.int32)
-    for b, nb in enumerate(need):
-        tables[b, :nb] = rng.choice(cache.num_blocks, size=nb, replace=nb > cache.num_blocks)
-    return tables, np.asarray(seq_lens, dtype=np.int32)
-
-
-def make_q(B, Hq, D, dtype=F32, seed=2):
-    q = np.random.default_rng(seed).standard_normal((B, Hq, D), dtype=np.float32)
-    return q.astype(dtype)
-
-
-def reference(cache, q, block_tables, seq_lens, sm_scale=None):
-    """float64 softmax(sm_scale q.K^T) V over gather_dequant's float32 values."""
-    B, Hq, D = q.shape
-    H, T = cache.num_heads, cache.block_size
-    group = Hq // H
-    scale = 1.0 / math.sqrt(D) if sm_scale is None else sm_scale
-    scale = float(np.float32(scale))  # the cache uses sm_scale in float32
-    out = np.zeros((B, Hq, D))
-    lse = np.full((B, Hq), -np.inf)
-    for b in range(B):
-        n = int(seq_lens[b])
-        if n == 0:
-            continue
-        pages = np.asarray(block_tables[b, : -(-n // T)])
-        k, v = cache.gather_dequant(pages, dtype="float32")
-        k = k[:n].astype(np.float64)
-        v = v[:n].astype(np.float64)
-        for hq in range(Hq):
-            h = hq // group
-            scores = scale * (k[:, h, :] @ q[b, hq].astype(np.float64))
-            top = scores.max()
-            w = np.exp(scores - top)
-            out[b, hq] = (w @ v[:, h, :]) / w.sum()
-            lse[b, hq] = top + np.log(w.sum())
-    return out, lse
-
-
-def assert_close(got, want, dtype):
-    """The module docstring's bound: element-wise, rows of (B, Hq)."""
-    assert got.dtype == dtype
-    got = got.astype(np.float64)
-    row = np.abs(want).max(axis=-1, keepdims=True)
-    tol = 2 * UNIT_ROUNDOFF[dtype] * np.abs(want) + 1e-9 * row
-    if dtype == F16:
-        tol = tol + 2.0**-24
-    err = np.abs(got - want)
-    assert np.all(err <= tol), (
-        f"max error {err.max():.3g} at {np.unravel_index(np.argmax(err - tol), err.shape)}, "
-        f"tolerance there {tol.flat[np.argmax(err - tol)]:.3g}"
-    )
-
-
-def assert_lse_close(got, want):
-    assert got.dtype == np.float32
-    fin = np.isfinite(want)
-    assert np.array_equal(np.isneginf(got), np.isneginf(want))
-    np.testing.assert_allclose(got[fin], want[fin], rtol=2.0**-23, atol=1e-9)
-
-
+# -- helpers -------------------------------------------------------------------------------
 def run_and_compare(cache, q, tables, lens, **kw):
     buf = cache.buffer.copy()
     out, lse = cache.decode_attention(q, tables, lens, return_lse=True, **kw)
-    ref_out, ref_lse = reference(cache, q, tables, lens, kw.get("sm_scale"))
+    ref_out, ref_lse = decode_reference(cache, q, tables, lens, kw.get("sm_scale"))
     assert out.shape == q.shape and lse.shape == q.shape[:2]
     assert_close(out, ref_out, q.dtype)
     assert_lse_close(lse, ref_lse)
@@ -133,7 +95,7 @@ def run_and_compare(cache, q, tables, lens, **kw):
     return out, lse
 
 
-# -- the values ---------------------------------------------------------------------------------
+# -- the values ----------------------------------------------------------------------------
 @pytest.mark.parametrize("layout", ["HND", "NHD"])
 @pytest.mark.parametrize("swizzle", [True, False])
 @pytest.mark.parametrize("rule", ["static6", "4over6"])
@@ -352,7 +314,7 @@ def test_bad_block_ids_deferred_like_the_gpu():
     out, lse = cache.decode_attention(q, tables, lens, return_lse=True, validate=False)
     assert np.isnan(out[1]).all() and np.isnan(out[2]).all() and np.isnan(lse[1:3]).all()
     good = [0, 3]
-    ref_out, ref_lse = reference(cache, q[good], tables[good], lens[good])
+    ref_out, ref_lse = decode_reference(cache, q[good], tables[good], lens[good])
     assert_close(out[good], ref_out, F32)
     assert_lse_close(lse[good], ref_lse)
     assert cache.stats["bad_block_ids"] == 2
@@ -377,7 +339,7 @@ def test_dlpack_and_non_contiguous_inputs():
     assert np.array_equal(got, want)
 
 
-# -- out= ---------------------------------------------------------------------------------------
+# -- out= ----------------------------------------------------------------------------------
 def test_out_and_lse_out_are_written_and_returned():
     cache = make_cache()
     tables, lens = make_tables(cache, [40, 0])
@@ -426,7 +388,7 @@ def test_out_overlapping_q_is_refused():
     cache.decode_attention(q, tables, lens, lse_out=lse.reshape(2, 4), return_lse=True)
 
 
-# -- errors: each names its parameter and leaves the buffer alone --------------------------------
+# -- errors: each names its parameter and leaves the buffer alone --------------------------
 class _GpuProducer:
     """Claims to live on a CUDA device (DLPack device type 2): a CPU cache refuses it."""
 
@@ -529,7 +491,7 @@ def test_max_group_is_the_limit_the_front_end_enforces():
     np.testing.assert_array_equal(cache.buffer, before)
 
 
-# -- the GPU front end (any backend: a recording stand-in takes the kernels' place) --------------
+# -- the GPU front end (any backend: a recording stand-in takes the kernels' place) --------
 class _RecordingBackend:
     """Records what the front end hands to the backend's ``decode_attention``."""
 
@@ -659,3 +621,312 @@ def test_nan_q_warns_nothing_and_stays_in_its_head(dtype, return_lse, pages):
         assert np.isnan(lse[0, 3]) and np.isnan(lse[1]).all() and np.isnan(lse[2]).all()
         assert np.array_equal(lse[0, keep], ref_lse[0, keep])
         assert np.isneginf(lse[3]).all()
+
+
+# -- the kernels on the GPU, against the float64 reference ---------------------------------
+def run(cache, q, tab, lens, *, sm_scale=None, scratch=None, with_lse=True,
+        decode_route="auto"):
+    geom = cache.geometry
+    D = geom.head_dim
+    sm_scale = 1.0 / np.sqrt(D) if sm_scale is None else sm_scale
+    out = poisoned(q.shape, q.dtype)
+    lse = poisoned(q.shape[:2], np.float32) if with_lse else None
+    scratch = ca.new_scratch() if scratch is None else scratch
+    ca.decode_attention(cache.buffer, q, tab, lens, out, lse, geom=geom, k_s=cache._k_s,
+                        v_s=cache._v_s, sm_scale=sm_scale, stats=cache._stats,
+                        scratch=scratch, decode_route=decode_route)
+    return out, lse, scratch
+
+
+# the cases that take each kernel family: chunk ring (groups <= 8, paged16), not paged16,
+# wide
+BITS_CASES = [ATTENTION_CASES[i] for i in (0, 3, 7, 9, 12, 6)]
+
+
+@pytest.mark.gpu
+class TestKernel:
+    """``fp4cache._cupy_attention``'s decode against the float64 reference."""
+
+    @pytest.mark.parametrize("case", ATTENTION_CASES, ids=lambda c: "-".join(map(str, c)))
+    def test_small_matches_reference(self, case):
+        H, T, D, layout, swizzle, rule, group, dtname = case
+        rng = np.random.default_rng(zlib.crc32(repr(case).encode()))
+        lens = [0, 1, 37, 3 * T + 1, 200, 17]
+        max_blocks = -(-200 // T) + 2
+        num_blocks = sum(-(-L // T) for L in lens) + 3
+        cache, kd, vd = make_gpu_cache(rng, H=H, T=T, D=D, layout=layout, swizzle=swizzle,
+                                       rule=rule, num_blocks=num_blocks)
+        itype = np.int64 if D == 64 else np.int32
+        tab = tables_for(rng, lens, T, num_blocks, max_blocks, itype)
+        q = rand_q(rng, len(lens), H * group, D, dtname)
+        lens_a = np.array(lens, dtype=np.int32 if D != 128 else np.int64)
+        out, lse, _ = run(cache, cp.asarray(q), cp.asarray(tab), cp.asarray(lens_a))
+        ro, rl = decode_f64(kd, vd, q, tab, lens_a, T, 1 / np.sqrt(D), num_blocks)
+        check(out, lse, ro, rl, dtname, str(case))
+        assert not cp.asnumpy(out[0]).astype(np.float32).any()  # length 0 -> zeros
+
+    @pytest.mark.parametrize("case", BITS_CASES, ids=lambda c: "-".join(map(str, c)))
+    def test_bit_route_matches_reference(self, case):
+        """GPUs before sm_89 decode E2M1 codes and E4M3 scales by bit moves, with another
+        pairing of the codes (q's permutation and the V byte interleave follow it); on this
+        GPU the same kernels built with decode_route="bitmove" take that route."""
+        H, T, D, layout, swizzle, rule, group, dtname = case
+        rng = np.random.default_rng(zlib.crc32(repr(case).encode()) + 1)
+        lens = [1, 37, 3 * T + 1, 200]
+        max_blocks = -(-200 // T) + 1
+        num_blocks = sum(-(-L // T) for L in lens) + 2
+        cache, kd, vd = make_gpu_cache(rng, H=H, T=T, D=D, layout=layout, swizzle=swizzle,
+                                       rule=rule, num_blocks=num_blocks)
+        tab = tables_for(rng, lens, T, num_blocks, max_blocks)
+        q = rand_q(rng, len(lens), H * group, D, dtname)
+        lens_a = np.array(lens, dtype=np.int32)
+        out, lse, scratch = run(cache, cp.asarray(q), cp.asarray(tab), cp.asarray(lens_a),
+                                decode_route="bitmove")
+        specs = [p.spec for p in ca.attention_plans(scratch)]
+        assert specs and all(K.decode_attention_args(s).decode_route == "bitmove"
+                             for s in specs), specs
+        ro, rl = decode_f64(kd, vd, q, tab, lens_a, T, 1 / np.sqrt(D), num_blocks)
+        check(out, lse, ro, rl, dtname, f"bits {case}")
+
+    @pytest.mark.parametrize("D,dtname,group", [(128, "bfloat16", 4), (64, "float32", 8),
+                                                 (256, "float16", 16)])
+    def test_long_split_kv(self, D, dtname, group):
+        """20k tokens: several splits per (sequence, KV head), merged by the last CTA."""
+        rng = np.random.default_rng(D + group)
+        H, T = 2, 16
+        lens = [20000, 13, 4099]
+        max_blocks = 20000 // T + 1
+        num_blocks = sum(-(-L // T) for L in lens) + 1
+        cache, kd, vd = make_gpu_cache(rng, H=H, T=T, D=D, num_blocks=num_blocks)
+        tab = tables_for(rng, lens, T, num_blocks, max_blocks)
+        q = rand_q(rng, len(lens), H * group, D, dtname)
+        out, lse, scratch = run(cache, cp.asarray(q), cp.asarray(tab),
+                                cp.asarray(np.array(lens, np.int32)))
+        (plan,) = ca.attention_plans(scratch)
+        assert plan.grid[0] > 1  # split-KV in use
+        ro, rl = decode_f64(kd, vd, q, tab, lens, T, 1 / np.sqrt(D), num_blocks)
+        check(out, lse, ro, rl, dtname, f"long D={D}")
+
+    def test_bad_ids_nan_and_counted(self):
+        rng = np.random.default_rng(5)
+        H, T, D, group = 2, 16, 128, 4
+        lens = [100, 3000, 50, 40]
+        max_blocks = 3000 // T + 2
+        num_blocks = sum(-(-L // T) for L in lens) + 2
+        cache, kd, vd = make_gpu_cache(rng, H=H, T=T, D=D, num_blocks=num_blocks)
+        tab = tables_for(rng, lens, T, num_blocks, max_blocks)
+        tab[0, 2] = num_blocks + 5      # used: NaN
+        tab[1, 150] = -3                # used, long sequence (split-KV): NaN
+        tab[1, 160] = 2**31 - 1         # used
+        tab[2, 7] = num_blocks          # past the used pages (50 tokens = 4 pages): ignored
+        q = rand_q(rng, len(lens), H * group, D, "bfloat16")
+        cache.reset_counters()
+        out, lse, _ = run(cache, cp.asarray(q), cp.asarray(tab), cp.asarray(np.array(lens)))
+        ro, rl = decode_f64(kd, vd, q, tab, lens, T, 1 / np.sqrt(D), num_blocks)
+        assert np.isnan(ro[0]).all() and np.isnan(ro[1]).all() and not np.isnan(ro[2:]).any()
+        check(out, lse, ro, rl, "bfloat16", "bad ids")
+        assert int(cp.asnumpy(cache._stats)[3]) == 3  # once per bad used entry
+
+    def test_nan_groups_propagate(self):
+        rng = np.random.default_rng(6)
+        H, T, D, group = 2, 16, 128, 4
+        lens = [64, 64, 64]
+        num_blocks = 12
+        # page layout: tables below map sequence b to pages 4b..4b+3 in order
+        nan_k = [(5, 1, 3)]            # sequence 0, token 5, head 1: K group 0 NaN
+        nan_v = [(4 * T + 9, 0, 70)]   # sequence 1, token 9, head 0: V group 4 NaN
+        cache, kd, vd = make_gpu_cache(rng, H=H, T=T, D=D, num_blocks=num_blocks, nan_k=nan_k,
+                                       nan_v=nan_v)
+        tab = np.arange(12, dtype=np.int32).reshape(3, 4)
+        q = rand_q(rng, 3, H * group, D, "bfloat16")
+        out, lse, _ = run(cache, cp.asarray(q), cp.asarray(tab), cp.asarray(np.array(lens)))
+        ro, rl = decode_f64(kd, vd, q, tab, lens, T, 1 / np.sqrt(D), num_blocks)
+        assert np.isnan(ro[0, group:2 * group]).all() and not np.isnan(ro[0, :group]).any()
+        assert np.isnan(ro[1, :group, 64:80]).all() and not np.isnan(ro[1, :group, :64]).any()
+        check(out, lse, ro, rl, "bfloat16", "nan groups")
+
+    def test_lengths_clamped_to_capacity(self):
+        rng = np.random.default_rng(7)
+        H, T, D, group = 2, 16, 64, 2
+        max_blocks = 3
+        lens = np.array([10_000, -5, 48, 47], dtype=np.int64)
+        num_blocks = 16
+        cache, kd, vd = make_gpu_cache(rng, H=H, T=T, D=D, num_blocks=num_blocks)
+        tab = rng.permutation(num_blocks)[:4 * max_blocks].reshape(4, max_blocks).astype(np.int32)
+        q = rand_q(rng, 4, H * group, D, "float16")
+        out, lse, _ = run(cache, cp.asarray(q), cp.asarray(tab), cp.asarray(lens))
+        ro, rl = decode_f64(kd, vd, q, tab, lens, T, 1 / np.sqrt(D), num_blocks)
+        check(out, lse, ro, rl, "float16", "clamped")  # the reference clamps to 48 tokens
+        assert np.isneginf(cp.asnumpy(lse[1])).all() and not cp.asnumpy(out[1]).any()
+
+    def test_sm_scale_without_lse_and_no_allocation_when_warm(self):
+        rng = np.random.default_rng(8)
+        H, T, D, group = 2, 16, 128, 4
+        lens = [300, 900]
+        num_blocks = 80
+        cache, kd, vd = make_gpu_cache(rng, H=H, T=T, D=D, num_blocks=num_blocks)
+        tab = tables_for(rng, lens, T, num_blocks, 60)
+        q = rand_q(rng, 2, H * group, D, "bfloat16")
+        qd, td, ld = cp.asarray(q), cp.asarray(tab), cp.asarray(np.array(lens, np.int32))
+        scratch = ca.new_scratch()
+        out, _, _ = run(cache, qd, td, ld, sm_scale=0.3, scratch=scratch, with_lse=False)
+        ro, rl = decode_f64(kd, vd, q, tab, lens, T, 0.3, num_blocks)
+        check(out, None, ro, rl, "bfloat16", "sm_scale")
+        pool = cp.get_default_memory_pool()
+        out2 = cp.empty_like(out)
+        cp.cuda.get_current_stream().synchronize()
+        used = pool.used_bytes()
+        ca.decode_attention(cache.buffer, qd, td, ld, out2, None, geom=cache.geometry,
+                            k_s=cache._k_s, v_s=cache._v_s, sm_scale=0.3, stats=cache._stats,
+                            scratch=scratch)
+        assert pool.used_bytes() == used and len(ca.attention_plans(scratch)) == 1
+        # deterministic: the same bits twice
+        assert cp.array_equal(out.view(cp.uint16), out2.view(cp.uint16))
+
+    def test_cuda_graph_capture_and_replay(self):
+        """Captured once, replayed with new q, lengths and block tables (split-KV tickets
+        are reset by the kernel, so every replay merges correctly)."""
+        rng = np.random.default_rng(9)
+        H, T, D, group = 8, 16, 128, 4
+        B, max_blocks = 2, 512
+        num_blocks = 2 * max_blocks
+        cache, kd, vd = make_gpu_cache(rng, H=H, T=T, D=D, num_blocks=num_blocks)
+        qd = cp.empty((B, H * group, D), dtype=BF16)
+        td = cp.empty((B, max_blocks), dtype=cp.int32)
+        ld = cp.empty((B,), dtype=cp.int32)
+        out = cp.empty((B, H * group, D), dtype=BF16)
+        lse = cp.empty((B, H * group), dtype=cp.float32)
+        scratch = ca.new_scratch()
+        stream = cp.cuda.Stream(non_blocking=True)
+        kw = dict(geom=cache.geometry, k_s=cache._k_s, v_s=cache._v_s, sm_scale=1 / np.sqrt(D),
+                  stats=cache._stats, scratch=scratch)
+        with stream:
+            td[...] = cp.asarray(tables_for(rng, [8192, 100], T, num_blocks, max_blocks))
+            ld[...] = cp.asarray(np.array([8192, 100], np.int32))
+            qd[...] = cp.asarray(rand_q(rng, B, H * group, D, "bfloat16"))
+            ca.decode_attention(cache.buffer, qd, td, ld, out, lse, **kw)  # warm
+            stream.synchronize()
+            stream.begin_capture()
+            ca.decode_attention(cache.buffer, qd, td, ld, out, lse, **kw)
+            graph = stream.end_capture()
+        (plan,) = ca.attention_plans(scratch)
+        assert plan.grid[0] > 1
+        for rep, lens in enumerate(([8192, 100], [1, 5000], [0, 8191], [7777, 7777])):
+            q = rand_q(rng, B, H * group, D, "bfloat16")
+            tab = tables_for(rng, lens, T, num_blocks, max_blocks)
+            with stream:
+                qd[...] = cp.asarray(q)
+                td[...] = cp.asarray(tab)
+                ld[...] = cp.asarray(np.array(lens, np.int32))
+                out.view(cp.uint16).fill(0x7E7E)
+                lse.fill(12345.0)
+                graph.launch(stream)
+            stream.synchronize()
+            ro, rl = decode_f64(kd, vd, q, tab, lens, T, 1 / np.sqrt(D), num_blocks)
+            check(out, lse, ro, rl, "bfloat16", f"replay {rep}")
+
+    def test_split_plan_shapes(self):
+        # fills one wave, never more splits than FP4C_ATTN_MAX_SPLITS, covers the capacity
+        for B, H, cap, R in [(8, 8, 32768, 396), (1, 8, 131072, 396), (64, 8, 4096, 396),
+                             (1, 8, 1024, 396), (32, 8, 512, 396), (3, 1, 0, 396),
+                             (2, 2, 17, 100)]:
+            n, L = ca.split_plan(B, H, cap, R)
+            assert 1 <= n <= 128 and L % 128 == 0 and n * L >= cap and (n - 1) * L < max(cap, 1)
+            assert L <= ca.SPLIT_TOKENS and (n == 1 or L >= ca.MIN_SPLIT_TOKENS)
+        # whole waves: 64 (sequence, KV head) pairs on 528 resident CTAs take 8 splits of 4096
+        # (one wave), not 9 (a second, nearly empty wave) nor 16 (two waves and more merging)
+        assert ca.split_plan(8, 8, 32768, 528) == (8, 4096)
+        assert ca.split_plan(64, 8, 4096, 528) == (1, 4096)
+        assert ca.split_plan(1, 8, 131072, 528) == (64, 2048)
+        # a kernel of two CTAs per SM (two n8 tiles of rows) takes splits up to 8192 tokens:
+        # 4 splits (one wave of 256 CTAs on 264) instead of 8 (two waves; 157.9 against 184.6 us
+        # on the H200)
+        assert ca.split_plan(8, 8, 32768, 264, per_sm=2) == (4, 8192)
+        assert ca.split_plan(8, 8, 32768, 396, per_sm=3) == ca.split_plan(8, 8, 32768, 396)
+        # head_dim 64 takes 4-tile chunks: split lengths are whole 64-token chunks per warp
+        from fp4cache import _kernels as K
+
+        spec = K.decode_attention_spec("bf16", 64, False)
+        for B, H, cap in [(8, 8, 32768), (1, 8, 1000), (32, 8, 640), (3, 2, 17)]:
+            n, L = ca.split_plan(B, H, cap, 528, spec)
+            assert L % 256 == 0 and n * L >= cap and (n - 1) * L < max(cap, 1), (B, H, cap)
+
+
+# -- the public method on the GPU ----------------------------------------------------------
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtname", ["bfloat16", "float32"])
+@pytest.mark.parametrize("group", [4, 16])
+def test_unaligned_q_and_out_same_bits(dtname, group):
+    """q and out at views one element off 16 bytes (the kernel's scalar q loads and output
+    stores) give the same bits as aligned ones (16-byte q loads, 8/16-byte stores), also
+    through the public method; the outputs around the view are left untouched."""
+    rng = np.random.default_rng(12)
+    H, T, D = 2, 16, 128
+    lens = [70, 600, 0]
+    num_blocks = 60
+    cache, kd, vd = make_gpu_cache(rng, H=H, T=T, D=D, num_blocks=num_blocks)
+    tab = tables_for(rng, lens, T, num_blocks, 40)
+    B, Hq = len(lens), H * group
+    q = rand_q(rng, B, Hq, D, dtname)
+    td, ld = cp.asarray(tab), cp.asarray(np.array(lens, np.int32))
+    n = B * Hq * D
+    dt = DT[dtname]
+    flat_q = cp.zeros(n + 1, dtype=dt)
+    flat_o = cp.full(n + 2, np.nan, dtype=dt)
+    results = []
+    for off in (0, 1):
+        qv = flat_q[off:off + n].reshape(B, Hq, D)
+        qv[...] = cp.asarray(q)
+        flat_o.fill(np.nan)
+        ov = flat_o[off:off + n].reshape(B, Hq, D)
+        assert (qv.data.ptr % 16 == 0) == (off == 0)
+        got = cache.decode_attention(qv, td, ld, out=ov)
+        assert got is ov
+        results.append(cp.asnumpy(ov).view(np.uint8).copy())
+        if off == 1:
+            assert np.isnan(float(flat_o[0])) and np.isnan(float(flat_o[n + 1]))
+    assert np.array_equal(results[0], results[1])
+    ro, rl = decode_f64(kd, vd, q, tab, lens, T, 1.0 / np.sqrt(D), num_blocks)
+    check(cp.asarray(results[0].view(dt).reshape(B, Hq, D)), None, ro, rl, dtname, "aligned")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+@pytest.mark.parametrize("group", [1, 4, 16])
+def test_method_on_gpu_equals_cpu_backend(dtype, group):
+    """PagedKVCache.decode_attention through the front end (checked call, then the hot
+    path, also with out=/lse_out=) on the GPU against the CPU backend on the same pages
+    (same tolerance as above: the CPU accumulates the same float32 values in float64)."""
+    rng = np.random.default_rng(group)
+    H, T, D, nb = 2, 16, 128, 64
+    kw = dict(num_blocks=nb, block_size=T, num_heads=H, head_dim=D, k_scale=0.02,
+              v_scale=0.03)
+    gpu = fp4cache.PagedKVCache(**kw, device="cuda")
+    cpu = fp4cache.PagedKVCache(**kw, device="cpu")
+    k, v = kv_values(rng, nb * T, H, D)
+    slots = rng.permutation(nb * T)
+    cpu.store(slots, k, v)
+    gpu.store(cp.asarray(slots), cp.asarray(k), cp.asarray(v))
+    B = 3
+    tables = rng.permutation(nb)[:B * 20].reshape(B, 20).astype(np.int32)
+    lens = np.array([0, 37, 20 * T], np.int64)
+    q = rng.standard_normal((B, H * group, D)).astype(DT[dtype])
+    ref, ref_lse = cpu.decode_attention(q, tables, lens, return_lse=True)
+    qd, td, ld = cp.asarray(q), cp.asarray(tables), cp.asarray(lens)
+    out = cp.full(q.shape, np.nan, DT[dtype])
+    lse = cp.full((B, H * group), np.nan, np.float32)
+    for _ in range(3):  # checked call, then the hot path
+        got = gpu.decode_attention(qd, td, ld)
+        got2, lse2 = gpu.decode_attention(qd, td, ld, out=out, lse_out=lse, return_lse=True)
+        assert got2 is out and lse2 is lse
+        for g in (got, got2):
+            a = g.get().astype(np.float64)
+            r = ref.astype(np.float64)
+            err = np.linalg.norm(a - r, axis=-1) / np.maximum(np.linalg.norm(r, axis=-1),
+                                                               1e-30)
+            assert (err[1:] <= TOL[dtype]).all(), err
+            assert not a[0].any()  # length 0: zeros
+        ll = lse2.get()
+        assert np.isneginf(ll[0]).all()
+        assert np.allclose(ll[1:], ref_lse[1:], rtol=1e-3, atol=1e-3)
+    assert gpu.stats["bad_block_ids"] == 0

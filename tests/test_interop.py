@@ -1,13 +1,17 @@
-"""bfloat16 DLPack tensors on the CPU backend.
+"""Arrays from other libraries come in through DLPack, zero copy, on both backends.
 
-NumPy's ``np.from_dlpack`` cannot import bfloat16 (``kDLBfloat``), so
-``fp4cache._arrays.from_dlpack_cpu`` reads the ``DLManagedTensor`` itself.  The producers
-here are built with ctypes, without PyTorch: a capsule made with ``PyCapsule_New`` around a
-``DLManagedTensor`` (or ``DLManagedTensorVersioned``) that points at a NumPy uint16 buffer,
-with a deleter that counts its calls.  The capsules have no destructor (a Python one cannot
-run safely while NumPy's import error is pending) and the producer keeps them: a capsule
-nobody consumed keeps its name and its tensor is never deleted, which lets the tests tell
-that fp4cache deleted exactly the tensor it consumed, once, and no other.
+bfloat16 DLPack tensors on the CPU backend: NumPy's ``np.from_dlpack`` cannot import
+bfloat16 (``kDLBfloat``), so ``fp4cache._arrays.from_dlpack_cpu`` reads the
+``DLManagedTensor`` itself.  The producers here are built with ctypes, without PyTorch: a
+capsule made with ``PyCapsule_New`` around a ``DLManagedTensor`` (or
+``DLManagedTensorVersioned``) that points at a NumPy uint16 buffer, with a deleter that
+counts its calls.  The capsules have no destructor (a Python one cannot run safely while
+NumPy's import error is pending) and the producer keeps them: a capsule nobody consumed
+keeps its name and its tensor is never deleted, which lets the tests tell that fp4cache
+deleted exactly the tensor it consumed, once, and no other.
+
+Last, the array helpers behind the ``out=`` overlap checks (``share_bytes``,
+``ceil_div``).
 """
 
 from __future__ import annotations
@@ -19,27 +23,90 @@ import itertools
 import ml_dtypes
 import numpy as np
 import pytest
+from conftest import DLPackProducer
 
+import fp4cache
 from fp4cache import PagedKVCache, _arrays
-from fp4cache._arrays import from_dlpack_cpu, to_backend
+from fp4cache._arrays import ceil_div, from_dlpack_cpu, share_bytes, to_backend
 
+
+def test_cpu_cache_takes_dlpack_producers():
+    rng = np.random.default_rng(0)
+    k = rng.standard_normal((20, 2, 64), dtype=np.float32)
+    v = rng.standard_normal((20, 2, 64), dtype=np.float32)
+    slots = rng.permutation(64)[:20].astype(np.int64)
+    a = PagedKVCache(4, 16, 2, 64, device="cpu")
+    b = PagedKVCache(4, 16, 2, 64, device="cpu")
+    a.store(slots, k, v)
+    b.store(DLPackProducer(slots), DLPackProducer(k), DLPackProducer(v))
+    assert np.array_equal(a.buffer, b.buffer)
+    data, scales = fp4cache.quantize(DLPackProducer(k))
+    ref_data, ref_scales = fp4cache.quantize(k)
+    assert np.array_equal(data, ref_data) and np.array_equal(scales, ref_scales)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16", "float32"])
+def test_gpu_cache_takes_torch_tensors(dtype):
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available():
+        pytest.skip("torch has no CUDA here")
+    import cupy
+
+    rng = np.random.default_rng(1)
+    n, H, D = 100, 8, 128
+    x = rng.standard_normal((2, n, H, D), dtype=np.float32)
+    np_dt = {"bfloat16": ml_dtypes.bfloat16, "float16": np.float16, "float32": np.float32}[dtype]
+    slots = rng.permutation(32 * 16)[:n].astype(np.int64)
+    tk = torch.from_numpy(x[0]).to("cuda", getattr(torch, dtype))
+    tv = torch.from_numpy(x[1]).to("cuda", getattr(torch, dtype))
+    ts = torch.from_numpy(slots).to("cuda")
+
+    gpu = PagedKVCache(32, 16, H, D, scale_rule="4over6", device="cuda")
+    cpu = PagedKVCache(32, 16, H, D, scale_rule="4over6", device="cpu")
+    gpu.store(ts, tk, tv)  # PyTorch tensors in, through DLPack
+    cpu.store(slots, x[0].astype(np_dt), x[1].astype(np_dt))
+    torch.cuda.synchronize()
+    assert np.array_equal(gpu.buffer.get(), cpu.buffer)
+
+    # Outputs go back to PyTorch zero-copy, bf16 kept.
+    k_out, _ = gpu.gather_dequant(cupy.arange(32, dtype=cupy.int32), dtype=dtype)
+    back = torch.from_dlpack(k_out)
+    assert back.dtype == getattr(torch, dtype) and back.device.type == "cuda"
+    k_ref, _ = cpu.gather_dequant(np.arange(32), dtype=dtype)
+    got = back.cpu().view(torch.int16 if dtype != "float32" else torch.int32).numpy()
+    assert np.array_equal(got, k_ref.view(got.dtype))
+
+
+# -- bfloat16 DLPack tensors on the CPU backend --------------------------------------------
 BF16 = np.dtype(ml_dtypes.bfloat16)
 
-# --- a DLPack producer made with ctypes --------------------------------------------------
 
+# --- a DLPack producer made with ctypes ---------------------------------------------------
 _NAMES = {False: ctypes.create_string_buffer(b"dltensor"),
           True: ctypes.create_string_buffer(b"dltensor_versioned")}
+
+
 _capsule_new = ctypes.PYFUNCTYPE(ctypes.py_object, ctypes.c_void_p, ctypes.c_void_p,
                                  ctypes.c_void_p)(("PyCapsule_New", ctypes.pythonapi))
+
+
 _capsule_is_valid = ctypes.PYFUNCTYPE(ctypes.c_int, ctypes.py_object, ctypes.c_char_p)(
     ("PyCapsule_IsValid", ctypes.pythonapi))
 
+
 #: address of a live DLManagedTensor -> what must outlive it (struct, shape, strides, buffer)
 _LIVE: dict[int, tuple] = {}
+
+
 #: serial number of an export (its manager_ctx) -> how many times its deleter ran
 DELETED: dict[int, int] = {}
+
+
 #: addresses given to the deleter that were no live tensor (deleted twice, or never made)
 BAD_DELETES: list[int] = []
+
+
 _serials = itertools.count(1)
 
 
@@ -142,8 +209,7 @@ LAYOUTS = {
 }
 
 
-# --- tests -----------------------------------------------------------------------------------
-
+# --- tests --------------------------------------------------------------------------------
 def test_struct_layout_is_dlpack_h():
     """Offsets and sizes of dlpack.h (DLPack 1.x) on a 64-bit platform."""
     T, M, V = _arrays._DLTensor, _arrays._DLManagedTensor, _arrays._DLManagedTensorVersioned
@@ -353,3 +419,14 @@ def test_jax_bf16_array():
     c1.store(slots, x, x)
     c2.store(slots, ref, ref)
     assert np.array_equal(c1.buffer, c2.buffer)
+
+
+# -- array helpers -------------------------------------------------------------------------
+def test_share_bytes_and_ceil_div():
+    buf = np.zeros(64, dtype=np.uint8)
+    assert share_bytes(buf[:32], buf[31:40])
+    assert not share_bytes(buf[:32], buf[32:40])  # adjacent: no common byte
+    assert share_bytes(buf[8:16], buf)
+    assert not share_bytes(buf[8:8], buf)  # empty arrays share nothing
+    assert not share_bytes(buf, np.zeros(64, dtype=np.uint8))
+    assert [ceil_div(a, 4) for a in (0, 1, 4, 5, 8)] == [0, 1, 1, 2, 2]

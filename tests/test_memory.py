@@ -4,7 +4,7 @@
   sequences over block tables of 1-256 columns, a gather of 1-300 pages) on a cache of
   8,192 pages x 16 tokens x 8 heads x 128 with workspace hints: the CuPy pool's used
   bytes and ``cache.nbytes`` stay flat, and sampled steps equal the CPU backend (store
-  and gather byte for byte; attention within the tolerance of test_gpu_attention.py:
+  and gather byte for byte; attention within the tolerance of test_attention_decode.py:
   relative 2-norm error per row <= 1e-2 for bf16 outputs).
 * The same pattern without hints: the workspace grows to the largest call and stays
   within twice its current buffer (outgrown buffers kept for graphs).
@@ -33,7 +33,7 @@ BF16 = np.dtype(ml_dtypes.bfloat16)
 NB, T, H, D, HQ = 8192, 16, 8, 128, 32
 HINTS = dict(max_batch_size=64, max_seq_len=256 * T, num_query_heads=HQ)
 SCALES = dict(k_scale=4.5 / (6 * 448), v_scale=4.5 / (6 * 448))
-TOL = 1e-2  # bf16 outputs: test_gpu_attention.py's bound on the row's relative error
+TOL = 1e-2  # bf16 outputs: test_attention_decode.py's bound on the row's relative error
 MiB = 2**20
 
 
