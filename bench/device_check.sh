@@ -37,9 +37,9 @@ tests)
   timeout 60 python3 -m fp4cache 2>&1 | tee "$OUT/demo.log"
   for tool in memcheck racecheck; do
     timeout 150 compute-sanitizer --tool "$tool" --error-exitcode 9 \
-        python3 -m pytest -q -p no:cacheprovider tests/test_errors.py tests/test_gpu_frontend.py \
-        tests/test_streams.py tests/test_gpu_backend.py tests/test_gpu_decode_paths.py \
-        tests/test_devices.py tests/test_gpu_hotpath.py ${SANITIZE_EXTRA:-} \
+        python3 -m pytest -q -p no:cacheprovider tests/test_errors.py tests/test_store.py \
+        tests/test_gather.py tests/test_codec.py tests/test_longlive.py tests/test_devices.py \
+        tests/test_plans.py ${SANITIZE_EXTRA:-} \
         -k "(cuda or stream or duplicate or graph or claim or pool or wide or decode or device or gpu or thread or prepared or signature) and not fuzz and not hypothesis" \
         > "$OUT/sanitizer-$tool.log" 2>&1
     echo "compute-sanitizer $tool exit=$? $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY|passed|failed' \

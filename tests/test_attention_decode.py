@@ -19,7 +19,7 @@ real error.  For float16 the absolute term also covers its subnormal spacing (2^
 a missed token or float32 accumulation over long rows all break these bounds
 (``helpers.assert_close``, ``helpers.assert_lse_close``).
 
-GPU tolerances (``TestKernel``: the fused kernels of ``fp4cache._cupy_attention``; the
+GPU tolerances (``TestKernel``: the fused kernels of ``fp4cache._cuda.attention``; the
 public method on the GPU).  The reference and the kernel see the same decoded K/V values
 (the kernel's f16 K/V are exact: an E2M1 value times an E4M3 scale has at most 6
 significant bits); they differ by the kernel's rounding of q to f16 (exact for bf16/f16 q;
@@ -65,14 +65,14 @@ from hypothesis import strategies as st
 
 import fp4cache
 from fp4cache import PagedKVCache
+from fp4cache import _cpu as npb
 from fp4cache import _kernels as K
-from fp4cache import _numpy_backend as npb
 
 try:  # CuPy and its backend modules, for the GPU cases (which skip by their marker
     # where there is no GPU: collection needs no CuPy)
     import cupy as cp
 
-    from fp4cache import _cupy_attention as ca
+    from fp4cache._cuda import attention as ca
 except ImportError:
     ca = cp = None
 
@@ -249,8 +249,8 @@ def test_decoded_pages_are_gather_dequant_values():
         pages = cache.buffer[ids]
         g = cache.geometry
         # decode_pages is head-major [n, H, T, D]; gather_dequant token-major [n*T, H, D]
-        dk = npb.decode_pages(pages[:, 0], g, 0, cache._k_s).swapaxes(1, 2).reshape(k.shape)
-        dv = npb.decode_pages(pages[:, 1], g, 1, cache._v_s).swapaxes(1, 2).reshape(v.shape)
+        dk = npb.decode_pages(pages[:, 0], g, 0, cache.pool.k_s).swapaxes(1, 2).reshape(k.shape)
+        dv = npb.decode_pages(pages[:, 1], g, 1, cache.pool.v_s).swapaxes(1, 2).reshape(v.shape)
         assert np.array_equal(dk, k) and np.array_equal(dv, v)
 
 
@@ -477,9 +477,9 @@ def test_good_arguments_pass():
 
 
 def test_max_group_is_the_limit_the_front_end_enforces():
-    """``fp4cache.attention.MAX_GROUP`` query heads per KV head run; one more is refused
+    """``fp4cache._abi.MAX_GROUP`` query heads per KV head run; one more is refused
     with a message naming the limit, and the cache is left as it was."""
-    from fp4cache.attention import MAX_GROUP
+    from fp4cache._abi import MAX_GROUP
 
     cache = make_cache(num_heads=1)
     tables, lens = np.array([[0, 1]], np.int32), np.array([20], np.int32)
@@ -502,7 +502,7 @@ class _RecordingBackend:
         self.calls.append(dict(q=q, block_tables=block_tables, seq_lens=seq_lens, out=out,
                                lse=lse, **kw))
 
-    def attention_runner(self, buffer, q, block_tables, seq_lens, **kw):
+    def decode_runner(self, buffer, q, block_tables, seq_lens, **kw):
         """The prepared form the GPU front end uses: each run is recorded as a call."""
 
         def run(q, block_tables, seq_lens, out, lse):
@@ -515,7 +515,7 @@ class _RecordingBackend:
 def gpu_cache(monkeypatch):
     cache = PagedKVCache(8, 16, 2, 64, device="cuda")
     backend = _RecordingBackend()
-    monkeypatch.setattr(cache, "_impl", backend)
+    monkeypatch.setattr(cache.pool, "backend", backend)
     return cache, backend
 
 
@@ -547,7 +547,7 @@ def test_gpu_hot_path_skips_checks_for_a_known_signature(gpu_cache, monkeypatch)
     for call in backend.calls:
         assert call["q"] is q and call["block_tables"] is bt and call["seq_lens"] is sl
         assert call["sm_scale"] == float(np.float32(1 / 8))
-        assert call["scratch"] is cache._state and call["stats"] is cache._stats
+        assert call["scratch"] is cache.pool.state and call["stats"] is cache.pool.stats
     assert backend.calls[0]["out"] is out and backend.calls[0]["lse"] is lse
     assert backend.calls[2]["lse"] is None
     # A changed signature takes the checked path and is refused there.
@@ -632,8 +632,8 @@ def run(cache, q, tab, lens, *, sm_scale=None, scratch=None, with_lse=True,
     out = poisoned(q.shape, q.dtype)
     lse = poisoned(q.shape[:2], np.float32) if with_lse else None
     scratch = ca.new_scratch() if scratch is None else scratch
-    ca.decode_attention(cache.buffer, q, tab, lens, out, lse, geom=geom, k_s=cache._k_s,
-                        v_s=cache._v_s, sm_scale=sm_scale, stats=cache._stats,
+    ca.decode_attention(cache.buffer, q, tab, lens, out, lse, geom=geom, k_s=cache.pool.k_s,
+                        v_s=cache.pool.v_s, sm_scale=sm_scale, stats=cache.pool.stats,
                         scratch=scratch, decode_route=decode_route)
     return out, lse, scratch
 
@@ -645,7 +645,7 @@ BITS_CASES = [ATTENTION_CASES[i] for i in (0, 3, 7, 9, 12, 6)]
 
 @pytest.mark.gpu
 class TestKernel:
-    """``fp4cache._cupy_attention``'s decode against the float64 reference."""
+    """``fp4cache._cuda.attention``'s decode against the float64 reference."""
 
     @pytest.mark.parametrize("case", ATTENTION_CASES, ids=lambda c: "-".join(map(str, c)))
     def test_small_matches_reference(self, case):
@@ -725,7 +725,7 @@ class TestKernel:
         ro, rl = decode_f64(kd, vd, q, tab, lens, T, 1 / np.sqrt(D), num_blocks)
         assert np.isnan(ro[0]).all() and np.isnan(ro[1]).all() and not np.isnan(ro[2:]).any()
         check(out, lse, ro, rl, "bfloat16", "bad ids")
-        assert int(cp.asnumpy(cache._stats)[3]) == 3  # once per bad used entry
+        assert int(cp.asnumpy(cache.pool.stats)[3]) == 3  # once per bad used entry
 
     def test_nan_groups_propagate(self):
         rng = np.random.default_rng(6)
@@ -777,8 +777,8 @@ class TestKernel:
         cp.cuda.get_current_stream().synchronize()
         used = pool.used_bytes()
         ca.decode_attention(cache.buffer, qd, td, ld, out2, None, geom=cache.geometry,
-                            k_s=cache._k_s, v_s=cache._v_s, sm_scale=0.3, stats=cache._stats,
-                            scratch=scratch)
+                            k_s=cache.pool.k_s, v_s=cache.pool.v_s, sm_scale=0.3,
+                            stats=cache.pool.stats, scratch=scratch)
         assert pool.used_bytes() == used and len(ca.attention_plans(scratch)) == 1
         # deterministic: the same bits twice
         assert cp.array_equal(out.view(cp.uint16), out2.view(cp.uint16))
@@ -798,8 +798,8 @@ class TestKernel:
         lse = cp.empty((B, H * group), dtype=cp.float32)
         scratch = ca.new_scratch()
         stream = cp.cuda.Stream(non_blocking=True)
-        kw = dict(geom=cache.geometry, k_s=cache._k_s, v_s=cache._v_s, sm_scale=1 / np.sqrt(D),
-                  stats=cache._stats, scratch=scratch)
+        kw = dict(geom=cache.geometry, k_s=cache.pool.k_s, v_s=cache.pool.v_s,
+                  sm_scale=1 / np.sqrt(D), stats=cache.pool.stats, scratch=scratch)
         with stream:
             td[...] = cp.asarray(tables_for(rng, [8192, 100], T, num_blocks, max_blocks))
             ld[...] = cp.asarray(np.array([8192, 100], np.int32))

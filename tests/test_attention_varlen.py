@@ -1,7 +1,7 @@
 """``PagedKVCache.attention`` (any number of query tokens per sequence, vLLM's flattened
 layout) on the CPU against the float64 reference, and under the ``gpu`` marker on the GPU
 against the CPU backend and, one layer down (``TestKernel``), the kernels of
-``fp4cache._cupy_varlen`` against the float64 reference.
+``fp4cache._cuda.varlen`` against the float64 reference.
 
 Rows are (query token, query head) pairs: sequence b owns tokens ``qsl[b]:qsl[b+1]`` (n_b
 of them); causal token i sees keys ``0 .. len_b - n_b + i`` (bottom-right), else all
@@ -62,15 +62,15 @@ from nvfp4_ref import paged_attention_f64
 
 import fp4cache
 from fp4cache import PagedKVCache, _abi
-from fp4cache import _numpy_backend as npb
+from fp4cache import _cpu as npb
 from fp4cache import attention as front
 
 try:  # CuPy and its backend modules, for the GPU cases (which skip by their marker
     # where there is no GPU: collection needs no CuPy)
     import cupy as cp
 
-    from fp4cache import _cupy_varlen as cv
-    from fp4cache._cupy_attention import new_scratch
+    from fp4cache._cuda import varlen as cv
+    from fp4cache._cuda.attention import new_scratch
 except ImportError:
     cp = cv = new_scratch = None
 
@@ -276,8 +276,8 @@ def test_backend_rows_that_see_no_key():
     out = np.full(q.shape, 7, np.float32)
     lse = np.full(q.shape[:2], 7, np.float32)
     npb.attention(cache.buffer, q, qsl, tables, lens, out, lse, geom=cache.geometry,
-                  k_s=cache._k_s, v_s=cache._v_s, sm_scale=np.float32(1 / 8),
-                  stats=cache._stats, causal=True, max_query_len=5)
+                  k_s=cache.pool.k_s, v_s=cache.pool.v_s, sm_scale=np.float32(1 / 8),
+                  stats=cache.pool.stats, causal=True, max_query_len=5)
     ref_out, ref_lse = attention_reference(cache, q, qsl, tables, lens)
     none = [0, 1, 7, 8]
     assert not out[none].any() and np.isneginf(lse[none]).all()
@@ -615,10 +615,10 @@ def cpu_reference(cache, q, qsl, tab, lens, *, causal=True, sm_scale=None):
     scale = np.float32(1 / np.sqrt(D) if sm_scale is None else sm_scale)
     out = np.empty(q.shape, np.float32)
     lse = np.empty(q.shape[:2], np.float32)
-    stats = np.zeros_like(cp.asnumpy(cache._stats))
+    stats = np.zeros_like(cp.asnumpy(cache.pool.stats))
     npb.attention(cp.asnumpy(cache.buffer), np.asarray(q), np.asarray(qsl), np.asarray(tab),
-                  np.asarray(lens), out, lse, geom=cache.geometry, k_s=cache._k_s,
-                  v_s=cache._v_s, sm_scale=scale, stats=stats, causal=causal)
+                  np.asarray(lens), out, lse, geom=cache.geometry, k_s=cache.pool.k_s,
+                  v_s=cache.pool.v_s, sm_scale=scale, stats=stats, causal=causal)
     return out, lse, int(stats[fp4cache._abi.STAT["bad_block_ids"]])
 
 
@@ -828,7 +828,7 @@ def test_nan_groups_propagate():
 
 
 class _Recorder:
-    """Stands in for ``fp4cache._cupy_varlen.attention_runner``: records what the front end
+    """Stands in for ``fp4cache._cuda.varlen_runner``: records what the front end
     hands to the backend, once per launch (the prepared launch's arguments with the
     arrays of the call)."""
 
@@ -846,10 +846,10 @@ class _Recorder:
 
 @pytest.fixture
 def recorded(monkeypatch):
-    from fp4cache import _cupy_varlen
+    from fp4cache import _cuda
 
     rec = _Recorder()
-    monkeypatch.setattr(_cupy_varlen, "attention_runner", rec)
+    monkeypatch.setattr(_cuda, "varlen_runner", rec)
     return rec
 
 
@@ -908,8 +908,8 @@ def test_front_end_hands_over_the_arguments_and_takes_the_hot_path(recorded, mon
     assert len(recorded.calls) == 4
     for c in recorded.calls:
         assert c["q"] is q and c["query_start_loc"] is qsl and c["block_tables"] is bt
-        assert c["seq_lens"] is sl and c["stats"] is cache._stats
-        assert c["scratch"] is cache._state and c["geom"] == cache.geometry
+        assert c["seq_lens"] is sl and c["stats"] is cache.pool.stats
+        assert c["scratch"] is cache.pool.state and c["geom"] == cache.geometry
     assert [c["max_query_len"] for c in recorded.calls] == [3, 3, 3, 7]
     assert recorded.calls[3]["causal"] is False and recorded.calls[3]["sm_scale"] == 0.5
     assert recorded.calls[0]["sm_scale"] == float(np.float32(1 / 8))
@@ -1006,8 +1006,8 @@ def run(cache, q, qsl, tab, lens, *, max_query_len, causal, sm_scale=None, scrat
     lse = poisoned(q.shape[:2], np.float32) if with_lse else None
     scratch = new_scratch() if scratch is None else scratch
     cv.attention(cache.buffer, q, qsl, tab, lens, out, lse, max_query_len=max_query_len,
-                 causal=causal, geom=geom, k_s=cache._k_s, v_s=cache._v_s, sm_scale=sm_scale,
-                 stats=cache._stats, scratch=scratch)
+                 causal=causal, geom=geom, k_s=cache.pool.k_s, v_s=cache.pool.v_s,
+                 sm_scale=sm_scale, stats=cache.pool.stats, scratch=scratch)
     return out, lse, scratch
 
 
@@ -1043,7 +1043,7 @@ def zlib_seed(*parts) -> int:
 
 @pytest.mark.gpu
 class TestKernel:
-    """``fp4cache._cupy_varlen``'s kernels against the float64 reference."""
+    """``fp4cache._cuda.varlen``'s kernels against the float64 reference."""
 
     @pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
     @pytest.mark.parametrize("D,group,dtname,layout", [
@@ -1160,7 +1160,7 @@ class TestKernel:
         assert np.isnan(ro[42:50]).all() and not np.isnan(ro[:42]).any()
         assert np.isnan(ro[50:52]).all() and not np.isnan(ro[52:]).any()
         check(out, lse, ro, rl, "bfloat16", "bad ids")
-        assert int(cp.asnumpy(cache._stats)[_abi.STAT["bad_block_ids"]]) == 2
+        assert int(cp.asnumpy(cache.pool.stats)[_abi.STAT["bad_block_ids"]]) == 2
 
     def test_nan_groups(self):
         rng = np.random.default_rng(14)
@@ -1207,8 +1207,8 @@ class TestKernel:
         out = guard[:N]
         cv.attention(cache.buffer, cp.asarray(q), cp.asarray(qsl), cp.asarray(tab),
                      cp.asarray(np.array(lens, np.int32)), out, None, max_query_len=16,
-                     causal=True, geom=cache.geometry, k_s=cache._k_s, v_s=cache._v_s,
-                     sm_scale=1 / np.sqrt(D), stats=cache._stats, scratch=new_scratch())
+                     causal=True, geom=cache.geometry, k_s=cache.pool.k_s, v_s=cache.pool.v_s,
+                     sm_scale=1 / np.sqrt(D), stats=cache.pool.stats, scratch=new_scratch())
         ro, rl = paged_attention_f64(kd, vd, q, np.clip(qsl, 0, N), tab, lens, T, 1 / np.sqrt(D),
                                      num_blocks, True)
         check(out, None, ro, rl, "bfloat16", "clamped query_start_loc")
@@ -1246,8 +1246,9 @@ class TestKernel:
         lse = cp.empty((N, H * group), dtype=cp.float32)
         scratch = new_scratch()
         stream = cp.cuda.Stream(non_blocking=True)
-        kw = dict(max_query_len=4, causal=True, geom=cache.geometry, k_s=cache._k_s,
-                  v_s=cache._v_s, sm_scale=1 / np.sqrt(D), stats=cache._stats, scratch=scratch)
+        kw = dict(max_query_len=4, causal=True, geom=cache.geometry, k_s=cache.pool.k_s,
+                  v_s=cache.pool.v_s, sm_scale=1 / np.sqrt(D), stats=cache.pool.stats,
+                  scratch=scratch)
         with stream:
             qsld[...] = cp.asarray(starts_of([4, 4, 4]))
             td[...] = cp.asarray(tables_for(rng, [5000, 100, 4], T, num_blocks, max_blocks))

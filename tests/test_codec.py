@@ -18,14 +18,14 @@ from helpers import host, make_values, poisoned_elements, same_bytes, same_value
 from nvfp4_ref import assert_same_values, bits
 
 import fp4cache
-from fp4cache import _numpy_backend as nb
+from fp4cache import _cpu as nb
 from fp4cache import codec
 
 try:  # CuPy and its backend modules, for the GPU cases (which skip by their marker
     # where there is no GPU: collection needs no CuPy)
     import cupy as cp
 
-    from fp4cache import _cupy_backend as cb
+    from fp4cache import _cuda as cb
 except ImportError:
     cb = cp = None
 

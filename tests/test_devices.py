@@ -14,7 +14,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-import fp4cache.codec
+import fp4cache._backend
 from fp4cache import PagedKVCache, gpu_available
 from fp4cache._device import DeviceGuard, array_device, by_value, parse_device
 
@@ -395,7 +395,7 @@ def test_no_gpu_error_says_what_is_missing_not_to_install_the_extra():
     assert "is installed" in msg and "pip install" not in msg
     assert re.search(r"no NVIDIA driver|driver supports CUDA up to|sees no GPU", msg), msg
     with pytest.raises(RuntimeError, match="needs CuPy and a CUDA GPU: CuPy .* is installed"):
-        fp4cache.codec.backend_module("cuda")
+        fp4cache._backend.backend("cuda")
 
 
 class _FakeRuntime:

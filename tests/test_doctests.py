@@ -13,7 +13,8 @@ import pytest
 from conftest import resolve_qualname
 
 MODULES = ["fp4cache.calibrate", "fp4cache.codec", "fp4cache.cache", "fp4cache.longlive",
-           "fp4cache._plans", "fp4cache.pages", "fp4cache.typing"]
+           "fp4cache._plans", "fp4cache.layout", "fp4cache._device",
+           "fp4cache.typing"]
 FLAGS = doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE
 
 

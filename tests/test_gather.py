@@ -27,7 +27,7 @@ from helpers import (
 from nvfp4_ref import assert_same_values
 
 from fp4cache import PagedKVCache
-from fp4cache import _numpy_backend as nb
+from fp4cache import _cpu as nb
 from fp4cache._abi import STAT, STAT_NAMES
 from fp4cache.layout import PageGeometry
 
@@ -35,7 +35,7 @@ try:  # CuPy and its backend modules, for the GPU cases (which skip by their mar
     # where there is no GPU: collection needs no CuPy)
     import cupy as cp
 
-    from fp4cache import _cupy_backend as cb
+    from fp4cache import _cuda as cb
 except ImportError:
     cb = cp = None
 

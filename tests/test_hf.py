@@ -339,7 +339,7 @@ def test_gpu_fused_equals_sdpa_over_the_dequantized_cache(kind, heads, kv_heads,
     _, l_f = _greedy(fused, c_f, ids.cuda(), 16, mask.cuda())
     _, l_r = _greedy(ref, c_r, ids.cuda(), 16, mask.cuda())
     # The GPU kernels multiply in f16 MMAs (each attention row within ~2e-3 of float32,
-    # tests/test_gpu_attention*.py), amplified through the layers; 16-bit models round
+    # tests/test_attention_*.py), amplified through the layers; 16-bit models round
     # their activations too.
     _close(l_f.cpu(), l_r.cpu(), rtol=1e-2 if dtype == torch.float32 else 6e-2)
     assert c_f.layers[0].pages.device == "cuda" and c_f.layers[0].mode == "fused"

@@ -27,8 +27,8 @@ from nvfp4_ref import (
 )
 
 import fp4cache
-from fp4cache import _numpy_backend as nb
-from fp4cache import longlive
+from fp4cache import _cpu as nb
+from fp4cache import _hotpath, longlive
 from fp4cache._plans import PlanCache
 from fp4cache.layout import blocked_scale_offset, longlive_padded_rows
 
@@ -36,7 +36,7 @@ try:  # CuPy and its backend modules, for the GPU cases (which skip by their mar
     # where there is no GPU: collection needs no CuPy)
     import cupy as cp
 
-    from fp4cache import _cupy_backend as cb
+    from fp4cache import _cuda as cb
 except ImportError:
     cb = cp = None
 
@@ -280,12 +280,12 @@ def test_dequantize_refuses_heads_tokens_that_do_not_match_the_rows(H, Tb, bad_H
     (lambda x: (x[0], "4over6"), ValueError, "3-D"),
 ])
 def test_quantize_block_checks_everything_before_any_work(bad, exc, match, monkeypatch):
-    from fp4cache import _numpy_backend
+    from fp4cache import _cpu
 
     def no_work(*a, **k):
         raise AssertionError("the backend was called before the arguments were checked")
 
-    monkeypatch.setattr(_numpy_backend, "longlive_quantize", no_work)
+    monkeypatch.setattr(_cpu, "longlive_quantize", no_work)
     monkeypatch.setattr(np, "ascontiguousarray", no_work)
     x = np.ones((4, 2, 64), F32)
     with pytest.raises(exc, match=match):
@@ -297,28 +297,28 @@ def test_list_fast_path_entries_die_with_their_arrays(monkeypatch):
     soon as any of its arrays dies (before its id could be reused)."""
     import gc
 
-    monkeypatch.setattr(longlive, "_current_device", lambda: 0)
-    monkeypatch.setattr(longlive, "_LIST_FAST", PlanCache(32))
+    monkeypatch.setattr(_hotpath, "_current_device", lambda: 0)
+    monkeypatch.setattr(_hotpath, "LONGLIVE_LISTS", PlanCache(32))
     vals = [np.zeros((128, 32), np.uint8) for _ in range(3)]
     sfs = [np.zeros(512, np.uint8) for _ in range(3)]
     ams = [np.ones(1, F32) for _ in range(3)]
     args = (2, 8, "bfloat16", 6.0, 256.0)
     launch = ("run", (1, 24, 2, 64), np.float32, np)
-    longlive._list_remember(vals, sfs, ams, args, launch)
-    assert longlive._list_hit(vals, sfs, ams, args) is launch
-    assert longlive._list_hit(tuple(vals), sfs, ams, args) is launch  # same objects
-    assert longlive._list_hit(vals[::-1], sfs, ams, args) is None     # another order
-    assert longlive._list_hit(vals, sfs, ams, (2, 8, "float16", 6.0, 256.0)) is None
-    assert longlive._list_hit(vals, sfs, ams, (2.0, 8, "bfloat16", 6.0, 256.0)) is None
-    assert longlive._list_hit(vals, sfs, ams, (True, 8, "bfloat16", 6.0, 256.0)) is None
-    monkeypatch.setattr(longlive, "_current_device", lambda: 1)
-    assert longlive._list_hit(vals, sfs, ams, args) is None           # another GPU
-    monkeypatch.setattr(longlive, "_current_device", lambda: 0)
+    _hotpath.longlive_list_remember(vals, sfs, ams, args, launch)
+    assert _hotpath.longlive_list_hit(vals, sfs, ams, args) is launch
+    assert _hotpath.longlive_list_hit(tuple(vals), sfs, ams, args) is launch  # same objects
+    assert _hotpath.longlive_list_hit(vals[::-1], sfs, ams, args) is None     # another order
+    assert _hotpath.longlive_list_hit(vals, sfs, ams, (2, 8, "float16", 6.0, 256.0)) is None
+    assert _hotpath.longlive_list_hit(vals, sfs, ams, (2.0, 8, "bfloat16", 6.0, 256.0)) is None
+    assert _hotpath.longlive_list_hit(vals, sfs, ams, (True, 8, "bfloat16", 6.0, 256.0)) is None
+    monkeypatch.setattr(_hotpath, "_current_device", lambda: 1)
+    assert _hotpath.longlive_list_hit(vals, sfs, ams, args) is None           # another GPU
+    monkeypatch.setattr(_hotpath, "_current_device", lambda: 0)
     copy = [a.copy() for a in vals]
-    assert longlive._list_hit(copy, sfs, ams, args) is None           # equal, not same
+    assert _hotpath.longlive_list_hit(copy, sfs, ams, args) is None           # equal, not same
     del sfs[1]  # the list drops it, but the array lives on in nothing else: it dies
     gc.collect()
-    assert len(longlive._LIST_FAST) == 0
+    assert len(_hotpath.LONGLIVE_LISTS) == 0
 
 
 def test_raw_lists_need_their_rule_and_blocks_catch_swapped_counts():
@@ -408,9 +408,9 @@ def test_longlive_list_hot_path_matches_checked_call_and_reads_new_contents(rule
     host = [[a.get() for a in g] for g in (vals, sfs, ams)]
     m = blocks[0].e4m3_max
     ref = longlive.dequantize(*host, H, Tb, e4m3_max=m)
-    longlive._LIST_FAST.clear()
+    _hotpath.LONGLIVE_LISTS.clear()
     first = longlive.dequantize(vals, sfs, ams, H, Tb, e4m3_max=m)
-    assert len(longlive._LIST_FAST) == 1  # remembered after the checked call
+    assert len(_hotpath.LONGLIVE_LISTS) == 1  # remembered after the checked call
     again = longlive.dequantize(vals, sfs, ams, H, Tb, e4m3_max=m)  # the hot path
     assert again.data.ptr != first.data.ptr  # a new output each call
     assert_same_values(first, ref)
@@ -427,10 +427,10 @@ def test_longlive_list_hot_path_matches_checked_call_and_reads_new_contents(rule
     # a mismatch is refused on the hot path too (the counts are part of the key)
     with pytest.raises(ValueError, match="do not match the blocks"):
         longlive.dequantize(vals, sfs, ams, 4, Tb, e4m3_max=m)
-    n = len(longlive._LIST_FAST)
+    n = len(_hotpath.LONGLIVE_LISTS)
     del blocks, vals[3]
     gc.collect()
-    assert len(longlive._LIST_FAST) < n  # the entries that held the dead array are gone
+    assert len(_hotpath.LONGLIVE_LISTS) < n  # the entries that held the dead array are gone
 
 
 @pytest.mark.gpu

@@ -342,7 +342,7 @@ def test_page_format_field_of_the_wrong_type_is_a_type_error(field, value):
         cache.write_blocks([0], data, page_format=fmt)
     assert np.array_equal(before, cache.buffer)
     with pytest.raises(TypeError, match=rf"field '{field}' must be"):
-        pages.check_page_format(fmt, cache)
+        pages.check_page_format(fmt, cache.pool)
 
 
 def test_page_format_numbers_of_the_right_kind_pass():
@@ -654,7 +654,7 @@ def pair(nb, T, H, D, layout="HND", swizzle=True, *, seed=0, rule="static6"):
 
 def copy_tables(gpu):
     """The copy's uint32 tables (pending, dst_of) in the cache's workspace tickets."""
-    (t,) = gpu._state.workspace.get([], tickets=_abi.COPY_TABLES * gpu.num_blocks)
+    (t,) = gpu.pool.state.workspace.get([], tickets=_abi.COPY_TABLES * gpu.num_blocks)
     return t
 
 
@@ -893,16 +893,18 @@ class TestGpu:
     def test_host_transfers_in_several_staging_chunks(self, monkeypatch):
         import cupy
 
+        from fp4cache._cuda import pages as _cuda_pages
+
         gpu, cpu = pair(40, 16, 2, 64)
         P = gpu.geometry.page_bytes
-        monkeypatch.setattr(pages, "STAGING_BYTES", 3 * P)  # chunks of 3 pages
+        monkeypatch.setattr(_cuda_pages, "STAGING_BYTES", 3 * P)  # chunks of 3 pages
         rng = np.random.default_rng(6)
         blocks = rng.permutation(40)[:17]
         host = fp4cache.pinned_empty((17, P))
         gpu.read_blocks(cupy.asarray(blocks), out=host)
         cupy.cuda.get_current_stream().synchronize()
         assert np.array_equal(host, cpu.read_blocks(blocks))
-        assert gpu._state.workspace.scratch_bytes >= 3 * P
+        assert gpu.pool.state.workspace.scratch_bytes >= 3 * P
         data = rng.integers(0, 256, (17, P), dtype=np.uint8)
         pinned = fp4cache.pinned_empty((17, P))
         pinned[...] = data

@@ -152,7 +152,7 @@ def test_workspace_refuses_to_grow_while_capturing():
 
 
 # -- decode-attention workspace sizes from the hints ---------------------------------------
-ca = pytest.importorskip("fp4cache._cupy_attention", reason="needs CuPy installed")
+ca = pytest.importorskip("fp4cache._cuda.attention", reason="needs CuPy installed")
 
 
 def test_workspace_parts_of_one_launch():
@@ -226,7 +226,7 @@ def test_hints_are_checked_kept_and_shown():
     assert c.workspace_hints == {"max_batch_size": 64, "max_seq_len": 4096,
                                  "num_query_heads": 32}
     assert "max_batch_size=64, max_seq_len=4096, num_query_heads=32)" in repr(c)
-    assert c.workspace_nbytes == 0 and c.nbytes == c.buffer.nbytes + c._stats.nbytes
+    assert c.workspace_nbytes == 0 and c.nbytes == c.buffer.nbytes + c.pool.stats.nbytes
     c.release_workspace()  # nothing to free on the CPU
     d = fp4cache.PagedKVCache(64, 16, 8, 128, device="cpu", max_batch_size=2)
     assert d.workspace_hints == {"max_batch_size": 2, "max_seq_len": 64 * 16,

@@ -39,7 +39,7 @@ from nvfp4_ref import assert_same_values
 
 import fp4cache
 from fp4cache import PagedKVCache, calibrate_scale
-from fp4cache import _numpy_backend as nb
+from fp4cache import _cpu as nb
 from fp4cache._abi import STAT_NAMES
 from fp4cache.formats import reciprocal_clamped
 from fp4cache.layout import PageGeometry
@@ -48,7 +48,7 @@ try:  # CuPy and its backend modules, for the GPU cases (which skip by their mar
     # where there is no GPU: collection needs no CuPy)
     import cupy as cp
 
-    from fp4cache import _cupy_backend as cb
+    from fp4cache import _cuda as cb
 except ImportError:
     cb = cp = None
 
@@ -543,7 +543,7 @@ def test_store_one_or_two_heads_per_thread(dtype, rule, D, layout, swz, H, n):
     c_gpu.store(cp.asarray(slots), cp.asarray(k), cp.asarray(v), unique_slots=False)
     assert np.array_equal(cp.asnumpy(c_gpu.buffer), c_cpu.buffer)
     assert c_gpu.stats == c_cpu.stats
-    assert not c_gpu._state.claim.any()  # the clear pass leaves the claim table zero
+    assert not c_gpu.pool.state.claim.any()  # the clear pass leaves the claim table zero
 
 
 @pytest.mark.gpu
@@ -727,7 +727,7 @@ def test_claim_table_across_calls_graph_replays_and_freed_caches():
             caches = [c for c in caches if c is not None]
             gc.collect()
     for gpu, *_ in caches:
-        assert not gpu._state.claim.any()
+        assert not gpu.pool.state.claim.any()
 
 
 # -- the CuPy backend against the NumPy backend --------------------------------------------

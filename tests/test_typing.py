@@ -30,7 +30,7 @@ PUBLIC = [
     "fp4cache.longlive.LongLiveBlock.__new__",
     "fp4cache.layout.swizzle_scale_index", "fp4cache.layout.blocked_scale_offset",
     "fp4cache.layout.PageGeometry.data_offset", "fp4cache.layout.PageGeometry.scale_offset",
-    "fp4cache.codec.backend_module",
+    "fp4cache._backend.backend",
 ]
 
 
