@@ -1,6 +1,6 @@
 """Side-by-side timing of two source trees: did a change keep every benchmark row's speed?
 
-Run each benchmark alternately from both trees in one session of the GPU (A, B, A, B, ...:
+Run each benchmark alternately from both trees in one run on the GPU (A, B, A, B, ...:
 drift of clocks and temperature hits both alike), each run writing its JSON, then compare
 the rows::
 
