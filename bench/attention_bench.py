@@ -133,7 +133,7 @@ class AttnBench:
             def host_call():
                 cache.decode_attention(q, tab, lens, sm_scale=sm_scale, out=out)
             return host_call
-        from fp4cache._cuda import attention as ca
+        from fp4cache._cuda import decode as ca
 
         def call():
             ca.decode_attention(cache.buffer, q, tab, lens, out, None, geom=cache.geometry,
@@ -189,7 +189,7 @@ class AttnBench:
         sm_scale = 1.0 / np.sqrt(D)
         q = self.env.randn_bf16((B, Hq, D), seed + 7)
         out = cp.empty((B, Hq, D), dtype=BF16)
-        from fp4cache._cuda import attention as ca
+        from fp4cache._cuda import decode as ca
 
         scratch = ca.new_scratch()
         call = self.fused(cache, q, tab, lensd, out, scratch, sm_scale)

@@ -133,14 +133,14 @@ def main(argv=None) -> int:
     ap.add_argument("--batch", type=int, default=10)
     ap.add_argument("--no-check", action="store_true")
     ap.add_argument("--split-tokens", type=int, default=None,
-                    help="override _cuda.attention.SPLIT_TOKENS (tokens per split)")
+                    help="override _cuda.decode.SPLIT_TOKENS (tokens per split)")
     ap.add_argument("--nsplit", type=int, default=None, help="force this many splits")
     args = ap.parse_args(argv)
 
     import cupy as cp
 
     from fp4cache import _kernels as K
-    from fp4cache._cuda import attention as ca
+    from fp4cache._cuda import decode as ca
 
     if args.split_tokens:
         ca.SPLIT_TOKENS = args.split_tokens

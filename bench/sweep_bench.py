@@ -126,7 +126,7 @@ class SweepBench(AttnBench):
         out = xp.empty((B, HQ, D), dtype=BF16)
         scratch = None
         if env.gpu:
-            from fp4cache._cuda.attention import attention_plans, new_scratch
+            from fp4cache._cuda.decode import attention_plans, new_scratch
 
             scratch = new_scratch()
         calls = [self.fused(cache, q, t, lens, out, scratch, sm_scale) for t in tabs]

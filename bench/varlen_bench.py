@@ -33,7 +33,7 @@ for _p in (str(_ROOT), str(_ROOT / "bench")):
 from attention_bench import AttnBench, log  # noqa: E402
 from timing import BF16  # noqa: E402
 
-from fp4cache._cuda.attention import new_scratch  # noqa: E402
+from fp4cache._cuda.decode import new_scratch  # noqa: E402
 
 #: the targets (printed, never asserted)
 TARGETS = {"n4_vs_decode": 1.2, "n4_vs_sdpa": 2.0, "n8_vs_decode": 1.6,

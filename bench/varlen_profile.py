@@ -17,7 +17,7 @@ for _p in (str(_ROOT), str(_ROOT / "bench")):
 from timing import BF16  # noqa: E402
 from varlen_bench import VarlenBench  # noqa: E402
 
-from fp4cache._cuda.attention import new_scratch  # noqa: E402
+from fp4cache._cuda.decode import new_scratch  # noqa: E402
 
 
 def main() -> int:

@@ -5,7 +5,7 @@ Imports run one way (``tests/test_layering.py`` checks it)::
     public      __init__, __main__, hf
     front ends  cache, codec, calibrate, longlive, pages, attention
     protocol    _backend (this module)
-    backends    _cpu | _cuda (state, paged, attention, varlen, pages, longlive, launch)
+    backends    _cpu | _cuda (state, paged, decode, varlen, pages, longlive, launch)
     helpers     _hotpath, _plans, _device, _arrays, _kernels
     constants   layout, formats, _abi, typing
 

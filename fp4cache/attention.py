@@ -5,7 +5,7 @@ The front ends of ``PagedKVCache.decode_attention`` (one query token per sequenc
 layout): argument checks (the exceptions of ``docs/errors.md``; both methods share
 them), the prepared launches of repeated argument signatures (:mod:`fp4cache._hotpath`)
 and the call into the backend (:mod:`fp4cache._cpu`, or the CUDA kernels of
-:mod:`fp4cache._cuda.attention` / :mod:`fp4cache._cuda.varlen`), which compute
+:mod:`fp4cache._cuda.decode` / :mod:`fp4cache._cuda.varlen`), which compute
 ``softmax(sm_scale * q K^T) V`` over the values ``gather_dequant`` returns.  Every
 function takes the cache's :class:`~fp4cache._backend.Pool`.
 """

@@ -19,7 +19,7 @@ real error.  For float16 the absolute term also covers its subnormal spacing (2^
 a missed token or float32 accumulation over long rows all break these bounds
 (``helpers.assert_close``, ``helpers.assert_lse_close``).
 
-GPU tolerances (``TestKernel``: the fused kernels of ``fp4cache._cuda.attention``; the
+GPU tolerances (``TestKernel``: the fused kernels of ``fp4cache._cuda.decode``; the
 public method on the GPU).  The reference and the kernel see the same decoded K/V values
 (the kernel's f16 K/V are exact: an E2M1 value times an E4M3 scale has at most 6
 significant bits); they differ by the kernel's rounding of q to f16 (exact for bf16/f16 q;
@@ -72,7 +72,7 @@ try:  # CuPy and its backend modules, for the GPU cases (which skip by their mar
     # where there is no GPU: collection needs no CuPy)
     import cupy as cp
 
-    from fp4cache._cuda import attention as ca
+    from fp4cache._cuda import decode as ca
 except ImportError:
     ca = cp = None
 
@@ -645,7 +645,7 @@ BITS_CASES = [ATTENTION_CASES[i] for i in (0, 3, 7, 9, 12, 6)]
 
 @pytest.mark.gpu
 class TestKernel:
-    """``fp4cache._cuda.attention``'s decode against the float64 reference."""
+    """``fp4cache._cuda.decode``'s decode against the float64 reference."""
 
     @pytest.mark.parametrize("case", ATTENTION_CASES, ids=lambda c: "-".join(map(str, c)))
     def test_small_matches_reference(self, case):

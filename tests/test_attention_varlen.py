@@ -70,7 +70,7 @@ try:  # CuPy and its backend modules, for the GPU cases (which skip by their mar
     import cupy as cp
 
     from fp4cache._cuda import varlen as cv
-    from fp4cache._cuda.attention import new_scratch
+    from fp4cache._cuda.decode import new_scratch
 except ImportError:
     cp = cv = new_scratch = None
 

@@ -143,10 +143,9 @@ def test_guard_switches_to_the_cache_device_and_back(monkeypatch):
 
     monkeypatch.setattr(rt, "getDevice", fake_get)
     monkeypatch.setattr(rt, "setDevice", fake_set)
-    from fp4cache import _device
-    from fp4cache import cache as cache_mod
+    from fp4cache import _device, _hotpath
 
-    cache_mod._get_device.cache_clear()
+    _hotpath._get_device.cache_clear()
     try:
         for step in range(3):  # checked path first, then the prepared hot path
             calls.clear()
@@ -165,7 +164,7 @@ def test_guard_switches_to_the_cache_device_and_back(monkeypatch):
         assert state["cur"] == 1
     finally:
         monkeypatch.undo()
-        cache_mod._get_device.cache_clear()
+        _hotpath._get_device.cache_clear()
         real_set(real_get())
     assert _device is not None
     rk, _ = ref.gather_dequant(np.arange(3))

@@ -4,7 +4,7 @@ The order (``fp4cache/_backend.py`` describes the layers), lowest first::
 
     constants   typing, _abi, formats
     helpers     _arrays, layout, _plans, _device, _kernels, _hotpath
-    backends    _cpu, _cuda.launch, _cuda.state, _cuda.paged, _cuda.attention,
+    backends    _cpu, _cuda.launch, _cuda.state, _cuda.paged, _cuda.decode,
                 _cuda.varlen, _cuda.pages, _cuda.longlive, _cuda
     protocol    _backend
     front ends  codec, calibrate, attention, pages, longlive, cache
@@ -28,7 +28,7 @@ PKG = Path(__file__).resolve().parents[1] / "fp4cache"
 ORDER = [
     "typing", "_abi", "formats",
     "_arrays", "layout", "_plans", "_device", "_kernels", "_hotpath",
-    "_cpu", "_cuda.launch", "_cuda.state", "_cuda.paged", "_cuda.attention", "_cuda.varlen",
+    "_cpu", "_cuda.launch", "_cuda.state", "_cuda.paged", "_cuda.decode", "_cuda.varlen",
     "_cuda.pages", "_cuda.longlive", "_cuda",
     "_backend",
     "codec", "calibrate", "attention", "pages", "longlive", "cache",

@@ -27,7 +27,7 @@ from fp4cache import PagedKVCache
 pytestmark = pytest.mark.gpu
 cp = pytest.importorskip("cupy")
 
-from fp4cache._cuda import attention as ca  # noqa: E402  (imports CuPy)
+from fp4cache._cuda import decode as ca  # noqa: E402  (imports CuPy)
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
 NB, T, H, D, HQ = 8192, 16, 8, 128, 32

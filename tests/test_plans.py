@@ -152,7 +152,7 @@ def test_workspace_refuses_to_grow_while_capturing():
 
 
 # -- decode-attention workspace sizes from the hints ---------------------------------------
-ca = pytest.importorskip("fp4cache._cuda.attention", reason="needs CuPy installed")
+ca = pytest.importorskip("fp4cache._cuda.decode", reason="needs CuPy installed")
 
 
 def test_workspace_parts_of_one_launch():

@@ -9,7 +9,7 @@ of :mod:`fp4cache._hotpath` keeps them).  One module per feature:
 
 * :mod:`.state`: what a cache owns on the GPU;
 * :mod:`.paged`: store, gather and the flat codec;
-* :mod:`.attention`: the split plan, decode and few-row attention;
+* :mod:`.decode`: the split plan, decode and few-row attention;
 * :mod:`.varlen`: attention for any query length;
 * :mod:`.pages`: page moves and host transfers;
 * :mod:`.longlive`: LongLive's blocks;
@@ -18,7 +18,7 @@ of :mod:`fp4cache._hotpath` keeps them).  One module per feature:
 
 from __future__ import annotations
 
-from .attention import decode_attention, decode_runner, workspace_bound
+from .decode import decode_attention, decode_runner, workspace_bound
 from .longlive import (
     abs_max,
     longlive_dequantize,

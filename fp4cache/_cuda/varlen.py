@@ -35,7 +35,7 @@ from .. import _kernels as K
 from .._arrays import ceil_div
 from .._device import by_value, resident_ctas
 from ..layout import PageGeometry
-from .attention import (
+from .decode import (
     NULL,
     RowsSpec,
     attention_scales,
