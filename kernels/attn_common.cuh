@@ -4,6 +4,7 @@
 // Needs fp4_common.cuh before it.  FP4C_ATTN_BITMOVE (defined by the Spec of
 // decode_attention_spec(..., decode_route="bitmove")) forces the bit route on any GPU.
 #pragma once
+#include "paged_layout.cuh"
 
 #define FP4C_NEG_INF __uint_as_float(0xFF800000u)
 
