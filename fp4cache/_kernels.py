@@ -222,7 +222,7 @@ ATTN_HEAD_DIMS = (64, 128, 256)
 
 
 #: How the attention kernels turn E2M1 codes and E4M3 scales into f16 pairs
-#: (``kernels/attn_common.cuh``): "auto" takes the E4M3 conversion instructions on sm_89+
+#: (``kernels/attn_dequant.cuh``): "auto" takes the E4M3 conversion instructions on sm_89+
 #: and bit moves below; "bitmove" takes the bit moves on every GPU (so that a newer GPU
 #: can test the sm_80 route).
 DECODE_ROUTES = ("auto", "bitmove")

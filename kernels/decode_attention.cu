@@ -5,7 +5,7 @@
 //
 // with K, V the values gather_dequant returns (E2M1 code * E4M3 scale * global scale).
 // A CTA's rows are (query token, query head) pairs of one sequence and KV head (RowMap in
-// attn_common.cuh): decode has the group's query heads of one token; with query_start_loc
+// attn_seq.cuh): decode has the group's query heads of one token; with query_start_loc
 // (PagedKVCache.attention: speculative verification, the few-row sequences of a mixed
 // batch) the n tokens x group heads of a sequence, n * group <= 8 (kernels without _wide)
 // or 16 (_wide), each row with its bottom-right causal key limit.  Each page byte is read
@@ -50,7 +50,7 @@
 // ahead.  Layout (HND / NHD), V-scale swizzle and the index widths of block_tables and
 // seq_lens are run-time parameters (row strides and flags in AttnParams).
 // E2M1 -> f16 without tables, by bit moves (and on sm_89+ the E4M3 -> f16 conversion
-// instruction): see "NVFP4 -> f16 pairs" in attn_common.cuh.
+// instruction): see attn_dequant.cuh.
 //
 // q is converted to f16 once per row with a power-of-two scale (max |q| lands in
 // [2^14, 2^15)), exact for bf16 inputs whose components are within 2^29 of the row's
@@ -61,7 +61,12 @@
 // head) are NaN) and the CTA of KV head 0 that holds the page's first token adds 1 to
 // stats[3] (once per used block-table entry and call, as gather_dequant counts its pages).
 #include "fp4_common.cuh"
-#include "attn_common.cuh"
+#include "paged_layout.cuh"
+#include "attn_ptx.cuh"
+#include "attn_dequant.cuh"
+#include "attn_seq.cuh"
+#include "attn_state.cuh"
+#include "attn_epilogue.cuh"
 
 #define FP4C_ATTN_THREADS (32 * FP4C_ATTN_WARPS)
 // minimum resident CTAs per SM (register budget) by head_dim, loader and row tiles (one n8

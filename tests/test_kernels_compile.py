@@ -28,7 +28,7 @@ needs_nvrtc = pytest.mark.skipif(not _nvrtc_usable(), reason="cupy / NVRTC not i
 
 
 #: the attention kernels' split set (struct SplitSet: 3 pointers, 4 u32), passed by reference
-#: to the merge, which is not inlined (attn_common.cuh, merge_splits): their only stack
+#: to the merge, which is not inlined (attn_state.cuh, merge_splits): their only stack
 SPLIT_SET_BYTES = 40
 
 
@@ -152,5 +152,6 @@ def test_kernel_dir_holds_sources():
     d = K.kernel_dir()
     assert (d / "fp4_common.cuh").is_file()
     for f in ("paged_kv.cu", "flat_codec.cu", "longlive.cu", "decode_attention.cu",
-              "page_copy.cu", "varlen_attention.cu", "attn_common.cuh"):
+              "page_copy.cu", "varlen_attention.cu", "paged_layout.cuh", "attn_ptx.cuh",
+              "attn_dequant.cuh", "attn_seq.cuh", "attn_state.cuh", "attn_epilogue.cuh"):
         assert (d / f).is_file()
