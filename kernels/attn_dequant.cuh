@@ -52,24 +52,12 @@ FP4C_DEVICE void e2m1_pairs(u32 x, u32* r) {
   e4m3x4_to_f16(odd, r[2], r[0]);
   e4m3x4_to_f16(even, r[3], r[1]);
 }
-// The same value, one pair (the table kernel's cross-check)
-FP4C_DEVICE u32 e2m1_pair(u32 x, int p) {
-  const u32 y = x >> (4 * pair_nibble(p, 0));  // the pair's nibbles n, n + 2 at bits 0, 8
-  const u32 b = ((y << 2) & 0x1C1Cu) | ((y << 4) & 0x8080u);
-  u32 h;
-  asm("cvt.rn.f16x2.e4m3x2 %0, %1;" : "=r"(h) : "h"((unsigned short)b));
-  return h;
-}
 #define FP4C_V_SEL_LO 0x5140u  // a.b0, b.b0, a.b1, b.b1
 #define FP4C_ROUTE_UNSCALE 0.5f  // 2^(S_route - S): pairs are e2m1 * sf * 2^-6 (pair_scale)
 #define FP4C_V_SEL_HI 0x7362u  // a.b2, b.b2, a.b3, b.b3
 #else
-FP4C_DEVICE u32 e2m1_pair(u32 x, int p) {
-  const u32 y = x << (4 * p);
-  return (y & 0x80008000u) | ((y >> 3) & 0x0E000E00u);
-}
-// All four pairs of x (the same values as e2m1_pair(x, p), p = 0..3), sharing the shifts:
-// the masks are applied before the final shift.
+// All four pairs of x (pair p: the formula above on x << 4p), sharing the shifts: the masks
+// are applied before the final shift.
 FP4C_DEVICE void e2m1_pairs(u32 x, u32* r) {
   const u32 z = x >> 3;
   r[0] = (x & 0x80008000u) | (z & 0x0E000E00u);

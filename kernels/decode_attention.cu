@@ -87,40 +87,6 @@
 // (host twin: fp4cache._cupy_attention.ATTN_PARAMS_DTYPE, same field order, align=True).
 // AttnParams (every non-pointer argument) is generated from fp4cache/_abi.py.
 
-// Host-checked table of the decode (tests/test_gpu_attention.py; a test-only kernel, built
-// only by _kernels.attn_dequant_table_spec): out[(p*2 + half)*4096 + code*256 + byte] = the
-// f32 value of half `half` of pair p of the word holding `code` in every nibble, times the
-// scale pair of `byte`: e2m1(code) * e4m3(byte) * 2^-FP4C_PAIR_SCALE_SHIFT exactly (the
-// route's pairs times FP4C_ROUTE_UNSCALE).
-// Entries are NaN where e2m1_pair and e2m1_pairs disagree or where `code` alone at nibble
-// pair_nibble(p, half) does not land in that half of pair p (zeros everywhere else).
-FP4C_DEVICE void attn_dequant_table(float* out) {
-  const u32 i = blockIdx.x * blockDim.x + threadIdx.x;
-  if (i >= 4096u) return;
-  const u32 code = i >> 8, byte = i & 255u;
-  const u32 x = code * 0x11111111u;
-  const u32 sf = pair_scale(byte * 0x0101u);
-  u32 e[4];
-  e2m1_pairs(x, e);
-#pragma unroll
-  for (int p = 0; p < 4; ++p) {
-    if (e[p] != e2m1_pair(x, p)) e[p] = 0xFFFFFFFFu;  // the two forms must agree (NaN)
-#pragma unroll
-    for (int half = 0; half < 2; ++half) {
-      u32 one[4];
-      e2m1_pairs(code << (4 * pair_nibble(p, half)), one);
-      const u32 keep = half ? 0xFFFF0000u : 0x0000FFFFu;
-      bool ok = (one[p] & keep) == (e[p] & keep) && (one[p] & ~keep) == 0u;
-#pragma unroll
-      for (int o = 0; o < 4; ++o) ok = ok && (o == p || one[o] == 0u);
-      if (!ok) e[p] |= half ? 0x7FFF0000u : 0x00007FFFu;  // NaN in that half
-    }
-    const u32 v = hmul2(e[p], sf);
-    out[(p * 2 + 0) * 4096 + i] = f_mul(f16_bits_to_float(v & 0xFFFFu), FP4C_ROUTE_UNSCALE);
-    out[(p * 2 + 1) * 4096 + i] = f_mul(f16_bits_to_float(v >> 16), FP4C_ROUTE_UNSCALE);
-  }
-}
-
 // ---------------------------------------------------------------------------------------
 // Geometry of one head_dim
 // ---------------------------------------------------------------------------------------
@@ -1194,10 +1160,6 @@ FP4C_DEVICE void decode_attn_impl(const void* __restrict__ q, const void* __rest
     decode_attn_impl<T, D, (WIDE) ? 2 : 1, PAGED16>(q, qsl, tables, seq_lens, out, lse,     \
                                                     params);                                 \
   }
-
-// NAME (the test-only table kernel above)
-#define FP4C_ATTN_DEQUANT_TABLE_KERNEL(NAME) \
-  extern "C" __global__ void NAME(float* out) { attn_dequant_table(out); }
 
 #ifdef FP4C_INSTANTIATIONS
 FP4C_INSTANTIATIONS
