@@ -62,7 +62,7 @@ __all__ = [
     "decode_attention_args",
     "attention_head_dim",
     "page_mark_spec",
-    "attn_dequant_table_spec",
+    "route_defines",
     "page_copy_spec",
     "page_read_spec",
     "page_write_spec",
@@ -120,8 +120,10 @@ def kernel_dir() -> Path:
 @dataclass(frozen=True)
 class Spec:
     """One kernel specialization: file, stamping macro, kernel name, macro arguments, the
-    macros its translation unit defines (a variant's switch, e.g. ``FP4C_ATTN_BITMOVE``)
-    and, where the host reads them back, the builder's arguments by name (``params``)."""
+    macros its translation unit defines (a variant's switch, e.g. ``FP4C_ATTN_BITMOVE``),
+    where the host reads them back the builder's arguments by name (``params``) and the
+    folder of ``file`` (``None``: the shipped :func:`kernel_dir`; a test kernel's folder
+    otherwise, whose includes are looked up there first, then in :func:`kernel_dir`)."""
 
     file: str
     macro: str
@@ -129,6 +131,7 @@ class Spec:
     args: tuple[str, ...]
     defines: tuple[tuple[str, int], ...] = ()
     params: tuple | None = None
+    folder: str | None = None
 
     @property
     def instantiation(self) -> str:
@@ -222,7 +225,7 @@ ATTN_HEAD_DIMS = (64, 128, 256)
 
 
 #: How the attention kernels turn E2M1 codes and E4M3 scales into f16 pairs
-#: (``kernels/attn_common.cuh``): "auto" takes the E4M3 conversion instructions on sm_89+
+#: (``kernels/attn_dequant.cuh``): "auto" takes the E4M3 conversion instructions on sm_89+
 #: and bit moves below; "bitmove" takes the bit moves on every GPU (so that a newer GPU
 #: can test the sm_80 route).
 DECODE_ROUTES = ("auto", "bitmove")
@@ -238,7 +241,8 @@ class DecodeAttnArgs(NamedTuple):
     decode_route: str
 
 
-def _route_defines(decode_route: str) -> tuple[tuple[str, int], ...]:
+def route_defines(decode_route: str) -> tuple[tuple[str, int], ...]:
+    """The macros of a :data:`DECODE_ROUTES` entry (the ``defines`` of a :class:`Spec`)."""
     if decode_route not in DECODE_ROUTES:
         raise ValueError(f"decode_route must be one of {DECODE_ROUTES}, got {decode_route!r}")
     return (("FP4C_ATTN_BITMOVE", 1),) if decode_route == "bitmove" else ()
@@ -257,7 +261,7 @@ def decode_attention_spec(dtype: str, head_dim: int, wide: bool, paged16: bool =
     ``decode_route``: one of :data:`DECODE_ROUTES` (``_bitmove`` in the kernel name)."""
     if head_dim not in ATTN_HEAD_DIMS:
         raise ValueError(f"head_dim must be one of {ATTN_HEAD_DIMS}, got {head_dim}")
-    defines = _route_defines(decode_route)
+    defines = route_defines(decode_route)
     name = (f"fp4cache_decode_attn_{dtype}_d{head_dim}{'_wide' if wide else ''}"
             f"{'_paged16' if paged16 else ''}{'_bitmove' if defines else ''}")
     return Spec("decode_attention.cu", "FP4C_ATTN_KERNEL", name,
@@ -271,15 +275,6 @@ def decode_attention_args(spec: Spec) -> DecodeAttnArgs:
     if not isinstance(spec.params, DecodeAttnArgs):
         raise ValueError(f"{spec.name} is not a decode_attention_spec specialization")
     return spec.params
-
-
-def attn_dequant_table_spec(decode_route: str = "auto") -> Spec:
-    """The test-only kernel that tabulates the attention's f16 decode of every E2M1 code x
-    E4M3 scale byte x pair position (``tests/test_gpu_attention.py``); not in
-    :func:`all_specs`, so no shipped module carries it."""
-    defines = _route_defines(decode_route)
-    return Spec("decode_attention.cu", "FP4C_ATTN_DEQUANT_TABLE_KERNEL",
-                f"fp4cache_attn_dequant_table{'_bitmove' if defines else ''}", (), defines)
 
 
 def varlen_attention_spec(dtype: str, head_dim: int, row_warps: int) -> Spec:
@@ -367,14 +362,22 @@ def all_specs() -> list[Spec]:
 
 
 @cache
-def _read_inlined(file: str) -> str:
-    """``file`` with its local includes inlined once each, with ``#line`` framing."""
-    root = kernel_dir()
+def _read_inlined(file: str, folder: str | None = None) -> str:
+    """``file`` (in ``folder``, default :func:`kernel_dir`) with its local includes inlined
+    once each, with ``#line`` framing; an include is looked up in ``folder``, then in
+    :func:`kernel_dir`."""
+    roots = list(dict.fromkeys([Path(folder) if folder else kernel_dir(), kernel_dir()]))
     seen: set[str] = set()
+
+    def find(name: str) -> Path | None:
+        return next((r / name for r in roots if (r / name).is_file()), None)
 
     def expand(name: str) -> list[str]:
         out = [f'#line 1 "{name}"']
-        lines = (root / name).read_text().splitlines()
+        path = find(name)
+        if path is None:
+            raise FileNotFoundError(f"kernel source {name!r} not in {roots[0]}")
+        lines = path.read_text().splitlines()
         for lineno, line in enumerate(lines, start=1):
             m = _INCLUDE.match(line)
             if m and m.group(1) == ABI_HEADER:
@@ -382,8 +385,9 @@ def _read_inlined(file: str) -> str:
                         f'#line {lineno + 1} "{name}"']
             elif m:
                 inc = m.group(1)
-                if not (root / inc).is_file():
-                    raise FileNotFoundError(f"{name}:{lineno}: include {inc!r} not in {root}")
+                if find(inc) is None:
+                    where = " or ".join(str(r) for r in roots)
+                    raise FileNotFoundError(f"{name}:{lineno}: include {inc!r} not in {where}")
                 if inc not in seen:
                     seen.add(inc)
                     out += expand(inc)
@@ -398,18 +402,23 @@ def _read_inlined(file: str) -> str:
 
 
 def build_source(file: str, specs: list[Spec] | tuple[Spec, ...]) -> str:
-    """Translation unit of ``file`` defining the kernels in ``specs`` (one variant)."""
+    """Translation unit of ``file`` defining the kernels in ``specs`` (one variant, one
+    folder)."""
     for s in specs:
         if s.file != file:
             raise ValueError(f"spec {s.name} belongs to {s.file}, not {file}")
     variants = {s.defines for s in specs}
     if len(variants) > 1:
         raise ValueError("specs of one translation unit must share their defines")
+    folders = {s.folder for s in specs}
+    if len(folders) > 1:
+        raise ValueError("specs of one translation unit must share their folder")
+    folder = folders.pop() if specs else None
     defines = "".join(f"#define {k} {v}\n" for k, v in sorted(variants.pop() if specs else ()))
     body = " \\\n    ".join(s.instantiation for s in specs)
     preamble = (f"// fp4cache specializations\n{defines}"
                 f"#define FP4C_INSTANTIATIONS \\\n    {body}\n")
-    return preamble + _read_inlined(file)
+    return preamble + _read_inlined(file, folder)
 
 
 def common_source() -> str:
@@ -468,11 +477,11 @@ def compile_all(arch: str = "sm_90", specs: list[Spec] | None = None) -> dict[st
     and ``RuntimeError`` if a kernel is missing from the PTX.
     """
     specs = all_specs() if specs is None else specs
-    by_file: dict[tuple[str, tuple], list[Spec]] = {}
+    by_file: dict[tuple[str, str, tuple], list[Spec]] = {}
     for s in specs:
-        by_file.setdefault((s.file, s.defines), []).append(s)
+        by_file.setdefault((s.file, s.folder or "", s.defines), []).append(s)
     out: dict[str, str] = {}
-    for (file, _), group in sorted(by_file.items()):
+    for (file, _, _), group in sorted(by_file.items()):
         ptx = compile_source(build_source(file, group), file, arch, CUPY_IMPLICIT_OPTIONS)
         for s in group:
             if f".entry {s.name}(" not in ptx:

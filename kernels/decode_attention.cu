@@ -5,7 +5,7 @@
 //
 // with K, V the values gather_dequant returns (E2M1 code * E4M3 scale * global scale).
 // A CTA's rows are (query token, query head) pairs of one sequence and KV head (RowMap in
-// attn_common.cuh): decode has the group's query heads of one token; with query_start_loc
+// attn_seq.cuh): decode has the group's query heads of one token; with query_start_loc
 // (PagedKVCache.attention: speculative verification, the few-row sequences of a mixed
 // batch) the n tokens x group heads of a sequence, n * group <= 8 (kernels without _wide)
 // or 16 (_wide), each row with its bottom-right causal key limit.  Each page byte is read
@@ -50,7 +50,7 @@
 // ahead.  Layout (HND / NHD), V-scale swizzle and the index widths of block_tables and
 // seq_lens are run-time parameters (row strides and flags in AttnParams).
 // E2M1 -> f16 without tables, by bit moves (and on sm_89+ the E4M3 -> f16 conversion
-// instruction): see "NVFP4 -> f16 pairs" in attn_common.cuh.
+// instruction): see attn_dequant.cuh.
 //
 // q is converted to f16 once per row with a power-of-two scale (max |q| lands in
 // [2^14, 2^15)), exact for bf16 inputs whose components are within 2^29 of the row's
@@ -61,7 +61,12 @@
 // head) are NaN) and the CTA of KV head 0 that holds the page's first token adds 1 to
 // stats[3] (once per used block-table entry and call, as gather_dequant counts its pages).
 #include "fp4_common.cuh"
-#include "attn_common.cuh"
+#include "paged_layout.cuh"
+#include "attn_ptx.cuh"
+#include "attn_dequant.cuh"
+#include "attn_seq.cuh"
+#include "attn_state.cuh"
+#include "attn_epilogue.cuh"
 
 #define FP4C_ATTN_THREADS (32 * FP4C_ATTN_WARPS)
 // minimum resident CTAs per SM (register budget) by head_dim, loader and row tiles (one n8
@@ -81,40 +86,6 @@
 // Every argument that stays the same from call to call, passed by value as one struct
 // (host twin: fp4cache._cupy_attention.ATTN_PARAMS_DTYPE, same field order, align=True).
 // AttnParams (every non-pointer argument) is generated from fp4cache/_abi.py.
-
-// Host-checked table of the decode (tests/test_gpu_attention.py; a test-only kernel, built
-// only by _kernels.attn_dequant_table_spec): out[(p*2 + half)*4096 + code*256 + byte] = the
-// f32 value of half `half` of pair p of the word holding `code` in every nibble, times the
-// scale pair of `byte`: e2m1(code) * e4m3(byte) * 2^-FP4C_PAIR_SCALE_SHIFT exactly (the
-// route's pairs times FP4C_ROUTE_UNSCALE).
-// Entries are NaN where e2m1_pair and e2m1_pairs disagree or where `code` alone at nibble
-// pair_nibble(p, half) does not land in that half of pair p (zeros everywhere else).
-FP4C_DEVICE void attn_dequant_table(float* out) {
-  const u32 i = blockIdx.x * blockDim.x + threadIdx.x;
-  if (i >= 4096u) return;
-  const u32 code = i >> 8, byte = i & 255u;
-  const u32 x = code * 0x11111111u;
-  const u32 sf = pair_scale(byte * 0x0101u);
-  u32 e[4];
-  e2m1_pairs(x, e);
-#pragma unroll
-  for (int p = 0; p < 4; ++p) {
-    if (e[p] != e2m1_pair(x, p)) e[p] = 0xFFFFFFFFu;  // the two forms must agree (NaN)
-#pragma unroll
-    for (int half = 0; half < 2; ++half) {
-      u32 one[4];
-      e2m1_pairs(code << (4 * pair_nibble(p, half)), one);
-      const u32 keep = half ? 0xFFFF0000u : 0x0000FFFFu;
-      bool ok = (one[p] & keep) == (e[p] & keep) && (one[p] & ~keep) == 0u;
-#pragma unroll
-      for (int o = 0; o < 4; ++o) ok = ok && (o == p || one[o] == 0u);
-      if (!ok) e[p] |= half ? 0x7FFF0000u : 0x00007FFFu;  // NaN in that half
-    }
-    const u32 v = hmul2(e[p], sf);
-    out[(p * 2 + 0) * 4096 + i] = f_mul(f16_bits_to_float(v & 0xFFFFu), FP4C_ROUTE_UNSCALE);
-    out[(p * 2 + 1) * 4096 + i] = f_mul(f16_bits_to_float(v >> 16), FP4C_ROUTE_UNSCALE);
-  }
-}
 
 // ---------------------------------------------------------------------------------------
 // Geometry of one head_dim
@@ -1189,10 +1160,6 @@ FP4C_DEVICE void decode_attn_impl(const void* __restrict__ q, const void* __rest
     decode_attn_impl<T, D, (WIDE) ? 2 : 1, PAGED16>(q, qsl, tables, seq_lens, out, lse,     \
                                                     params);                                 \
   }
-
-// NAME (the test-only table kernel above)
-#define FP4C_ATTN_DEQUANT_TABLE_KERNEL(NAME) \
-  extern "C" __global__ void NAME(float* out) { attn_dequant_table(out); }
 
 #ifdef FP4C_INSTANTIATIONS
 FP4C_INSTANTIATIONS

@@ -729,23 +729,3 @@ FP4C_DEVICE u32 fdiv(u32 n, const FastDiv& f) {
   const u32 lo = __umulhi(n, f.m) + n;
   return __funnelshift_r(lo, lo < n ? 1u : 0u, f.s);
 }
-
-// V-scale swizzle of the vLLM paged layout (spec section 4, fp4cache.layout's
-// swizzle_scale_index): the logical scale (t, g) of a head's [T, G] scale tile is stored
-// at the linear position (ts, gs) = ((t & ~3) + g / Q, (g % Q) * 4 + t % 4), Q = G / 4.
-// The caller passes gq = g / Q (a run-time divider or a compile-time constant).  The one
-// device implementation: the store, the gather and the attention kernel use it.
-FP4C_DEVICE void v_scale_swizzle(u32 t, u32 g, u32 gq, u32 Q, u32& ts, u32& gs) {
-  ts = (t & ~3u) + gq;
-  gs = (g - gq * Q) * 4 + (t & 3u);
-}
-// g / (G/4) as (g * swz_m) >> 20 with swz_m = ceil(2^20 / (G/4)) (exact for g < G, G/4 < 512)
-FP4C_DEVICE u32 v_scale_group_quarter(u32 g, u32 swz_m) { return (g * swz_m) >> 20; }
-
-// Byte offset of scale (r, s) in cuBLAS' 128x4 blocked order (spec section 5); I is i64,
-// or u32 where the block's Rp*S scale bytes are known to fit in 32 bits.
-template <typename I>
-FP4C_DEVICE I blocked_scale_offset(I r, u32 s, u32 scales_per_row) {
-  const I tile = (r >> 7) * (I)(scales_per_row >> 2) + (s >> 2);
-  return tile * 512 + (r & 31) * 16 + ((r & 127) >> 5) * 4 + (s & 3);
-}

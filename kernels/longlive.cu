@@ -13,6 +13,7 @@
 //              entry in any table (an out-of-range pool id) gives NaN rows for that
 //              block and no read.
 #include "fp4_common.cuh"
+#include "paged_layout.cuh"
 
 template <typename T, bool VEC>
 FP4C_DEVICE void amax_impl(const void* __restrict__ x, u32* __restrict__ amax, u64 n) {

@@ -33,7 +33,7 @@
 //            computed; a cp.async ring measured slower, docs/kernels.md); any block
 //            size, either layout, V scales swizzled or not.
 //   decode:  the lane's row to f16 in shared memory ([16][D + pad] per side and tile):
-//            E2M1 pairs times the E4M3 scale pair (attn_common.cuh), so every page byte is
+//            E2M1 pairs times the E4M3 scale pair (attn_dequant.cuh), so every page byte is
 //            decoded once per CTA; the columns of a word come in the pair order of
 //            e2m1_pairs (column 8w + 2p + half = d 8w + pair_nibble(p, half)), q is
 //            stored in the same column order and the output's columns are mapped back.
@@ -56,7 +56,12 @@
 // KV head 0 and the sequence's last query tile that reads a bad page's first token adds 1
 // to stats[3] (once per block-table entry that a query row uses, and call).
 #include "fp4_common.cuh"
-#include "attn_common.cuh"
+#include "paged_layout.cuh"
+#include "attn_ptx.cuh"
+#include "attn_dequant.cuh"
+#include "attn_seq.cuh"
+#include "attn_state.cuh"
+#include "attn_epilogue.cuh"
 
 #define FP4C_VL_THREADS (32 * FP4C_VARLEN_WARPS)
 #define FP4C_VL_NOKEY 0xFFFFFFFFu

@@ -88,14 +88,14 @@ def test_shared_sizes_come_from_abi():
         for f in K.kernel_dir().iterdir():
             assert f"#define FP4C_{name} " not in f.read_text(), f.name
     # pair_scale's multiplier of the bit route: f16x2 of 2^(22 - S); the E4M3 route has none
-    # (its pairs are 2^(S - 6) larger: FP4C_ROUTE_UNSCALE in attn_common.cuh)
+    # (its pairs are 2^(S - 6) larger: FP4C_ROUTE_UNSCALE in attn_dequant.cuh)
     S = _abi.PAIR_SCALE_SHIFT
     m = re.search(r"#define FP4C_PAIR_SCALE_BITS (0x[0-9a-f]+)u", head)
     word = int(m.group(1), 16)
     halves = np.array([word & 0xFFFF, word >> 16], dtype=np.uint16).view(np.float16)
     assert (halves.astype(np.float64) == 2.0 ** (22 - S)).all()
     assert "FP4C_PAIR_SCALE_E4M3" not in head
-    common = (K.kernel_dir() / "attn_common.cuh").read_text()
+    common = (K.kernel_dir() / "attn_dequant.cuh").read_text()
     assert f"#define FP4C_ROUTE_UNSCALE {2.0 ** (6 - S)}f" in common
 
 

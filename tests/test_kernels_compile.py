@@ -28,7 +28,7 @@ needs_nvrtc = pytest.mark.skipif(not _nvrtc_usable(), reason="cupy / NVRTC not i
 
 
 #: the attention kernels' split set (struct SplitSet: 3 pointers, 4 u32), passed by reference
-#: to the merge, which is not inlined (attn_common.cuh, merge_splits): their only stack
+#: to the merge, which is not inlined (attn_state.cuh, merge_splits): their only stack
 SPLIT_SET_BYTES = 40
 
 
@@ -109,18 +109,16 @@ def test_page_copy_fits_its_launch_bounds_without_spills():
 
 @needs_nvrtc
 @pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
-def test_test_only_kernels_compile(arch):
-    """The kernels only the GPU tests build: the attention's decode table and the sm_80
-    decode route forced on a newer GPU (decode_route="bitmove")."""
-    specs = [K.attn_dequant_table_spec(r) for r in K.DECODE_ROUTES]
-    specs += [K.decode_attention_spec(dt, d, w, p, decode_route="bitmove")
-              for dt in ("bf16", "f32") for d in K.ATTN_HEAD_DIMS for w in (False, True)
-              for p in (True, False)]
+def test_bitmove_route_compiles(arch):
+    """The variant only the GPU tests build: the sm_80 decode route forced on a newer GPU
+    (decode_route="bitmove"; the test-only table kernels: test_kernel_tables.py)."""
+    specs = [K.decode_attention_spec(dt, d, w, p, decode_route="bitmove")
+             for dt in ("bf16", "f32") for d in K.ATTN_HEAD_DIMS for w in (False, True)
+             for p in (True, False)]
     ptx = K.compile_all(arch, specs)["decode_attention.cu"]
     assert max(local_depots(ptx)) == SPLIT_SET_BYTES
     # the bit route has no E4M3 conversion, on any architecture
-    bits = ptx.split(".entry fp4cache_attn_dequant_table_bitmove(")[1].split(".entry ")[0]
-    assert "e4m3x2" not in bits
+    assert "e4m3x2" not in ptx
 
 
 @needs_nvrtc
@@ -152,5 +150,6 @@ def test_kernel_dir_holds_sources():
     d = K.kernel_dir()
     assert (d / "fp4_common.cuh").is_file()
     for f in ("paged_kv.cu", "flat_codec.cu", "longlive.cu", "decode_attention.cu",
-              "page_copy.cu", "varlen_attention.cu", "attn_common.cuh"):
+              "page_copy.cu", "varlen_attention.cu", "paged_layout.cuh", "attn_ptx.cuh",
+              "attn_dequant.cuh", "attn_seq.cuh", "attn_state.cuh", "attn_epilogue.cuh"):
         assert (d / f).is_file()
