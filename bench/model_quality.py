@@ -322,6 +322,39 @@ def window_pages(window: int, page: int = PAGE) -> int:
     return -(-window // page) + 1
 
 
+def window_memory(window: int, context: int, num_heads: int = 8, head_dim: int = 128,
+                  page: int = PAGE) -> dict[str, float]:
+    """What a page-granular bf16 window of ``window`` tokens (:func:`window_pages` pages of
+    K and V, kept beside the NVFP4 pages) adds to the NVFP4 bytes of ``context`` tokens,
+    per sequence and layer; default geometry Llama-3-8B's (8 KV heads, head_dim 128)."""
+    geo = fp4cache.PageGeometry(num_heads, page, head_dim)
+    nvfp4 = context * geo.bytes_per_token
+    bf16 = window_pages(window, page) * page * 2 * num_heads * head_dim * 2
+    no_slack = -(-window // page) * page * 2 * num_heads * head_dim * 2
+    return {"window": window, "pages": window_pages(window, page), "bf16_bytes": bf16,
+            "nvfp4_bytes": nvfp4, "overhead": bf16 / nvfp4,
+            "overhead_without_slack_page": no_slack / nvfp4}
+
+
+def memory_table(contexts: Sequence[int] = (8192, 32768)) -> str:
+    """:func:`window_memory` of every window of :data:`WINDOWS` at ``contexts``."""
+    geo = fp4cache.PageGeometry(8, PAGE, 128)
+    lines = [f"Llama-3-8B geometry (8 KV heads, head_dim 128): NVFP4 {geo.bytes_per_token} "
+             f"bytes per token and layer (K+V), bf16 {2 * 8 * 128 * 2}; window pages of "
+             f"{PAGE} tokens, ceil(W / {PAGE}) + 1 per sequence (the last one: slack for a "
+             "sequence length that is not a whole number of pages).", "",
+             "| W | bf16 pages | bf16 bytes / sequence / layer | "
+             + " | ".join(f"overhead at {c // 1024}k (without the slack page)"
+                          for c in contexts) + " |",
+             "|---:|---:|---:|" + "---:|" * len(contexts)]
+    for w in WINDOWS:
+        ms = [window_memory(w, c) for c in contexts]
+        lines.append(f"| {w} | {ms[0]['pages']} | {ms[0]['bf16_bytes']:,} | "
+                     + " | ".join(f"{100 * m['overhead']:.2f} % "
+                                  f"({100 * m['overhead_without_slack_page']:.2f} %)"
+                                  for m in ms) + " |")
+    return "\n".join(lines)
+
 class WindowLayer(FakeQuantLayer):
     """A :class:`FakeQuantLayer` that also keeps its K/V exact (rounded to bfloat16, the
     window's storage format); ``update`` returns the fake-quantized K/V as usual and
@@ -685,6 +718,7 @@ def report(result: dict) -> str:
     for kind, title in (("short", "Short windows"), ("long", "Long windows")):
         if kind in result["aggregate"]:
             parts += [f"### {title}", "", quality_table(result["aggregate"], kind, windows), ""]
+    parts += ["### Memory of the exact window", "", memory_table(), ""]
     parts += ["### Per-layer K/V statistics (calibration window, float32 K/V)", "",
               "rRMSE: relative RMSE of the NVFP4 round trip, default global scale "
               f"({fhf.DEFAULT_SCALE:.6g}) unless 'cal' (calibrated per layer).", "",
@@ -755,6 +789,7 @@ def main(argv: list[str] | None = None) -> int:
         "calibration": {"window": calib.__dict__, "nvfp4_scales": ctx.nvfp4_scales,
                         "fp8_scales": ctx.fp8_scales, "checks": checks},
         "windows": [w.__dict__ for w in windows],
+        "window_memory": [window_memory(w, c) for w in WINDOWS for c in (8192, 32768)],
         "per_window": [], "layer_stats": stats, "aggregate": {},
         "seconds": {"load": t_load, "calibration": t_cal},
     }
