@@ -38,6 +38,22 @@ description and a factory ``(Context, max_len) -> transformers Cache``.  A new f
 transform is a few lines: a per-layer tensor transform (:data:`Transform`) wrapped in a
 :class:`FakeQuantCache`, or any ``Cache``; see the entries below.
 
+Options of NVFP4 4over6 (default global scale, fake-quantized):
+    * ``nvfp4-4over6-winW``: the newest ``W`` keys of each query (``t-W+1 .. t``) read
+      exact (bf16), the older ones NVFP4; ``nvfp4-4over6-pageW``: the 16-token pages that
+      hold the newest ``W`` keys exact (``W .. W+15`` keys), what a decode step at position
+      ``t`` reads from a cache that keeps those pages of a sequence in bf16
+      (:func:`exact_start`, :func:`window_pages`; the memory they add:
+      :func:`window_memory`).  A prefill whose every query reads its own mix of exact and
+      NVFP4 K/V needs attention-level handling: the model runs the bench's
+      :func:`window_attention` (registered as :data:`WINDOW_ATTN`), which is transformers'
+      sdpa for every cache but a :class:`WindowCache`;
+    * ``nvfp4-4over6-had{64,16}-{k,kv}``: K (and V) quantized in the basis rotated by a
+      normalized Hadamard transform along head_dim, full (64) or 16-wide block-diagonal, then
+      rotated back (equal to rotating q and K, V and the output);
+    * their combinations, ``nvfp4-4over6-had64-k-page32`` and the like: run only when
+      named in ``--formats``.
+
 Also reported, from the float32 K/V of the calibration window: per layer, K and V amax,
 the relative RMSE of their NVFP4 round trip (static6 and 4over6, default and calibrated
 global scales) and the outlier channels of K (largest per-channel RMS over the median
