@@ -38,6 +38,22 @@ description and a factory ``(Context, max_len) -> transformers Cache``.  A new f
 transform is a few lines: a per-layer tensor transform (:data:`Transform`) wrapped in a
 :class:`FakeQuantCache`, or any ``Cache``; see the entries below.
 
+Options of NVFP4 4over6 (default global scale, fake-quantized):
+    * ``nvfp4-4over6-winW``: the newest ``W`` keys of each query (``t-W+1 .. t``) read
+      exact (bf16), the older ones NVFP4; ``nvfp4-4over6-pageW``: the 16-token pages that
+      hold the newest ``W`` keys exact (``W .. W+15`` keys), what a decode step at position
+      ``t`` reads from a cache that keeps those pages of a sequence in bf16
+      (:func:`exact_start`, :func:`window_pages`; the memory they add:
+      :func:`window_memory`).  A prefill whose every query reads its own mix of exact and
+      NVFP4 K/V needs attention-level handling: the model runs the bench's
+      :func:`window_attention` (registered as :data:`WINDOW_ATTN`), which is transformers'
+      sdpa for every cache but a :class:`WindowCache`;
+    * ``nvfp4-4over6-had{64,16}-{k,kv}``: K (and V) quantized in the basis rotated by a
+      normalized Hadamard transform along head_dim, full (64) or 16-wide block-diagonal, then
+      rotated back (equal to rotating q and K, V and the output);
+    * their combinations, ``nvfp4-4over6-had64-k-page32`` and the like: run only when
+      named in ``--formats``.
+
 Also reported, from the float32 K/V of the calibration window: per layer, K and V amax,
 the relative RMSE of their NVFP4 round trip (static6 and 4over6, default and calibrated
 global scales) and the outlier channels of K (largest per-channel RMS over the median
@@ -69,7 +85,10 @@ from typing import Any
 
 import numpy as np
 import torch
+from transformers import AttentionInterface
 from transformers.cache_utils import Cache, DynamicCache, DynamicLayer
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 import fp4cache
 import fp4cache.hf as fhf
@@ -92,7 +111,8 @@ def model_dir() -> str:
 
 
 def load_model(attn_implementation: str = "sdpa") -> tuple[Any, Any]:
-    """``(tokenizer, model)``: SmolLM2-135M-Instruct in float32, eval mode."""
+    """``(tokenizer, model)``: SmolLM2-135M-Instruct in float32, eval mode (the bench runs
+    :data:`WINDOW_ATTN`: sdpa for every cache but the exact-window ones)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     d = model_dir()
@@ -225,18 +245,22 @@ class Format:
     name: str
     description: str
     factory: Factory
+    #: run when ``--formats`` is not given
+    default: bool = True
 
 
 #: The formats, by name, in report order.  "float32" is the reference and always runs.
 FORMATS: dict[str, Format] = {}
 
 
-def register(name: str, description: str) -> Callable[[Factory], Factory]:
-    """Decorator: add a cache factory to :data:`FORMATS` under ``name``."""
+def register(name: str, description: str, default: bool = True
+             ) -> Callable[[Factory], Factory]:
+    """Decorator: add a cache factory to :data:`FORMATS` under ``name`` (``default``: run
+    when ``--formats`` is not given)."""
     def deco(factory: Factory) -> Factory:
         if name in FORMATS:
             raise ValueError(f"format {name!r} registered twice")
-        FORMATS[name] = Format(name, description, factory)
+        FORMATS[name] = Format(name, description, factory, default)
         return factory
     return deco
 
@@ -284,6 +308,211 @@ def _k_only(ctx: Context, max_len: int) -> Cache:
 @register("nvfp4-4over6-v-only", "V in NVFP4 4over6 (default scale), K float32")
 def _v_only(ctx: Context, max_len: int) -> Cache:
     return FakeQuantCache(ctx.num_layers, None, nvfp4_round("4over6", _default(ctx)))
+
+
+# -- exact recent window, Hadamard rotation ---------------------------------------------------
+PAGE = 16  # tokens per page of the page-granular window (vLLM's and FP4Cache's block size)
+#: The attention implementation the bench loads the model with: transformers' ``sdpa`` for
+#: every cache but a :class:`WindowCache`, whose caches it reads per query (see
+#: :func:`window_attention`).
+WINDOW_ATTN = "fq_window"
+
+
+def exact_start(t: torch.Tensor, window: int, page: int) -> torch.Tensor:
+    """The first key position a query at position ``t`` reads exact: ``page *
+    floor((t + 1 - window) / page)`` (negative: every key exact).
+
+    ``page == 1``: the newest ``window`` keys of each query (``t - window + 1 .. t``).
+    ``page == 16``: the whole pages that hold the newest ``window`` keys, which is what a
+    decode step at position ``t`` reads from a cache that keeps the pages of the newest
+    ``window`` tokens of a sequence in bf16: between ``window`` and ``window + 15`` exact
+    keys, held in at most ``ceil(window / 16) + 1`` pages (:func:`window_pages`).
+    """
+    return page * torch.div(t + 1 - window, page, rounding_mode="floor")
+
+
+def window_pages(window: int, page: int = PAGE) -> int:
+    """bf16 pages per sequence of a page-granular window of ``window`` tokens: the pages
+    that hold the newest ``window`` tokens (one more than ``ceil(window / page)`` when the
+    sequence length is not a whole number of pages)."""
+    return -(-window // page) + 1
+
+
+def window_memory(window: int, context: int, num_heads: int = 8, head_dim: int = 128,
+                  page: int = PAGE) -> dict[str, float]:
+    """What a page-granular bf16 window of ``window`` tokens (:func:`window_pages` pages of
+    K and V, kept beside the NVFP4 pages) adds to the NVFP4 bytes of ``context`` tokens,
+    per sequence and layer; default geometry Llama-3-8B's (8 KV heads, head_dim 128)."""
+    geo = fp4cache.PageGeometry(num_heads, page, head_dim)
+    nvfp4 = context * geo.bytes_per_token
+    bf16 = window_pages(window, page) * page * 2 * num_heads * head_dim * 2
+    no_slack = -(-window // page) * page * 2 * num_heads * head_dim * 2
+    return {"window": window, "pages": window_pages(window, page), "bf16_bytes": bf16,
+            "nvfp4_bytes": nvfp4, "overhead": bf16 / nvfp4,
+            "overhead_without_slack_page": no_slack / nvfp4}
+
+
+def memory_table(contexts: Sequence[int] = (8192, 32768)) -> str:
+    """:func:`window_memory` of every window of :data:`WINDOWS` at ``contexts``."""
+    geo = fp4cache.PageGeometry(8, PAGE, 128)
+    lines = [f"Llama-3-8B geometry (8 KV heads, head_dim 128): NVFP4 {geo.bytes_per_token} "
+             f"bytes per token and layer (K+V), bf16 {2 * 8 * 128 * 2}; window pages of "
+             f"{PAGE} tokens, ceil(W / {PAGE}) + 1 per sequence (the last one: slack for a "
+             "sequence length that is not a whole number of pages).", "",
+             "| W | bf16 pages | bf16 bytes / sequence / layer | "
+             + " | ".join(f"overhead at {c // 1024}k (without the slack page)"
+                          for c in contexts) + " |",
+             "|---:|---:|---:|" + "---:|" * len(contexts)]
+    for w in WINDOWS:
+        ms = [window_memory(w, c) for c in contexts]
+        lines.append(f"| {w} | {ms[0]['pages']} | {ms[0]['bf16_bytes']:,} | "
+                     + " | ".join(f"{100 * m['overhead']:.2f} % "
+                                  f"({100 * m['overhead_without_slack_page']:.2f} %)"
+                                  for m in ms) + " |")
+    return "\n".join(lines)
+
+class WindowLayer(FakeQuantLayer):
+    """A :class:`FakeQuantLayer` that also keeps its K/V exact (rounded to bfloat16, the
+    window's storage format); ``update`` returns the fake-quantized K/V as usual and
+    :func:`window_attention` reads the exact ones beside them."""
+
+    def __init__(self, layer_idx: int, k_fn: Transform | None, v_fn: Transform | None):
+        super().__init__(layer_idx, k_fn, v_fn)
+        self.exact_keys: torch.Tensor | None = None
+        self.exact_values: torch.Tensor | None = None
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any,
+               **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        ke, ve = bf16_round(0, key_states), bf16_round(0, value_states)
+        if self.exact_keys is None:
+            self.exact_keys, self.exact_values = ke, ve
+        else:
+            self.exact_keys = torch.cat([self.exact_keys, ke], dim=-2)
+            self.exact_values = torch.cat([self.exact_values, ve], dim=-2)
+        return super().update(key_states, value_states, *args, **kwargs)
+
+
+class WindowCache(Cache):
+    """K/V through ``k_fn`` / ``v_fn`` except the most recent ``window`` keys of each query,
+    read exact (bf16); ``page`` is the window's granularity (:func:`exact_start`).
+
+    The model must run :data:`WINDOW_ATTN` attention; :func:`hidden_states` passes the cache
+    to it through :attr:`attention_kwargs`.
+    """
+
+    def __init__(self, num_layers: int, k_fn: Transform | None, v_fn: Transform | None,
+                 window: int, page: int):
+        super().__init__(layers=[WindowLayer(i, k_fn, v_fn) for i in range(num_layers)])
+        self.window, self.page = window, page
+
+    @property
+    def attention_kwargs(self) -> dict[str, Any]:
+        return {"fq_window": self}
+
+
+def window_attention(module: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                     attention_mask: torch.Tensor | None, dropout: float = 0.0,
+                     scaling: float | None = None, fq_window: WindowCache | None = None,
+                     chunk: int = 512, **kwargs: Any) -> tuple[torch.Tensor, None]:
+    """Causal attention of one unpadded sequence that reads, per query, the keys from
+    :func:`exact_start` on exact and the older ones through the format:
+    ``score = where(key_pos >= start(q_pos), q . k_exact, q . k_quant)``, and the same
+    split for V.  Without ``fq_window`` (any other cache): transformers' sdpa attention.
+
+    Computed in chunks of ``chunk`` queries; the exact scores only over the chunk's band
+    of keys ``[start(first query), last query]``.  Returns (B, q, H, D) like sdpa.
+    """
+    if fq_window is None:
+        return sdpa_attention_forward(module, query, key, value, attention_mask,
+                                      dropout=dropout, scaling=scaling, **kwargs)
+    layer = fq_window.layers[module.layer_idx]
+    groups = query.shape[1] // key.shape[1]
+    kq, vq, ke, ve = (x.repeat_interleave(groups, dim=1) for x in
+                      (key, value, layer.exact_keys, layer.exact_values))
+    scaling = query.shape[-1] ** -0.5 if scaling is None else scaling
+    q_len, kv_len = query.shape[2], key.shape[2]
+    out = []
+    for a in range(0, q_len, chunk):
+        q = query[:, :, a:a + chunk]
+        qpos = torch.arange(kv_len - q_len + a, kv_len - q_len + a + q.shape[2])
+        end = int(qpos[-1]) + 1  # keys [0, end) are visible to some query of the chunk
+        lo = max(0, int(exact_start(qpos[:1], fq_window.window, fq_window.page)))
+        kpos = torch.arange(lo, end)
+        exact = kpos[None, :] >= exact_start(qpos, fq_window.window, fq_window.page)[:, None]
+        s = q @ kq[:, :, :end].transpose(-1, -2) * scaling
+        se = q @ ke[:, :, lo:end].transpose(-1, -2) * scaling
+        s[..., lo:] = torch.where(exact, se, s[..., lo:])
+        s.masked_fill_(torch.arange(end)[None, :] > qpos[:, None], float("-inf"))
+        p = torch.softmax(s, dim=-1)
+        o = p @ vq[:, :, :end] + (p[..., lo:] * exact) @ (ve - vq)[:, :, lo:end]
+        out.append(o)
+    return torch.cat(out, dim=2).transpose(1, 2).contiguous(), None
+
+
+AttentionInterface.register(WINDOW_ATTN, window_attention)
+AttentionMaskInterface.register(WINDOW_ATTN, sdpa_mask)
+
+
+def hadamard(dim: int, block: int) -> torch.Tensor:
+    """The normalized Hadamard matrix (Sylvester) of size ``block``, block-diagonal up to
+    ``dim`` x ``dim``: symmetric and orthogonal (its own inverse)."""
+    h = torch.ones(1, 1, dtype=torch.float64)
+    while h.shape[0] < block:
+        h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
+    if h.shape[0] != block or dim % block:
+        raise ValueError(f"Hadamard block {block} (a power of 2 dividing {dim})")
+    return torch.block_diag(*[h / block ** 0.5] * (dim // block)).float()
+
+
+def rotated(fn: Transform, block: int) -> Transform:
+    """``fn`` in the basis rotated by :func:`hadamard` along head_dim: ``fn(x R) R``.  For K
+    that equals rotating q and K (``q R . k R = q . k``), for V rotating V and the output."""
+    def rot(layer_idx: int, x: torch.Tensor) -> torch.Tensor:
+        r = hadamard(x.shape[-1], block).to(x.dtype)
+        return fn(layer_idx, x @ r) @ r
+    return rot
+
+
+def _nvfp4_option(ctx: Context, max_len: int, rotate: str = "", block: int = 64,
+                  window: int = 0, page: int = 1) -> Cache:
+    """NVFP4 4over6 (default scale), rotated (``rotate``: "", "k" or "kv", Hadamard of
+    ``block``) and/or with an exact recent ``window`` of granularity ``page``."""
+    k_fn = v_fn = nvfp4_round("4over6", _default(ctx))
+    if "k" in rotate:
+        k_fn = rotated(k_fn, block)
+    if "v" in rotate:
+        v_fn = rotated(v_fn, block)
+    if window:
+        return WindowCache(ctx.num_layers, k_fn, v_fn, window, page)
+    return FakeQuantCache(ctx.num_layers, k_fn, v_fn)
+
+
+def _register_option(name: str, description: str, default: bool = True, **kw: Any) -> None:
+    register(name, description, default)(
+        lambda ctx, max_len: _nvfp4_option(ctx, max_len, **kw))
+
+
+WINDOWS = (16, 32, 64, 128)
+for _w in WINDOWS:
+    _register_option(f"nvfp4-4over6-win{_w}", f"NVFP4 4over6, the newest {_w} keys of each "
+                     "query exact (bf16)", window=_w, page=1)
+for _w in WINDOWS:
+    _register_option(f"nvfp4-4over6-page{_w}", f"NVFP4 4over6, the {PAGE}-token pages that "
+                     f"hold the newest {_w} keys exact (bf16): {_w}..{_w + PAGE - 1} keys, "
+                     f"{window_pages(_w)} pages", window=_w, page=PAGE)
+for _b in (64, 16):
+    for _r in ("k", "kv"):
+        _register_option(f"nvfp4-4over6-had{_b}-{_r}", f"NVFP4 4over6 of "
+                         f"{' and '.join(_r.upper())} rotated by a normalized Hadamard "
+                         f"transform ({_b}-wide blocks along head_dim)", rotate=_r, block=_b)
+for _b in (64, 16):  # the combinations: not run by default (name them in --formats)
+    for _r in ("k", "kv"):
+        for _w in WINDOWS:
+            for _g, _page in (("page", PAGE), ("win", 1)):
+                _register_option(f"nvfp4-4over6-had{_b}-{_r}-{_g}{_w}",
+                                 f"nvfp4-4over6-had{_b}-{_r} with nvfp4-4over6-{_g}{_w}'s "
+                                 "exact window", default=False, rotate=_r, block=_b,
+                                 window=_w, page=_page)
 
 
 # -- calibration, statistics, checks --------------------------------------------------------
@@ -349,6 +578,44 @@ def check_round_trip(k: torch.Tensor, v: torch.Tensor, rule: str, scale: float) 
                              "PagedKVCache's store + gather_dequant")
 
 
+def check_window_attention(seed: int = 0) -> float:
+    """:func:`window_attention` against a per-query float64 loop (every query's softmax over
+    its own mix of exact and quantized K/V), on random K/V with GQA, chunks of 7 queries, a
+    cached prefix and both granularities; and against sdpa when exact == quantized.
+    Returns the largest absolute error (raises above 1e-4)."""
+    from types import SimpleNamespace
+
+    g = torch.Generator().manual_seed(seed)
+    b, hq, hk, t, d, q_len = 1, 6, 2, 150, 32, 100
+    q = torch.randn(b, hq, q_len, d, generator=g)
+    kq, vq = torch.randn(b, hk, t, d, generator=g), torch.randn(b, hk, t, d, generator=g)
+    ke, ve = kq + 0.3 * torch.randn_like(kq), vq + 0.3 * torch.randn_like(vq)
+    module = SimpleNamespace(layer_idx=0, num_key_value_groups=hq // hk, is_causal=True)
+    worst = 0.0
+    for window, page in ((20, 1), (32, PAGE), (1, 1)):
+        cache = WindowCache(1, None, None, window, page)
+        cache.layers[0].exact_keys, cache.layers[0].exact_values = ke, ve
+        got, _ = window_attention(module, q, kq, vq, None, scaling=0.2, fq_window=cache,
+                                  chunk=7)
+        for i in range(q_len):
+            pos = t - q_len + i
+            ex = (torch.arange(pos + 1) >= exact_start(torch.tensor(pos), window, page))
+            k = torch.where(ex[:, None], ke[0, :, :pos + 1], kq[0, :, :pos + 1]).double()
+            v = torch.where(ex[:, None], ve[0, :, :pos + 1], vq[0, :, :pos + 1]).double()
+            k, v = k.repeat_interleave(hq // hk, 0), v.repeat_interleave(hq // hk, 0)
+            w = torch.softmax(0.2 * (q[0, :, i, None].double() @ k.transpose(-1, -2)), -1)
+            worst = max(worst, float((got[0, i] - (w @ v)[:, 0]).abs().max()))
+    cache = WindowCache(1, None, None, 16, PAGE)
+    cache.layers[0].exact_keys, cache.layers[0].exact_values = kq[:, :, :q_len], vq[:, :, :q_len]
+    got, _ = window_attention(module, q, kq[:, :, :q_len], vq[:, :, :q_len], None, scaling=0.2,
+                              fq_window=cache, chunk=7)
+    ref, _ = sdpa_attention_forward(module, q, kq[:, :, :q_len], vq[:, :, :q_len], None,
+                                    scaling=0.2)
+    worst = max(worst, float((got - ref).abs().max()))
+    if worst > 1e-4:
+        raise AssertionError(f"window_attention differs from its reference by {worst:.3g}")
+    return worst
+
 def calibrate(model: Any, ids: torch.Tensor) -> tuple[Context, list[dict], dict]:
     """The :class:`Context` (calibrated scales), the per-layer statistics and the checks,
     from the calibration window ``ids`` (1-D)."""
@@ -365,6 +632,7 @@ def calibrate(model: Any, ids: torch.Tensor) -> tuple[Context, list[dict], dict]
         check_round_trip(ks[0], vs[0], rule, fhf.DEFAULT_SCALE)
         check_round_trip(ks[1], vs[1], rule, kcal[1])
         checks[f"fake_quant_{rule}_bit_identical_to_pages"] = True
+    checks["window_attention_max_abs_error"] = check_window_attention()
     ctx.fp8_scales = ([float(k.abs().max()) / FP8_MAX for k in ks],
                       [float(v.abs().max()) / FP8_MAX for v in vs])
     return ctx, layer_stats(ks, vs, ctx.nvfp4_scales), checks
@@ -372,9 +640,11 @@ def calibrate(model: Any, ids: torch.Tensor) -> tuple[Context, list[dict], dict]
 
 # -- evaluation -------------------------------------------------------------------------------
 def hidden_states(model: Any, ids: torch.Tensor, cache: Cache) -> torch.Tensor:
-    """The last hidden states (T, hidden) of one prefill of ``ids`` (1-D) through ``cache``."""
+    """The last hidden states (T, hidden) of one prefill of ``ids`` (1-D) through ``cache``
+    (and its ``attention_kwargs``, if any, to the attention)."""
     with torch.no_grad():
-        out = model.model(input_ids=ids[None], past_key_values=cache, use_cache=True)
+        out = model.model(input_ids=ids[None], past_key_values=cache, use_cache=True,
+                          **getattr(cache, "attention_kwargs", {}))
     return out.last_hidden_state[0]
 
 
@@ -464,6 +734,7 @@ def report(result: dict) -> str:
     for kind, title in (("short", "Short windows"), ("long", "Long windows")):
         if kind in result["aggregate"]:
             parts += [f"### {title}", "", quality_table(result["aggregate"], kind, windows), ""]
+    parts += ["### Memory of the exact window", "", memory_table(), ""]
     parts += ["### Per-layer K/V statistics (calibration window, float32 K/V)", "",
               "rRMSE: relative RMSE of the NVFP4 round trip, default global scale "
               f"({fhf.DEFAULT_SCALE:.6g}) unless 'cal' (calibrated per layer).", "",
@@ -486,7 +757,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--long-len", type=int, default=8192, help="tokens per long window")
     p.add_argument("--calib-len", type=int, default=2048, help="calibration window tokens")
     p.add_argument("--formats", nargs="+", default=None, metavar="NAME",
-                   help="formats to run (default: all): " + ", ".join(FORMATS))
+                   help="formats to run (default: all but the rotation + window "
+                   "combinations): " + ", ".join(FORMATS))
     p.add_argument("--out", type=Path, default=Path("model_quality.json"),
                    help="JSON results (rewritten after every window)")
     p.add_argument("--quick", action="store_true", help="smoke run: 1 x 256 + 1 x 512 "
@@ -496,7 +768,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.quick:
         args.windows, args.window_len, args.long_windows, args.long_len = 1, 256, 1, 512
         args.calib_len = 256
-    names = ["float32"] + [n for n in (args.formats or FORMATS) if n != "float32"]
+    chosen = args.formats or [n for n, f in FORMATS.items() if f.default]
+    names = ["float32"] + [n for n in chosen if n != "float32"]
     unknown = [n for n in names if n not in FORMATS]
     if unknown:
         p.error(f"unknown format(s) {unknown}; known: {list(FORMATS)}")
@@ -505,7 +778,7 @@ def main(argv: list[str] | None = None) -> int:
 
     t_run = time.perf_counter()
     t0 = time.perf_counter()
-    tok, model = load_model("sdpa")
+    tok, model = load_model(WINDOW_ATTN)
     ids = corpus_ids(tok)
     t_load = time.perf_counter() - t0
     calib, windows = plan_windows(ids.numel(), args.calib_len, args.windows, args.window_len,
@@ -519,7 +792,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"calibrated in {t_cal:.1f} s; checks: {checks}", flush=True)
 
     result: dict[str, Any] = {
-        "model": GGUF_FILE + " (float32 weights, sdpa attention)",
+        "model": GGUF_FILE + " (float32 weights, sdpa attention; the exact-window formats: "
+                 "the bench's window_attention)",
         "text": "pydoc_data.topics.topics, values joined in sorted-key order",
         "corpus_tokens": int(ids.numel()),
         "machine": {"platform": platform.platform(), "processor": platform.processor(),
@@ -531,6 +805,7 @@ def main(argv: list[str] | None = None) -> int:
         "calibration": {"window": calib.__dict__, "nvfp4_scales": ctx.nvfp4_scales,
                         "fp8_scales": ctx.fp8_scales, "checks": checks},
         "windows": [w.__dict__ for w in windows],
+        "window_memory": [window_memory(w, c) for w in WINDOWS for c in (8192, 32768)],
         "per_window": [], "layer_stats": stats, "aggregate": {},
         "seconds": {"load": t_load, "calibration": t_cal},
     }
