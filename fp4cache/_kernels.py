@@ -1,4 +1,4 @@
-"""Run-time compilation of the CUDA kernels in ``kernels/`` (NVRTC through CuPy).
+"""Run-time compilation of the CUDA kernels in ``kernels/`` (NVRTC).
 
 The ``.cu`` files define each kernel family as a template plus an
 ``FP4C_*_KERNEL(NAME, ...)`` macro that stamps out one ``extern "C"`` kernel.  A
@@ -18,7 +18,9 @@ in :mod:`fp4cache._abi`.  A variant that must stay testable (the attention's sm_
 route on a newer GPU) is a named argument of its spec builder and part of the
 :class:`Spec` (``defines``): a kernel's identity includes it.
 :func:`compile_all` compiles every specialization with the low-level NVRTC API for
-a given architecture; it needs no GPU (used by the CPU test suite).
+a given architecture; it needs no GPU and no CuPy (used by the CPU test suite): NVRTC
+through CuPy where it is installed, else through ``cuda.bindings`` (:data:`NVRTC_BACKENDS`).
+A test-only kernel (``tests/kernels/``) is a :class:`Spec` with its own ``folder``.
 
 Kernel names read like FlashInfer's: ``fp4cache_store_bf16_4over6_i64``,
 ``fp4cache_gather_f16_i32``, with a ``_scalar`` suffix for the variant that makes
@@ -47,6 +49,11 @@ __all__ = [
     "all_specs",
     "get_kernel",
     "compile_all",
+    "compile_source",
+    "compile_log",
+    "nvrtc_available",
+    "nvrtc_backends",
+    "NVRTC_BACKENDS",
     "store_spec",
     "claim_spec",
     "clear_spec",
@@ -444,34 +451,138 @@ def get_kernel(spec: Spec):
     return fn
 
 
-def _nvrtc():
-    import cupy
+#: The NVRTC front ends :func:`compile_source` can use, in the order it tries them: CuPy's
+#: (the compiler :func:`get_kernel` runs) and NVIDIA's ``cuda.bindings.nvrtc`` (package
+#: ``cuda-bindings``, the library from the ``nvidia-cuda-nvrtc-cu12`` wheel, found by
+#: ``cuda.pathfinder``): the kernels compile and their ABI checks run where CuPy is not
+#: installed (a CPU-only test run).
+NVRTC_BACKENDS: tuple[str, ...] = ("cupy", "cuda-bindings")
 
-    return cupy.cuda.nvrtc
+
+class _NvrtcFailed(Exception):
+    """A compile that NVRTC rejected; the argument is its log."""
 
 
-def compile_source(source: str, name: str, arch: str, extra: tuple[str, ...] = ()) -> str:
-    """Compile ``source`` with NVRTC for ``arch`` (e.g. ``"sm_90"``); return the PTX.
+def _text(b) -> str:
+    return (b.decode() if isinstance(b, bytes) else b).rstrip("\0")
 
-    Raises ``RuntimeError`` with the compiler log when the compile fails.
-    """
-    nvrtc = _nvrtc()
+
+def _compile_cupy(source: str, name: str, options: tuple[str, ...],
+                  want_ptx: bool) -> tuple[str | None, str]:
+    from cupy.cuda import nvrtc
+
     prog = nvrtc.createProgram(source, name, (), ())
     try:
-        opts = NVRTC_OPTIONS + (f"--gpu-architecture={arch.replace('sm_', 'compute_')}",) + extra
         try:
-            nvrtc.compileProgram(prog, opts)
+            nvrtc.compileProgram(prog, options)
         except nvrtc.NVRTCError as exc:
-            raise RuntimeError(f"NVRTC failed on {name} for {arch}:\n"
-                               f"{nvrtc.getProgramLog(prog)}") from exc
-        return nvrtc.getPTX(prog).decode() if isinstance(nvrtc.getPTX(prog), bytes) \
-            else nvrtc.getPTX(prog)
+            raise _NvrtcFailed(_text(nvrtc.getProgramLog(prog))) from exc
+        log = _text(nvrtc.getProgramLog(prog))
+        return (_text(nvrtc.getPTX(prog)) if want_ptx else None), log
     finally:
         nvrtc.destroyProgram(prog)
 
 
-def compile_all(arch: str = "sm_90", specs: list[Spec] | None = None) -> dict[str, str]:
-    """Compile every specialization for ``arch`` without a GPU (one NVRTC call per file).
+def _compile_bindings(source: str, name: str, options: tuple[str, ...],
+                      want_ptx: bool) -> tuple[str | None, str]:
+    from cuda.bindings import nvrtc
+
+    ok = nvrtc.nvrtcResult.NVRTC_SUCCESS
+
+    def check(res):
+        if res[0] != ok:
+            raise RuntimeError(f"NVRTC (cuda.bindings): {res[0]!r} on {name}")
+        return res[1] if len(res) > 1 else None
+
+    def read(size_fn, get_fn) -> str:
+        buf = b" " * check(size_fn(prog))
+        check(get_fn(prog, buf))
+        return _text(buf)
+
+    prog = check(nvrtc.nvrtcCreateProgram(source.encode(), name.encode(), 0, [], []))
+    try:
+        opts = [o.encode() for o in options]
+        (err,) = nvrtc.nvrtcCompileProgram(prog, len(opts), opts)
+        log = read(nvrtc.nvrtcGetProgramLogSize, nvrtc.nvrtcGetProgramLog)
+        if err != ok:
+            raise _NvrtcFailed(log)
+        return (read(nvrtc.nvrtcGetPTXSize, nvrtc.nvrtcGetPTX) if want_ptx else None), log
+    finally:
+        nvrtc.nvrtcDestroyProgram(prog)
+
+
+_COMPILERS = {"cupy": _compile_cupy, "cuda-bindings": _compile_bindings}
+
+
+def _usable(backend: str) -> bool:
+    try:
+        if backend == "cupy":
+            from cupy.cuda import nvrtc
+
+            nvrtc.getVersion()
+        else:
+            from cuda.bindings import nvrtc
+
+            if nvrtc.nvrtcVersion()[0] != nvrtc.nvrtcResult.NVRTC_SUCCESS:
+                return False
+        return True
+    except Exception:  # noqa: BLE001 - ImportError, a missing libnvrtc, ...
+        return False
+
+
+@cache
+def nvrtc_backends() -> tuple[str, ...]:
+    """The entries of :data:`NVRTC_BACKENDS` that work here (importable, libnvrtc found)."""
+    return tuple(b for b in NVRTC_BACKENDS if _usable(b))
+
+
+def nvrtc_available() -> bool:
+    """Whether :func:`compile_source` can compile here (no GPU needed)."""
+    return bool(nvrtc_backends())
+
+
+def _compile(source: str, name: str, options: tuple[str, ...], want_ptx: bool,
+             backend: str | None, what: str) -> tuple[str | None, str]:
+    if backend is None:
+        have = nvrtc_backends()
+        if not have:
+            raise RuntimeError("no NVRTC here: install cupy-cuda12x, or cuda-bindings and "
+                               "nvidia-cuda-nvrtc-cu12 (fp4cache[test])")
+        backend = have[0]
+    elif backend not in _COMPILERS:
+        raise ValueError(f"backend must be one of {NVRTC_BACKENDS}, got {backend!r}")
+    try:
+        return _COMPILERS[backend](source, name, options, want_ptx)
+    except _NvrtcFailed as exc:
+        raise RuntimeError(f"NVRTC failed on {name} for {what}:\n{exc.args[0]}") from None
+
+
+def compile_source(source: str, name: str, arch: str, extra: tuple[str, ...] = (),
+                   backend: str | None = None) -> str:
+    """Compile ``source`` with NVRTC for ``arch`` (e.g. ``"sm_90"``); return the PTX.
+
+    ``backend``: one of :data:`NVRTC_BACKENDS` (default: the first that works here).
+    Raises ``RuntimeError`` with the compiler log when the compile fails.
+    """
+    opts = NVRTC_OPTIONS + (f"--gpu-architecture={arch.replace('sm_', 'compute_')}",) + extra
+    return _compile(source, name, opts, True, backend, arch)[0]
+
+
+def compile_log(source: str, name: str, arch: str, extra: tuple[str, ...] = (),
+                backend: str | None = None) -> str:
+    """Compile ``source`` to machine code of ``arch`` (e.g. ``"sm_90"``, through ptxas);
+    return NVRTC's log (with ``extra=("-Xptxas", "-v")`` ptxas' register and spill lines).
+
+    Raises ``RuntimeError`` with the compiler log when the compile fails.
+    """
+    opts = NVRTC_OPTIONS + (f"--gpu-architecture={arch}",) + extra
+    return _compile(source, name, opts, False, backend, arch)[1]
+
+
+def compile_all(arch: str = "sm_90", specs: list[Spec] | None = None,
+                backend: str | None = None) -> dict[str, str]:
+    """Compile every specialization for ``arch`` without a GPU (one NVRTC call per file
+    and variant; ``backend`` as for :func:`compile_source`).
 
     Returns ``{file: ptx}``.  Raises ``RuntimeError`` with the compiler log on failure
     and ``RuntimeError`` if a kernel is missing from the PTX.
@@ -482,7 +593,8 @@ def compile_all(arch: str = "sm_90", specs: list[Spec] | None = None) -> dict[st
         by_file.setdefault((s.file, s.folder or "", s.defines), []).append(s)
     out: dict[str, str] = {}
     for (file, _, _), group in sorted(by_file.items()):
-        ptx = compile_source(build_source(file, group), file, arch, CUPY_IMPLICIT_OPTIONS)
+        ptx = compile_source(build_source(file, group), file, arch, CUPY_IMPLICIT_OPTIONS,
+                             backend)
         for s in group:
             if f".entry {s.name}(" not in ptx:
                 raise RuntimeError(f"kernel {s.name} missing from the PTX of {file}")

@@ -1,8 +1,11 @@
 """Every kernel specialization compiles with NVRTC for sm_80 and sm_90 (no GPU needed).
 
-Also checks the loader's source assembly: includes are inlined with ``#line``
-directives (so compiler messages name the real files), kernel names are the
-readable ``fp4cache_*`` ones, and the specialization list covers every family.
+NVRTC comes from CuPy or, where CuPy is not installed (a CPU-only run), from
+``cuda-bindings`` with the ``nvidia-cuda-nvrtc-cu12`` wheel (both in the ``test`` extra):
+these tests run, not skip, without CuPy.  Also checks the loader's source assembly:
+includes are inlined with ``#line`` directives (so compiler messages name the real files),
+kernel names are the readable ``fp4cache_*`` ones, and the specialization list covers
+every family.
 """
 
 from __future__ import annotations
@@ -13,18 +16,8 @@ import pytest
 
 from fp4cache import _kernels as K
 
-
-def _nvrtc_usable() -> bool:
-    try:
-        import cupy
-
-        cupy.cuda.nvrtc.getVersion()
-        return True
-    except Exception:  # noqa: BLE001 - ImportError, missing libnvrtc, ...
-        return False
-
-
-needs_nvrtc = pytest.mark.skipif(not _nvrtc_usable(), reason="cupy / NVRTC not importable")
+needs_nvrtc = pytest.mark.skipif(not K.nvrtc_available(),
+                                 reason="no NVRTC: neither CuPy nor cuda-bindings with libnvrtc")
 
 
 #: the attention kernels' split set (struct SplitSet: 3 pointers, 4 u32), passed by reference
@@ -87,19 +80,11 @@ def test_page_copy_fits_its_launch_bounds_without_spills():
     one CTA per SM."""
     import re
 
-    from cupy.cuda import nvrtc
-
     from fp4cache import _abi
 
     specs = [K.page_copy_spec(ix, vw) for ix in K.INDEX_TYPES for vw in K.PAGE_VEC_BYTES]
-    prog = nvrtc.createProgram(K.build_source("page_copy.cu", specs), "page_copy.cu", (), ())
-    try:
-        nvrtc.compileProgram(prog, K.NVRTC_OPTIONS + ("--gpu-architecture=sm_90", "-Xptxas",
-                                                      "-v") + K.CUPY_IMPLICIT_OPTIONS)
-        log = nvrtc.getProgramLog(prog)
-    finally:
-        nvrtc.destroyProgram(prog)
-    log = log.decode() if isinstance(log, bytes) else log
+    log = K.compile_log(K.build_source("page_copy.cu", specs), "page_copy.cu", "sm_90",
+                        ("-Xptxas", "-v") + K.CUPY_IMPLICIT_OPTIONS)
     regs = [int(r) for r in re.findall(r"Used (\d+) registers", log)]
     spills = [int(b) for b in re.findall(r"(\d+) bytes spill stores", log)]
     assert len(regs) == len(specs) and len(spills) == len(specs), log
@@ -122,12 +107,35 @@ def test_bitmove_route_compiles(arch):
 
 
 @needs_nvrtc
-def test_compile_error_names_the_real_file_and_line():
+@pytest.mark.parametrize("backend", K.NVRTC_BACKENDS)
+def test_compile_error_names_the_real_file_and_line(backend):
+    if backend not in K.nvrtc_backends():
+        pytest.skip(f"NVRTC through {backend} is not installed here")
     src = K.build_source("flat_codec.cu", [K.dequantize_spec("bf16")])
     broken = src.replace("FP4C_DEVICE u32 fdiv(", "FP4C_DEVICE u32 fdiv(this is not C++ ", 1)
     with pytest.raises(RuntimeError) as exc:
-        K.compile_source(broken, "flat_codec.cu", "sm_90")
+        K.compile_source(broken, "flat_codec.cu", "sm_90", backend=backend)
     assert "fp4_common.cuh(" in str(exc.value)
+
+
+@needs_nvrtc
+def test_nvrtc_front_ends_agree():
+    """CuPy's NVRTC and cuda.bindings' give the same PTX and ptxas log (where both are
+    installed and load the same libnvrtc): a CPU-only run checks what CuPy compiles."""
+    have = K.nvrtc_backends()
+    if len(have) < 2:
+        pytest.skip(f"only {have} here")
+    spec = K.varlen_attention_spec("bf16", 128, 1)
+    src = K.build_source(spec.file, [spec])
+    ptx = {b: K.compile_source(src, spec.file, "sm_90", K.CUPY_IMPLICIT_OPTIONS, b)
+           for b in have}
+    logs = {b: [ln for ln in K.compile_log(src, spec.file, "sm_90", ("-Xptxas", "-v"), b)
+                .splitlines() if "Compile time" not in ln] for b in have}
+    assert len(set(ptx.values())) == 1 and f".entry {spec.name}(" in ptx[have[0]]
+    assert logs[have[0]] == logs[have[1]]
+    assert any("Used" in ln and "registers" in ln for ln in logs[have[0]])
+    with pytest.raises(ValueError, match="backend"):
+        K.compile_source(src, spec.file, "sm_90", backend="nvcc")
 
 
 def test_source_assembly():
