@@ -67,7 +67,7 @@ MAX_GROUP = 16
 #: live in shared memory).
 ATTN_MAX_SPLITS = 128
 #: The attention kernels decode an E2M1 code times its E4M3 scale as an exact f16 scaled
-#: by 2^-PAIR_SCALE_SHIFT (``pair_scale`` in kernels/attn_common.cuh: the bit route's
+#: by 2^-PAIR_SCALE_SHIFT (``pair_scale`` in kernels/attn_dequant.cuh: the bit route's
 #: multiplier is generated from it; the E4M3 route's pairs are 2^1 larger and the kernels
 #: take that into the two scales, ``FP4C_ROUTE_UNSCALE``); the host folds
 #: 2^PAIR_SCALE_SHIFT into the score scale and the output scale.
@@ -264,7 +264,7 @@ def header() -> str:
             f"#define FP4C_ATTN_MAX_SPLITS {ATTN_MAX_SPLITS}",
             f"#define FP4C_PAIR_SCALE_SHIFT {PAIR_SCALE_SHIFT}"]
     # pair_scale's f16x2 multiplier of the bit route (codes e2m1 * 2^-14, scales |sf| *
-    # 2^-8; the E4M3 route needs none: kernels/attn_common.cuh, FP4C_ROUTE_UNSCALE)
+    # 2^-8; the E4M3 route needs none: kernels/attn_dequant.cuh, FP4C_ROUTE_UNSCALE)
     for name, exp in (("BITS", 8 + 14),):
         bits = int(np.float16(2.0 ** (exp - PAIR_SCALE_SHIFT)).view(np.uint16)) * 0x10001
         out.append(f"#define FP4C_PAIR_SCALE_{name} {bits:#010x}u  "

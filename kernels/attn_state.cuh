@@ -11,17 +11,47 @@
 FP4C_DEVICE float merge_weight(float m, float M) {
   return is_neg_inf(m) ? 0.0f : a_ex2(f_sub(m, M));
 }
+// The largest running maximum of row `row` among N partial states (s_m[k][row])
+template <int N, int S>
+FP4C_DEVICE float states_max(const float (*s_m)[S], u32 row) {
+  float M = FP4C_NEG_INF;
+#pragma unroll
+  for (int k = 0; k < N; ++k) M = f_max(M, s_m[k][row]);
+  return M;
+}
 // (M, L) of row `row` from N partial states (s_m[k][row], s_l[k][row]): M = their largest m,
 // L = sum l_k 2^(m_k - M)
 template <int N, int S>
 FP4C_DEVICE void merge_row(const float (*s_m)[S], const float (*s_l)[S], u32 row, float& M,
                            float& L) {
-  M = FP4C_NEG_INF;
-#pragma unroll
-  for (int k = 0; k < N; ++k) M = f_max(M, s_m[k][row]);
+  M = states_max<N>(s_m, row);
   L = 0.0f;
 #pragma unroll
   for (int k = 0; k < N; ++k) L = f_fma(s_l[k][row], merge_weight(s_m[k][row], M), L);
+}
+
+// ---------------------------------------------------------------------------------------
+// The merge of a CTA's warps in shared memory: the N warps that hold the same rows have
+// written their states of each row to s_m[k][row], s_l[k][row] (k: the warp's place among
+// them); each scales its O by warp_merge_weight and adds it to the others', one thread per
+// row writes the merged (M, L) (merge_warp_row).  How a warp's lanes hold its rows and O
+// is the kernel's (decode: rows on the MMAs' n side; varlen: on the m side).
+// ---------------------------------------------------------------------------------------
+// The factor of a warp's own state of row `row` (running maximum m) in the merge
+template <int N, int S>
+FP4C_DEVICE float warp_merge_weight(const float (*s_m)[S], u32 row, float m) {
+  return merge_weight(m, states_max<N>(s_m, row));
+}
+// The merged (M, L) of row `row` into s_M[row], s_L[row]; L = NaN where `nan` (the row saw
+// a bad page)
+template <int N, int S>
+FP4C_DEVICE void merge_warp_row(const float (*s_m)[S], const float (*s_l)[S], u32 row, bool nan,
+                                float* s_M, float* s_L) {
+  float M, L;
+  merge_row<N>(s_m, s_l, row, M, L);
+  if (nan) L = FP4C_NAN;
+  s_M[row] = M;
+  s_L[row] = L;
 }
 
 // ---------------------------------------------------------------------------------------

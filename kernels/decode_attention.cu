@@ -83,22 +83,17 @@
 // with l = 0 are written as 0 and lse = -inf); far below any score (|q.k| < 2^40 in f16).
 #define FP4C_ATTN_M0 (-1e30f)
 
-// Every argument that stays the same from call to call, passed by value as one struct
-// (host twin: fp4cache._cupy_attention.ATTN_PARAMS_DTYPE, same field order, align=True).
-// AttnParams (every non-pointer argument) is generated from fp4cache/_abi.py.
+// Every non-pointer argument is one by-value struct, AttnParams, generated from
+// fp4cache/_abi.py (with the host's layout checks).
 
 // ---------------------------------------------------------------------------------------
-// Geometry of one head_dim
+// Geometry of one head_dim: HeadDims (attn_seq.cuh) and this kernel's lane layout
 // ---------------------------------------------------------------------------------------
 template <int D>
-struct AttnDims {
-  static_assert(D == 64 || D == 128 || D == 256, "head_dim 64, 128 or 256");
-  static constexpr int G = D / 16;    // scales per row
-  static constexpr int KS = D / 16;   // k-steps of Q.K
+struct AttnDims : HeadDims<D> {
   static constexpr int KW = D / 32;   // words of K codes per lane and token
   static constexpr int KG = D / 64;   // K scale bytes per lane and token
   static constexpr int VW = D / 64;   // words of V codes per lane and token
-  static constexpr int NT = D / 8;    // n8 tiles of P.V
   static constexpr int D16 = D / 16;  // m16 tiles of O^T = V^T P^T
   static constexpr int VG = D == 256 ? 2 : 1;  // V scale groups per lane
 };
@@ -117,25 +112,10 @@ struct TileRaw {
   u32 bad;                    // a used page id was out of range
 };
 
-struct SeqCtx {
-  const u8* buffer;
-  const void* table;  // this sequence's row of block_tables
-  u64* stats;
-  i64 num_blocks, page_bytes, side_bytes, data_bytes;
-  FastDiv fT;
-  u32 len, h, row_h, row_t, swizzle, bt64, count_bad;
+// The sequence's pages (attn_seq.cuh) and its length: the CTA of KV head 0 counts bad ids.
+struct SeqCtx : AttnSeq {
+  u32 len;  // keys of the sequence (seq_lens[b], clamped to the row's capacity)
 };
-
-FP4C_DEVICE i64 load_id(const SeqCtx& S, u32 e) {
-  return S.bt64 ? ((const i64*)S.table)[e] : (i64)((const int*)S.table)[e];
-}
-
-// a block id inside the pool
-FP4C_DEVICE bool page_ok(const SeqCtx& S, i64 id) { return (u64)id < (u64)S.num_blocks; }
-// count a bad block-table entry (the caller picks the one lane and tile that own it)
-FP4C_DEVICE void count_bad_block(const SeqCtx& S) {
-  if (S.count_bad) atomicAdd((unsigned long long*)S.stats + FP4C_STAT_BAD_BLOCK_IDS, 1ull);
-}
 
 // Page (K side) and row of token i < len (kernels without _paged16: each token's page
 // looked up); ok = false for a bad id (then `page` is the pool's first page, never read).
@@ -953,10 +933,7 @@ FP4C_DEVICE void merge_warps(RowState<D, NC>& St, u32 rows, u8* s_raw,
 #pragma unroll
   for (int k = 0; k < 2 * NC; ++k) {
     const u32 col = 8 * (k >> 1) + 2 * c + (k & 1);
-    float M = FP4C_NEG_INF;
-#pragma unroll
-    for (int w = 0; w < FP4C_ATTN_WARPS; ++w) M = f_max(M, s_m[w][col]);
-    f[k] = merge_weight(St.m[k], M);  // (m >= M0: as grow)
+    f[k] = warp_merge_weight<FP4C_ATTN_WARPS>(s_m, col, St.m[k]);  // (m >= M0: as grow)
   }
   float(*mine)[D + 1] = slab(warp % MD::kSlabs);
 #pragma unroll
@@ -988,14 +965,8 @@ FP4C_DEVICE void merge_warps(RowState<D, NC>& St, u32 rows, u8* s_raw,
       s_o[row][d] = v;
     }
   }
-  if (threadIdx.x < rows) {
-    const u32 row = threadIdx.x;
-    float M, L;
-    merge_row<FP4C_ATTN_WARPS>(s_m, s_l, row, M, L);
-    if (s_flag) L = FP4C_NAN;
-    s_M[row] = M;
-    s_L[row] = L;
-  }
+  if (threadIdx.x < rows)
+    merge_warp_row<FP4C_ATTN_WARPS>(s_m, s_l, threadIdx.x, s_flag != 0u, s_M, s_L);
   __syncthreads();
 }
 
@@ -1007,47 +978,16 @@ FP4C_DEVICE void merge_warps(RowState<D, NC>& St, u32 rows, u8* s_raw,
 // mixed batch).  Decode (qsl = nullptr): token b, one row per query head of the group.
 FP4C_DEVICE bool seq_rows(const void* __restrict__ qsl, const AttnParams& P, u32 b, u32 h,
                           RowMap& R) {
-  R.group = P.group;
-  R.Hq = P.H * P.group;
-  R.head0 = h * P.group;
-  R.causal = P.causal;
-  R.tok0 = b;
-  R.n = 1u;
+  u32 tok0 = b, n = 1u;
   if (qsl != nullptr) {
-    i64 a = P.ql64 ? ((const i64*)qsl)[b] : (i64)((const int*)qsl)[b];
-    i64 e = P.ql64 ? ((const i64*)qsl)[b + 1] : (i64)((const int*)qsl)[b + 1];
-    const i64 nt = (i64)P.num_tokens;  // clamped to q's rows: nothing outside q is touched
-    a = a < 0 ? 0 : (a > nt ? nt : a);
-    e = e < a ? a : (e > nt ? nt : e);
-    const u64 rows = (u64)(e - a) * P.group;
-    if (rows <= P.rows_lo || rows > P.rows_hi) return false;
-    R.tok0 = (u32)a;
-    R.n = min((u32)(e - a), P.max_q);  // rows beyond max_query_len are not computed
+    const QuerySpan Q = query_span(P, qsl, b);
+    const i64 nq = Q.end > Q.tok0 ? Q.end - Q.tok0 : 0;
+    if (!launch_rows(P, (u64)nq * P.group)) return false;  // (none when nq = 0)
+    tok0 = (u32)Q.tok0;
+    n = min((u32)nq, P.max_q);  // rows beyond max_query_len are not computed
   }
-  R.rows = R.n * R.group;
+  R = row_map(P, h, tok0, n);
   return true;
-}
-
-FP4C_DEVICE SeqCtx seq_ctx(const AttnParams& P, const void* __restrict__ tables, u32 b, u32 h,
-                           u32 len) {
-  SeqCtx S;
-  S.buffer = (const u8*)P.buffer;
-  S.table = P.bt64 ? (const void*)((const i64*)tables + (u64)b * P.max_blocks)
-                   : (const void*)((const int*)tables + (u64)b * P.max_blocks);
-  S.stats = (u64*)P.stats;
-  S.num_blocks = P.num_blocks;
-  S.page_bytes = 2 * P.side_bytes;
-  S.side_bytes = P.side_bytes;
-  S.data_bytes = P.data_bytes;
-  S.fT = fastdiv_param(P.t);
-  S.len = len;
-  S.h = h;
-  S.row_h = P.row_h;
-  S.row_t = P.row_t;
-  S.swizzle = P.swizzle;
-  S.bt64 = P.bt64;
-  S.count_bad = h == 0u ? 1u : 0u;
-  return S;
 }
 
 // NC: n8 tiles of rows (1: up to 8 rows, 2: up to 16); PAGED16: block_size % 16 == 0.
@@ -1082,10 +1022,8 @@ FP4C_DEVICE void decode_attn_impl(const void* __restrict__ q, const void* __rest
   RowMap R;
   if (!seq_rows(qsl, P, b, h, R)) return;
   // sequence length, clamped to the row's capacity
-  i64 len64 = P.sl64 ? ((const i64*)seq_lens)[b] : (i64)((const int*)seq_lens)[b];
-  const i64 cap = (i64)P.max_blocks * P.t.d;
-  len64 = len64 < 0 ? 0 : (len64 > cap ? cap : len64);
-  const u32 len = (u32)len64;
+  const u32 len = seq_len(P, seq_lens, b);
+  const i64 cap = seq_capacity(P);
   const u32 s0 = split * P.split_len;
   const u32 s1 = min(s0 + P.split_len, len);
   // the split partials of this (sequence, KV head), built where they are used (kept
@@ -1099,7 +1037,7 @@ FP4C_DEVICE void decode_attn_impl(const void* __restrict__ q, const void* __rest
 
   // Latency (what a short sequence's CTA waits for): the sequence length, the block-table
   // entries of the warp's first chunk and q are loaded together, before any is used.
-  const SeqCtx S = seq_ctx(P, tables, b, h, len);
+  const SeqCtx S{attn_seq(P, tables, b, h, h == 0u), len};
   ChunkIds<ChunkDims<D>::CH> first;
   if constexpr (PAGED16) first = first_chunk<D>(S, s0, cap < 0xFFFFFFFFll ? (u32)cap : ~0u);
   QFrag<D, NC, SPLIT> Q;

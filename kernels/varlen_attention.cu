@@ -66,9 +66,9 @@
 #define FP4C_VL_THREADS (32 * FP4C_VARLEN_WARPS)
 #define FP4C_VL_NOKEY 0xFFFFFFFFu
 
+// Geometry of one head_dim: HeadDims (attn_seq.cuh) and this kernel's tiling
 template <int D, int MW, bool SPLIT>
-struct VlDims {
-  static_assert(D == 64 || D == 128 || D == 256, "head_dim 64, 128 or 256");
+struct VlDims : HeadDims<D> {
   static_assert(FP4C_VARLEN_WARPS % MW == 0, "row warps divide the warps");
   static constexpr int W = FP4C_VARLEN_WARPS;
   static constexpr int KW = W / MW;                  // warps sharing one row block
@@ -77,12 +77,9 @@ struct VlDims {
   static constexpr int STEP = TK * W;                // keys per CTA step
   static constexpr int NTL = MW;                     // tiles a warp computes per step
   static constexpr int LD = D + FP4C_VARLEN_SMEM_PAD;  // f16 per shared row
-  static constexpr int G = D / 16;                   // scales per row
-  static constexpr int KS = D / 16;                  // k-steps of Q.K
-  static constexpr int NT = D / 8;                   // n8 tiles of O
   static constexpr int TILE = 2 * TK * LD * 2;       // bytes of one decoded K + V tile
   static constexpr int KV = W * TILE;
-  static constexpr int SC = W * 2 * TK * G;          // scale-row staging
+  static constexpr int SC = W * 2 * TK * HeadDims<D>::G;  // scale-row staging
   static constexpr int QB = ROWS * LD * 2;           // q hi (and as much again for lo)
   static constexpr int SMEM = KV + SC + QB * (SPLIT ? 2 : 1);  // = _abi.varlen_smem_bytes
   static constexpr bool QREG = MW > 1 && D * (SPLIT ? 2 : 1) <= 128;  // q fragments in registers
@@ -90,20 +87,22 @@ struct VlDims {
   static_assert(TK == 16 && FP4C_MMA_ROWS == 16, "one m16n8k16 tile of keys and rows");
 };
 
-FP4C_DEVICE i64 load_index(const void* p, u32 i, u32 is64) {
-  return is64 ? ((const i64*)p)[i] : (i64)((const int*)p)[i];
-}
-
 // ---------------------------------------------------------------------------------------
 // Work unit
 // ---------------------------------------------------------------------------------------
+// Sequence b and KV head h of the item; the sequence's query tokens [qs0, qs0 + n) (rows =
+// n * group: the RowMap row_map(P, h, qs0, n) of attn_seq.cuh) and keys (len); the query
+// tile's rows [r0, r0 + rows_here); the split's keys [s0, s1) of the tile's [0, kv_end).
 struct VlWork {
   u32 b, h, qs0, n, len, rows, r0, rows_here, nsplit, split, split_len, s0, s1, kv_end;
   bool last_tile;
 };
 
-// Keys row token i of the sequence sees: [0, limit) (limit <= len; 0: none).
-FP4C_DEVICE u32 row_limit(const VlWork& W, u32 i, u32 causal) {
+// Keys token i of the sequence sees: [0, limit), limit in [0, len].  causal_limit of
+// attn_seq.cuh in 64-bit arithmetic: the same values, but with the 32-bit form ptxas
+// allocates other registers here on sm_80 (24-byte spills in the d256_r32 kernels), and
+// decode's row_limit needs the 32-bit form to keep its allocation.
+FP4C_DEVICE u32 token_limit(const VlWork& W, u32 i, u32 causal) {
   if (!causal) return W.len;
   const i64 lim = (i64)W.len - (i64)W.n + (i64)i + 1;
   return lim <= 0 ? 0u : (u32)lim;
@@ -116,19 +115,13 @@ FP4C_DEVICE bool find_work(const VarlenParams& P, u32 item, const void* qsl,
   const u32 bh = item / P.slots, slot = item - bh * P.slots;
   W.b = bh / P.H;
   W.h = bh - W.b * P.H;
-  // query_start_loc clamped to q's rows: an unvalidated bad entry never reads or writes
-  // outside q and out
-  i64 q0 = load_index(qsl, W.b, P.ql64), q1 = load_index(qsl, W.b + 1, P.ql64);
-  q0 = q0 < 0 ? 0 : (q0 > (i64)P.num_tokens ? (i64)P.num_tokens : q0);
-  q1 = q1 > (i64)P.num_tokens ? (i64)P.num_tokens : q1;
-  if (q1 <= q0) return false;
-  W.qs0 = (u32)q0;
-  W.n = (u32)(q1 - q0);
+  const QuerySpan Q = query_span(P, qsl, W.b);
+  if (Q.end <= Q.tok0) return false;  // no query token
+  W.qs0 = (u32)Q.tok0;
+  W.n = (u32)(Q.end - Q.tok0);
   W.rows = W.n * P.group;
-  if (W.rows <= P.rows_lo || W.rows > P.rows_hi) return false;  // another launch's
-  i64 len = load_index(seq_lens, W.b, P.sl64);
-  const i64 cap = (i64)P.max_blocks * P.t.d;
-  W.len = (u32)(len < 0 ? 0 : (len > cap ? cap : len));
+  if (!launch_rows(P, W.rows)) return false;  // another launch's
+  W.len = seq_len(P, seq_lens, W.b);
   const u32 nqt = (W.rows + ROWS - 1) / ROWS;
   u32 qt;
   if (nqt == 1u) {
@@ -146,7 +139,7 @@ FP4C_DEVICE bool find_work(const VarlenParams& P, u32 item, const void* qsl,
   W.r0 = qt * ROWS;
   W.rows_here = min((u32)ROWS, W.rows - W.r0);
   W.last_tile = qt + 1u == nqt;
-  W.kv_end = row_limit(W, (W.r0 + W.rows_here - 1u) / P.group, P.causal);
+  W.kv_end = token_limit(W, (W.r0 + W.rows_here - 1u) / P.group, P.causal);
   const u32 per = (W.kv_end + W.nsplit - 1u) / W.nsplit;
   W.split_len = max((u32)STEP, (per + STEP - 1u) / STEP * STEP);
   const u64 s0 = (u64)W.split * W.split_len;
@@ -184,6 +177,8 @@ FP4C_DEVICE void load_q(const void* q, const VlWork& W, const VarlenParams& P, u
     if (live) {
       const u32 jj = W.r0 + j;
       tok = jj / P.group;
+      // row_of(row_map(P, h, qs0, n), jj), written out: through the RowMap ptxas allocates
+      // up to 5 more registers in some of these kernels
       const u64 qrow = (u64)(W.qs0 + tok) * Hq + W.h * P.group + (jj - tok * P.group);
       const char* src = (const char*)q + qrow * D * T::kBytes;
 #pragma unroll
@@ -209,7 +204,7 @@ FP4C_DEVICE void load_q(const void* q, const VlWork& W, const VarlenParams& P, u
     }
     if (lane == 0u) {
       s_rsc[j] = rs.score;
-      s_lim[j] = live ? row_limit(W, tok, P.causal) : 0u;
+      s_lim[j] = live ? token_limit(W, tok, P.causal) : 0u;
     }
   }
 }
@@ -217,13 +212,10 @@ FP4C_DEVICE void load_q(const void* q, const VlWork& W, const VarlenParams& P, u
 // ---------------------------------------------------------------------------------------
 // load: one key row (codes and scales) of K (lanes 0..15) or V (16..31) into registers
 // ---------------------------------------------------------------------------------------
-struct VlSeq {
-  const u8* buffer;
-  const void* table;  // this sequence's row of block_tables
-  u64* stats;
-  i64 num_blocks, page_bytes, side_bytes, data_bytes;
-  FastDiv fT;
-  u32 h, row_h, row_t, swizzle, bt64, count_bad, vec16;
+// The sequence's pages (attn_seq.cuh): the CTA of KV head 0 and the sequence's last query
+// tile counts bad ids; vec16: 16-byte code loads (side and data bytes multiples of 16).
+struct VlSeq : AttnSeq {
+  u32 vec16;
 };
 
 template <int D>
@@ -246,12 +238,11 @@ FP4C_DEVICE void vl_load(const VlSeq& S, u32 key, u32 end, VlRaw<D>& R) {
   const bool want = key < end || (S.swizzle && (key & ~3u) < end);
   if (!want) return;
   const u32 pe = fdiv(key, S.fT), t = key - pe * S.fT.d;
-  const i64 id = S.bt64 ? ((const i64*)S.table)[pe] : (i64)((const int*)S.table)[pe];
-  if ((u64)id >= (u64)S.num_blocks) {
+  const i64 id = load_id(S, pe);
+  if (!page_ok(S, id)) {
     if (key < end) {
       R.state = 2u;
-      if (t == 0u && side == 0u && S.count_bad)
-        atomicAdd((unsigned long long*)S.stats + FP4C_STAT_BAD_BLOCK_IDS, 1ull);
+      if (t == 0u && side == 0u) count_bad_block(S);
     }
     return;
   }
@@ -486,12 +477,7 @@ FP4C_DEVICE void vl_merge_warps(VlRowState<D>& st, float (*s_o)[D + 1],
   __syncthreads();
   float f[2];
 #pragma unroll
-  for (int r = 0; r < 2; ++r) {
-    float M = FP4C_NEG_INF;
-#pragma unroll
-    for (int k = 0; k < KW; ++k) M = f_max(M, s_m[k][16u * mw + g + 8u * r]);
-    f[r] = merge_weight(st.m[r], M);
-  }
+  for (int r = 0; r < 2; ++r) f[r] = warp_merge_weight<KW>(s_m, 16u * mw + g + 8u * r, st.m[r]);
 #pragma unroll
   for (int k = 0; k < KW; ++k) {
     if (kw == (u32)k) {
@@ -508,14 +494,8 @@ FP4C_DEVICE void vl_merge_warps(VlRowState<D>& st, float (*s_o)[D + 1],
     }
     __syncthreads();
   }
-  if (threadIdx.x < (u32)ROWS) {
-    const u32 row = threadIdx.x;
-    float M, L;
-    merge_row<KW>(s_m, s_l, row, M, L);
-    if (nan_key < s_lim[row]) L = FP4C_NAN;
-    s_M[row] = M;
-    s_L[row] = L;
-  }
+  if (threadIdx.x < (u32)ROWS)
+    merge_warp_row<KW>(s_m, s_l, threadIdx.x, nan_key < s_lim[threadIdx.x], s_M, s_L);
   // V groups stored as NaN among the keys a row sees: NaN in the group's columns
   for (u32 k = threadIdx.x; k < (u32)(ROWS * (D / 16)); k += FP4C_VL_THREADS) {
     const u32 row = k / (D / 16), grp = k - row * (D / 16);
@@ -549,7 +529,7 @@ FP4C_DEVICE void vl_finish(const VlWork& W, const VarlenParams& P, float (*s_o)[
     if (!merge_splits<D, FP4C_VL_THREADS, FP4C_VARLEN_MAX_SPLITS>(S, s_o, s_M, s_L, s_w, s_flag))
       return;
   }
-  const RowMap R{W.qs0, 0u, 0u, P.group, P.H * P.group, W.h * P.group, P.causal};
+  const RowMap R = row_map(P, W.h, W.qs0, W.n);
   write_rows<T, D, FP4C_VL_THREADS>(R, W.r0, W.rows_here, s_o, s_M, s_L, P.out_scale, out, lse);
 }
 
@@ -605,23 +585,8 @@ FP4C_DEVICE void varlen_item(u32 item, const void* __restrict__ q, const void* _
     }
   }
 
-  VlSeq S;
-  S.buffer = (const u8*)P.buffer;
-  S.table = P.bt64 ? (const void*)((const i64*)tables + (u64)W.b * P.max_blocks)
-                   : (const void*)((const int*)tables + (u64)W.b * P.max_blocks);
-  S.stats = (u64*)P.stats;
-  S.num_blocks = P.num_blocks;
-  S.page_bytes = 2 * P.side_bytes;
-  S.side_bytes = P.side_bytes;
-  S.data_bytes = P.data_bytes;
-  S.fT = fastdiv_param(P.t);
-  S.h = W.h;
-  S.row_h = P.row_h;
-  S.row_t = P.row_t;
-  S.swizzle = P.swizzle;
-  S.bt64 = P.bt64;
-  S.count_bad = W.h == 0u && W.last_tile ? 1u : 0u;
-  S.vec16 = ((P.side_bytes | P.data_bytes) & 15) == 0 ? 1u : 0u;
+  const VlSeq S{attn_seq(P, tables, W.b, W.h, W.h == 0u && W.last_tile),
+                ((P.side_bytes | P.data_bytes) & 15) == 0 ? 1u : 0u};
 
   VlRowState<D> st;
   st.m[0] = st.m[1] = FP4C_NEG_INF;

@@ -16,7 +16,6 @@ import pytest
 
 from fp4cache import _kernels as K
 
-
 needs_nvrtc = pytest.mark.skipif(not K.nvrtc_available(),
                                  reason="no NVRTC: neither CuPy nor cuda-bindings with libnvrtc")
 
