@@ -147,7 +147,8 @@ def test_nvrtc_front_ends_agree():
                 .splitlines() if "Compile time" not in ln] for b in have}
     assert len(set(ptx.values())) == 1 and f".entry {spec.name}(" in ptx[have[0]]
     assert logs[have[0]] == logs[have[1]]
-    assert any("Used" in ln and "registers" in ln for ln in logs[have[0]])
+    if next(iter(versions.values()))[0] == 12:  # NVRTC 12 (the test extra's) runs ptxas -v
+        assert any("Used" in ln and "registers" in ln for ln in logs[have[0]])
     with pytest.raises(ValueError, match="backend"):
         K.compile_source(src, spec.file, "sm_90", backend="nvcc")
 
