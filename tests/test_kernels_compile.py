@@ -87,6 +87,9 @@ def test_page_copy_fits_its_launch_bounds_without_spills():
                         ("-Xptxas", "-v") + K.CUPY_IMPLICIT_OPTIONS)
     regs = [int(r) for r in re.findall(r"Used (\d+) registers", log)]
     spills = [int(b) for b in re.findall(r"(\d+) bytes spill stores", log)]
+    if not regs and _nvrtc_version(K.nvrtc_backends()[0])[0] >= 13:
+        pytest.skip("NVRTC 13 prints no ptxas report for -Xptxas -v (NVRTC 12, the test "
+                    "extra's, does)")
     assert len(regs) == len(specs) and len(spills) == len(specs), log
     assert max(regs) <= 65536 // (_abi.PAGE_MOVE_THREADS * _abi.COPY_MIN_CTAS), log
     assert not any(spills), log
