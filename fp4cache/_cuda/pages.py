@@ -15,6 +15,7 @@ import numpy as np
 from .. import _abi
 from .. import _kernels as K
 from .._device import num_sms
+from .launch import index_name
 
 __all__ = ["copy_pages", "read_pages", "write_pages", "copy_workspace", "STAGING_BYTES"]
 
@@ -24,7 +25,6 @@ STAGING_BYTES = 64 << 20
 _U8 = np.dtype(np.uint8)
 _PARAMS = _abi.struct_dtype("PageMoveParams")
 _THREADS = _abi.PAGE_MOVE_THREADS
-_IDS = {np.dtype(np.int32): "i32", np.dtype(np.int64): "i64"}
 
 
 def _vec_width(*sizes: int) -> int:
@@ -71,7 +71,7 @@ def copy_pages(pool, src, dst, host_src, host_dst) -> None:
     if n >= 2**31:
         raise ValueError(f"copy_blocks copies fewer than 2**31 pages per call, got {n}")
     staging, tables = copy_workspace(pool, n)
-    ids = _IDS[s.dtype]
+    ids = index_name(s.dtype, "src")
     p = _params(pool, n, tables.data.ptr, staging.data.ptr)
     mark = K.get_kernel(K.page_mark_spec(ids))
     copy = K.get_kernel(K.page_copy_spec(ids, _vec_width(pool.geometry.page_bytes)))
@@ -104,7 +104,8 @@ def _move(pool, kind: str, b, rows) -> None:
     b = _contig_ids(b)
     n = b.shape[0]
     vw = _vec_width(pool.geometry.page_bytes, rows.data.ptr)
-    spec = (K.page_read_spec if kind == "read" else K.page_write_spec)(_IDS[b.dtype], vw)
+    build = K.page_read_spec if kind == "read" else K.page_write_spec
+    spec = build(index_name(b.dtype, "blocks"), vw)
     K.get_kernel(spec)((_grid_pages(n),), (_THREADS,), (b, rows, _params(pool, n)))
 
 
