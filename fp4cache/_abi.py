@@ -132,6 +132,7 @@ STRUCTS: dict[str, tuple[tuple, ...]] = {
     # kernels/paged_kv.cu, every non-pointer argument of the store
     "StoreParams": (
         ("buffer", "u64"), ("stats", "u64"), ("claim", "u64"), ("os_tab", "u64"),
+        ("win", "u64"), ("win_map", "u64"),  # window slots (bf16), block -> slot (i32)
         ("k_tok_stride", "i64"), ("k_head_stride", "i64"),  # elements
         ("v_tok_stride", "i64"), ("v_head_stride", "i64"),
         ("num_slots", "i64"), ("side_bytes", "i64"), ("data_bytes", "i64"),
@@ -144,7 +145,7 @@ STRUCTS: dict[str, tuple[tuple, ...]] = {
         ("pair_rows", "u32"),  # NH = 2: pool rows from head h to head h + H/2
         ("k_s", "float"), ("k_g", "float"), ("v_s", "float"), ("v_g", "float"),
         ("pk", "u32", 8),  # code-packing multipliers (EncodeAux::pk)
-        ("_pad", "u32"),
+        ("win_slots", "u32"),  # slots of the window (0: none)
     ),
     # kernels/paged_kv.cu, every non-pointer argument of the gather
     "GatherParams": (
@@ -159,6 +160,7 @@ STRUCTS: dict[str, tuple[tuple, ...]] = {
     # kernels/decode_attention.cu, every non-pointer argument of the decode attention
     "AttnParams": (
         ("buffer", "u64"), ("ws_o", "u64"), ("ws_ml", "u64"),  # u8 pool, f32 partial O, (m, l)
+        ("win", "u64"), ("win_map", "u64"),  # window slots (bf16), block -> slot (i32)
         ("counters", "u64"), ("stats", "u64"),  # u32 merge tickets [B*H], u64 counters
         ("num_blocks", "i64"), ("side_bytes", "i64"), ("data_bytes", "i64"),
         ("H", "u32"), ("group", "u32"),  # KV heads, query heads per KV head
@@ -174,10 +176,15 @@ STRUCTS: dict[str, tuple[tuple, ...]] = {
         ("rows_max", "u32"),  # rows per split partial in the workspace
         ("qk_scale", "float"),  # sm_scale * k_scale * 2^7 * log2(e)
         ("out_scale", "float"),  # v_scale * 2^7
+        ("win_pages", "u32"), ("win_slots", "u32"),  # window: pages per sequence, slots
+        ("rotate", "u32"),  # q rotated by the normalized Hadamard transform (rotation)
+        ("win_k_mul", "float"), ("win_v_mul", "float"),  # window K/V -> decoded units
+        ("_pad", "u32"),
     ),
     # kernels/varlen_attention.cu, every non-pointer argument of the varlen attention
     "VarlenParams": (
         ("buffer", "u64"), ("ws_o", "u64"), ("ws_ml", "u64"),  # u8 pool, f32 partials
+        ("win", "u64"), ("win_map", "u64"),  # window slots (bf16), block -> slot (i32)
         ("counters", "u64"), ("stats", "u64"),  # u32 merge tickets [B*H], u64 counters
         ("num_blocks", "i64"), ("side_bytes", "i64"), ("data_bytes", "i64"),
         ("H", "u32"), ("group", "u32"),  # KV heads, query heads per KV head
@@ -193,6 +200,10 @@ STRUCTS: dict[str, tuple[tuple, ...]] = {
         ("num_tokens", "u32"),  # q's rows: query_start_loc is clamped to [0, num_tokens]
         ("qk_scale", "float"),  # sm_scale * k_scale * 2^7 * log2(e)
         ("out_scale", "float"),  # v_scale * 2^7
+        ("win_pages", "u32"), ("win_slots", "u32"),  # window: pages per sequence, slots
+        ("rotate", "u32"),  # q rotated by the normalized Hadamard transform (rotation)
+        ("win_k_mul", "float"), ("win_v_mul", "float"),  # window K/V -> decoded units
+        ("_pad", "u32"),
     ),
     # kernels/longlive.cu, where the blocks of a LongLive decode come from
     "LLSource": (
