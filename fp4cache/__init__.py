@@ -15,6 +15,7 @@ from ._device import pinned_empty
 from .cache import PagedKVCache
 from .calibrate import calibrate_scale
 from .codec import dequantize, quantize
+from .formats import hadamard
 from .layout import PageGeometry, slot_mapping
 
 __version__ = "0.1.0"
@@ -25,6 +26,7 @@ __all__ = [
     "quantize",
     "dequantize",
     "calibrate_scale",
+    "hadamard",
     "gpu_available",
     "slot_mapping",
     "pinned_empty",

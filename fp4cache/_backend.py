@@ -127,14 +127,23 @@ class Pool:
         The cache's default for ``validate=None``.
     scale_rule : str
         The store's scale rule (``"static6"`` or ``"4over6"``).
+    rotation : str
+        ``"none"`` or ``"hadamard"`` (K stored rotated, ``docs/window.md``).
+    window_pages : int
+        ``P``, the newest pages of a sequence read from the exact window (0: no window).
+    window, window_map : array or None
+        The window slots, uint16 bfloat16 bits ``(S, 2, T, H, D)``, and the int32 map
+        ``(num_blocks,)`` from a block to its slot (-1: none); None without a window.
     """
 
     __slots__ = ("backend", "device", "device_id", "geometry", "num_blocks", "buffer",
-                 "k_s", "v_s", "k_g", "v_g", "stats", "state", "validate", "scale_rule")
+                 "k_s", "v_s", "k_g", "v_g", "stats", "state", "validate", "scale_rule",
+                 "rotation", "window_pages", "window", "window_map")
 
     def __init__(self, backend: Backend, device: str, device_id: int | None,
                  geometry: PageGeometry, num_blocks: int, buffer, k_s, v_s, k_g, v_g, stats,
-                 state, validate: bool, scale_rule: str) -> None:
+                 state, validate: bool, scale_rule: str, rotation: str = "none",
+                 window_pages: int = 0, window=None, window_map=None) -> None:
         self.backend = backend
         self.device = device
         self.device_id = device_id
@@ -146,6 +155,15 @@ class Pool:
         self.state = state
         self.validate = validate
         self.scale_rule = scale_rule
+        self.rotation = rotation
+        self.window_pages = window_pages
+        self.window = window
+        self.window_map = window_map
+
+    @property
+    def window_slots(self) -> int:
+        """``S``, the slots of the exact window (0: none)."""
+        return 0 if self.window is None else int(self.window.shape[0])
 
     @property
     def block_size(self) -> int:

@@ -56,6 +56,29 @@ def _check_pool_fits(num_blocks: int, geom: PageGeometry, kind: str,
             f"at most about num_blocks = {max(0, have * num_blocks // need)}")
 
 
+def _check_window_options(geom: PageGeometry, rotation, window_pages,
+                          window_slots) -> tuple[str, int, int]:
+    """The checked ``rotation``, ``window_pages`` and ``window_slots`` of a cache."""
+    if rotation not in ("none", "hadamard"):
+        raise ValueError(f"rotation must be 'none' or 'hadamard', got {rotation!r}")
+    d = geom.head_dim
+    if rotation == "hadamard" and (d & (d - 1) or not 16 <= d <= 256):
+        raise ValueError(f"rotation='hadamard' needs a power-of-two head_dim from 16 to 256, "
+                         f"got head_dim = {d}")
+    for name, value in (("window_pages", window_pages), ("window_slots", window_slots)):
+        if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value < 0:
+            raise ValueError(f"{name} must be a non-negative integer, got {value!r}")
+    if (window_pages == 0) != (window_slots == 0):
+        raise ValueError(f"window_pages and window_slots are both 0 (no window) or both "
+                         f"positive, got {window_pages} and {window_slots}")
+    if window_pages and geom.block_size % 16:
+        raise ValueError(f"an exact window needs block_size % 16 == 0, got block_size = "
+                         f"{geom.block_size}")
+    if window_pages > 64:
+        raise ValueError(f"window_pages must be at most 64, got {window_pages}")
+    return rotation, int(window_pages), int(window_slots)
+
+
 class PagedKVCache:
     """A paged KV cache that stores K and V in NVFP4, byte-compatible with vLLM.
 
@@ -108,6 +131,18 @@ class PagedKVCache:
         reserves at construction the split-KV workspace that every such call needs, on
         any GPU, so those calls never allocate it (CUDA-graph capture, see below).
         Without hints the workspace grows to the largest call seen.
+    rotation : {"none", "hadamard"}
+        ``"hadamard"``: store K rotated by the normalized Hadamard transform along
+        ``head_dim`` (a power of two) and rotate q in the attention kernels, so scores
+        are unchanged and NVFP4's error on K shrinks; :meth:`gather_dequant` still
+        returns K in the original basis (``docs/window.md``).  Calibrate ``k_scale`` on
+        ``fp4cache.hadamard(k)``.
+    window_pages, window_slots : int
+        The exact window (``docs/window.md``): attention reads the newest
+        ``window_pages`` pages of every sequence that are mapped to one of
+        ``window_slots`` bf16 pages (:meth:`map_window`) from there, exactly, and the
+        rest from the NVFP4 pages.  Both 0 (the default) or both positive; needs
+        ``block_size % 16 == 0``.
 
     Attributes
     ----------
@@ -152,7 +187,9 @@ class PagedKVCache:
                  v_scale: float = 1.0, swizzle_v_scales: bool = True,
                  device: DeviceLike | None = None,
                  validate: bool | None = None, max_batch_size: int | None = None,
-                 max_seq_len: int | None = None, num_query_heads: int | None = None) -> None:
+                 max_seq_len: int | None = None, num_query_heads: int | None = None,
+                 rotation: str = "none", window_pages: int = 0,
+                 window_slots: int = 0) -> None:
         swizzle_v_scales = _arrays.check_bool(swizzle_v_scales, "swizzle_v_scales")
         validate = _arrays.check_bool(validate, "validate", optional=True)
         geom = PageGeometry(num_heads, block_size, head_dim, layout, swizzle_v_scales)
@@ -161,6 +198,8 @@ class PagedKVCache:
                 or num_blocks <= 0):
             raise ValueError(f"num_blocks must be a positive integer, got {num_blocks!r}")
         self.scale_rule = check_rule(scale_rule)
+        rotation, window_pages, window_slots = _check_window_options(
+            geom, rotation, window_pages, window_slots)
         k_s = _arrays.check_scale(k_scale, "k_scale")
         v_s = _arrays.check_scale(v_scale, "v_scale")
         k_g, v_g = reciprocal_clamped(k_s), reciprocal_clamped(v_s)
@@ -181,8 +220,11 @@ class PagedKVCache:
                                                 max_seq_len, num_query_heads)
         state = None  # GPU: pool, counters, tables, plans, workspace (CacheState)
         if kind == "cuda":
-            state = impl.CacheState(index, geom, self.num_blocks, k_s, k_g, v_s, v_g)
+            state = impl.CacheState(index, geom, self.num_blocks, k_s, k_g, v_s, v_g,
+                                    rotation=rotation, window_pages=window_pages,
+                                    window_slots=window_slots)
             self.buffer, stats = state.buffer, state.stats
+            window, window_map = state.window, state.window_map
         else:
             try:
                 self.buffer = np.zeros((self.num_blocks, 2, geom.side_bytes), dtype=np.uint8)
@@ -191,9 +233,14 @@ class PagedKVCache:
                                  f"{_pool_bytes(self.num_blocks, geom, kind)} bytes cannot be "
                                  f"allocated ({type(e).__name__}: {e})") from None
             stats = np.zeros(len(_abi.STAT_NAMES), dtype=np.uint64)
+            window = window_map = None
+            if window_slots:
+                window = np.zeros((window_slots, 2, block_size, num_heads, head_dim),
+                                  dtype=np.uint16)
+                window_map = np.full(self.num_blocks, -1, dtype=np.int32)
         self._pool = Pool(impl, kind, index, geom, self.num_blocks, self.buffer, k_s, v_s, k_g,
                           v_g, stats, state, True if kind == "cpu" else bool(validate),
-                          self.scale_rule)
+                          self.scale_rule, rotation, window_pages, window, window_map)
         if state is not None:
             self._reserve_workspace()
 

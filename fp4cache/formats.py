@@ -28,6 +28,8 @@ __all__ = [
     "pack_nibbles",
     "unpack_nibbles",
     "float32_to",
+    "hadamard",
+    "bf16_bits",
     "resolve_dtype",
     "reciprocal_clamped",
 ]
@@ -155,3 +157,43 @@ def float32_to(x: np.ndarray, dtype: np.dtype) -> np.ndarray:
     # beyond the target's range rounds to +-inf, below it to subnormals or zero: intended
     with np.errstate(over="ignore", under="ignore"):
         return np.asarray(x, dtype=_F32).astype(dtype)
+
+
+def hadamard(x, *, xp=None):
+    """The normalized Hadamard transform along the last axis, in float32: the rotation of
+    ``PagedKVCache(rotation="hadamard")`` bit for bit (``docs/window.md``).
+
+    Butterfly stages of strides 1, 2, ..., D/2 in that order (``(a, b) -> (a + b, a - b)``,
+    float32), then a multiply by ``fl32(1 / sqrt(D))``.  The transform is its own
+    inverse up to rounding.  ``x``: a NumPy or CuPy array (any float dtype, converted
+    to float32 exactly) whose last axis ``D`` is a power of two.
+
+    >>> import numpy as np
+    >>> hadamard(np.array([1.0, 1.0, 1.0, 1.0]))
+    array([2., 0., 0., 0.], dtype=float32)
+    """
+    if xp is None:
+        xp = np
+        if type(x).__module__.startswith("cupy"):
+            import cupy as xp
+    y = xp.asarray(x).astype(np.float32, copy=True)
+    d = y.shape[-1]
+    if d < 1 or d & (d - 1):
+        raise ValueError(f"hadamard needs a power-of-two last axis, got {d}")
+    lead = y.shape[:-1]
+    s = 1
+    while s < d:
+        z = y.reshape(*lead, d // (2 * s), 2, s)
+        a, b = z[..., 0, :], z[..., 1, :]
+        y = xp.stack([a + b, a - b], axis=-2).reshape(*lead, d)
+        s *= 2
+    return y * np.float32(1.0 / np.sqrt(d))
+
+
+def bf16_bits(x: np.ndarray) -> np.ndarray:
+    """float32 -> bfloat16 bits (uint16), round to nearest even; NaN -> ``0x7FC0``: what
+    the store writes to an exact window (``docs/window.md``)."""
+    u = np.ascontiguousarray(x, dtype=np.float32).view(np.uint32)
+    r = ((u + np.uint32(0x7FFF) + ((u >> np.uint32(16)) & np.uint32(1))) >> np.uint32(16))
+    r = r.astype(np.uint16)
+    return np.where(np.isnan(x), np.uint16(0x7FC0), r).astype(np.uint16)

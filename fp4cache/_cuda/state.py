@@ -43,8 +43,11 @@ class CacheState:
     ``scratch`` of :func:`decode_attention` (it has ``plans`` and ``workspace``)."""
 
     def __init__(self, device: int, geom: PageGeometry, num_blocks: int, k_s, k_g, v_s,
-                 v_g, *, buffer=None, stats=None, tables: bool = True) -> None:
+                 v_g, *, buffer=None, stats=None, tables: bool = True, rotation: str = "none",
+                 window_pages: int = 0, window_slots: int = 0) -> None:
         self.device = device
+        self.rotation = rotation  # "none" or "hadamard" (K stored rotated, docs/window.md)
+        self.window_pages = window_pages  # P: pages per sequence read from the window
         self.geom = geom
         self.num_blocks = num_blocks
         self.scalars = (_F32(k_s), _F32(k_g), _F32(v_s), _F32(v_g))
@@ -57,12 +60,20 @@ class CacheState:
             self.os_tab = cupy.asarray(os_table_values(k_s, v_s)) if tables else None
             self.claim = (cupy.zeros(num_blocks * geom.block_size, dtype=np.uint32)
                           if tables else None)
+            # the exact window: bf16 bits (slots, 2, T, H, D) and block -> slot (-1: none)
+            self.window = (cupy.zeros((window_slots, 2, geom.block_size, geom.num_heads,
+                                       geom.head_dim), dtype=np.uint16)
+                           if window_slots else None)
+            self.window_map = (cupy.full(num_blocks, -1, dtype=np.int32)
+                               if window_slots else None)
         self.plans = PlanCache()
         self.workspace = Workspace(device)
 
     @property
     def nbytes(self) -> int:
-        """Device bytes held: pool, counters, encode table, claim table and workspace."""
+        """Device bytes held: pool, counters, encode table, claim table, window and
+        workspace."""
         return self.workspace.nbytes + sum(
-            a.nbytes for a in (self.buffer, self.stats, self.os_tab, self.claim)
+            a.nbytes for a in (self.buffer, self.stats, self.os_tab, self.claim, self.window,
+                               self.window_map)
             if a is not None)
