@@ -323,7 +323,7 @@ _ATTN_ITEM_ROWS = 64
 
 def attention(buffer, q, query_start_loc, block_tables, seq_lens, out, lse, *, geom: PageGeometry,
               k_s, v_s, sm_scale, stats, causal: bool = True, max_query_len=None,
-              scratch=None) -> None:
+              scratch=None, window=None, rotate: bool = False) -> None:
     """``softmax(sm_scale * q K^T) V`` for the query tokens of each sequence (any number).
 
     Parameters
@@ -462,14 +462,16 @@ def _attend(buffer, q, limit, ids, bad, *, geom: PageGeometry, k_s, v_s, sm_scal
 
 
 def decode_attention(buffer, q, block_tables, seq_lens, out, lse, *, geom: PageGeometry, k_s,
-                     v_s, sm_scale, stats, scratch=None) -> None:
+                     v_s, sm_scale, stats, scratch=None, window=None,
+                     rotate: bool = False) -> None:
     """``softmax(sm_scale * q K^T) V`` over the first ``seq_lens[b]`` tokens of each row:
     :func:`attention` with one query token per sequence (``q`` is ``(B, Hq, D)``), whose
     notes apply (a sequence of length 0 gives zeros and ``lse = -inf``; a bad block id
     in the used part of a row makes that sequence's outputs NaN)."""
     B = q.shape[0]
     attention(buffer, q, np.arange(B + 1), block_tables, seq_lens, out, lse, geom=geom,
-              k_s=k_s, v_s=v_s, sm_scale=sm_scale, stats=stats, causal=False)
+              k_s=k_s, v_s=v_s, sm_scale=sm_scale, stats=stats, causal=False, window=window,
+              rotate=rotate)
 
 
 # -- page moves ------------------------------------------------------------------------------

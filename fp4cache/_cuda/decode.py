@@ -356,10 +356,12 @@ def decode_attention(buffer, q, block_tables, seq_lens, out, lse, *, geom: PageG
 
 def decode_runner(buffer, q, block_tables, seq_lens, *, geom: PageGeometry, k_s, v_s,
                      sm_scale, stats, scratch, decode_route: str = "auto",
-                     kernel_file: str | None = None):
+                     kernel_file: str | None = None, window=None, rotate: bool = False):
     """``run(q, block_tables, seq_lens, out, lse)``: :func:`decode_attention` for arrays
     like these (shapes, dtypes) on the current stream, prepared once (the front end keeps
     it for its hot path: one launch, nothing else)."""
+    if window is not None or rotate:
+        raise NotImplementedError("the exact window and the rotation are not in this kernel yet")
     key = decode_plan_key(buffer, q, block_tables, seq_lens, geom, k_s, v_s, sm_scale, stats,
                     decode_route, kernel_file)
     plans = scratch.plans

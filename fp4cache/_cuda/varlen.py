@@ -208,10 +208,12 @@ def varlen_plan_key(buffer, q, query_start_loc, block_tables, seq_lens, geom, ma
 
 def varlen_runner(buffer, q, query_start_loc, block_tables, seq_lens, *, max_query_len: int,
                      causal: bool, geom: PageGeometry, k_s, v_s, sm_scale, stats,
-                     scratch):
+                     scratch, window=None, rotate: bool = False):
     """``run(q, query_start_loc, block_tables, seq_lens, out, lse)``: :func:`attention` for
     arrays like these on the current stream, prepared once (one or two launches per call;
     the front end keeps it for its hot path)."""
+    if window is not None or rotate:
+        raise NotImplementedError("the exact window and the rotation are not in this kernel yet")
     key = varlen_plan_key(buffer, q, query_start_loc, block_tables, seq_lens, geom, max_query_len,
                     causal, k_s, v_s, sm_scale, stats)
     plan = scratch.plans.get(key)
