@@ -284,17 +284,21 @@ def decode_attention_args(spec: Spec) -> DecodeAttnArgs:
     return spec.params
 
 
-def varlen_attention_spec(dtype: str, head_dim: int, row_warps: int) -> Spec:
+def varlen_attention_spec(dtype: str, head_dim: int, row_warps: int,
+                          window: bool = False) -> Spec:
     """Paged attention over NVFP4 pages for any query length (``kernels/varlen_attention.cu``),
     ``dtype`` q/out; ``row_warps`` in ``_abi.VARLEN_ROW_WARPS``: query rows per CTA are
-    ``_abi.MMA_ROWS * row_warps``."""
+    ``_abi.MMA_ROWS * row_warps``; ``window``: the variant with the exact window and the q
+    rotation compiled in (``docs/window.md``, name suffix ``_win``), for a cache with either
+    option (the plain kernel has neither's code)."""
     if head_dim not in ATTN_HEAD_DIMS:
         raise ValueError(f"head_dim must be one of {ATTN_HEAD_DIMS}, got {head_dim}")
     if row_warps not in _abi.VARLEN_ROW_WARPS:
         raise ValueError(f"row_warps must be one of {_abi.VARLEN_ROW_WARPS}, got {row_warps}")
-    name = f"fp4cache_varlen_attn_{dtype}_d{head_dim}_r{_abi.MMA_ROWS * row_warps}"
+    name = (f"fp4cache_varlen_attn_{dtype}_d{head_dim}_r{_abi.MMA_ROWS * row_warps}"
+            f"{'_win' if window else ''}")
     return Spec("varlen_attention.cu", "FP4C_VARLEN_KERNEL", name,
-                (VALUE_TYPES[dtype], str(head_dim), str(row_warps)))
+                (VALUE_TYPES[dtype], str(head_dim), str(row_warps), "1" if window else "0"))
 
 
 def attention_head_dim(spec: Spec) -> int:
@@ -363,8 +367,8 @@ def all_specs() -> list[Spec]:
     specs += [page_mark_spec(ix) for ix in INDEX_TYPES]
     specs += [f(ix, vw) for f in (page_copy_spec, page_read_spec, page_write_spec)
               for ix in INDEX_TYPES for vw in PAGE_VEC_BYTES]
-    specs += [varlen_attention_spec(dt, d, mw) for dt in VALUE_TYPES for d in ATTN_HEAD_DIMS
-              for mw in _abi.VARLEN_ROW_WARPS]
+    specs += [varlen_attention_spec(dt, d, mw, win) for dt in VALUE_TYPES
+              for d in ATTN_HEAD_DIMS for mw in _abi.VARLEN_ROW_WARPS for win in bools]
     return specs
 
 

@@ -37,6 +37,12 @@
 //            decoded once per CTA; the columns of a word come in the pair order of
 //            e2m1_pairs (column 8w + 2p + half = d 8w + pair_nibble(p, half)), q is
 //            stored in the same column order and the output's columns are mapped back.
+//   window:  a tile at or past the sequence's window start ws (docs/window.md; ws = len
+//            without a window) instead of load + decode: the lane's bf16 row of the
+//            window slot (token t, side) to f16 times win_k_mul / win_v_mul (the decoded
+//            units) in the decode step's column order (attn_window.cuh); tiles are 16
+//            keys and ws a multiple of the block size (itself of 16 with a window), so a
+//            tile is all-NVFP4 or all-window.
 //   scores:  S = Q K^T (A = q from registers or ldmatrix, B = K tile by ldmatrix).
 //   softmax: online, per row, with the row's own key limit (causal and split end).
 //   P.V:     O += P V (A = P from S's accumulators, B = V tile by ldmatrix.trans).
@@ -44,12 +50,15 @@
 //   write:   out / lse, zeros and -inf for a row that sees no key.
 //
 // q is converted to f16 per row with a power-of-two scale (max |q| lands in [2^14, 2^15),
-// exact for bf16 / f16); float32 q is split into f16 hi + lo parts (two MMAs).
+// exact for bf16 / f16); float32 q is split into f16 hi + lo parts (two MMAs).  With
+// `rotate` (K stored rotated) the q row goes through the normalized Hadamard transform in
+// float32 first (hadamard_row, attn_window.cuh).
 //
 // Bad block ids (outside [0, num_blocks)): nothing is read from a bad page, its K and V
 // decode to 0 and the smallest such key of the CTA is kept; a row that sees that key gets
 // l = NaN (NaN output and lse), as decode_attention.cu.  K groups stored as NaN make the
-// scores of the rows that see them NaN.  V groups stored as NaN decode to 0 and the
+// scores of the rows that see them NaN (window K NaN groups alike: they stay NaN in f16).
+// V groups stored as NaN (in the pages or the window slots) decode to 0 and the
 // smallest such key per group is kept; a row that sees it gets NaN in the group's 16
 // output columns (what the float math gives when only the keys a row sees take part: a
 // masked weight of 0 times a NaN would be NaN in the shared P.V MMA).  The CTA of
@@ -62,6 +71,7 @@
 #include "attn_seq.cuh"
 #include "attn_state.cuh"
 #include "attn_epilogue.cuh"
+#include "attn_window.cuh"
 
 #define FP4C_VL_THREADS (32 * FP4C_VARLEN_WARPS)
 #define FP4C_VL_NOKEY 0xFFFFFFFFu
@@ -163,7 +173,7 @@ FP4C_DEVICE u32 pair_column(u32 n) {
   return col;
 }
 
-template <typename T, int D, int ROWS, int LD, bool SPLIT>
+template <typename T, int D, int ROWS, int LD, bool SPLIT, bool WIN>
 FP4C_DEVICE void load_q(const void* q, const VlWork& W, const VarlenParams& P, u16* sq,
                         u16* sql, float* s_rsc, u32* s_lim) {
   const u32 lane = threadIdx.x & 31u, warp = threadIdx.x >> 5;
@@ -189,6 +199,12 @@ FP4C_DEVICE void load_q(const void* q, const VlWork& W, const VarlenParams& P, u
     } else {
 #pragma unroll
       for (int k = 0; k < D / 32; ++k) x[k] = 0.0f;
+    }
+    if (WIN && P.rotate) {  // K is stored rotated (uniform: the cache's option)
+      hadamard_row<D>(x);
+      mx = 0.0f;
+#pragma unroll
+      for (int k = 0; k < D / 32; ++k) mx = f_max(mx, f_abs(x[k]));
     }
 #pragma unroll
     for (int o = 16; o >= 1; o >>= 1) mx = f_max(mx, __shfl_xor_sync(0xFFFFFFFFu, mx, o));
@@ -334,6 +350,42 @@ FP4C_DEVICE void vl_decode(const VlRaw<D>& R, u32 key, u32 swizzle, u8* stage, u
       o.w = hmul2(r[3], sf);
       *(U32x4*)(dst + 8 * w) = o;
     }
+  }
+}
+
+// ---------------------------------------------------------------------------------------
+// window: the lane's row of a window tile (its 16 keys at or past ws: all in mapped pages)
+// to f16 in the warp's tile, in the decode step's units and column order (attn_window.cuh);
+// read and written in place of vl_load + vl_decode.  Keys at or past `end` are zeros; a V
+// group holding a NaN is written as zeros and its key kept in s_vnan as a decoded one; a K
+// NaN stays NaN (the scores of the rows that see the key).
+// ---------------------------------------------------------------------------------------
+template <int D, int LD>
+FP4C_DEVICE void vl_window(const VarlenParams& P, const VlSeq& S, u32 key, u32 end, u16* tile,
+                           u32* s_vnan) {
+  const u32 lane = threadIdx.x & 31u, t = lane & 15u, side = lane >> 4;
+  u16* dst = tile + (side * 16u + t) * LD;
+  const u8* src = nullptr;
+  if (key < end) {
+    const u32 pe = fdiv(key, S.fT), tt = key - pe * S.fT.d;
+    const u32 slot = (u32)window_slot(P, S, load_id(S, pe));  // >= 0 for a key past ws
+    const u64 row = ((u64)(2u * slot + side) * S.fT.d + tt) * P.H + S.h;
+    src = (const u8*)P.win + row * (D * 2);
+  }
+  const float mul = window_mul(P, side);
+#pragma unroll 1
+  for (int grp = 0; grp < D / 16; ++grp) {
+    U32x4 a[2] = {U32x4{0u, 0u, 0u, 0u}, U32x4{0u, 0u, 0u, 0u}};
+    if (src != nullptr) {
+      a[0] = ldg16(src + 32 * grp);
+      a[1] = ldg16(src + 32 * grp + 16);
+    }
+    if (side == 1u && (bf16x8_nan(a[0]) || bf16x8_nan(a[1]))) {
+      atomicMin(&s_vnan[grp], key);
+      a[0] = a[1] = U32x4{0u, 0u, 0u, 0u};
+    }
+#pragma unroll
+    for (int hw = 0; hw < 2; ++hw) *(U32x4*)(dst + 8 * (2 * grp + hw)) = window_word_f16(a[hw], mul);
   }
 }
 
@@ -536,7 +588,7 @@ FP4C_DEVICE void vl_finish(const VlWork& W, const VarlenParams& P, float (*s_o)[
 // ---------------------------------------------------------------------------------------
 // One work item: a (sequence, KV head, query tile, split) unit
 // ---------------------------------------------------------------------------------------
-template <typename T, int D, int MW>
+template <typename T, int D, int MW, bool WIN>
 FP4C_DEVICE void varlen_item(u32 item, const void* __restrict__ q, const void* __restrict__ qsl,
                              const void* __restrict__ tables, const void* __restrict__ seq_lens,
                              void* __restrict__ out, float* __restrict__ lse,
@@ -558,7 +610,7 @@ FP4C_DEVICE void varlen_item(u32 item, const void* __restrict__ q, const void* _
   u16* sql = sq + ROWS * LD;
   if (threadIdx.x == 0) s_nan = FP4C_VL_NOKEY;
   if (threadIdx.x < (u32)A::G) s_vnan[threadIdx.x] = FP4C_VL_NOKEY;
-  load_q<T, D, ROWS, LD, SPLIT>(q, W, P, sq, sql, s_rsc, s_lim);
+  load_q<T, D, ROWS, LD, SPLIT, WIN>(q, W, P, sq, sql, s_rsc, s_lim);
   __syncthreads();
 
   // ---- this lane's rows: limits (split end included), score scales, q fragments ---------
@@ -600,11 +652,18 @@ FP4C_DEVICE void varlen_item(u32 item, const void* __restrict__ q, const void* _
   u8* my_stage = s_sc + warp * (2 * 16 * A::G);
   u16* my_tile = (u16*)(s_kv + warp * A::TILE);
   const u32 kv_s = smem_u32(s_kv);
+  // the keys read from the pages: [s0, nv_end); the window's from nv_end on (a 16-key tile
+  // is one or the other: ws is a multiple of the block size, itself of 16)
+  const u32 nv_end = WIN ? min(W.s1, window_start(P, S, W.len)) : W.s1;
   VlRaw<D> R;
-  if (W.s0 < W.s1) vl_load<D>(S, W.s0 + my_key, W.s1, R);
+  if (W.s0 < W.s1) vl_load<D>(S, W.s0 + my_key, nv_end, R);
   for (u32 step = W.s0; step < W.s1; step += A::STEP) {
-    vl_decode<D, LD>(R, step + my_key, P.swizzle, my_stage, my_tile, nan_key, s_vnan);
-    if (step + A::STEP < W.s1) vl_load<D>(S, step + A::STEP + my_key, W.s1, R);
+    const u32 tile0 = step + 16u * warp;
+    if (WIN && tile0 >= nv_end && tile0 < W.s1)  // warp-uniform: a window tile
+      vl_window<D, LD>(P, S, step + my_key, W.s1, my_tile, s_vnan);
+    else
+      vl_decode<D, LD>(R, step + my_key, P.swizzle, my_stage, my_tile, nan_key, s_vnan);
+    if (step + A::STEP < W.s1) vl_load<D>(S, step + A::STEP + my_key, nv_end, R);
     // warp (mw, kw) computes tiles kw, kw + KW, ... of the step (MW = 1: its own tile)
     if constexpr (MW == 1) __syncwarp(); else __syncthreads();
     if (step + 16u * kw < wmax)
@@ -634,7 +693,7 @@ FP4C_DEVICE void varlen_item(u32 item, const void* __restrict__ q, const void* _
 // at a few waves of resident CTAs, so the items a mixed batch's launch leaves empty cost a
 // loop turn, not a CTA launch)
 // ---------------------------------------------------------------------------------------
-template <typename T, int D, int MW>
+template <typename T, int D, int MW, bool WIN>
 FP4C_DEVICE void varlen_attn_impl(const void* __restrict__ q, const void* __restrict__ qsl,
                                   const void* __restrict__ tables,
                                   const void* __restrict__ seq_lens, void* __restrict__ out,
@@ -645,18 +704,20 @@ FP4C_DEVICE void varlen_attn_impl(const void* __restrict__ q, const void* __rest
   // the host sized it by _abi.varlen_smem_bytes: it must be this layout
   if (dyn < (u32)A::SMEM || P.smem != (u32)A::SMEM) __trap();
   for (u32 item = blockIdx.x; item < P.items; item += gridDim.x) {
-    varlen_item<T, D, MW>(item, q, qsl, tables, seq_lens, out, lse, P);
+    varlen_item<T, D, MW, WIN>(item, q, qsl, tables, seq_lens, out, lse, P);
     __syncthreads();  // the next item reuses the shared memory
   }
 }
 
-// NAME, q/out value type, head_dim, row warps (1, 2, 4: 16, 32, 64 rows per CTA)
-#define FP4C_VARLEN_KERNEL(NAME, T, D, MW)                                                   \
+// NAME, q/out value type, head_dim, row warps (1, 2, 4: 16, 32, 64 rows per CTA), WIN (1:
+// the exact window and the q rotation compiled in, runtime-selected by the params; 0: the
+// plain cache's kernel, without their code)
+#define FP4C_VARLEN_KERNEL(NAME, T, D, MW, WIN)                                              \
   extern "C" __global__ void __launch_bounds__(FP4C_VL_THREADS, FP4C_VL_MINB(D, MW))         \
       NAME(const void* __restrict__ q, const void* __restrict__ qsl,                         \
            const void* __restrict__ tables, const void* __restrict__ seq_lens,               \
            void* __restrict__ out, float* __restrict__ lse, const VarlenParams params) {     \
-    varlen_attn_impl<T, D, MW>(q, qsl, tables, seq_lens, out, lse, params);                  \
+    varlen_attn_impl<T, D, MW, (WIN) != 0>(q, qsl, tables, seq_lens, out, lse, params);      \
   }
 
 #ifdef FP4C_INSTANTIATIONS

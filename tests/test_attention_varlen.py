@@ -999,7 +999,7 @@ def test_cuda_graph_capture_and_replay():
 
 # -- the kernels on the GPU, against the float64 reference ---------------------------------
 def run(cache, q, qsl, tab, lens, *, max_query_len, causal, sm_scale=None, scratch=None,
-        with_lse=True):
+        with_lse=True, window=None, rotate=False):
     geom = cache.geometry
     sm_scale = 1.0 / np.sqrt(geom.head_dim) if sm_scale is None else sm_scale
     out = poisoned(q.shape, q.dtype)
@@ -1007,7 +1007,8 @@ def run(cache, q, qsl, tab, lens, *, max_query_len, causal, sm_scale=None, scrat
     scratch = new_scratch() if scratch is None else scratch
     cv.attention(cache.buffer, q, qsl, tab, lens, out, lse, max_query_len=max_query_len,
                  causal=causal, geom=geom, k_s=cache.pool.k_s, v_s=cache.pool.v_s,
-                 sm_scale=sm_scale, stats=cache.pool.stats, scratch=scratch)
+                 sm_scale=sm_scale, stats=cache.pool.stats, scratch=scratch, window=window,
+                 rotate=rotate)
     return out, lse, scratch
 
 
@@ -1291,3 +1292,311 @@ class TestKernel:
         lens = [2100, 3000]
         _, out, lse, ro, rl, _ = case(rng, ns=ns, lens=lens, H=1, T=16, D=128, group=8)
         check(out, lse, ro, rl, "bfloat16", "prefill chunk")
+
+
+# -- the exact window and the q rotation (docs/window.md), kernels against float64 ---------
+def window_start_ref(row, L, T, P, win_map, S, num_blocks) -> int:
+    """docs/window.md's ws of a sequence of (clamped) length L with block-table row `row`."""
+    if L == 0:
+        return 0
+    n = -(-L // T)
+    run_ = 0
+    for i in range(min(P, n)):
+        bid = int(row[n - 1 - i])
+        if not (0 <= bid < num_blocks and 0 <= int(win_map[bid]) < S):
+            break
+        run_ += 1
+    return L if run_ == 0 else (n - run_) * T
+
+
+def window_slots(rng, S, T, H, D, nan_k=(), nan_v=()):
+    """Random window slots: bf16 bits (S, 2, T, H, D), values unlike the pages' (a key read
+    from the wrong source moves its row), and their float64 values; nan_k / nan_v: (slot,
+    token, head, group) written as 16 x 0x7FC0, as the store writes a NaN group."""
+    x = rng.standard_normal((S, 2, T, H, D), dtype=np.float32) * 2.0
+    bits = fp4cache.formats.bf16_bits(x)
+    for side, groups in ((0, nan_k), (1, nan_v)):
+        for sl, t, h, g in groups:
+            bits[sl, side, t, h, 16 * g:16 * g + 16] = 0x7FC0
+    vals = (bits.astype(np.uint32) << np.uint32(16)).view(np.float32).astype(np.float64)
+    return bits, vals
+
+
+def map_last_pages(tab, lens, T, P, num_blocks):
+    """window_map with the last P pages of every sequence in its own ring of P slots (S =
+    P * B + 1: one slot never used)."""
+    win_map = np.full(num_blocks, -1, np.int32)
+    cap = tab.shape[1] * T
+    for b, L in enumerate(lens):
+        L = min(max(int(L), 0), cap)
+        n = -(-L // T)
+        for p in range(max(0, n - P), n):
+            bid = int(tab[b, p])
+            if 0 <= bid < num_blocks:
+                win_map[bid] = P * b + p % P
+    return win_map, P * len(lens) + 1
+
+
+def window_reference(kd, vd, wvals, win_map, P, S, q, qsl, tab, lens, T, num_blocks, causal,
+                     rotate):
+    """float64 reference with the window: keys at or past ws of each sequence from its
+    window slots (virtual pages appended to the decoded pool), q rotated by
+    fp4cache.hadamard when K is stored rotated (K here is the stored, rotated basis)."""
+    tab2 = tab.astype(np.int64).copy()
+    tab2[(tab2 < 0) | (tab2 >= num_blocks)] = -1
+    ks, vs = [kd], [vd]
+    cap = tab.shape[1] * T
+    nv = num_blocks
+    for b, L in enumerate(lens):
+        L = min(max(int(L), 0), cap)
+        ws = window_start_ref(tab[b], L, T, P, win_map, S, num_blocks)
+        for p in range(ws // T, -(-L // T)):
+            slot = int(win_map[int(tab[b, p])])
+            ks.append(wvals[slot, 0])
+            vs.append(wvals[slot, 1])
+            tab2[b, p] = nv
+            nv += 1
+    qr = fp4cache.hadamard(np.asarray(q, np.float32)) if rotate else q
+    D = q.shape[-1]
+    return paged_attention_f64(np.concatenate(ks), np.concatenate(vs), qr, qsl, tab2, lens, T,
+                               1 / np.sqrt(D), nv, causal)
+
+
+def window_case(rng, *, ns, lens, H, T, D, group, P=3, dtname="bfloat16", layout="HND",
+                swizzle=True, causal=True, rotate=True, window=True, itype=np.int32,
+                nan_wk=(), nan_wv=(), tab_edit=None, map_edit=None, max_query_len=None,
+                spare=2):
+    """One call of the kernels with the window / rotation against window_reference."""
+    max_blocks = max(-(-max(int(L), 1) // T) for L in lens) + 1
+    num_blocks = sum(-(-max(int(L), 0) // T) for L in lens) + spare
+    cache, kd, vd = make_gpu_cache(rng, H=H, T=T, D=D, layout=layout, swizzle=swizzle,
+                                   num_blocks=num_blocks)
+    tab = tables_for(rng, lens, T, num_blocks, max_blocks, itype)
+    if tab_edit is not None:
+        tab_edit(tab, num_blocks)
+    win_map, S = map_last_pages(tab, lens, T, P, num_blocks)
+    if map_edit is not None:
+        map_edit(win_map, tab, S)
+    bits, wvals = window_slots(rng, S, T, H, D, nan_wk, nan_wv)
+    win = (cp.asarray(bits), cp.asarray(win_map), P) if window else None
+    qsl = starts_of(ns, itype)
+    q = rand_q(rng, int(qsl[-1]), H * group, D, dtname)
+    mql = max(ns) if max_query_len is None else max_query_len
+    cache.reset_counters()
+    out, lse, scratch = run(cache, cp.asarray(q), cp.asarray(qsl), cp.asarray(tab),
+                            cp.asarray(np.array(lens, dtype=itype)), max_query_len=mql,
+                            causal=causal, window=win, rotate=rotate)
+    if window:
+        ro, rl = window_reference(kd, vd, wvals, win_map, P, S, q, qsl, tab, lens, T,
+                                  num_blocks, causal, rotate)
+    else:
+        ro, rl = window_reference(kd, vd, wvals, np.full(num_blocks, -1, np.int32), P, S, q,
+                                  qsl, tab, lens, T, num_blocks, causal, rotate)
+    return cache, out, lse, ro, rl, scratch
+
+
+def few_rows_window():
+    """Whether the few-row (decode) kernel takes the window and the rotation yet (its
+    part of the dispatch, fp4cache/_cuda/decode.py)."""
+    import inspect
+
+    from fp4cache._cuda import decode as cd
+    return "window" in inspect.signature(cd.make_decode_plan).parameters
+
+
+@pytest.mark.gpu
+class TestWindow:
+    """The exact window and the q rotation in ``fp4cache._cuda.varlen``'s kernel (every
+    sequence of more than 16 rows: the varlen kernel; the few-row ones in TestWindow's mixed
+    cases) against the float64 reference over the decoded pages and the window slots."""
+
+    @pytest.mark.parametrize("window,rotate", [(True, False), (False, True), (True, True)],
+                             ids=["window", "rotate", "both"])
+    @pytest.mark.parametrize("D,group,dtname,layout", [
+        (64, 1, "float16", "NHD"), (128, 4, "bfloat16", "HND"), (256, 8, "bfloat16", "HND"),
+        (128, 16, "float32", "NHD"), (256, 2, "float32", "HND"), (64, 3, "bfloat16", "HND")])
+    def test_window_and_rotation(self, D, group, dtname, layout, window, rotate):
+        rng = np.random.default_rng(zlib_seed("win", D, group, dtname, layout, window, rotate))
+        ns = [17, 40, 100, 64]
+        lens = [17, 40 + 5 * 16 + 7, 300, 64 + 32]  # the first one shorter than the window
+        for causal in (True, False):
+            _, out, lse, ro, rl, _ = window_case(
+                rng, ns=ns, lens=lens, H=2, T=16, D=D, group=group, dtname=dtname,
+                layout=layout, causal=causal, window=window, rotate=rotate)
+            check(out, lse, ro, rl, dtname, f"D={D} g={group} causal={causal}")
+
+    @pytest.mark.parametrize("T,swizzle,layout", [(16, True, "HND"), (32, False, "NHD"),
+                                                  (64, True, "NHD"), (32, True, "HND"),
+                                                  (64, False, "HND")])
+    def test_block_sizes(self, T, swizzle, layout):
+        rng = np.random.default_rng(zlib_seed("win-T", T, swizzle, layout))
+        ns = [20, 33, 70]
+        lens = [T + 20, 4 * T + 33, 2 * T + 70 - 1]
+        for P in (1, 2, 5):
+            _, out, lse, ro, rl, _ = window_case(rng, ns=ns, lens=lens, H=3, T=T, D=128,
+                                                 group=2, P=P, layout=layout, swizzle=swizzle,
+                                                 itype=np.int64)
+            check(out, lse, ro, rl, "bfloat16", f"T={T} P={P}")
+
+    @pytest.mark.parametrize("group", [1, 2, 8])
+    def test_chunk_rows_around_the_window_start(self, group):
+        """Chunk rows whose causal limit ends before, at and past ws, query tiles whose
+        last key is before ws and after it."""
+        rng = np.random.default_rng(zlib_seed("win-chunk", group))
+        ns = [96, 200, 64]
+        lens = [500, 700, 64 + 3 * 16]
+        for P in (3, 4):
+            for causal in (True, False):
+                _, out, lse, ro, rl, _ = window_case(rng, ns=ns, lens=lens, H=2, T=16, D=128,
+                                                     group=group, P=P, causal=causal)
+                check(out, lse, ro, rl, "bfloat16", f"chunk g={group} P={P} causal={causal}")
+
+    def test_unmapped_partially_mapped_and_bad_ids(self):
+        """ws = L when the last page is not mapped (no slot, a slot outside [0, S), a bad
+        id); a suffix cut by an unmapped page; a bad id before the window (NaN rows for the
+        rows that see it)."""
+        rng = np.random.default_rng(31)
+        ns = [20, 20, 20, 20, 20, 20, 20]
+        lens = [200, 200, 200, 200, 200, 200, 300]
+
+        def tab_edit(tab, nb):
+            tab[4, 12] = nb + 5  # last page of sequence 4: a bad id
+            tab[5, 2] = -7  # a bad id long before sequence 5's window
+
+        def map_edit(win_map, tab, S):
+            win_map[tab[0, 12]] = -1  # unmapped last page
+            win_map[tab[1, 11]] = -1  # mapped, unmapped, mapped: run of 1
+            win_map[tab[2, 12]] = S  # slot outside [0, S): not mapped
+            win_map[tab[3, 11]] = S + 100
+            win_map[tab[6, 17]] = -3  # sequence 6 (19 pages): only its last page mapped
+            win_map[tab[6, 16]] = -3
+
+        cache, out, lse, ro, rl, _ = window_case(rng, ns=ns, lens=lens, H=2, T=16, D=128,
+                                                 group=1, P=4, tab_edit=tab_edit,
+                                                 map_edit=map_edit)
+        check(out, lse, ro, rl, "bfloat16", "partial maps")
+        assert np.isnan(ro[20 * 4:20 * 5]).any() and np.isnan(ro[20 * 5:20 * 6]).all()
+
+    @pytest.mark.parametrize("n,group,P", [(9, 2, 3), (17, 1, 3), (8, 4, 40), (4, 16, 2),
+                                           (6, 8, 33)])
+    def test_splits(self, n, group, P):
+        """17..64 rows per sequence: one query tile, keys split over CTAs and merged; P up
+        to 40 pages (more than one ballot of the window start); a sequence shorter than
+        its window."""
+        rng = np.random.default_rng(zlib_seed("win-split", n, group, P))
+        lens = [9000, 4099, 300, n]
+        _, out, lse, ro, rl, scratch = window_case(rng, ns=[n] * 4, lens=lens, H=2, T=16,
+                                                   D=128, group=group, P=P)
+        check(out, lse, ro, rl, "bfloat16", f"splits n={n} g={group} P={P}")
+        ps = next(iter(scratch.plans.values())).launches[-1].keep[-1]
+        assert ps.slots > 1
+
+    def test_nan_groups(self):
+        """A window K group stored as NaN: NaN rows for the rows that see its key; a V
+        group: NaN in its 16 columns for them."""
+        rng = np.random.default_rng(33)
+        ns = [40, 40, 40]
+        lens = [300, 300, 300]
+        # sequence b's ring is slots 3b .. 3b + 2; page p in slot 3b + p % 3
+        # seq 0: K group 2 of token 300 - 25 = 275 (page 17, slot 2, token 3), head 1
+        # seq 1: V group 5 of token 290 (page 18, slot 3 + 0, token 2), head 0
+        _, out, lse, ro, rl, _ = window_case(rng, ns=ns, lens=lens, H=2, T=16, D=128,
+                                             group=2, nan_wk=[(2, 3, 1, 2)],
+                                             nan_wv=[(3, 2, 0, 5)])
+        check(out, lse, ro, rl, "bfloat16", "window NaN groups")
+        assert np.isnan(ro[:40]).any() and np.isnan(ro[40:80]).any()
+        assert not np.isnan(ro[80:]).any()
+
+    def test_mixed_batch_with_few_row_sequences(self):
+        """Decodes, speculative and chunk sequences in one call: the few-row kernel and the
+        varlen kernel in two launches, both with the window and the rotation."""
+        if not few_rows_window():
+            pytest.skip("the few-row (decode) kernel has no window yet")
+        rng = np.random.default_rng(34)
+        ns = [1, 300, 1, 4, 0, 1, 40]
+        lens = [5000, 1300, 1, 1234, 60, 17, 40]
+        for causal in (True, False):
+            _, out, lse, ro, rl, _ = window_case(rng, ns=ns, lens=lens, H=2, T=16, D=128,
+                                                 group=4, causal=causal)
+            check(out, lse, ro, rl, "bfloat16", f"mixed causal={causal}")
+
+    def test_cuda_graph_capture_and_replay(self):
+        """Captured once with the window; replayed after new q, lengths, tables, window
+        map and slot contents (the map is read on the device)."""
+        rng = np.random.default_rng(35)
+        H, T, D, group, P = 2, 16, 128, 4, 3
+        B, max_blocks, N = 3, 40, 60
+        num_blocks = B * max_blocks
+        cache, kd, vd = make_gpu_cache(rng, H=H, T=T, D=D, num_blocks=num_blocks)
+        S = P * B + 1
+        qd = cp.empty((N, H * group, D), dtype=BF16)
+        qsld = cp.empty((B + 1,), dtype=cp.int32)
+        td = cp.empty((B, max_blocks), dtype=cp.int32)
+        ld = cp.empty((B,), dtype=cp.int32)
+        wd = cp.empty((S, 2, T, H, D), dtype=cp.uint16)
+        md = cp.empty((num_blocks,), dtype=cp.int32)
+        out = cp.empty((N, H * group, D), dtype=BF16)
+        lse = cp.empty((N, H * group), dtype=cp.float32)
+        scratch = new_scratch()
+        stream = cp.cuda.Stream(non_blocking=True)
+        steps = [([20, 20, 20], [600, 20, 100]), ([5, 30, 25], [200, 31, 620]),
+                 ([60, 0, 0], [640, 0, 0]), ([10, 10, 40], [17, 300, 40])]
+        if not few_rows_window():
+            steps = [s for s in steps if min(n for n in s[0] if n) * group > 16]
+
+        def load(ns, lens):
+            tab = tables_for(rng, lens, T, num_blocks, max_blocks)
+            win_map, _ = map_last_pages(tab, lens, T, P, num_blocks)
+            bits, wvals = window_slots(rng, S, T, H, D)
+            q = rand_q(rng, N, H * group, D, "bfloat16")
+            qsl = starts_of(ns)
+            qd[...] = cp.asarray(q)
+            qsld[...] = cp.asarray(qsl)
+            td[...] = cp.asarray(tab)
+            ld[...] = cp.asarray(np.array(lens, np.int32))
+            wd[...] = cp.asarray(bits)
+            md[...] = cp.asarray(win_map)
+            return q, qsl, tab, win_map, wvals
+
+        with stream:
+            load(*steps[0])
+            run_ = cv.varlen_runner(cache.buffer, qd, qsld, td, ld, max_query_len=60,
+                                    causal=True, geom=cache.geometry, k_s=cache.pool.k_s,
+                                    v_s=cache.pool.v_s, sm_scale=1 / np.sqrt(D),
+                                    stats=cache.pool.stats, scratch=scratch,
+                                    window=(wd, md, P), rotate=True)
+            run_(qd, qsld, td, ld, out, lse)
+            stream.synchronize()
+            stream.begin_capture()
+            run_(qd, qsld, td, ld, out, lse)
+            graph = stream.end_capture()
+        for rep, (ns, lens) in enumerate(steps + steps[:1]):
+            with stream:
+                q, qsl, tab, win_map, wvals = load(ns, lens)
+                out.view(cp.uint16).fill(0x7E7E)
+                lse.fill(12345.0)
+                graph.launch(stream)
+            stream.synchronize()
+            ro, rl = window_reference(kd, vd, wvals, win_map, P, S, q, qsl, tab, lens, T,
+                                      num_blocks, True, True)
+            n = int(qsl[-1])
+            check(out[:n], lse[:n], ro[:n], rl[:n], "bfloat16", f"replay {rep}")
+
+    def test_plan_key_and_kernel_variant(self):
+        """The plain call takes the plain kernel, the window / rotation the _win variant;
+        each its own plan."""
+        rng = np.random.default_rng(36)
+        cache, kd, vd = make_gpu_cache(rng, H=2, T=16, D=64, num_blocks=20)
+        tab = cp.asarray(tables_for(rng, [100], 16, 20, 8))
+        q = cp.asarray(rand_q(rng, 40, 2, 64, "bfloat16"))
+        qsl = cp.asarray(starts_of([40]))
+        lens = cp.asarray(np.array([100], np.int32))
+        win = (cp.zeros((3, 2, 16, 2, 64), cp.uint16), cp.full(20, -1, cp.int32), 3)
+        scratch = new_scratch()
+        for w, r in ((None, False), (win, False), (None, True), (win, True)):
+            run(cache, q, qsl, tab, lens, max_query_len=40, causal=True, scratch=scratch,
+                window=w, rotate=r)
+        plans = list(scratch.plans.values())
+        assert len(plans) == 4
+        fns = [p.launches[-1].fn for p in plans]
+        assert fns[1] is fns[2] is fns[3] and fns[0] is not fns[1]

@@ -108,17 +108,51 @@ class _VarlenCall(NamedTuple):
     launches: tuple  # _VarlenPlan, one or two (sequences of <= 16 rows, then the others)
 
 
+def window_params(p, window, rotate: bool, k_s, v_s) -> None:
+    """Fill the window and rotation fields of a ``VarlenParams`` struct ``p``
+    (``docs/window.md``): ``window = (slots, map, pages)`` (cupy uint16 ``(S, 2, T, H, D)``
+    bf16 bits, int32 ``(num_blocks,)``, P) or None, ``rotate``: q is rotated in the kernel.
+    ``win_k_mul`` / ``win_v_mul`` turn an exact bf16 K / V value into the units of the
+    kernel's decoded NVFP4 values, ``x / k_scale * 2^-PAIR_SCALE_SHIFT`` (the decode route's
+    own power of two is applied in the kernel, ``kernels/attn_window.cuh``), so ``qk_scale``
+    and ``out_scale`` apply to both."""
+    p["rotate"] = 1 if rotate else 0
+    if window is None:
+        return
+    win, win_map, pages = window
+    unscale = 2.0 ** -_abi.PAIR_SCALE_SHIFT
+    for name, value in (("win", win.data.ptr), ("win_map", win_map.data.ptr),
+                        ("win_pages", int(pages)), ("win_slots", int(win.shape[0])),
+                        ("win_k_mul", np.float32(unscale / float(np.float32(k_s)))),
+                        ("win_v_mul", np.float32(unscale / float(np.float32(v_s))))):
+        p[name] = value
+
+
+def _window_key(window, rotate: bool) -> tuple:
+    """The plan-key part of the window and the rotation (what the params point to)."""
+    if window is None:
+        return (None, bool(rotate))
+    win, win_map, pages = window
+    return (win.data.ptr, win.shape, win_map.data.ptr, win_map.shape[0], int(pages),
+            bool(rotate))
+
+
 def _make_launch(buffer, q, query_start_loc, block_tables, seq_lens, geom: PageGeometry,
                  row_warps: int, rows: int, rows_lo: int, rows_hi: int, causal: bool, k_s,
-                 v_s, sm_scale, stats, workspace) -> _VarlenPlan:
+                 v_s, sm_scale, stats, workspace, window=None,
+                 rotate: bool = False) -> _VarlenPlan:
     """One launch for the sequences of ``rows_lo < rows <= rows_hi`` rows, the longest
-    ``rows``."""
+    ``rows``; with a window or the rotation the kernel variant that has them
+    (:func:`window_params`)."""
     _, Hq, D = q.shape
     B = int(query_start_loc.shape[0]) - 1
     H, T = geom.num_heads, geom.block_size
     group = Hq // H
     max_blocks = int(block_tables.shape[1])
-    spec = K.varlen_attention_spec(K.value_type(q.dtype, "q.dtype"), D, row_warps)
+    extras = window is not None or bool(rotate)
+    if window is not None and T % 16:
+        raise ValueError(f"the exact window needs block_size % 16 == 0, got {T}")
+    spec = K.varlen_attention_spec(K.value_type(q.dtype, "q.dtype"), D, row_warps, extras)
     fn = K.get_kernel(spec)
     smem = _abi.varlen_smem_bytes(D, row_warps, np.dtype(q.dtype).itemsize == 4)
     if smem > _STATIC_SMEM_MAX:
@@ -144,15 +178,16 @@ def _make_launch(buffer, q, query_start_loc, block_tables, seq_lens, geom: PageG
     fill_shared_params(p, buffer, geom, stats, (ws_o, ws_ml, counters), group, block_tables,
                        seq_lens, query_start_loc.dtype.itemsize == 8, causal, rows_lo, rows_hi,
                        q.shape[0], attention_scales(sm_scale, k_s, v_s))
+    window_params(p, window, rotate, k_s, v_s)
     for name, value in (("slots", ps.slots), ("max_splits", ps.max_splits), ("smem", smem),
                         ("items", items)):
         p[name] = value
-    return _VarlenPlan(fn, grid, smem, by_value(p), (buffer, stats, geom, ps))
+    return _VarlenPlan(fn, grid, smem, by_value(p), (buffer, stats, geom, window, ps))
 
 
 def make_varlen_plan(buffer, q, query_start_loc, block_tables, seq_lens, geom: PageGeometry,
                max_query_len: int, causal: bool, k_s, v_s, sm_scale, stats,
-               workspace) -> _VarlenCall:
+               workspace, window=None, rotate: bool = False) -> _VarlenCall:
     _, Hq, D = q.shape
     group = check_attention_args("attention", buffer, q, geom, query_start_loc=query_start_loc,
                                  block_tables=block_tables, seq_lens=seq_lens)
@@ -161,7 +196,8 @@ def make_varlen_plan(buffer, q, query_start_loc, block_tables, seq_lens, geom: P
     small = _abi.MMA_ROWS
     if rows <= small:  # decode / speculative verification: one launch of the few-row kernel
         return _VarlenCall((_few_rows_launch(*args, 0, 0xFFFFFFFF, max_query_len, causal, k_s,
-                                             v_s, sm_scale, stats, workspace),))
+                                             v_s, sm_scale, stats, workspace, window,
+                                             rotate),))
     # mixed: sequences of <= 16 rows in the few-row kernel, the others in the smallest
     # varlen kernel that holds the longest (and whose shared memory this device has)
     split_q = np.dtype(q.dtype).itemsize == 4
@@ -174,14 +210,15 @@ def make_varlen_plan(buffer, q, query_start_loc, block_tables, seq_lens, geom: P
                          f"than this device has ({smem_max + 4096} bytes)")
     return _VarlenCall((
         _few_rows_launch(*args, 0, small, small // group, causal, k_s, v_s, sm_scale, stats,
-                         workspace),
+                         workspace, window, rotate),
         _make_launch(*args, big, rows, small, 0xFFFFFFFF, causal, k_s, v_s, sm_scale,
-                     stats, workspace)))
+                     stats, workspace, window, rotate)))
 
 
 def _few_rows_launch(buffer, q, query_start_loc, block_tables, seq_lens, geom: PageGeometry,
                      rows_lo: int, rows_hi: int, max_q: int, causal: bool, k_s, v_s,
-                     sm_scale, stats, workspace) -> _VarlenPlan:
+                     sm_scale, stats, workspace, window=None,
+                     rotate: bool = False) -> _VarlenPlan:
     """One launch of the decode-attention kernel (``kernels/decode_attention.cu``) for the
     sequences of ``rows_lo < n_b * group <= rows_hi`` rows, at most ``max_q`` tokens each:
     their rows packed next to the group's heads, each page byte decoded once per
@@ -189,21 +226,24 @@ def _few_rows_launch(buffer, q, query_start_loc, block_tables, seq_lens, geom: P
     rows = RowsSpec(int(query_start_loc.shape[0]) - 1, True,
                     query_start_loc.dtype.itemsize == 8, bool(causal), rows_lo, rows_hi,
                     max(1, int(max_q)))
+    # the window and the rotation of the decode kernel: make_decode_plan's (decode.py)
+    extras = {} if window is None and not rotate else {"window": window, "rotate": rotate}
     plan = make_decode_plan(buffer, q, block_tables, seq_lens, geom, k_s, v_s, sm_scale, stats,
-                            workspace, rows=rows)
+                            workspace, rows=rows, **extras)
     nsplit, H, B = plan.grid
     return _VarlenPlan(plan.fn, nsplit * H * B, 0, plan.params, (plan,), plan.block[0])
 
 
 def varlen_plan_key(buffer, q, query_start_loc, block_tables, seq_lens, geom, max_query_len, causal,
-              k_s, v_s, sm_scale, stats) -> tuple:
+              k_s, v_s, sm_scale, stats, window=None, rotate: bool = False) -> tuple:
     # id(geom): the plan keeps geom alive, so the id is not reused while the key exists.
     # No stream: the workspace is the owner's, shared by every stream (calls on different
     # streams are ordered by the caller, see Workspace).
     return ("varlen", buffer.data.device_id, buffer.data.ptr, buffer.shape[0],
             id(geom), q.shape, q.dtype, query_start_loc.shape[0], query_start_loc.dtype,
             block_tables.shape[1], block_tables.dtype, seq_lens.dtype, int(max_query_len),
-            bool(causal), float(k_s), float(v_s), float(sm_scale), stats.data.ptr)
+            bool(causal), float(k_s), float(v_s), float(sm_scale), stats.data.ptr,
+            _window_key(window, rotate))
 
 
 def varlen_runner(buffer, q, query_start_loc, block_tables, seq_lens, *, max_query_len: int,
@@ -211,15 +251,16 @@ def varlen_runner(buffer, q, query_start_loc, block_tables, seq_lens, *, max_que
                      scratch, window=None, rotate: bool = False):
     """``run(q, query_start_loc, block_tables, seq_lens, out, lse)``: :func:`attention` for
     arrays like these on the current stream, prepared once (one or two launches per call;
-    the front end keeps it for its hot path)."""
-    if window is not None or rotate:
-        raise NotImplementedError("the exact window and the rotation are not in this kernel yet")
+    the front end keeps it for its hot path).  ``window = (slots, map, pages)``: the cache's
+    exact window (keys from the window start on read from the bf16 slots,
+    ``docs/window.md``); ``rotate``: K is stored rotated, q is rotated in the kernels."""
     key = varlen_plan_key(buffer, q, query_start_loc, block_tables, seq_lens, geom, max_query_len,
-                    causal, k_s, v_s, sm_scale, stats)
+                    causal, k_s, v_s, sm_scale, stats, window, rotate)
     plan = scratch.plans.get(key)
     if plan is None:
         plan = make_varlen_plan(buffer, q, query_start_loc, block_tables, seq_lens, geom,
-                          max_query_len, causal, k_s, v_s, sm_scale, stats, scratch.workspace)
+                          max_query_len, causal, k_s, v_s, sm_scale, stats, scratch.workspace,
+                          window, rotate)
         scratch.plans.put(key, plan)
     zero = NULL
     launches = tuple((lp.fn, (lp.grid,), (lp.block,), lp.smem, lp.params)
@@ -237,7 +278,7 @@ def varlen_runner(buffer, q, query_start_loc, block_tables, seq_lens, *, max_que
 
 def attention(buffer, q, query_start_loc, block_tables, seq_lens, out, lse, *,
               max_query_len: int, causal: bool, geom: PageGeometry, k_s, v_s,
-              sm_scale: float, stats, scratch) -> None:
+              sm_scale: float, stats, scratch, window=None, rotate: bool = False) -> None:
     """Paged attention over the NVFP4 page pool ``buffer`` for any query length per
     sequence (see the module doc).
 
@@ -268,6 +309,9 @@ def attention(buffer, q, query_start_loc, block_tables, seq_lens, out, lse, *,
     scratch : CacheState or Scratch
         The owner's ``plans`` (prepared launches, by signature) and ``workspace`` (split
         partials and merge tickets).
+    window, rotate
+        The cache's exact window ``(slots, map, pages)`` or None, and whether K is stored
+        rotated (:func:`varlen_runner`, ``docs/window.md``).
 
     Raises
     ------
@@ -279,5 +323,5 @@ def attention(buffer, q, query_start_loc, block_tables, seq_lens, out, lse, *,
         return
     varlen_runner(buffer, q, query_start_loc, block_tables, seq_lens,
                      max_query_len=max_query_len, causal=causal, geom=geom, k_s=k_s, v_s=v_s,
-                     sm_scale=sm_scale, stats=stats, scratch=scratch)(
-        q, query_start_loc, block_tables, seq_lens, out, lse)
+                     sm_scale=sm_scale, stats=stats, scratch=scratch, window=window,
+                     rotate=rotate)(q, query_start_loc, block_tables, seq_lens, out, lse)
