@@ -5,6 +5,12 @@ verification, a prefill chunk, a mixed batch and the host time of a call, side b
 Run on the GPU (from the repository root)::
 
     PYTHONPATH=. python3 bench/varlen_bench.py --out $OUT/varlen.json
+    PYTHONPATH=. python3 bench/varlen_bench.py --window 3 --rotate --only spec prefill mixed
+
+``--window P`` also times every row with the exact window (``docs/window.md``: the last P
+pages of every sequence mapped to random bf16 slots), ``--rotate`` with the q rotation (with
+``--window``: window + rotation), in the same run, on the same cache and q (the variants'
+values are not checked here: tests/test_attention_varlen.py's TestWindow does that).
 
 Timing, caches and SDPA backends come from bench/attention_bench.py (spin kernel + batch
 between events, median of reps; random page order, HND, block 16).  Every row is checked
@@ -41,14 +47,55 @@ TARGETS = {"n4_vs_decode": 1.2, "n4_vs_sdpa": 2.0, "n8_vs_decode": 1.6,
 
 
 class VarlenBench(AttnBench):
-    def varlen(self, cache, q, qsl, tab, lens, out, scratch, sm_scale, mql, causal=True):
+    def varlen(self, cache, q, qsl, tab, lens, out, scratch, sm_scale, mql, causal=True,
+               window=None, rotate=False):
         from fp4cache._cuda import varlen as cv
 
         def call():
             cv.attention(cache.buffer, q, qsl, tab, lens, out, None, max_query_len=mql,
                          causal=causal, geom=cache.geometry, k_s=cache.pool.k_s, v_s=cache.pool.v_s,
-                         sm_scale=sm_scale, stats=cache.pool.stats, scratch=scratch)
+                         sm_scale=sm_scale, stats=cache.pool.stats, scratch=scratch,
+                         window=window, rotate=rotate)
         return call
+
+    def window_of(self, cache, tab, lens, P):
+        """(slots, map, P): the last P pages of every sequence mapped (a ring of P slots
+        per sequence), random bf16 slot values."""
+        cp = self.cp
+        g = cache.geometry
+        T, H, D = g.block_size, g.num_heads, g.head_dim
+        tabh, lensh = cp.asnumpy(tab), cp.asnumpy(lens)
+        B = tabh.shape[0]
+        win_map = np.full(cache.buffer.shape[0], -1, np.int32)
+        for b in range(B):
+            n = -(-int(lensh[b]) // T)
+            for p in range(max(0, n - P), n):
+                win_map[int(tabh[b, p])] = b * P + p % P
+        from fp4cache.formats import bf16_bits
+        x = np.random.default_rng(0).standard_normal((B * P, 2, T, H, D), dtype=np.float32)
+        return (cp.asarray(bf16_bits(x)), cp.asarray(win_map), P)
+
+    def variants(self, row, cache, tab, lens, make, batch):
+        """Time the --window / --rotate variants of a row: make(window, rotate) -> call;
+        adds <variant>_us and <variant>_vs_plain (over row['varlen_us'])."""
+        P, rot = self.args.window, self.args.rotate
+        todo = ([("window", True, False)] if P else []) + (
+            [("window_rot" if P else "rot", bool(P), True)] if rot else [])
+        if not todo:
+            return
+        win = self.window_of(cache, tab, lens, P) if P else None
+        for name, w, r in todo:
+            try:
+                call = make(win if w else None, r)
+                call()
+                self.cp.cuda.Device().synchronize()
+                t = self.time([call], batch=batch)
+            except Exception as e:
+                log(f"   {name}: failed ({type(e).__name__}: {e})")
+                continue
+            row[f"{name}_us"] = t * 1e6
+            row[f"{name}_vs_plain"] = t * 1e6 / row["varlen_us"]
+            log(f"   {name} (P={P}): {t * 1e6:.1f} us = {row[f'{name}_vs_plain']:.3f}x plain")
 
     def check(self, cache, tab, lens, qsl, q, out, sm_scale, H, D, T, causal=True):
         """max relative row error of `out` against a float32 torch reference."""
@@ -125,6 +172,9 @@ class VarlenBench(AttnBench):
             log(f"   n={n}: {t * 1e6:.1f} us = {t / td:.2f}x decode; SDPA unmasked "
                 f"{row.get('sdpa_us', float('nan')):.1f} us ({row.get('speedup_vs_sdpa', 0):.2f}x)"
                 f"; grid {plan.grid}, regs {plan.fn.num_regs}; err {rel:.1e} ({row['check']})")
+            self.variants(row, cache, tab, lensd, lambda w, r, q=q, qsl=qsl, out=out, n=n:
+                          self.varlen(cache, q, qsl, tab, lensd, out, new_scratch(), sm_scale,
+                                      n, window=w, rotate=r), 10)
             self.rows.append(row)
             self.write()
         del k4, v4
@@ -192,6 +242,8 @@ class VarlenBench(AttnBench):
             f"{row.get('sdpa_tflops', float('nan')):.1f} TFLOPS "
             f"({row.get('speedup_vs_sdpa', 0):.2f}x); grid {plan.grid}, regs "
             f"{plan.fn.num_regs}; err {rel:.1e} ({row['check']})")
+        self.variants(row, cache, tab, lensd, lambda w, r: self.varlen(
+            cache, q, qsl, tab, lensd, out, new_scratch(), sm_scale, n, window=w, rotate=r), 3)
         self.rows.append(row)
         self.write()
         del k4, v4
@@ -241,6 +293,9 @@ class VarlenBench(AttnBench):
         log(f"   one call {t * 1e6:.1f} us; separately {ts * 1e6:.1f} us ({t / ts:.2f}x): "
             f"decode_attention {td * 1e6:.1f} us + chunk {tc * 1e6:.1f} us; the 32 decodes "
             f"through varlen {tv * 1e6:.1f} us; err {rel:.1e} ({row['check']})")
+        self.variants(row, cache, tab, lensd, lambda w, r: self.varlen(
+            cache, q, qsl, tab, lensd, out, new_scratch(), sm_scale, chunk, window=w,
+            rotate=r), 5)
         self.rows.append(row)
         self.write()
 
@@ -313,6 +368,10 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default=None)
     ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("--only", nargs="*", default=None, help="spec, prefill, mixed, host")
+    ap.add_argument("--window", type=int, default=0, metavar="P",
+                    help="also time each row with the last P pages in the exact window")
+    ap.add_argument("--rotate", action="store_true",
+                    help="also time each row with the q rotation (with --window: both)")
     args = ap.parse_args(argv)
     VarlenBench(args).run()
     return 0

@@ -1350,7 +1350,7 @@ def window_reference(kd, vd, wvals, win_map, P, S, q, qsl, tab, lens, T, num_blo
     for b, L in enumerate(lens):
         L = min(max(int(L), 0), cap)
         ws = window_start_ref(tab[b], L, T, P, win_map, S, num_blocks)
-        for p in range(ws // T, -(-L // T)):
+        for p in range(-(-ws // T), -(-L // T)):  # none when ws = L
             slot = int(win_map[int(tab[b, p])])
             ks.append(wvals[slot, 0])
             vs.append(wvals[slot, 1])
