@@ -181,16 +181,18 @@ def make_varlen_plan(buffer, q, query_start_loc, block_tables, seq_lens, geom: P
 
 def _few_rows_launch(buffer, q, query_start_loc, block_tables, seq_lens, geom: PageGeometry,
                      rows_lo: int, rows_hi: int, max_q: int, causal: bool, k_s, v_s,
-                     sm_scale, stats, workspace) -> _VarlenPlan:
+                     sm_scale, stats, workspace, window=None,
+                     rotate: bool = False) -> _VarlenPlan:
     """One launch of the decode-attention kernel (``kernels/decode_attention.cu``) for the
     sequences of ``rows_lo < n_b * group <= rows_hi`` rows, at most ``max_q`` tokens each:
     their rows packed next to the group's heads, each page byte decoded once per
-    (sequence, KV head)."""
+    (sequence, KV head); ``window``, ``rotate``: the exact window and the rotation
+    (``decode.window_params``; part of the caller's plan key)."""
     rows = RowsSpec(int(query_start_loc.shape[0]) - 1, True,
                     query_start_loc.dtype.itemsize == 8, bool(causal), rows_lo, rows_hi,
                     max(1, int(max_q)))
     plan = make_decode_plan(buffer, q, block_tables, seq_lens, geom, k_s, v_s, sm_scale, stats,
-                            workspace, rows=rows)
+                            workspace, rows=rows, window=window, rotate=rotate)
     nsplit, H, B = plan.grid
     return _VarlenPlan(plan.fn, nsplit * H * B, 0, plan.params, (plan,), plan.block[0])
 
