@@ -99,6 +99,16 @@ FP4C_DEVICE void mma_f16_top(float* d, u32 a0, u32 a2, u32 b0, u32 b1) {
       : "r"(a0), "r"(0u), "r"(a2), "r"(0u), "r"(b0), "r"(b1), "f"(0.0f));
 }
 
+// The f16 pair (lo = a, hi = b), round to nearest, saturated to +-65504 (an infinity or a
+// value past the largest finite f16 gives it), NaN kept (min / max .NaN: sm_80+).
+FP4C_DEVICE u32 f16x2_sat(float a, float b) {
+  u32 r;
+  asm("{ .reg .b32 t; cvt.rn.f16x2.f32 t, %1, %2; min.NaN.f16x2 t, t, %3; "
+      "max.NaN.f16x2 %0, t, %4; }"
+      : "=r"(r) : "f"(b), "f"(a), "r"(0x7BFF7BFFu), "r"(0xFBFFFBFFu));
+  return r;
+}
+
 // Transpose of an 8x8 b16 matrix held one register per lane (lane/4 = row, pairs of columns)
 FP4C_DEVICE u32 movmatrix_trans(u32 a) {
   u32 d;

@@ -54,14 +54,6 @@ FP4C_DEVICE float window_mul(const Params& P, u32 side) {
   return f_mul(side ? P.win_v_mul : P.win_k_mul, 1.0f / FP4C_ROUTE_UNSCALE);
 }
 
-// f16 pair (lo = a, hi = b) of two float32, RNE, out-of-range values (and infinities) to
-// +-65504, NaN stays NaN
-FP4C_DEVICE u32 pack2_f16_sat(float a, float b) {
-  u32 r;
-  asm("cvt.rn.satfinite.f16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(b), "f"(a));
-  return r;
-}
-
 // Whether one of the 8 bf16 values of a holds a NaN (the store writes whole NaN groups)
 FP4C_DEVICE bool bf16x8_nan(const U32x4& a) {
   const u32 w[4] = {a.x, a.y, a.z, a.w};
@@ -73,7 +65,7 @@ FP4C_DEVICE bool bf16x8_nan(const U32x4& a) {
 }
 
 // The 8 bf16 values d = 8w .. 8w + 7 of a (element n: half n % 2 of word n / 2) times mul as
-// 4 f16 pairs in the decode step's column order: pair p = (d 8w + pair_nibble(p, 0),
+// 4 f16 pairs (saturated: f16x2_sat, attn_ptx.cuh) in the decode step's column order: pair p = (d 8w + pair_nibble(p, 0),
 // 8w + pair_nibble(p, 1)), as e2m1_pairs writes a word of codes.
 FP4C_DEVICE U32x4 window_word_f16(const U32x4& a, float mul) {
   const u32 w[4] = {a.x, a.y, a.z, a.w};
@@ -84,7 +76,7 @@ FP4C_DEVICE U32x4 window_word_f16(const U32x4& a, float mul) {
                        : __uint_as_float(w[n >> 1] << 16), mul);
   u32 o[4];
 #pragma unroll
-  for (int p = 0; p < 4; ++p) o[p] = pack2_f16_sat(v[pair_nibble(p, 0)], v[pair_nibble(p, 1)]);
+  for (int p = 0; p < 4; ++p) o[p] = f16x2_sat(v[pair_nibble(p, 0)], v[pair_nibble(p, 1)]);
   return U32x4{o[0], o[1], o[2], o[3]};
 }
 

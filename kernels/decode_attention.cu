@@ -519,13 +519,39 @@ FP4C_DEVICE void load_q_slice(const char* src, bool use, bool vec, float (&x)[N]
   }
 }
 
-// load q: row g + 8 nc of the lane's n8 tiles, scaled by a power of two per row (max |q|
-// lands in [2^14, 2^15)) and rounded to f16 (float32 q: hi + lo); the column's score scale
-// (qk_scale with that power undone) goes to St.rsc.  Lane (g, c) needs exactly the D/4
-// values d = c D/4 .. (c+1) D/4 - 1 of its rows (k_pair_d), loaded once, all at once (one
-// round trip: the loads of a short sequence's CTA are its latency, docs/kernels.md).
+// The Hadamard transform of the lanes' rows without its normalization (docs/window.md,
+// rotation: K is stored rotated, so q is rotated the same way; 1/sqrt(D) is in the host's
+// qk_scale): lane c holds d = c D/4 + k in x[k]; the butterflies of strides 1 .. D/8 run
+// within the lane, those of strides D/4 and D/2 between lanes c ^ 1 and c ^ 2.
+template <int D>
+FP4C_DEVICE void rotate_q_slice(float (&x)[D / 4]) {
+  const u32 c = threadIdx.x & 3u;
+#pragma unroll
+  for (int s = 1; s < D / 4; s *= 2)
+#pragma unroll
+    for (int i = 0; i < D / 4; ++i)
+      if ((i & s) == 0) {
+        const float a = x[i], b = x[i + s];
+        x[i] = f_add(a, b);
+        x[i + s] = f_sub(a, b);
+      }
+#pragma unroll
+  for (u32 m = 1u; m <= 2u; m *= 2u)
+#pragma unroll
+    for (int i = 0; i < D / 4; ++i) {
+      const float o = __shfl_xor_sync(0xFFFFFFFFu, x[i], m);
+      x[i] = (c & m) ? f_sub(o, x[i]) : f_add(x[i], o);  // (lo + hi, lo - hi)
+    }
+}
+
+// load q: row g + 8 nc of the lane's n8 tiles (rotated when `rotate`, rotate_q_slice),
+// scaled by a power of two per row (max |q| lands in [2^14, 2^15)) and rounded to f16
+// (float32 q: hi + lo); the column's score scale (qk_scale with that power undone) goes to
+// St.rsc.  Lane (g, c) needs exactly the D/4 values d = c D/4 .. (c+1) D/4 - 1 of its rows
+// (k_pair_d), loaded once, all at once (one round trip: the loads of a short sequence's CTA
+// are its latency, docs/kernels.md).
 template <typename T, int D, int NC, bool SPLIT>
-FP4C_DEVICE void load_q(const void* __restrict__ q, const RowMap& R, float qk_scale,
+FP4C_DEVICE void load_q(const void* __restrict__ q, const RowMap& R, float qk_scale, u32 rotate,
                         QFrag<D, NC, SPLIT>& Q, RowState<D, NC>& St) {
   using A = AttnDims<D>;
   const u32 lane = threadIdx.x & 31u, g = lane >> 2, c = lane & 3u;
@@ -537,6 +563,10 @@ FP4C_DEVICE void load_q(const void* __restrict__ q, const RowMap& R, float qk_sc
     const char* src = (const char*)q + (row_of(R, row < R.rows ? row : 0u) * D + c * (D / 4)) *
                                            T::kBytes;
     load_q_slice<T, D / 4>(src, row < R.rows, vec, x[nc]);
+  }
+  if (rotate) {
+#pragma unroll
+    for (int nc = 0; nc < NC; ++nc) rotate_q_slice<D>(x[nc]);
   }
 #pragma unroll
   for (int nc = 0; nc < NC; ++nc) {
@@ -797,6 +827,235 @@ FP4C_DEVICE void attend_tile(const TileRaw<D>& R, u32 tile, const QFrag<D, NC, S
 }
 
 // ---------------------------------------------------------------------------------------
+// The exact window (docs/window.md; block_size % 16 == 0): keys [ws, len) of a sequence
+// are read from its window slots (bf16 K and V rows, (S, 2, T, H, D) token-major) instead
+// of the NVFP4 pages, in the lane layouts of the NVFP4 tiles (header comment): K of tokens
+// kt0, kt0 + 2, d = c D/4 .. (c+1) D/4 - 1, V of tokens 4c .. 4c + 3, d = g D/8 .. (g+1)
+// D/8 - 1.  Each value is multiplied into the units of the decoded NVFP4 values (kmul,
+// vmul: the host's win_k_mul = 2^-PAIR_SCALE_SHIFT / k_scale, win_v_mul likewise, times
+// the route's 1 / FP4C_ROUTE_UNSCALE), so that the score and output scales apply to both,
+// and rounded to f16, saturated to +-65504 (f16x2_sat).  A NaN K value makes its key's
+// scores NaN through the MMA (masked keys are -inf after it); V values of a group part
+// holding a NaN are zeroed and the smallest such key of each group kept (vn): the columns
+// whose rows see it get NaN in the group's 16 outputs after the walk (a masked row's
+// weight 0 times NaN would be NaN in the shared P.V MMA).
+// ---------------------------------------------------------------------------------------
+struct WinSeq {
+  const u16* win;  // the slots, at this KV head (+ h * D)
+  const int* map;  // block id -> slot
+  u32 slots;       // slots in the pool
+  u32 ws;          // keys [ws, len) are exact (ws = len: none)
+  u32 last;        // the sequence's last page
+  u32 slot;        // lane j < 32: the slot of page last - j (where it is in the window)
+  u32 hd;          // H * D: values per token row of a slot side
+  float kmul, vmul;
+};
+
+// The window of the sequence, by every lane of the warp (one page per lane and a ballot):
+// the longest run of its last pages, at most win_pages, whose ids are in range and mapped
+// to a slot in [0, slots).  A split whose keys end before the last win_pages pages reads
+// nothing (ws = len).
+template <int D>
+FP4C_DEVICE WinSeq window_seq(const AttnParams& P, const SeqCtx& S, u32 s1) {
+  WinSeq W;
+  W.ws = S.len;
+  W.slot = 0u;
+  const u32 T = S.fT.d;
+  const u32 n = S.len == 0u ? 0u : fdiv(S.len - 1u, S.fT) + 1u;  // pages of the sequence
+  const u32 np = min(P.win_pages, n);
+  if (np == 0u || s1 <= (n - np) * T) return W;
+  W.win = (const u16*)P.win + S.h * D;
+  W.map = (const int*)P.win_map;
+  W.slots = P.win_slots;
+  W.last = n - 1u;
+  W.hd = P.H * D;
+  W.kmul = f_mul(P.win_k_mul, 1.0f / FP4C_ROUTE_UNSCALE);
+  W.vmul = f_mul(P.win_v_mul, 1.0f / FP4C_ROUTE_UNSCALE);
+  const u32 lane = threadIdx.x & 31u;
+  u32 run = 0u;
+  for (u32 j0 = 0u; j0 < np; j0 += 32u) {
+    bool ok = false;
+    if (j0 + lane < np) {
+      const i64 id = load_id(S, W.last - j0 - lane);
+      if (page_ok(S, id)) {
+        const u32 sl = (u32)W.map[id];
+        ok = sl < W.slots;
+        if (j0 == 0u) W.slot = sl;
+      }
+    }
+    const u32 m = __ballot_sync(0xFFFFFFFFu, ok);  // lanes from 0 up: the run
+    const u32 k = m == 0xFFFFFFFFu ? 32u : (u32)(__ffs(~m) - 1);
+    run += k;
+    if (k < 32u) break;
+  }
+  if (run > 0u) W.ws = (n - run) * T;
+  return W;
+}
+
+// The slot of window page pe (warp-uniform); ok = false only if the map changed under us
+// (pages more than 32 from the end are looked up again).
+FP4C_DEVICE u32 window_slot(const SeqCtx& S, const WinSeq& W, u32 pe, bool& ok) {
+  const u32 j = W.last - pe;
+  if (j < 32u) {
+    ok = true;
+    return __shfl_sync(0xFFFFFFFFu, W.slot, j);
+  }
+  const i64 id = load_id(S, pe);
+  ok = page_ok(S, id);
+  const u32 sl = ok ? (u32)W.map[id] : 0u;
+  ok = ok && sl < W.slots;
+  return sl;
+}
+
+// bf16 value i of a lane's row words (two per word, lo first), as float32 (exact)
+template <int N>
+FP4C_DEVICE float bf16_at(const u32 (&w)[N], int i) {
+  return (i & 1) ? hi_of(bf16_t(), w[i >> 1]) : lo_of(bf16_t(), w[i >> 1]);
+}
+
+// N bf16 values (N / 2 words) of a slot row from p; zeros where !use
+template <int N>
+FP4C_DEVICE void load_win_row(const u16* p, bool use, u32 (&w)[N / 2]) {
+#pragma unroll
+  for (int i = 0; i < N / 2; i += 4) {
+    U32x4 a{0u, 0u, 0u, 0u};
+    if (use) a = ldg16(p + 2 * i);
+    w[i] = a.x;
+    w[i + 1] = a.y;
+    w[i + 2] = a.z;
+    w[i + 3] = a.w;
+  }
+}
+
+// The lane's exact K (tokens kt0, kt0 + 2) and V (tokens 4c .. 4c + 3) of the tile at key
+// `tile` (row t0 of its page, in slot `slot`); tokens at or past s1 read as 0.
+template <int D>
+FP4C_DEVICE void load_exact_k(const WinSeq& W, u32 T, u32 slot, u32 t0, u32 tile, u32 s1,
+                              u32 (&k)[2][D / 8]) {
+  const u32 lane = threadIdx.x & 31u, kt0 = k_token0(lane >> 2), c = lane & 3u;
+#pragma unroll
+  for (int q = 0; q < 2; ++q) {
+    const u32 t = kt0 + 2u * q;
+    const u16* p = W.win + ((u64)slot * 2u * T + t0 + t) * W.hd + c * (D / 4);
+    load_win_row<D / 4>(p, tile + t < s1, k[q]);
+  }
+}
+template <int D>
+FP4C_DEVICE void load_exact_v(const WinSeq& W, u32 T, u32 slot, u32 t0, u32 tile, u32 s1,
+                              u32 (&v)[4][D / 16]) {
+  const u32 lane = threadIdx.x & 31u, g = lane >> 2, c = lane & 3u;
+#pragma unroll
+  for (int e = 0; e < 4; ++e) {
+    const u32 t = 4u * c + e;
+    const u16* p = W.win + ((u64)(slot * 2u + 1u) * T + t0 + t) * W.hd + g * (D / 8);
+    load_win_row<D / 8>(p, tile + t < s1, v[e]);
+  }
+}
+
+// Groups (parts of 16 values) of the lane's V words: one, two at D = 256
+template <int D>
+struct WinGroups {
+  static constexpr int N = D == 256 ? 2 : 1;
+  static constexpr int kWords = D / 16 / N;  // words of one group part
+};
+
+// V NaN: zero the NaN values of the lane's V words and keep the smallest key whose group
+// part holds one (vn[j], group part j).
+template <int D>
+FP4C_DEVICE void exact_v_nan(u32 (&v)[4][D / 16], u32 tile, u32 (&vn)[WinGroups<D>::N]) {
+  using WG = WinGroups<D>;
+  const u32 c = threadIdx.x & 3u;
+#pragma unroll
+  for (int e = 0; e < 4; ++e)
+#pragma unroll
+    for (int j = 0; j < WG::N; ++j) {
+      u32 any = 0u;
+#pragma unroll
+      for (int i = 0; i < WG::kWords; ++i) {
+        u32& x = v[e][j * WG::kWords + i];
+        // bit 15 / 31 set where |bf16| > inf's pattern 0x7F80: a NaN half
+        const u32 nan = ((x & 0x7FFF7FFFu) + 0x007F007Fu) & 0x80008000u;
+        any |= nan;
+        x &= ~((nan >> 15) * 0xFFFFu);
+      }
+      if (any) vn[j] = min(vn[j], tile + 4u * c + e);
+    }
+}
+
+// scores of an exact tile: trans_scores with the K pairs of k_pair_d taken from the bf16
+// rows (times kmul) instead of decoded
+template <int D, int NC, bool SPLIT>
+FP4C_DEVICE void exact_scores(const u32 (&k)[2][D / 8], float kmul, const QFrag<D, NC, SPLIT>& Q,
+                              float (&sT)[NC][4]) {
+#pragma unroll
+  for (int nc = 0; nc < NC; ++nc) sT[nc][0] = sT[nc][1] = sT[nc][2] = sT[nc][3] = 0.0f;
+#pragma unroll
+  for (int w = 0; w < AttnDims<D>::KW; ++w) {
+    u32 a[2][4];  // token kt0 + 2q, pair p
+#pragma unroll
+    for (int q = 0; q < 2; ++q)
+#pragma unroll
+      for (int p = 0; p < 4; ++p)
+        a[q][p] = f16x2_sat(f_mul(bf16_at(k[q], 8 * w + pair_nibble(p, 0)), kmul),
+                            f_mul(bf16_at(k[q], 8 * w + pair_nibble(p, 1)), kmul));
+#pragma unroll
+    for (int h2 = 0; h2 < 2; ++h2) {
+      const int j = 2 * w + h2, p0 = 2 * h2;
+#pragma unroll
+      for (int nc = 0; nc < NC; ++nc) {
+        mma_f16(sT[nc], a[0][p0], a[1][p0], a[0][p0 + 1], a[1][p0 + 1], Q.hi[j][nc][0],
+                Q.hi[j][nc][1]);
+        if constexpr (SPLIT)
+          mma_f16(sT[nc], a[0][p0], a[1][p0], a[0][p0 + 1], a[1][p0 + 1], Q.lo[j][nc][0],
+                  Q.lo[j][nc][1]);
+      }
+    }
+  }
+}
+
+// P.V of an exact tile: trans_pv with V^T's pairs (tokens 4c, 4c + 1 and 4c + 2, 4c + 3 of
+// d and d - 1, d = 8w + 4hh + 3 - 2k) from the bf16 rows (times vmul)
+template <int D, int NC>
+FP4C_DEVICE void exact_pv(const u32 (&v)[4][D / 16], float vmul, const u32 (&pb)[NC][2],
+                          float (&o)[AttnDims<D>::D16][NC][4]) {
+  auto pair = [&](int a, int b, int d) {
+    return f16x2_sat(f_mul(bf16_at(v[a], d), vmul), f_mul(bf16_at(v[b], d), vmul));
+  };
+#pragma unroll
+  for (int w = 0; w < AttnDims<D>::VW; ++w)
+#pragma unroll
+    for (int hh = 0; hh < 2; ++hh)
+#pragma unroll
+      for (int k = 0; k < 2; ++k) {
+        const int i = 4 * w + 2 * hh + k, d = 8 * w + 4 * hh + 3 - 2 * k;
+        const u32 a0 = pair(0, 1, d), a1 = pair(0, 1, d - 1);
+        const u32 a2 = pair(2, 3, d), a3 = pair(2, 3, d - 1);
+#pragma unroll
+        for (int nc = 0; nc < NC; ++nc) mma_f16(o[i][nc], a0, a1, a2, a3, pb[nc][0], pb[nc][1]);
+      }
+}
+
+// After the warp's exact tiles: the smallest NaN key of each group over the lanes that
+// hold its parts (c, and g ^ 1 at D = 64), then NaN in the group's outputs of the columns
+// that see it (lane g holds the O^T of the d it read V for).
+template <int D, int NC>
+FP4C_DEVICE void window_nan_groups(u32 (&vn)[WinGroups<D>::N], RowState<D, NC>& St) {
+#pragma unroll
+  for (int j = 0; j < WinGroups<D>::N; ++j) {
+    vn[j] = min(vn[j], __shfl_xor_sync(0xFFFFFFFFu, vn[j], 1));
+    vn[j] = min(vn[j], __shfl_xor_sync(0xFFFFFFFFu, vn[j], 2));
+    if (D == 64) vn[j] = min(vn[j], __shfl_xor_sync(0xFFFFFFFFu, vn[j], 4));
+  }
+#pragma unroll
+  for (int i = 0; i < AttnDims<D>::D16; ++i)
+#pragma unroll
+    for (int nc = 0; nc < NC; ++nc)
+#pragma unroll
+      for (int e = 0; e < 4; ++e)
+        if (vn[D == 256 ? i >> 3 : 0] < St.lim[2 * nc + (e & 1)]) St.o[i][nc][e] = FP4C_NAN;
+}
+
+// ---------------------------------------------------------------------------------------
 // Loads: the warp's keys of [s0, s1), warp w taking chunks (tiles) w, w + warps, ...
 // ---------------------------------------------------------------------------------------
 // block_size % 16 == 0: a cp.async ring of FP4C_ATTN_CHUNK_STAGES chunks per warp at
@@ -855,6 +1114,39 @@ FP4C_DEVICE void walk_chunks(const SeqCtx& S, u8* ring, u32 s0, u32 s1,
     stg = stg == kCStages - 1 ? 0 : stg + 1;
   }
   cp_async_wait<0>();
+}
+
+// The exact keys [e0, s1) of the window (e0 = max(s0, ws), a multiple of 16): tile
+// e0 + 16 w, + 16 warps, ... of warp w, loaded into registers (K and V together where they
+// fit: D <= 128) and merged into the same online softmax.
+template <int D, int NC, bool SPLIT>
+FP4C_DEVICE void walk_exact(const SeqCtx& S, const WinSeq& W, u32 e0, u32 s1,
+                            const QFrag<D, NC, SPLIT>& Q, RowState<D, NC>& St) {
+  constexpr bool kBoth = D <= 128;
+  const u32 T = S.fT.d;
+  u32 vn[WinGroups<D>::N];
+#pragma unroll
+  for (int j = 0; j < WinGroups<D>::N; ++j) vn[j] = 0xFFFFFFFFu;
+  for (u32 tile = e0 + 16u * (threadIdx.x >> 5); tile < s1; tile += 16u * FP4C_ATTN_WARPS) {
+    const u32 pe = fdiv(tile, S.fT), t0 = tile - pe * T;
+    bool ok;
+    const u32 slot = window_slot(S, W, pe, ok);
+    if (!ok) {
+      St.bad = 1u;
+      continue;
+    }
+    u32 k[2][D / 8], v[4][D / 16];
+    load_exact_k<D>(W, T, slot, t0, tile, s1, k);
+    if constexpr (kBoth) load_exact_v<D>(W, T, slot, t0, tile, s1, v);
+    float sT[1][NC][4];
+    u32 pb[1][NC][2];
+    exact_scores<D, NC, SPLIT>(k, W.kmul, Q, sT[0]);
+    trans_softmax<D, 1, NC>(sT, tile, tile + 16u <= St.lim_all, St, pb);
+    if constexpr (!kBoth) load_exact_v<D>(W, T, slot, t0, tile, s1, v);
+    exact_v_nan<D>(v, tile, vn);
+    exact_pv<D, NC>(v, W.vmul, pb[0], St.o);
+  }
+  window_nan_groups<D, NC>(vn, St);
 }
 
 // Other block sizes: each token's page looked up, the next tile's loads in flight in
@@ -990,6 +1282,17 @@ FP4C_DEVICE bool seq_rows(const void* __restrict__ qsl, const AttnParams& P, u32
   return true;
 }
 
+// The columns' key limits for the keys below s1: St.lim (the column's row, causal) and
+// St.lim_all (row 0 sees the fewest keys).
+template <int D, int NC>
+FP4C_DEVICE void key_limits(const RowMap& R, u32 s1, u32 len, RowState<D, NC>& St) {
+  const u32 c = threadIdx.x & 3u;
+  St.lim_all = min(s1, row_limit(R, 0u, len));
+#pragma unroll
+  for (int k = 0; k < 2 * NC; ++k)
+    St.lim[k] = min(s1, row_limit(R, 8u * (k >> 1) + 2u * c + (k & 1), len));
+}
+
 // NC: n8 tiles of rows (1: up to 8 rows, 2: up to 16); PAGED16: block_size % 16 == 0.
 // float32 q (SPLIT) runs a second MMA per k-step with q's lo parts.
 template <typename T, int D, int NC, bool PAGED16>
@@ -1042,16 +1345,21 @@ FP4C_DEVICE void decode_attn_impl(const void* __restrict__ q, const void* __rest
   if constexpr (PAGED16) first = first_chunk<D>(S, s0, cap < 0xFFFFFFFFll ? (u32)cap : ~0u);
   QFrag<D, NC, SPLIT> Q;
   RowState<D, NC> St;
-  load_q<T, D, NC, SPLIT>(q, R, P.qk_scale, Q, St);
+  load_q<T, D, NC, SPLIT>(q, R, P.qk_scale, P.rotate, Q, St);
+  // the window (exact keys [ws, len)); the NVFP4 keys of this split end at sw
+  WinSeq W;
+  u32 sw = s1;
+  if constexpr (PAGED16) {
+    W = window_seq<D>(P, S, s1);
+    sw = min(s1, W.ws);
+  }
   if (s0 < len) {
     // the columns' key limits, then the keys of this split
-    const u32 c = threadIdx.x & 3u;
-    St.lim_all = min(s1, row_limit(R, 0u, len));  // row 0 sees the fewest keys
+    key_limits<D, NC>(R, sw, len, St);
 #pragma unroll
     for (int k = 0; k < 2 * NC; ++k) {
       St.m[k] = FP4C_ATTN_M0;
       St.l[k] = 0.0f;
-      St.lim[k] = min(s1, row_limit(R, 8u * (k >> 1) + 2u * c + (k & 1), len));
     }
 #pragma unroll
     for (int i = 0; i < AttnDims<D>::D16; ++i)
@@ -1062,7 +1370,11 @@ FP4C_DEVICE void decode_attn_impl(const void* __restrict__ q, const void* __rest
     if constexpr (PAGED16) {
       walk_chunks<D, NC, SPLIT>(
           S, s_raw + (threadIdx.x >> 5) * (FP4C_ATTN_CHUNK_STAGES * ChunkDims<D>::kBytes), s0,
-          s1, first, Q, St);
+          sw, first, Q, St);
+      if (sw < s1) {  // (the window's keys: the limits of the whole split)
+        key_limits<D, NC>(R, s1, len, St);
+        walk_exact<D, NC, SPLIT>(S, W, max(s0, W.ws), s1, Q, St);
+      }
     } else {
       walk_tiles<D, NC, SPLIT>(S, s0, s1, Q, St);
     }

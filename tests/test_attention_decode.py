@@ -64,7 +64,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import fp4cache
-from fp4cache import PagedKVCache
+from fp4cache import PagedKVCache, formats
 from fp4cache import _cpu as npb
 from fp4cache import _kernels as K
 
@@ -930,3 +930,237 @@ def test_method_on_gpu_equals_cpu_backend(dtype, group):
         assert np.isneginf(ll[0]).all()
         assert np.allclose(ll[1:], ref_lse[1:], rtol=1e-3, atol=1e-3)
     assert gpu.stats["bad_block_ids"] == 0
+
+
+# -- the exact window and the rotation (docs/window.md) in the few-row kernel ---------------
+def window_cpu_cache(rng, *, H, T, D, lens, P, rotation, layout="HND", swizzle=True,
+                     extra_mapped=(), unmapped=(), nan_k=(), nan_v=(), spare=3):
+    """A CPU cache (the oracle) whose sequences (one table row each) have their last ``P``
+    pages mapped to window slots before every token is stored (so the slots hold the exact
+    bf16 values); ``extra_mapped``: (sequence, page) also mapped (before the window: never
+    read exactly), ``unmapped``: (sequence, page) unmapped after the stores (a shorter
+    suffix or none); ``nan_k`` / ``nan_v``: (sequence, token, head, d) stored as NaN.
+    Returns (cache, tab, lens)."""
+    lens = np.asarray(lens, np.int32)
+    npg = [-(-int(n) // T) for n in lens]
+    num_blocks = sum(npg) + spare
+    cpu = PagedKVCache(num_blocks, T, H, D, device="cpu", rotation=rotation, window_pages=P,
+                       window_slots=P * len(lens) + len(extra_mapped), layout=layout,
+                       swizzle_v_scales=swizzle, k_scale=8.0 * 4.5 / (6 * 448),
+                       v_scale=4.5 / (6 * 448), scale_rule="4over6")
+    width = max(npg) + 1
+    tab = np.full((len(lens), width), -1, np.int32)
+    perm = rng.permutation(num_blocks)
+    pos = 0
+    for b, n in enumerate(npg):
+        tab[b, :n] = perm[pos:pos + n]
+        pos += n
+    if P:
+        blocks = [int(tab[b, p]) for b, n in enumerate(npg) for p in range(max(0, n - P), n)]
+        blocks += [int(tab[b, p]) for b, p in extra_mapped]
+        cpu.map_window(blocks, list(range(len(blocks))))
+    slots = np.concatenate([tab[b, np.arange(n) // T] * T + np.arange(n) % T
+                            for b, n in enumerate(lens) if n])
+    k, v = kv_values(rng, slots.size, H, D)
+    k, v = k.astype(np.float32), v.astype(np.float32)
+    start = np.concatenate([[0], np.cumsum(lens)])
+    for (b, t, h, d), x in [(a, k) for a in nan_k] + [(a, v) for a in nan_v]:
+        x[start[b] + t, h, d] = np.nan
+    cpu.store(slots, k, v)
+    for b, p in unmapped:
+        cpu.map_window([int(tab[b, p])], [-1])
+    return cpu, tab, lens
+
+
+def window_gpu_run(cpu, q, tab, lens, *, qsl=None, causal=False, max_q=1, window=True,
+                   decode_route="auto", scratch=None):
+    """The GPU kernel on copies of the CPU cache's pages, window slots and map (launched
+    through ``decode``'s plan: decode, or the few-row launch of ``attention`` with
+    ``qsl``); returns (out, lse, stats)."""
+    geom = cpu.geometry
+    D = geom.head_dim
+    buf = cp.asarray(cpu.buffer)
+    win = None
+    if window and cpu.window is not None:
+        win = (cp.asarray(cpu.window), cp.asarray(cpu.window_map), cpu.window_pages)
+    rotate = cpu.rotation == "hadamard"
+    stats = cp.zeros(cpu.pool.stats.shape, cp.uint64)
+    qg, tg, lg = cp.asarray(q), cp.asarray(tab), cp.asarray(lens)
+    out = poisoned(q.shape, q.dtype)
+    lse = poisoned(q.shape[:2], np.float32)
+    scratch = ca.new_scratch() if scratch is None else scratch
+    kw = dict(geom=geom, k_s=cpu.pool.k_s, v_s=cpu.pool.v_s, sm_scale=1 / np.sqrt(D),
+              stats=stats)
+    if qsl is None:
+        ca.decode_attention(buf, qg, tg, lg, out, lse, scratch=scratch, window=win,
+                            rotate=rotate, decode_route=decode_route, **kw)
+    else:
+        rows = ca.RowsSpec(len(qsl) - 1, True, False, causal, 0, 0xFFFFFFFF, max_q)
+        plan = ca.make_decode_plan(buf, qg, tg, lg, geom, kw["k_s"], kw["v_s"], kw["sm_scale"],
+                                   stats, scratch.workspace, decode_route, rows=rows,
+                                   window=win, rotate=rotate)
+        nsplit, H, B = plan.grid
+        plan.fn((nsplit * H * B,), plan.block,
+                (qg, cp.asarray(np.asarray(qsl, np.int32)), tg, lg, out, lse, plan.params))
+    return out, lse, cp.asnumpy(stats)
+
+
+def window_ref(cpu, q, tab, lens, *, qsl=None, causal=False):
+    if qsl is None:
+        return cpu.decode_attention(q, tab, lens, return_lse=True)
+    return cpu.attention(q, np.asarray(qsl, np.int32), tab, lens, causal=causal,
+                         return_lse=True)
+
+
+# (D, group, T, layout, swizzle, rotation, window pages, dtype)
+WINDOW_CASES = [
+    (128, 4, 16, "HND", True, "none", 3, "bfloat16"),
+    (128, 4, 16, "HND", True, "hadamard", 3, "bfloat16"),
+    (128, 4, 16, "NHD", True, "hadamard", 0, "bfloat16"),
+    (64, 1, 32, "NHD", False, "hadamard", 2, "float16"),
+    (64, 16, 16, "HND", True, "hadamard", 3, "bfloat16"),
+    (64, 8, 64, "NHD", True, "none", 4, "float32"),
+    (256, 16, 64, "HND", True, "hadamard", 3, "bfloat16"),
+    (256, 2, 16, "NHD", False, "none", 3, "float32"),
+    (128, 16, 32, "HND", False, "hadamard", 5, "float16"),
+    (128, 1, 64, "NHD", True, "hadamard", 1, "float32"),
+    (128, 4, 8, "HND", True, "hadamard", 0, "bfloat16"),  # not paged16: rotation only
+    (256, 8, 32, "HND", True, "hadamard", 0, "float16"),
+]
+
+
+@pytest.mark.gpu
+class TestWindow:
+    """The exact window and the rotation in the few-row kernel against the CPU backend
+    (same pages, window slots and map; the CPU backend is checked against a float64
+    reference of its own in test_window.py)."""
+
+    @pytest.mark.parametrize("case", WINDOW_CASES, ids=lambda c: "-".join(map(str, c)))
+    def test_decode_matches_cpu(self, case):
+        D, group, T, layout, swizzle, rotation, P, dtname = case
+        rng = np.random.default_rng(zlib.crc32(repr(case).encode()))
+        H = 2
+        lens = [0, 1, 15, 16, 17, 3 * T + 5, 7 * T, 300, 6 * T + 1]
+        unmapped = []
+        if P >= 2:  # the last page unmapped; a page inside the window unmapped
+            unmapped = [(6, 6), (7, -(-300 // T) - 2)]
+        cpu, tab, sl = window_cpu_cache(rng, H=H, T=T, D=D, lens=lens, P=P, rotation=rotation,
+                                        layout=layout, swizzle=swizzle, unmapped=unmapped,
+                                        extra_mapped=[(8, 1)] if P else ())
+        q = rand_q(rng, len(lens), H * group, D, dtname)
+        ro, rl = window_ref(cpu, q, tab, sl)
+        out, lse, _ = window_gpu_run(cpu, q, tab, sl)
+        check(out, lse, ro, rl, dtname, f"window {case}", empty_rows_zero=True)
+        if P:  # the window is read: without it the result is another one
+            plain, _, _ = window_gpu_run(cpu, q, tab, sl, window=False)
+            assert not np.array_equal(cp.asnumpy(plain), cp.asnumpy(out))
+
+    @pytest.mark.parametrize("rotation", ["none", "hadamard"])
+    def test_bit_route(self, rotation):
+        """The sm_80 decode route (another power of two in the window's multipliers)."""
+        rng = np.random.default_rng(11)
+        lens = [5, 40, 100, 33]
+        cpu, tab, sl = window_cpu_cache(rng, H=2, T=16, D=128, lens=lens, P=3,
+                                        rotation=rotation)
+        q = rand_q(rng, len(lens), 8, 128, "bfloat16")
+        ro, rl = window_ref(cpu, q, tab, sl)
+        out, lse, _ = window_gpu_run(cpu, q, tab, sl, decode_route="bitmove")
+        check(out, lse, ro, rl, "bfloat16", "window bitmove")
+
+    @pytest.mark.parametrize("D,group,dtname", [(128, 4, "bfloat16"), (64, 8, "float32"),
+                                                 (256, 16, "float16")])
+    def test_long_split_kv(self, D, group, dtname):
+        """Several splits per (sequence, KV head): only the last splits read the window."""
+        rng = np.random.default_rng(D + group + 1)
+        lens = [20000, 13, 4099]
+        cpu, tab, sl = window_cpu_cache(rng, H=2, T=16, D=D, lens=lens, P=3,
+                                        rotation="hadamard", unmapped=[(2, 255)])
+        q = rand_q(rng, len(lens), 2 * group, D, dtname)
+        ro, rl = window_ref(cpu, q, tab, sl)
+        scratch = ca.new_scratch()
+        out, lse, _ = window_gpu_run(cpu, q, tab, sl, scratch=scratch)
+        (plan,) = ca.attention_plans(scratch)
+        assert plan.grid[0] > 1  # split-KV in use
+        check(out, lse, ro, rl, dtname, f"window long D={D}")
+
+    @pytest.mark.parametrize("rotation", ["none", "hadamard"])
+    @pytest.mark.parametrize("T,group", [(16, 4), (32, 2), (64, 1)])
+    def test_speculative_rows(self, rotation, T, group):
+        """query_start_loc rows (the few-row launch of attention): causal limits inside the
+        window, NaN K and V groups in window pages that only some rows see."""
+        rng = np.random.default_rng(T * 10 + group)
+        D, H = 128, 2
+        lens = [40, 3 * T + 3, 7, 5 * T, 2 * T + 9]
+        nq = [4, 3, 2, 1, 4 if group <= 4 else 2]
+        nan_k = [(1, 3 * T + 1, 0, 5)]      # seen by rows 1, 2 of sequence 1 (limits L-1, L)
+        nan_v = [(4, 2 * T + 7, 1, 40)]     # group 2 of head 1: rows 2, 3 of sequence 4
+        cpu, tab, sl = window_cpu_cache(rng, H=H, T=T, D=D, lens=lens, P=3, rotation=rotation,
+                                        nan_k=nan_k, nan_v=nan_v)
+        qsl = np.concatenate([[0], np.cumsum(nq)])
+        q = rand_q(rng, int(qsl[-1]), H * group, D, "bfloat16")
+        max_q = max(nq)
+        for causal in (True, False):
+            ro, rl = window_ref(cpu, q, tab, sl, qsl=qsl, causal=causal)
+            out, lse, _ = window_gpu_run(cpu, q, tab, sl, qsl=qsl, causal=causal, max_q=max_q)
+            if causal:
+                r1 = np.isnan(ro[int(qsl[1]):int(qsl[2])]).reshape(nq[1], -1).any(1)
+                assert r1.tolist() == [False, True, True]
+                r4 = np.isnan(ro[int(qsl[4]):int(qsl[5])])
+                assert not r4[:2].any() and r4[2:, group:, 32:48].all()
+            check(out, lse, ro, rl, "bfloat16", f"spec causal={causal}")
+
+    def test_bad_ids_and_nan_groups(self):
+        rng = np.random.default_rng(12)
+        T, D, group = 16, 128, 4
+        lens = [100, 3000, 50, 40, 64]
+        cpu, tab, sl = window_cpu_cache(rng, H=2, T=T, D=D, lens=lens, P=3, rotation="none",
+                                        nan_k=[(3, 36, 1, 0)], nan_v=[(4, 60, 0, 70)])
+        tab[0, 2] = cpu.num_blocks + 5   # NVFP4 part: NaN, counted
+        tab[1, 187] = -3                 # the last page (not in the window any more): NaN
+        tab[2, 7] = cpu.num_blocks       # past the used pages: ignored
+        q = rand_q(rng, len(lens), 2 * group, D, "bfloat16")
+        stats0 = cpu.pool.stats.copy()
+        ro, rl = window_ref(cpu, q, tab, sl)
+        out, lse, stats = window_gpu_run(cpu, q, tab, sl)
+        assert np.isnan(ro[0]).all() and np.isnan(ro[1]).all() and not np.isnan(ro[2]).any()
+        assert np.isnan(ro[3, group:]).all() and np.isnan(ro[4, :group, 64:80]).all()
+        check(out, lse, ro, rl, "bfloat16", "window bad ids / nan")
+        assert int(stats[3]) == int(cpu.pool.stats[3] - stats0[3]) == 2
+
+    def test_cuda_graph_replay(self):
+        """decode with a window and rotation captured once, replayed on new q, window
+        contents and lengths (the plan holds pointers, the kernel reads the map)."""
+        rng = np.random.default_rng(13)
+        lens = [70, 33, 120]
+        cpu, tab, sl = window_cpu_cache(rng, H=2, T=16, D=128, lens=lens, P=3,
+                                        rotation="hadamard", spare=8)
+        geom = cpu.geometry
+        buf, win = cp.asarray(cpu.buffer), cp.asarray(cpu.window)
+        wmap = cp.asarray(cpu.window_map)
+        stats = cp.zeros(8, cp.uint64)
+        qg = cp.asarray(rand_q(rng, 3, 8, 128, "bfloat16"))
+        tg, lg = cp.asarray(tab), cp.asarray(sl)
+        out, lse = cp.empty_like(qg), cp.empty(qg.shape[:2], cp.float32)
+        scratch = ca.new_scratch()
+        runner = ca.decode_runner(buf, qg, tg, lg, geom=geom, k_s=cpu.pool.k_s,
+                                  v_s=cpu.pool.v_s, sm_scale=1 / np.sqrt(128), stats=stats,
+                                  scratch=scratch, window=(win, wmap, 3), rotate=True)
+        runner(qg, tg, lg, out, lse)  # warm: plan and workspace exist
+        stream = cp.cuda.Stream(non_blocking=True)
+        with stream:
+            stream.begin_capture()
+            runner(qg, tg, lg, out, lse)
+            graph = stream.end_capture()
+        for step in range(2):
+            q = rand_q(rng, 3, 8, 128, "bfloat16")
+            sl2 = (sl - step * 3).astype(np.int32)  # shorter: the window start moves
+            # new token values in the window slots (the oracle's own rows)
+            cpu.window[...] = formats.bf16_bits(
+                rng.standard_normal(cpu.window.shape).astype(np.float32))
+            qg[...] = cp.asarray(q)
+            lg[...] = cp.asarray(sl2)
+            win[...] = cp.asarray(cpu.window)
+            graph.launch(stream)
+            stream.synchronize()
+            ro, rl = window_ref(cpu, q, tab, sl2)
+            check(out, lse, ro, rl, "bfloat16", f"graph replay {step}")

@@ -1600,3 +1600,53 @@ class TestWindow:
         assert len(plans) == 4
         fns = [p.launches[-1].fn for p in plans]
         assert fns[1] is fns[2] is fns[3] and fns[0] is not fns[1]
+
+
+# (D, group, T, layout, swizzle, rotation, window pages, dtype)
+WINDOW_CPU_CASES = [
+    (128, 4, 16, "HND", True, "hadamard", 3, "bfloat16"),
+    (128, 4, 16, "NHD", False, "none", 3, "bfloat16"),
+    (128, 2, 32, "NHD", True, "hadamard", 0, "float16"),
+    (64, 1, 16, "HND", True, "hadamard", 2, "float16"),
+    (64, 8, 64, "NHD", True, "none", 4, "float32"),
+    (256, 16, 16, "HND", True, "hadamard", 3, "bfloat16"),
+    (256, 2, 32, "NHD", False, "hadamard", 3, "float32"),
+]
+
+
+@pytest.mark.gpu
+class TestWindowCPU:
+    """The window and the rotation through ``fp4cache._cuda.varlen`` (the few-row and the
+    varlen kernel in one call) against the CPU backend on the same pages, window slots and
+    map (``test_attention_decode.window_cpu_cache``: mapped before the stores, so the slots
+    hold the exact values; the CPU backend has its float64 checks in test_window.py)."""
+
+    @pytest.mark.parametrize("case", WINDOW_CPU_CASES, ids=lambda c: "-".join(map(str, c)))
+    def test_mixed_batch_matches_cpu(self, case):
+        from test_attention_decode import window_cpu_cache
+
+        D, group, T, layout, swizzle, rotation, P, dtname = case
+        rng = np.random.default_rng(zlib.crc32(repr(("vl",) + case).encode()))
+        H = 2
+        ns = [1, 4, 40, 100, 0, 17, 70]
+        lens = [300, 5 * T + 3, 40, 7 * T + 100, 60, 17 + 2 * T, 4 * T + 70]
+        unmapped = [(1, -(-lens[1] // T) - 1), (3, -(-lens[3] // T) - 2)] if P >= 2 else []
+        cpu, tab, sl = window_cpu_cache(rng, H=H, T=T, D=D, lens=lens, P=P, rotation=rotation,
+                                        layout=layout, swizzle=swizzle, unmapped=unmapped)
+        q = rand_q(rng, sum(ns), H * group, D, dtname)
+        qsl = starts_of(ns)
+        buf = cp.asarray(cpu.buffer)
+        win = None if cpu.window is None else (cp.asarray(cpu.window),
+                                                cp.asarray(cpu.window_map), cpu.window_pages)
+        stats = cp.zeros(cpu.pool.stats.shape, cp.uint64)
+        for causal in (True, False):
+            ro, rl = cpu.attention(q, qsl, tab, sl, causal=causal, return_lse=True)
+            out = poisoned(q.shape, q.dtype)
+            lse = poisoned(q.shape[:2], np.float32)
+            cv.attention(buf, cp.asarray(q), cp.asarray(qsl), cp.asarray(tab), cp.asarray(sl),
+                         out, lse, max_query_len=max(ns), causal=causal, geom=cpu.geometry,
+                         k_s=cpu.pool.k_s, v_s=cpu.pool.v_s, sm_scale=1 / np.sqrt(D),
+                         stats=stats, scratch=new_scratch(), window=win,
+                         rotate=rotation == "hadamard")
+            check_rows(out, lse, np.asarray(ro, np.float64), np.asarray(rl, np.float64), dtname,
+                       f"{case} causal={causal}")

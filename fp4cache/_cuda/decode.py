@@ -20,6 +20,7 @@ within a cache's hints can take (what the cache reserves at construction).
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any, NamedTuple
 
 import cupy
@@ -35,7 +36,8 @@ from ..layout import PageGeometry
 
 __all__ = ["decode_attention", "decode_runner", "attention_plans", "new_scratch",
            "split_plan", "max_splits", "workspace_parts", "workspace_bound",
-           "make_decode_plan", "check_attention_args", "fill_shared_params", "RowsSpec", "NULL",
+           "make_decode_plan", "window_params", "window_key", "check_attention_args",
+           "fill_shared_params", "RowsSpec", "NULL",
            "bytes_read", "attention_scales", "ATTN_PARAMS_DTYPE", "SPLIT_TOKENS",
            "MIN_SPLIT_TOKENS", "CTA_TOKENS", "MERGE_TOKENS", "SPLIT_FIXED_TOKENS", "splits_of"]
 
@@ -251,9 +253,46 @@ def fill_shared_params(p, buffer, geom: PageGeometry, stats, workspace: tuple[in
         p[name] = value
 
 
+def window_params(window, geom: PageGeometry, num_blocks: int, k_s, v_s) -> dict:
+    """The ``AttnParams`` fields of the exact window (``docs/window.md``): ``window = (win,
+    win_map, pages)`` (cupy uint16 ``(S, 2, T, H, D)`` bf16 bits, int32 ``(num_blocks,)``
+    block -> slot, pages per sequence) or None (no window: ``win_pages = 0``).
+    ``win_k_mul`` / ``win_v_mul`` turn an exact K / V value into the units of the kernel's
+    decoded NVFP4 values (e2m1 * sf * 2^-PAIR_SCALE_SHIFT, :func:`attention_scales`):
+    ``2^-PAIR_SCALE_SHIFT / k_scale`` (``v_scale``), so that the score and output scales
+    apply to both (the kernel multiplies in its decode route's power of two)."""
+    if window is None:
+        return {"win": 0, "win_map": 0, "win_pages": 0, "win_slots": 0,
+                "win_k_mul": _F32(0), "win_v_mul": _F32(0)}
+    win, win_map, pages = window
+    T, H, D = geom.block_size, geom.num_heads, geom.head_dim
+    if T % 16:
+        raise ValueError(f"the exact window needs block_size % 16 == 0, got {T}")
+    if (win.ndim != 5 or tuple(win.shape[1:]) != (2, T, H, D)
+            or np.dtype(win.dtype) != np.dtype(np.uint16) or not win.flags.c_contiguous):
+        raise ValueError(f"window slots must be C-contiguous uint16 (S, 2, {T}, {H}, {D}), "
+                         f"got {win.dtype} {tuple(win.shape)}")
+    if (tuple(win_map.shape) != (num_blocks,) or np.dtype(win_map.dtype) != np.dtype(np.int32)
+            or not win_map.flags.c_contiguous):
+        raise ValueError(f"window_map must be C-contiguous int32 ({num_blocks},), got "
+                         f"{win_map.dtype} {tuple(win_map.shape)}")
+    if win.data.ptr % 16:
+        raise ValueError("the window slots must be 16-byte aligned")
+    unscale = 2.0 ** -_abi.PAIR_SCALE_SHIFT
+    big = float(np.finfo(np.float32).max)
+    return {"win": win.data.ptr, "win_map": win_map.data.ptr,
+            "win_pages": max(0, min(int(pages), 0xFFFFFFFF)), "win_slots": int(win.shape[0]),
+            "win_k_mul": _F32(min(unscale / float(np.float32(k_s)), big)),
+            "win_v_mul": _F32(min(unscale / float(np.float32(v_s)), big))}
+
+
 def make_decode_plan(buffer, q, block_tables, seq_lens, geom: PageGeometry, k_s, v_s, sm_scale,
                stats, workspace: Workspace, decode_route: str = "auto",
-               kernel_file: str | None = None, rows: RowsSpec | None = None) -> _AttnPlan:
+               kernel_file: str | None = None, rows: RowsSpec | None = None,
+               window=None, rotate: bool = False) -> _AttnPlan:
+    """The prepared launch of :func:`decode_runner` (and of the few-row launch of
+    ``varlen``); ``window``, ``rotate``: :func:`window_params`, q rotated by the normalized
+    Hadamard transform in the kernel (its 1/sqrt(head_dim) is folded into qk_scale)."""
     num_tokens, Hq, D = q.shape
     H, T = geom.num_heads, geom.block_size
     if rows is None:
@@ -287,31 +326,48 @@ def make_decode_plan(buffer, q, block_tables, seq_lens, geom: PageGeometry, k_s,
     views = workspace.get(parts, tickets=tickets, hint=(
         f"max_batch_size >= {B}, max_seq_len >= {max_blocks * T}, num_query_heads >= {Hq}"))
     ws_o, ws_ml, counters = (a.data.ptr for a in views) if views else (0, 0, 0)
+    win = window_params(window, geom, int(buffer.shape[0]), k_s, v_s)
+    qk_scale, out_scale = attention_scales(sm_scale, k_s, v_s)
+    if rotate:
+        qk_scale = _F32(qk_scale * _F32(1.0 / math.sqrt(D)))
     p = np.zeros((), dtype=ATTN_PARAMS_DTYPE)
     fill_shared_params(p, buffer, geom, stats, (ws_o, ws_ml, counters), group, block_tables,
                        seq_lens, rows.ql64, rows.causal, rows.rows_lo, rows.rows_hi,
-                       num_tokens, attention_scales(sm_scale, k_s, v_s))
+                       num_tokens, (qk_scale, out_scale))
     for name, value in (("split_len", split_len), ("nsplit", nsplit), ("max_q", rows.max_q),
-                        ("rows_max", rows_max)):
+                        ("rows_max", rows_max), ("rotate", 1 if rotate else 0),
+                        *win.items()):
         p[name] = value
     threads = 32 * _abi.ATTN_WARPS
-    return _AttnPlan(fn, (nsplit, H, B), (threads,), by_value(p), (buffer, stats, geom), spec)
+    keep = (buffer, stats, geom) + (() if window is None else tuple(window[:2]))
+    return _AttnPlan(fn, (nsplit, H, B), (threads,), by_value(p), keep, spec)
+
+
+def window_key(window, rotate: bool) -> tuple:
+    """The part of a plan key that names the window (its arrays and pages) and the
+    rotation."""
+    if window is None:
+        return (None, bool(rotate))
+    win, win_map, pages = window
+    return (win.data.ptr, tuple(win.shape), win_map.data.ptr, int(win_map.shape[0]),
+            int(pages), bool(rotate))
 
 
 def decode_plan_key(buffer, q, block_tables, seq_lens, geom, k_s, v_s, sm_scale, stats,
-              decode_route, kernel_file) -> tuple:
+              decode_route, kernel_file, window=None, rotate: bool = False) -> tuple:
     # id(geom): the plan keeps geom alive, so the id is not reused while the key exists.
     # No stream: the workspace is the owner's, shared by every stream (calls on different
     # streams are ordered by the caller, see Workspace).
     return ("attention-plan", buffer.data.device_id, buffer.data.ptr, buffer.shape[0],
             id(geom), q.shape, q.dtype, block_tables.shape[1], block_tables.dtype,
             seq_lens.dtype, float(k_s), float(v_s), float(sm_scale), stats.data.ptr,
-            decode_route, kernel_file)
+            decode_route, kernel_file) + window_key(window, rotate)
 
 
 def decode_attention(buffer, q, block_tables, seq_lens, out, lse, *, geom: PageGeometry, k_s,
                      v_s, sm_scale, stats, scratch, decode_route: str = "auto",
-                     kernel_file: str | None = None) -> None:
+                     kernel_file: str | None = None, window=None,
+                     rotate: bool = False) -> None:
     """Paged decode attention over the NVFP4 page pool ``buffer`` (see the module doc).
 
     Parameters
@@ -339,6 +395,12 @@ def decode_attention(buffer, q, block_tables, seq_lens, out, lse, *, geom: PageG
     kernel_file : str, optional
         A replacement of ``decode_attention.cu`` in the kernel folder, same kernel names
         and arguments (``bench/attn_kernel.py``'s experiments).
+    window : (win, win_map, pages) or None
+        The cache's exact window (``docs/window.md``, :func:`window_params`): keys from
+        the sequence's window start on are read from the bf16 slots.
+    rotate : bool
+        K is stored rotated by the normalized Hadamard transform: q is rotated the same
+        way in the kernel.
 
     Raises
     ------
@@ -350,7 +412,8 @@ def decode_attention(buffer, q, block_tables, seq_lens, out, lse, *, geom: PageG
         return
     decode_runner(buffer, q, block_tables, seq_lens, geom=geom, k_s=k_s, v_s=v_s,
                      sm_scale=sm_scale, stats=stats, scratch=scratch,
-                     decode_route=decode_route, kernel_file=kernel_file)(
+                     decode_route=decode_route, kernel_file=kernel_file, window=window,
+                     rotate=rotate)(
         q, block_tables, seq_lens, out, lse)
 
 
@@ -360,15 +423,14 @@ def decode_runner(buffer, q, block_tables, seq_lens, *, geom: PageGeometry, k_s,
     """``run(q, block_tables, seq_lens, out, lse)``: :func:`decode_attention` for arrays
     like these (shapes, dtypes) on the current stream, prepared once (the front end keeps
     it for its hot path: one launch, nothing else)."""
-    if window is not None or rotate:
-        raise NotImplementedError("the exact window and the rotation are not in this kernel yet")
     key = decode_plan_key(buffer, q, block_tables, seq_lens, geom, k_s, v_s, sm_scale, stats,
-                    decode_route, kernel_file)
+                    decode_route, kernel_file, window, rotate)
     plans = scratch.plans
     plan = plans.get(key)
     if plan is None:
         plan = make_decode_plan(buffer, q, block_tables, seq_lens, geom, k_s, v_s, sm_scale, stats,
-                          scratch.workspace, decode_route, kernel_file)
+                          scratch.workspace, decode_route, kernel_file, window=window,
+                          rotate=rotate)
         plans.put(key, plan)
     nsplit, H, B = plan.grid
     fn, grid, block, params, zero = plan.fn, (nsplit * H * B,), plan.block, plan.params, \

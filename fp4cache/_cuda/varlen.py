@@ -43,6 +43,8 @@ from .decode import (
     fill_shared_params,
     make_decode_plan,
     split_plan,
+    window_key,
+    window_params,
 )
 
 __all__ = ["attention", "varlen_runner", "plan_shape", "row_warps_for", "GRID_WAVES",
@@ -108,50 +110,19 @@ class _VarlenCall(NamedTuple):
     launches: tuple  # _VarlenPlan, one or two (sequences of <= 16 rows, then the others)
 
 
-def window_params(p, window, rotate: bool, k_s, v_s) -> None:
-    """Fill the window and rotation fields of a ``VarlenParams`` struct ``p``
-    (``docs/window.md``): ``window = (slots, map, pages)`` (cupy uint16 ``(S, 2, T, H, D)``
-    bf16 bits, int32 ``(num_blocks,)``, P) or None, ``rotate``: q is rotated in the kernel.
-    ``win_k_mul`` / ``win_v_mul`` turn an exact bf16 K / V value into the units of the
-    kernel's decoded NVFP4 values, ``x / k_scale * 2^-PAIR_SCALE_SHIFT`` (the decode route's
-    own power of two is applied in the kernel, ``kernels/attn_window.cuh``), so ``qk_scale``
-    and ``out_scale`` apply to both."""
-    p["rotate"] = 1 if rotate else 0
-    if window is None:
-        return
-    win, win_map, pages = window
-    unscale = 2.0 ** -_abi.PAIR_SCALE_SHIFT
-    for name, value in (("win", win.data.ptr), ("win_map", win_map.data.ptr),
-                        ("win_pages", int(pages)), ("win_slots", int(win.shape[0])),
-                        ("win_k_mul", np.float32(unscale / float(np.float32(k_s)))),
-                        ("win_v_mul", np.float32(unscale / float(np.float32(v_s))))):
-        p[name] = value
-
-
-def _window_key(window, rotate: bool) -> tuple:
-    """The plan-key part of the window and the rotation (what the params point to)."""
-    if window is None:
-        return (None, bool(rotate))
-    win, win_map, pages = window
-    return (win.data.ptr, win.shape, win_map.data.ptr, win_map.shape[0], int(pages),
-            bool(rotate))
-
-
 def _make_launch(buffer, q, query_start_loc, block_tables, seq_lens, geom: PageGeometry,
                  row_warps: int, rows: int, rows_lo: int, rows_hi: int, causal: bool, k_s,
                  v_s, sm_scale, stats, workspace, window=None,
                  rotate: bool = False) -> _VarlenPlan:
     """One launch for the sequences of ``rows_lo < rows <= rows_hi`` rows, the longest
     ``rows``; with a window or the rotation the kernel variant that has them
-    (:func:`window_params`)."""
+    (``decode.window_params``; q rotated in the kernel, its 1/sqrt(head_dim) included)."""
     _, Hq, D = q.shape
     B = int(query_start_loc.shape[0]) - 1
     H, T = geom.num_heads, geom.block_size
     group = Hq // H
     max_blocks = int(block_tables.shape[1])
     extras = window is not None or bool(rotate)
-    if window is not None and T % 16:
-        raise ValueError(f"the exact window needs block_size % 16 == 0, got {T}")
     spec = K.varlen_attention_spec(K.value_type(q.dtype, "q.dtype"), D, row_warps, extras)
     fn = K.get_kernel(spec)
     smem = _abi.varlen_smem_bytes(D, row_warps, np.dtype(q.dtype).itemsize == 4)
@@ -178,7 +149,9 @@ def _make_launch(buffer, q, query_start_loc, block_tables, seq_lens, geom: PageG
     fill_shared_params(p, buffer, geom, stats, (ws_o, ws_ml, counters), group, block_tables,
                        seq_lens, query_start_loc.dtype.itemsize == 8, causal, rows_lo, rows_hi,
                        q.shape[0], attention_scales(sm_scale, k_s, v_s))
-    window_params(p, window, rotate, k_s, v_s)
+    for name, value in window_params(window, geom, int(buffer.shape[0]), k_s, v_s).items():
+        p[name] = value
+    p["rotate"] = 1 if rotate else 0
     for name, value in (("slots", ps.slots), ("max_splits", ps.max_splits), ("smem", smem),
                         ("items", items)):
         p[name] = value
@@ -222,14 +195,13 @@ def _few_rows_launch(buffer, q, query_start_loc, block_tables, seq_lens, geom: P
     """One launch of the decode-attention kernel (``kernels/decode_attention.cu``) for the
     sequences of ``rows_lo < n_b * group <= rows_hi`` rows, at most ``max_q`` tokens each:
     their rows packed next to the group's heads, each page byte decoded once per
-    (sequence, KV head)."""
+    (sequence, KV head); ``window``, ``rotate``: the exact window and the rotation
+    (``decode.window_params``; part of the caller's plan key)."""
     rows = RowsSpec(int(query_start_loc.shape[0]) - 1, True,
                     query_start_loc.dtype.itemsize == 8, bool(causal), rows_lo, rows_hi,
                     max(1, int(max_q)))
-    # the window and the rotation of the decode kernel: make_decode_plan's (decode.py)
-    extras = {} if window is None and not rotate else {"window": window, "rotate": rotate}
     plan = make_decode_plan(buffer, q, block_tables, seq_lens, geom, k_s, v_s, sm_scale, stats,
-                            workspace, rows=rows, **extras)
+                            workspace, rows=rows, window=window, rotate=rotate)
     nsplit, H, B = plan.grid
     return _VarlenPlan(plan.fn, nsplit * H * B, 0, plan.params, (plan,), plan.block[0])
 
@@ -243,7 +215,7 @@ def varlen_plan_key(buffer, q, query_start_loc, block_tables, seq_lens, geom, ma
             id(geom), q.shape, q.dtype, query_start_loc.shape[0], query_start_loc.dtype,
             block_tables.shape[1], block_tables.dtype, seq_lens.dtype, int(max_query_len),
             bool(causal), float(k_s), float(v_s), float(sm_scale), stats.data.ptr,
-            _window_key(window, rotate))
+            window_key(window, rotate))
 
 
 def varlen_runner(buffer, q, query_start_loc, block_tables, seq_lens, *, max_query_len: int,
