@@ -65,8 +65,9 @@ FP4C_DEVICE bool bf16x8_nan(const U32x4& a) {
 }
 
 // The 8 bf16 values d = 8w .. 8w + 7 of a (element n: half n % 2 of word n / 2) times mul as
-// 4 f16 pairs (saturated: f16x2_sat, attn_ptx.cuh) in the decode step's column order: pair p = (d 8w + pair_nibble(p, 0),
-// 8w + pair_nibble(p, 1)), as e2m1_pairs writes a word of codes.
+// 4 f16 pairs (saturated: f16x2_sat, attn_ptx.cuh) in the decode step's column order:
+// pair p = (d 8w + pair_nibble(p, 0), 8w + pair_nibble(p, 1)), as e2m1_pairs writes a word
+// of codes.
 FP4C_DEVICE U32x4 window_word_f16(const U32x4& a, float mul) {
   const u32 w[4] = {a.x, a.y, a.z, a.w};
   float v[8];

@@ -373,7 +373,7 @@ FP4C_DEVICE void vl_window(const VarlenParams& P, const VlSeq& S, u32 key, u32 e
     src = (const u8*)P.win + row * (D * 2);
   }
   const float mul = window_mul(P, side);
-#pragma unroll 1
+#pragma unroll 2
   for (int grp = 0; grp < D / 16; ++grp) {
     U32x4 a[2] = {U32x4{0u, 0u, 0u, 0u}, U32x4{0u, 0u, 0u, 0u}};
     if (src != nullptr) {
@@ -385,7 +385,8 @@ FP4C_DEVICE void vl_window(const VarlenParams& P, const VlSeq& S, u32 key, u32 e
       a[0] = a[1] = U32x4{0u, 0u, 0u, 0u};
     }
 #pragma unroll
-    for (int hw = 0; hw < 2; ++hw) *(U32x4*)(dst + 8 * (2 * grp + hw)) = window_word_f16(a[hw], mul);
+    for (int hw = 0; hw < 2; ++hw)
+      *(U32x4*)(dst + 8 * (2 * grp + hw)) = window_word_f16(a[hw], mul);
   }
 }
 
@@ -657,20 +658,26 @@ FP4C_DEVICE void varlen_item(u32 item, const void* __restrict__ q, const void* _
   const u32 nv_end = WIN ? min(W.s1, window_start(P, S, W.len)) : W.s1;
   VlRaw<D> R;
   if (W.s0 < W.s1) vl_load<D>(S, W.s0 + my_key, nv_end, R);
-  for (u32 step = W.s0; step < W.s1; step += A::STEP) {
-    const u32 tile0 = step + 16u * warp;
-    if (WIN && tile0 >= nv_end && tile0 < W.s1)  // warp-uniform: a window tile
-      vl_window<D, LD>(P, S, step + my_key, W.s1, my_tile, s_vnan);
-    else
-      vl_decode<D, LD>(R, step + my_key, P.swizzle, my_stage, my_tile, nan_key, s_vnan);
-    if (step + A::STEP < W.s1) vl_load<D>(S, step + A::STEP + my_key, nv_end, R);
-    // warp (mw, kw) computes tiles kw, kw + KW, ... of the step (MW = 1: its own tile)
-    if constexpr (MW == 1) __syncwarp(); else __syncthreads();
-    if (step + 16u * kw < wmax)
-      vl_tiles<D, A::NTL, LD, SPLIT, A::QREG>(kv_s + kw * A::TILE, A::KW * A::TILE,
-                                              step + 16u * kw, 16u * A::KW, wmax, qaddr, qladdr,
-                                              qf, qlf, lim, rs, st);
-    if constexpr (MW == 1) __syncwarp(); else __syncthreads();
+  // WIN: phase 0 takes the steps wholly before the window (the plain kernel's loop), phase
+  // 1 the others, whose tiles at or past nv_end are window tiles
+  u32 step = W.s0;
+#pragma unroll
+  for (int phase = 0; phase < (WIN ? 2 : 1); ++phase) {
+    for (; WIN && phase == 0 ? step + A::STEP <= nv_end : step < W.s1; step += A::STEP) {
+      const u32 tile0 = step + 16u * warp;
+      if (WIN && phase == 1 && tile0 >= nv_end && tile0 < W.s1)  // warp-uniform
+        vl_window<D, LD>(P, S, step + my_key, W.s1, my_tile, s_vnan);
+      else
+        vl_decode<D, LD>(R, step + my_key, P.swizzle, my_stage, my_tile, nan_key, s_vnan);
+      if (step + A::STEP < W.s1) vl_load<D>(S, step + A::STEP + my_key, nv_end, R);
+      // warp (mw, kw) computes tiles kw, kw + KW, ... of the step (MW = 1: its own tile)
+      if constexpr (MW == 1) __syncwarp(); else __syncthreads();
+      if (step + 16u * kw < wmax)
+        vl_tiles<D, A::NTL, LD, SPLIT, A::QREG>(kv_s + kw * A::TILE, A::KW * A::TILE,
+                                                step + 16u * kw, 16u * A::KW, wmax, qaddr, qladdr,
+                                                qf, qlf, lim, rs, st);
+      if constexpr (MW == 1) __syncwarp(); else __syncthreads();
+    }
   }
 #pragma unroll
   for (int o = 1; o <= 16; o <<= 1) nan_key = min(nan_key, __shfl_xor_sync(0xFFFFFFFFu, nan_key, o));
