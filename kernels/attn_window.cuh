@@ -24,11 +24,9 @@ FP4C_DEVICE int window_slot(const Params& P, const AttnSeq& S, i64 id) {
 // ws of a sequence of len keys (n = ceil(len / T) pages): T * the first page of the longest
 // run of its last pages, at most win_pages, that are mapped (window_slot >= 0); len when the
 // last page is not mapped or the cache has no window.  The whole warp calls it (a ballot
-// over 32 pages at a time); every lane gets the same value.  last32[i] (i < 32, shared
-// memory of the warp, written by lane i) is the slot of page n - 1 - i when that page is in
-// the window (after a __syncwarp).
+// over 32 pages at a time); every lane gets the same value.
 template <class Params>
-FP4C_DEVICE u32 window_start(const Params& P, const AttnSeq& S, u32 len, int* last32) {
+FP4C_DEVICE u32 window_start(const Params& P, const AttnSeq& S, u32 len) {
   if (P.win_slots == 0u || len == 0u) return len;
   const u32 lane = threadIdx.x & 31u;
   const u32 n = fdiv(len - 1u, S.fT) + 1u;
@@ -36,9 +34,7 @@ FP4C_DEVICE u32 window_start(const Params& P, const AttnSeq& S, u32 len, int* la
   u32 run = 0u;  // mapped pages at the end
   for (u32 i0 = 0u; i0 < np; i0 += 32u) {
     const u32 i = i0 + lane;  // page n - 1 - i
-    const int slot = i < np ? window_slot(P, S, load_id(S, n - 1u - i)) : -1;
-    const bool ok = slot >= 0;
-    if (i0 == 0u) last32[lane] = slot;
+    const bool ok = i < np && window_slot(P, S, load_id(S, n - 1u - i)) >= 0;
     const u32 c = __clz(__brev(~__ballot_sync(0xFFFFFFFFu, ok)));  // leading mapped pages
     run += c;
     if (c < 32u) break;

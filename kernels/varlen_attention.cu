@@ -361,22 +361,19 @@ FP4C_DEVICE void vl_decode(const VlRaw<D>& R, u32 key, u32 swizzle, u8* stage, u
 // NaN stays NaN (the scores of the rows that see the key).
 // ---------------------------------------------------------------------------------------
 template <int D, int LD>
-FP4C_DEVICE void vl_window(const VarlenParams& P, const VlSeq& S, u32 key, u32 end,
-                           u32 last_page, const int* last32, u16* tile, u32* s_vnan) {
+FP4C_DEVICE void vl_window(const VarlenParams& P, const VlSeq& S, u32 key, u32 end, u16* tile,
+                           u32* s_vnan) {
   const u32 lane = threadIdx.x & 31u, t = lane & 15u, side = lane >> 4;
   u16* dst = tile + (side * 16u + t) * LD;
   const u8* src = nullptr;
   if (key < end) {
-    const u32 pe = fdiv(key, S.fT), tt = key - pe * S.fT.d, back = last_page - pe;
-    // >= 0 for a key past ws; the last 32 pages' slots from window_start
-    const u32 slot = (u32)(back < 32u ? last32[back] : window_slot(P, S, load_id(S, pe)));
+    const u32 pe = fdiv(key, S.fT), tt = key - pe * S.fT.d;
+    const u32 slot = (u32)window_slot(P, S, load_id(S, pe));  // >= 0 for a key past ws
     const u64 row = ((u64)(2u * slot + side) * S.fT.d + tt) * P.H + S.h;
     src = (const u8*)P.win + row * (D * 2);
   }
   const float mul = window_mul(P, side);
-  // every load of the row in flight at once (D = 256: 4 groups, what the registers allow)
-  constexpr int UNROLL = D <= 128 ? D / 16 : 4;
-#pragma unroll(UNROLL)
+#pragma unroll 2
   for (int grp = 0; grp < D / 16; ++grp) {
     U32x4 a[2] = {U32x4{0u, 0u, 0u, 0u}, U32x4{0u, 0u, 0u, 0u}};
     if (src != nullptr) {
@@ -658,11 +655,7 @@ FP4C_DEVICE void varlen_item(u32 item, const void* __restrict__ q, const void* _
   const u32 kv_s = smem_u32(s_kv);
   // the keys read from the pages: [s0, nv_end); the window's from nv_end on (a 16-key tile
   // is one or the other: ws is a multiple of the block size, itself of 16)
-  __shared__ int s_wslot[WIN ? FP4C_VARLEN_WARPS : 1][WIN ? 32 : 1];  // the warp's last32
-  int* my_wslot = s_wslot[WIN ? warp : 0u];
-  const u32 nv_end = WIN ? min(W.s1, window_start(P, S, W.len, my_wslot)) : W.s1;
-  const u32 last_page = WIN && W.len != 0u ? fdiv(W.len - 1u, S.fT) : 0u;
-  if constexpr (WIN) __syncwarp();
+  const u32 nv_end = WIN ? min(W.s1, window_start(P, S, W.len)) : W.s1;
   VlRaw<D> R;
   if (W.s0 < W.s1) vl_load<D>(S, W.s0 + my_key, nv_end, R);
   // WIN: phase 0 takes the steps wholly before the window (the plain kernel's loop), phase
@@ -673,7 +666,7 @@ FP4C_DEVICE void varlen_item(u32 item, const void* __restrict__ q, const void* _
     for (; WIN && phase == 0 ? step + A::STEP <= nv_end : step < W.s1; step += A::STEP) {
       const u32 tile0 = step + 16u * warp;
       if (WIN && phase == 1 && tile0 >= nv_end && tile0 < W.s1)  // warp-uniform
-        vl_window<D, LD>(P, S, step + my_key, W.s1, last_page, my_wslot, my_tile, s_vnan);
+        vl_window<D, LD>(P, S, step + my_key, W.s1, my_tile, s_vnan);
       else
         vl_decode<D, LD>(R, step + my_key, P.swizzle, my_stage, my_tile, nan_key, s_vnan);
       if (step + A::STEP < W.s1) vl_load<D>(S, step + A::STEP + my_key, nv_end, R);
