@@ -25,7 +25,10 @@
 //     sequences of at most 16 rows, a larger one for the others).
 // Kernels _r16, _r32, _r64 (MW = 1, 2, 4 row warps): warp w owns rows 16 (w / KW) ..
 // + 15 and the tiles w % KW, w % KW + KW, ... of each step (KW = 4 / MW); the KW warps of
-// a row block are merged in shared memory at the end.
+// a row block are merged in shared memory at the end.  Their _win variants (WIN) add the
+// exact window and the q rotation (docs/window.md; the plain kernels have neither's code):
+// the steps wholly before the window start run the plain loop, the later ones the window
+// step below for their tiles at or past it.
 //
 // A step covers FP4C_VARLEN_WARPS tiles of FP4C_VARLEN_TILE_KEYS keys.  Steps:
 //   load:    lane (token t = lane % 16, side = lane / 16) reads its key's code row and scale
