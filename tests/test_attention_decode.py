@@ -1164,6 +1164,7 @@ class TestWindow:
                                   v_s=cpu.pool.v_s, sm_scale=1 / np.sqrt(128), stats=stats,
                                   scratch=scratch, window=(win, wmap, 3), rotate=True)
         runner(qg, tg, lg, out, lse)  # warm: plan and workspace exist
+        cp.cuda.get_current_stream().synchronize()
         stream = cp.cuda.Stream(non_blocking=True)
         with stream:
             stream.begin_capture()
@@ -1175,10 +1176,13 @@ class TestWindow:
             # new token values in the window slots (the oracle's own rows)
             cpu.window[...] = formats.bf16_bits(
                 rng.standard_normal(cpu.window.shape).astype(np.float32))
-            qg[...] = cp.asarray(q)
-            lg[...] = cp.asarray(sl2)
-            win[...] = cp.asarray(cpu.window)
-            graph.launch(stream)
+            with stream:  # (the updates ordered before the replay)
+                qg[...] = cp.asarray(q)
+                lg[...] = cp.asarray(sl2)
+                win[...] = cp.asarray(cpu.window)
+                out.view(cp.uint16).fill(0x7E7E)
+                lse.fill(12345.0)
+                graph.launch(stream)
             stream.synchronize()
             ro, rl = window_ref(cpu, q, tab, sl2)
             check_window(out, lse, ro, rl, "bfloat16", f"graph replay {step}", True)
