@@ -869,10 +869,11 @@ FP4C_DEVICE WinSeq window_seq(const AttnParams& P, const SeqCtx& S, u32 s1) {
   WinSeq W;
   W.ws = S.len;
   W.slot = 0u;
+  if (P.win_pages == 0u || S.len == 0u) return W;  // (the plain path: nothing else)
   const u32 T = S.fT.d;
-  const u32 n = S.len == 0u ? 0u : fdiv(S.len - 1u, S.fT) + 1u;  // pages of the sequence
+  const u32 n = fdiv(S.len - 1u, S.fT) + 1u;  // pages of the sequence
   const u32 np = min(P.win_pages, n);
-  if (np == 0u || s1 <= (n - np) * T) return W;
+  if (s1 <= (n - np) * T) return W;
   W.win = (const u16*)P.win + S.h * D;
   W.map = (const int*)P.win_map;
   W.slots = P.win_slots;
