@@ -22,10 +22,12 @@ from .formats import (
     E4M3_NAN,
     FLT_MAX,
     RULE_E4M3_MAX,
+    bf16_bits,
     e2m1_encode,
     e4m3_decode,
     e4m3_encode,
     float32_to,
+    hadamard,
     pack_nibbles,
     reciprocal_clamped,
     unpack_nibbles,
@@ -159,11 +161,14 @@ def _last_occurrence(slots: np.ndarray) -> np.ndarray:
 
 
 def store(buffer, slot_mapping, k, v, *, geom: PageGeometry, rule, k_s, k_g, v_s, v_g,
-          stats, unique_slots: bool = False) -> None:
+          stats, unique_slots: bool = False, rotate: bool = False, window=None) -> None:
     """Quantize K/V ``[N, H, D]`` and scatter them into the page pool ``buffer``.
 
     ``unique_slots`` (a promise that lets the GPU skip its duplicate handling) changes
-    nothing here: the last occurrence always wins, one of the outcomes it allows."""
+    nothing here: the last occurrence always wins, one of the outcomes it allows.
+    ``rotate``: K is rotated (:func:`fp4cache.formats.hadamard`) before it is quantized.
+    ``window``: ``(slots, map)`` of the exact window: a token of a mapped page is also
+    written there as bf16 (``docs/window.md``)."""
     slots = np.asarray(slot_mapping).astype(np.int64)
     num_slots = buffer.shape[0] * geom.block_size
     # -1 is vLLM's padding id (skipped, not counted); any other negative slot is bad
@@ -182,9 +187,17 @@ def store(buffer, slot_mapping, k, v, *, geom: PageGeometry, rule, k_s, k_g, v_s
     h = np.arange(H)[None, :, None]
     j = np.arange(D // 2)[None, None, :]
     sc = np.arange(S)[None, None, :]
+    if window is not None:
+        win, win_map = window
+        slot = win_map[blocks[:, 0, 0]]
+        exact = np.flatnonzero((slot >= 0) & (slot < win.shape[0]))
     for side, x, s, g in ((0, k, k_s, k_g), (1, v, v_s, v_g)):
         rows = np.asarray(x)[idx]  # [n, H, D]
+        if side == 0 and rotate:
+            rows = hadamard(rows)
         e = encode_groups(_rows_to_groups(rows.reshape(-1, D)), s, g, rule)
+        if window is not None and exact.size:
+            win[slot[exact], side, t[exact, 0, 0]] = window_bits(rows[exact])
         kv = "kv"[side]
         for name, flags in (("nonfinite", e.nonfinite), ("saturated", e.saturated),
                             ("underflow", e.underflow)):
@@ -195,9 +208,22 @@ def store(buffer, slot_mapping, k, v, *, geom: PageGeometry, rule, k_s, k_g, v_s
             len(idx), H, S)
 
 
+def window_bits(rows: np.ndarray) -> np.ndarray:
+    """bf16 bits of rows ``[..., D]`` as the store writes them to an exact window: round to
+    nearest even, and a group of 16 values holding a NaN or an infinity all NaN."""
+    x = np.asarray(rows, dtype=np.float32)
+    bits = bf16_bits(x)
+    g = x.reshape(x.shape[:-1] + (-1, GROUP))
+    bad = ~np.isfinite(g).all(axis=-1, keepdims=True)
+    bits = bits.reshape(g.shape)
+    bits[np.broadcast_to(bad, g.shape)] = 0x7FC0
+    return bits.reshape(x.shape)
+
+
 def gather_dequant(buffer, blocks, out_k, out_v, *, geom: PageGeometry, k_s, v_s,
-                   stats) -> None:
-    """Gather pages ``blocks`` and decode them into ``out_k``/``out_v`` ``[n*T, H, D]``."""
+                   stats, rotate: bool = False) -> None:
+    """Gather pages ``blocks`` and decode them into ``out_k``/``out_v`` ``[n*T, H, D]``
+    (``rotate``: K turned back to the original basis, :func:`fp4cache.formats.hadamard`)."""
     blocks = np.asarray(blocks).astype(np.int64)
     n = blocks.size
     T, H, D = geom.block_size, geom.num_heads, geom.head_dim
@@ -217,6 +243,8 @@ def gather_dequant(buffer, blocks, out_k, out_v, *, geom: PageGeometry, k_s, v_s
         vals = vals.reshape(n, T, H, D)
         if bad.any():
             vals[bad] = np.nan
+        if side == 0 and rotate:
+            vals = hadamard(vals)
         out[...] = float32_to(vals.reshape(n * T, H, D), out.dtype)
 
 
@@ -363,6 +391,12 @@ def attention(buffer, q, query_start_loc, block_tables, seq_lens, out, lse, *, g
     bad = used & ((ids < 0) | (ids >= num_blocks))
     if bad.any():
         stats[STAT["bad_block_ids"]] += np.uint64(bad.sum())
+    # The exact window: per sequence the first page read from the window slots and each
+    # page's slot (docs/window.md).
+    wsp = win = wslot = None
+    if window is not None:
+        win, win_map, wpages = window
+        wsp, wslot = window_pages(ids, lens, T, win_map, win.shape[0], wpages)
     # The keys each query row sees: tokens [0, limit).
     seq = np.repeat(np.arange(nq.size), nq)
     limit = lens[seq]
@@ -385,19 +419,62 @@ def attention(buffer, q, query_start_loc, block_tables, seq_lens, out, lse, *, g
         valid = rows < item1[sel][:, None]
         rows = np.where(valid, rows, item0[sel][:, None])
         lim = np.where(valid, limit[rows], 0)
-        res, row_lse = _attend(buffer, q[rows], lim, ids[seq[item0[sel]]], bad[seq[item0[sel]]],
-                               geom=geom, k_s=k_s, v_s=v_s, sm_scale=sm_scale)
+        sq = seq[item0[sel]]
+        exact = None if win is None else (win, wsp[sq], wslot[sq])
+        res, row_lse = _attend(buffer, q[rows], lim, ids[sq], bad[sq], geom=geom, k_s=k_s,
+                               v_s=v_s, sm_scale=sm_scale, exact=exact, rotate=rotate)
         keep = valid & (lim > 0)
         out[rows[keep]] = float32_to(res[keep].astype(np.float32), out.dtype)
         if lse is not None:
             lse[rows[keep]] = row_lse[keep].astype(np.float32)
 
 
-def _attend(buffer, q, limit, ids, bad, *, geom: PageGeometry, k_s, v_s, sm_scale):
+def window_pages(ids, lens, T: int, win_map, slots: int, pages: int):
+    """``(first, slot)`` of each sequence's exact window (``docs/window.md``): the first
+    page read from the window (the page count when none is) and ``[B, max_blocks]`` the
+    slot of each page (-1 outside the window)."""
+    B, nb = ids.shape
+    npg = -(-lens // T)
+    first = npg.copy()
+    slot = np.full((B, nb), -1, np.int64)
+    num_blocks = win_map.shape[0]
+    for b in range(B):
+        for p in range(int(npg[b]) - 1, max(-1, int(npg[b]) - 1 - pages), -1):
+            blk = int(ids[b, p])
+            if not 0 <= blk < num_blocks or not 0 <= int(win_map[blk]) < slots:
+                break
+            slot[b, p] = int(win_map[blk])
+            first[b] = p
+    return first, slot
+
+
+def _hadamard64(x: np.ndarray) -> np.ndarray:
+    """The normalized Hadamard transform along the last axis in float64."""
+    d = x.shape[-1]
+    y = x.astype(np.float64, copy=True)
+    h = 1
+    while h < d:
+        z = y.reshape(*y.shape[:-1], d // (2 * h), 2, h)
+        y = np.stack([z[..., 0, :] + z[..., 1, :], z[..., 0, :] - z[..., 1, :]],
+                     axis=-2).reshape(y.shape)
+        h *= 2
+    return y / np.sqrt(d)
+
+
+def _window_rows(win, side: int, slots: np.ndarray) -> np.ndarray:
+    """float32 ``[..., H, T, D]`` (head-major, as :func:`decode_pages`) of window slots."""
+    x = win[slots, side].astype(np.uint32) << np.uint32(16)  # [..., T, H, D]
+    return np.swapaxes(x.view(np.float32), -2, -3)
+
+
+def _attend(buffer, q, limit, ids, bad, *, geom: PageGeometry, k_s, v_s, sm_scale,
+            exact=None, rotate: bool = False):
     """Attention of work items of ``R`` query rows each: ``q [S, R, Hq, D]``, row ``r`` of
     item ``i`` seeing tokens ``[0, limit[i, r])`` of the pages ``ids[i]`` (``bad[i]``:
-    entries outside the pool).  Returns float64 ``out [S, R, Hq, D]`` and ``lse [S, R,
-    Hq]`` (undefined where ``limit`` is 0)."""
+    entries outside the pool).  ``exact``: ``(window, first, slot)``, page ``j >=
+    first[i]`` of item ``i`` read from window slot ``slot[i, j]``; ``rotate``: q rotated
+    (K is stored rotated).  Returns float64 ``out [S, R, Hq, D]`` and ``lse [S, R, Hq]``
+    (undefined where ``limit`` is 0)."""
     S, R, Hq, D = q.shape
     H, T = geom.num_heads, geom.block_size
     G = Hq // H
@@ -407,12 +484,17 @@ def _attend(buffer, q, limit, ids, bad, *, geom: PageGeometry, k_s, v_s, sm_scal
     # prefix.
     order = np.argsort(-npages, kind="stable")
     npages, ids, bad = npages[order], ids[order], bad[order]
+    if exact is not None:
+        win, wfirst, wslot = exact[0], exact[1][order], exact[2][order]
     NB = int(npages[0])
     ids, bad = ids[:, :NB], bad[:, :NB]
     read = np.arange(NB)[None, :] < npages[:, None]
     page_bad = read & bad
     safe = np.where(read & ~bad, ids, 0)
-    q64 = q.astype(np.float64)[order].reshape(S, R, H, G, D).transpose(0, 2, 1, 3, 4)
+    q64 = q.astype(np.float64)[order]
+    if rotate:
+        q64 = _hadamard64(q64)
+    q64 = q64.reshape(S, R, H, G, D).transpose(0, 2, 1, 3, 4)
     q64 = q64.reshape(S, H, M, D)
     lim = np.repeat(limit[order], G, axis=1)[:, None, :, None]  # [S, 1, M, 1]
     m = np.full((S, H, M), -np.inf)
@@ -426,6 +508,13 @@ def _attend(buffer, q, limit, ids, bad, *, geom: PageGeometry, k_s, v_s, sm_scal
             pages = buffer[safe[:na, j0:j1]]  # [na, c, 2, side_bytes]
             k = decode_pages(pages[:, :, 0], geom, 0, k_s)  # [na, c, H, T, D] float32
             v = decode_pages(pages[:, :, 1], geom, 1, v_s)
+            if exact is not None:  # pages of the window: their bf16 values instead
+                cols = np.arange(j0, j1)[None, :]
+                hot = (cols >= wfirst[:na, None]) & (cols < npages[:na, None])
+                if hot.any():
+                    sl = wslot[:na, j0:j1][hot]
+                    k[hot] = _window_rows(win, 0, sl)
+                    v[hot] = _window_rows(win, 1, sl)
             chunk_bad = page_bad[:na, j0:j1]
             if chunk_bad.any():  # what the kernels do: such a page reads as NaN
                 k[chunk_bad] = np.nan
@@ -519,3 +608,53 @@ def write_pages(pool, blocks, host_blocks, data) -> None:
     ok = _valid_ids(host_blocks, pool.num_blocks)
     _count_bad(pool, int((~ok).sum()))
     pool.buffer.reshape(pool.num_blocks, -1)[host_blocks[ok]] = data[ok]
+
+
+# -- protocol: the exact window ---------------------------------------------------------------
+def _fill_slots(pool, blocks: np.ndarray, slots: np.ndarray) -> None:
+    """Window slots ``slots`` := the values of pages ``blocks`` (in the stored basis), bf16."""
+    if blocks.size == 0:
+        return
+    geom = pool.geometry
+    pages = pool.buffer[blocks]  # [n, 2, side_bytes]
+    for side, s in ((0, pool.k_s), (1, pool.v_s)):
+        vals = decode_pages(pages[:, side], geom, side, s)  # [n, H, T, D]
+        pool.window[slots, side] = window_bits(np.swapaxes(vals, 1, 2))
+
+
+def map_window(pool, blocks, slots) -> None:
+    """``window_map[blocks] = slots`` (-1 unmaps) and each mapped slot filled from its page
+    (ids checked by the front end)."""
+    blocks = np.asarray(blocks).astype(np.int64)
+    slots = np.asarray(slots).astype(np.int64)
+    pool.window_map[blocks] = slots
+    live = slots >= 0
+    _fill_slots(pool, blocks[live], slots[live])
+
+
+def fill_window(pool, blocks) -> None:
+    """Refill the slots of the mapped pages among ``blocks`` from the pages."""
+    blocks = np.asarray(blocks).astype(np.int64)
+    blocks = blocks[(blocks >= 0) & (blocks < pool.num_blocks)]
+    slots = pool.window_map[blocks].astype(np.int64)
+    live = (slots >= 0) & (slots < pool.window_slots)
+    _fill_slots(pool, blocks[live], slots[live])
+
+
+def copy_window(pool, src, dst) -> None:
+    """After ``copy_pages(src, dst)``: each mapped destination's slot gets the source's
+    slot when the source is mapped, else the values of its (new) page; every read first."""
+    src = np.asarray(src).astype(np.int64)
+    dst = np.asarray(dst).astype(np.int64)
+    n = pool.num_blocks
+    ok = (src >= 0) & (src < n) & (dst >= 0) & (dst < n)
+    src, dst = src[ok], dst[ok]
+    S = pool.window_slots
+    d = pool.window_map[dst].astype(np.int64)
+    s = pool.window_map[src].astype(np.int64)
+    live = (d >= 0) & (d < S)
+    hot = live & (s >= 0) & (s < S)
+    staged = pool.window[s[hot]].copy()  # every read before any write
+    cold = live & ~hot
+    _fill_slots(pool, dst[cold], d[cold])
+    pool.window[d[hot]] = staged

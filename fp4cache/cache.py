@@ -343,7 +343,8 @@ class PagedKVCache:
         (:attr:`workspace_nbytes`)."""
         if self._pool.state is not None:
             return self._pool.state.nbytes
-        return self.buffer.nbytes + self._pool.stats.nbytes
+        return self.buffer.nbytes + self._pool.stats.nbytes + sum(
+            a.nbytes for a in (self._pool.window, self._pool.window_map) if a is not None)
 
     @property
     def workspace_nbytes(self) -> int:
@@ -571,7 +572,8 @@ class PagedKVCache:
         if p.state is None:
             p.backend.store(self.buffer, slots, k, v, geom=g, rule=self.scale_rule, k_s=p.k_s,
                             k_g=p.k_g, v_s=p.v_s, v_g=p.v_g, stats=p.stats,
-                            unique_slots=unique_slots)
+                            unique_slots=unique_slots, rotate=p.rotation == "hadamard",
+                            window=None if p.window is None else (p.window, p.window_map))
             return
         # the kernels read the last axis contiguously, 2-byte values at their alignment
         # and slot ids in order
@@ -679,7 +681,8 @@ class PagedKVCache:
         p = self._pool
         if p.state is None:
             p.backend.gather_dequant(self.buffer, blocks, out_k, out_v, geom=g, k_s=p.k_s,
-                                     v_s=p.v_s, stats=p.stats)
+                                     v_s=p.v_s, stats=p.stats,
+                                     rotate=p.rotation == "hadamard")
             return out_k, out_v
         if not blocks.flags.c_contiguous:
             blocks = blocks.copy()
@@ -917,6 +920,78 @@ class PagedKVCache:
         ('HND', 2304, 1.0, True)
         """
         return pages.page_format(self._pool)
+
+    def map_window(self, blocks: IndexLike, slots: IndexLike, *,
+                   validate: bool | None = None) -> None:
+        """Map pages to slots of the exact window (``docs/window.md``): attention reads a
+        sequence's newest ``window_pages`` pages that are mapped from their slots, in
+        bf16, instead of from NVFP4.
+
+        ``window_map[blocks[i]] = slots[i]``; ``-1`` unmaps.  A newly mapped slot is
+        filled from its page at once (its values dequantized, in bf16), so a window never
+        holds stale tokens; from then on :meth:`store` writes the page's tokens to both.
+        Map a page before its first token is stored to keep every token exact.  Engines
+        keep a ring of ``window_pages`` slots per running sequence: when a sequence
+        starts page ``p``, map it to slot ``base + p % P`` and unmap page ``p - P`` in the
+        same call.  One launch on the GPU, no host synchronization unless validating, so
+        it can be captured in a CUDA graph.
+
+        Parameters
+        ----------
+        blocks : array of int32 or int64, shape (n,)
+            Page ids, each at most once.
+        slots : array of int32 or int64, shape (n,)
+            Window slots in ``[0, window_slots)``, or -1.
+        validate : bool, optional
+            Override the cache's ``validate`` for this call: ids in range, and no slot
+            held by two pages after the call.
+
+        Raises
+        ------
+        ValueError
+            The cache has no window, lengths differ, a block repeats, or (validating) a
+            slot would hold two pages; nothing is written.
+        IndexError
+            (validating) a block or slot out of range; nothing is written.
+
+        Examples
+        --------
+        >>> import numpy as np, fp4cache
+        >>> cache = fp4cache.PagedKVCache(8, 16, 1, 64, window_pages=2, window_slots=2,
+        ...                               device="cpu")
+        >>> cache.map_window([5, 6], [0, 1])
+        >>> cache.window_map[4:8].tolist()
+        [-1, 0, 1, -1]
+        """
+        with self._guard():
+            pages.map_window(self._pool, blocks, slots, validate)
+
+    @property
+    def window_map(self) -> Array | None:
+        """The block -> window slot map, int32 ``(num_blocks,)`` (-1: none; the cache's
+        own array, on its device), or None without a window."""
+        return self._pool.window_map
+
+    @property
+    def window(self) -> Array | None:
+        """The window slots, uint16 bfloat16 bits ``(window_slots, 2, block_size, H, D)``
+        (``[s, 0]`` K, ``[s, 1]`` V; the cache's own array), or None without a window."""
+        return self._pool.window
+
+    @property
+    def rotation(self) -> str:
+        """``"none"`` or ``"hadamard"`` (K stored rotated)."""
+        return self._pool.rotation
+
+    @property
+    def window_pages(self) -> int:
+        """Pages per sequence read from the exact window (0: none)."""
+        return self._pool.window_pages
+
+    @property
+    def window_slots(self) -> int:
+        """Slots of the exact window (0: none)."""
+        return self._pool.window_slots
 
     def copy_blocks(self, src: IndexLike, dst: IndexLike, *,
                     validate: bool | None = None) -> None:

@@ -36,6 +36,9 @@ META_FORMAT = "fp4cache.page_format"
 META_NUM_BLOCKS = "fp4cache.num_blocks"
 TENSOR_PAGES = "pages"
 TENSOR_BLOCKS = "blocks"
+META_WINDOW_SLOTS = "fp4cache.window_slots"
+TENSOR_WINDOW = "window"  # the saved pages' window rows (uint16 bf16 bits), where mapped
+TENSOR_WINDOW_SLOTS = "window_slots"  # each saved page's slot (int32, -1: not mapped)
 
 _U8 = np.dtype(np.uint8)
 
@@ -56,7 +59,19 @@ def page_format(pool: Pool) -> dict[str, Any]:
         "swizzle_v_scales": bool(g.swizzle_v_scales),
         "k_scale": float(pool.k_s),  # the float32 value, exactly
         "v_scale": float(pool.v_s),
+        # only where they are on: a plain cache's format is vLLM's, unchanged
+        **({"rotation": pool.rotation} if pool.rotation != "none" else {}),
+        **({"window_pages": pool.window_pages} if pool.window_pages else {}),
     }
+
+
+#: Fields a format holds only where they differ from these defaults (a plain cache's format
+#: is the one it always was).
+OPTIONAL_FIELDS = {"rotation": "none", "window_pages": 0}
+
+#: Fields that describe the cache, not the page bytes: pages move between caches that
+#: differ in them (the receiver's window is filled from the pages).
+INFO_FIELDS = frozenset({"window_pages"})
 
 
 #: The type of each ``page_format()`` field: ``int`` fields take Python or NumPy integers
@@ -64,7 +79,8 @@ def page_format(pool: Pool) -> dict[str, Any]:
 #: ``float`` ones real numbers (Python or NumPy floats or integers; not bools, not strings).
 FIELD_TYPES = {"format": str, "version": int, "layout": str, "block_size": int,
                "num_heads": int, "head_dim": int, "page_bytes": int, "scale_rule": str,
-               "swizzle_v_scales": bool, "k_scale": float, "v_scale": float}
+               "swizzle_v_scales": bool, "k_scale": float, "v_scale": float,
+               "rotation": str, "window_pages": int}
 _TYPE_WORDS = {str: "a str", int: "an int", bool: "a bool (True or False)",
                float: "a real number (float or int)"}
 
@@ -101,8 +117,11 @@ def check_page_format(fmt: Any, pool, *, what: str = "page_format") -> None:
         raise TypeError(f"{what} must be a dict as returned by page_format(), got "
                         f"{type(fmt).__name__}")
     check_page_format_types(fmt, what=what)
-    mine = page_format(pool)
+    mine = {**OPTIONAL_FIELDS, **page_format(pool)}
+    fmt = {**{k: v for k, v in OPTIONAL_FIELDS.items() if k not in INFO_FIELDS}, **fmt}
     for key, want in mine.items():
+        if key in INFO_FIELDS:
+            continue
         if key not in fmt:
             raise ValueError(f"{what} has no field {key!r} (this cache's is {want!r}); "
                              "nothing was written")
@@ -111,7 +130,7 @@ def check_page_format(fmt: Any, pool, *, what: str = "page_format") -> None:
             raise ValueError(f"{what} field {key!r} differs: the pages have {got!r}, this "
                              f"cache has {want!r}; pages of another format would decode "
                              "wrong, so nothing was written")
-    extra = sorted(set(fmt) - set(mine))
+    extra = sorted(set(fmt) - set(mine) - INFO_FIELDS)
     if extra:
         raise ValueError(f"{what} has unknown field(s) {extra} (format version "
                          f"{fmt.get('version')!r}; this fp4cache reads version "
@@ -200,6 +219,48 @@ def copy_blocks(pool, src, dst, validate: bool | None = None) -> None:
         _check_unique(hd, "dst")
     if s.shape[0]:
         pool.backend.copy_pages(pool, s, d, hs, hd)
+        if pool.window is not None:
+            pool.backend.copy_window(pool, s, d)
+
+
+def map_window(pool, blocks, slots, validate: bool | None = None) -> None:
+    """See :meth:`PagedKVCache.map_window`."""
+    validate = _arrays.check_bool(validate, "validate", optional=True)
+    check = pool.validate if validate is None else validate
+    if pool.window is None:
+        raise ValueError("map_window needs a cache with an exact window: "
+                         "PagedKVCache(..., window_pages=P, window_slots=S)")
+    b, hb = _ids(pool, blocks, "blocks")
+    sl, hs = _ids(pool, slots, "slots")
+    if b.shape != sl.shape:
+        raise ValueError(f"blocks and slots must have the same length, got {b.shape[0]} and "
+                         f"{sl.shape[0]}")
+    _arrays.check_device({"blocks": b, "slots": sl}, pool.buffer)
+    hb, hs = _host_ids(b, hb, check), _host_ids(sl, hs, check)
+    if hb is not None:
+        _check_range(hb, pool.num_blocks, "blocks")
+        _check_unique(hb, "blocks")
+    if hs is not None:
+        S = pool.window_slots
+        bad = (hs < -1) | (hs >= S)
+        if bad.any():
+            i = int(bad.argmax())
+            raise IndexError(f"slots[{i}] = {int(hs[i])} is out of range: window slots must "
+                             f"be in [0, window_slots = {S}), or -1 to unmap; nothing was "
+                             "written")
+    if check and hb is not None and hs is not None:
+        wm = pool.window_map
+        after = (wm.get() if _arrays.is_cupy(wm) else np.array(wm))
+        after[hb] = hs
+        live = np.sort(after[after >= 0])
+        rep = live[1:][live[1:] == live[:-1]]
+        if rep.size:
+            owners = np.flatnonzero(after == rep[0])
+            raise ValueError(f"window slot {int(rep[0])} would hold blocks "
+                             f"{owners.tolist()}: a slot holds one page (unmap the old page "
+                             "with slot -1 in the same call); nothing was written")
+    if b.shape[0]:
+        pool.backend.map_window(pool, b, sl)
 
 
 # -- read / write --------------------------------------------------------------------------
@@ -253,6 +314,8 @@ def write_blocks(pool, blocks, data, page_format: Any = None,
     if _arrays.is_cupy(data) and _overlaps_pool(pool, data):
         data = data.copy()  # rows read from pages that the same call writes
     pool.backend.write_pages(pool, b, hb, data)
+    if pool.window is not None:
+        pool.backend.fill_window(pool, b)
 
 
 def _check_rows(pool, a, name: str, shape: tuple[int, int], *, writable: bool) -> None:
@@ -332,8 +395,17 @@ def save(pool, path: str | os.PathLike, blocks=None) -> None:
         cupy.cuda.get_current_stream().synchronize()
     meta = {META_FORMAT: json.dumps(page_format(pool)),
             META_NUM_BLOCKS: str(pool.num_blocks)}
-    stn.save_file({TENSOR_PAGES: np.asarray(pages), TENSOR_BLOCKS: hb.astype(np.int64)},
-                  path, metadata=meta)
+    tensors = {TENSOR_PAGES: np.asarray(pages), TENSOR_BLOCKS: hb.astype(np.int64)}
+    if pool.window is not None:  # the exact window of the saved pages travels with them
+        wmap, win = pool.window_map, pool.window
+        if pool.device == "cuda":
+            wmap, win = wmap.get(), win.get()
+        slots = wmap[hb].astype(np.int32)
+        tensors[TENSOR_WINDOW_SLOTS] = slots
+        tensors[TENSOR_WINDOW] = np.ascontiguousarray(win[np.maximum(slots, 0)])
+        tensors[TENSOR_WINDOW][slots < 0] = 0
+        meta[META_WINDOW_SLOTS] = str(pool.window_slots)
+    stn.save_file(tensors, path, metadata=meta)
 
 
 #: safetensors refuses headers above 100 MB; a larger length field is not a header.
@@ -388,10 +460,11 @@ def _check_load_path(path: str) -> dict:
     return meta
 
 
-def _read_file(path) -> tuple[str, dict, int, np.ndarray, np.ndarray]:
-    """``(path as str, page format, saved num_blocks (0: not saved), pages, ids)`` of a
-    file written by :func:`save`; every problem of the file is an exception naming
-    ``path`` and nothing is written anywhere."""
+def _read_file(path) -> tuple[str, dict, int, np.ndarray, np.ndarray, Any]:
+    """``(path as str, page format, saved num_blocks (0: not saved), pages, ids, window)``
+    of a file written by :func:`save` (``window``: ``(window_slots, slot per page, window
+    rows)`` when the cache had an exact window, else None); every problem of the file is
+    an exception naming ``path`` and nothing is written anywhere."""
     stn, _ = _safetensors()
     path = _fspath(path)
     meta = _check_load_path(path)
@@ -426,7 +499,45 @@ def _read_file(path) -> tuple[str, dict, int, np.ndarray, np.ndarray]:
         raise _not_page_file(path, f"its {TENSOR_BLOCKS!r} tensor must be int64 with one id "
                                    f"per page ({pages.shape[0]}), got {ids.dtype} "
                                    f"{ids.shape}")
-    return path, fmt, num_blocks, pages, ids
+    window = None
+    if TENSOR_WINDOW_SLOTS in tensors and TENSOR_WINDOW in tensors:
+        wslots, wrows = tensors[TENSOR_WINDOW_SLOTS], tensors[TENSOR_WINDOW]
+        if (wslots.dtype != np.int32 or wslots.shape != ids.shape or wrows.dtype != np.uint16
+                or wrows.ndim != 5 or wrows.shape[0] != ids.shape[0]):
+            raise _not_page_file(path, f"its {TENSOR_WINDOW!r} tensors do not hold one int32 "
+                                       "slot and one uint16 window row per page")
+        try:
+            num_slots = int(meta.get(META_WINDOW_SLOTS, 0))
+        except (TypeError, ValueError):
+            raise _not_page_file(path, f"its {META_WINDOW_SLOTS!r} metadata is not an "
+                                       "integer") from None
+        window = (num_slots, wslots, wrows)
+    return path, fmt, num_blocks, pages, ids, window
+
+
+def _put_window(pool, ids: np.ndarray, window, *, remap: bool) -> None:
+    """The saved window rows of pages ``ids`` into ``pool``'s window: ``remap`` (a cache
+    made by :func:`load`) maps each page to its saved slot; otherwise the rows go to the
+    slots the pages are mapped to now (those without saved rows keep the values
+    :func:`write_blocks` filled from the pages)."""
+    if window is None or pool.window is None:
+        return
+    _, slots, rows = window
+    slots = slots.astype(np.int64)
+    xp = _arrays.array_module(pool.device)
+    if remap:
+        live = (slots >= 0) & (slots < pool.window_slots)
+        pool.window_map[xp.asarray(ids[live])] = xp.asarray(slots[live].astype(np.int32))
+        dest = slots
+    else:
+        wm = pool.window_map
+        dest = (wm.get() if _arrays.is_cupy(wm) else np.asarray(wm))[ids].astype(np.int64)
+    use = (slots >= 0) & (dest >= 0) & (dest < pool.window_slots)
+    if use.any():
+        if rows.shape[1:] != pool.window.shape[1:]:
+            raise ValueError(f"the saved window rows have shape {rows.shape[1:]}, this "
+                             f"cache's {pool.window.shape[1:]}")
+        pool.window[xp.asarray(dest[use])] = xp.asarray(rows[use])
 
 
 def _check_file_format(path: str, fmt: dict, pool) -> None:
@@ -449,7 +560,7 @@ def load(cls, path, device=None, validate: bool | None = None):
 
         parse_device(device)  # the caller's argument: its own error, before the file's
     validate = _arrays.check_bool(validate, "validate", optional=True)
-    path, fmt, num_blocks, pages, ids = _read_file(path)
+    path, fmt, num_blocks, pages, ids, window = _read_file(path)
     if num_blocks <= 0:
         num_blocks = int(ids.max()) + 1 if ids.size else 1
     bad = (ids < 0) | (ids >= num_blocks)
@@ -471,7 +582,9 @@ def load(cls, path, device=None, validate: bool | None = None):
                     layout=fmt["layout"], scale_rule=fmt["scale_rule"],
                     k_scale=fmt["k_scale"], v_scale=fmt["v_scale"],
                     swizzle_v_scales=fmt["swizzle_v_scales"], device=device,
-                    validate=validate)
+                    validate=validate, rotation=fmt.get("rotation", "none"),
+                    window_pages=fmt.get("window_pages", 0),
+                    window_slots=window[0] if window is not None else 0)
     except (TypeError, ValueError) as e:
         raise ValueError(f"path {path!r}: its page format does not describe a cache "
                          f"({e}); nothing was loaded") from None
@@ -482,12 +595,13 @@ def load(cls, path, device=None, validate: bool | None = None):
                          f"its page format gives page_bytes {pool.geometry.page_bytes}; "
                          "nothing was loaded")
     write_blocks(pool, ids, pages, validate=True)
+    _put_window(pool, ids, window, remap=True)
     return cache
 
 
 def load_pages(pool, path, blocks=None) -> np.ndarray:
     """See :meth:`PagedKVCache.load_pages`."""
-    path, fmt, _, pages, ids = _read_file(path)
+    path, fmt, _, pages, ids, window = _read_file(path)
     check_page_format(fmt, pool, what=f"the page format of {path!r}")
     if blocks is not None:
         ids = _arrays.to_backend(blocks, "cpu", "blocks", allow_convert=True)
@@ -496,6 +610,7 @@ def load_pages(pool, path, blocks=None) -> np.ndarray:
             raise ValueError(f"blocks must have one id per saved page ({pages.shape[0]}), "
                              f"got {ids.shape[0]}")
     write_blocks(pool, ids, pages, validate=True)
+    _put_window(pool, np.asarray(ids, dtype=np.int64), window, remap=False)
     if pool.device == "cuda":
         import cupy
 

@@ -1,0 +1,441 @@
+"""The exact window and the Hadamard rotation (``docs/window.md``) on the CPU backend:
+bit-exact stores, gathers and window rows, attention against a float64 reference that
+applies the same exact / NVFP4 split, page moves and files, and bad input."""
+
+from __future__ import annotations
+
+import math
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+from fp4cache import PagedKVCache, formats
+
+BF16 = np.dtype(ml_dtypes.bfloat16)
+F16 = np.dtype(np.float16)
+F32 = np.dtype(np.float32)
+
+
+def sylvester(d: int) -> np.ndarray:
+    """The normalized Hadamard matrix of order ``d`` in float64."""
+    h = np.ones((1, 1))
+    while h.shape[0] < d:
+        h = np.block([[h, h], [h, -h]])
+    return h / math.sqrt(d)
+
+
+def kv(rng, n, H, D, dtype=F32, outliers=True):
+    k = rng.standard_normal((n, H, D), dtype=np.float32)
+    if outliers:
+        k[:, :, :: max(1, D // 4)] *= 8
+    v = rng.standard_normal((n, H, D), dtype=np.float32)
+    return k.astype(dtype), v.astype(dtype)
+
+
+def bf16_values(bits: np.ndarray) -> np.ndarray:
+    return (bits.astype(np.uint32) << 16).view(np.float32)
+
+
+# -- the transform ---------------------------------------------------------------------------
+@pytest.mark.parametrize("d", [1, 2, 4, 16, 32, 64, 128, 256])
+def test_hadamard_is_the_normalized_matrix(d):
+    x = np.random.default_rng(d).standard_normal((7, d)).astype(np.float32)
+    got = formats.hadamard(x)
+    assert got.dtype == F32
+    np.testing.assert_allclose(got, x.astype(np.float64) @ sylvester(d).T, rtol=0,
+                               atol=1e-5 * max(1.0, float(np.abs(x).max())))
+    np.testing.assert_allclose(formats.hadamard(got), x, rtol=0, atol=1e-5)
+
+
+def test_hadamard_stage_order_is_the_contract():
+    # the butterflies of strides 1, 2, ..., D/2 in float32, then fl32(1/sqrt(D)): a float32
+    # loop written out element by element gives the same bits
+    rng = np.random.default_rng(3)
+    x = (rng.standard_normal((5, 128)) * 10.0 ** rng.integers(-3, 4, (5, 128))).astype(F32)
+    y = x.copy()
+    s = 1
+    while s < 128:
+        for i in range(128):
+            if i & s == 0:
+                a, b = y[:, i].copy(), y[:, i + s].copy()
+                y[:, i], y[:, i + s] = a + b, a - b
+        s *= 2
+    y = y * np.float32(1 / math.sqrt(128))
+    assert np.array_equal(formats.hadamard(x).view(np.uint32), y.view(np.uint32))
+
+
+def test_hadamard_rejects_other_lengths():
+    with pytest.raises(ValueError, match="power-of-two"):
+        formats.hadamard(np.zeros((2, 96), np.float32))
+
+
+def test_bf16_bits_every_bfloat16_and_rounding():
+    every = np.arange(1 << 16, dtype=np.uint32).astype(np.uint16)
+    vals = bf16_values(every)
+    bits = formats.bf16_bits(vals)
+    finite = ~np.isnan(vals)
+    assert np.array_equal(bits[finite], every[finite])  # exact values stay
+    assert np.all(bits[~finite] == 0x7FC0)  # NaN -> the one quiet NaN
+    x = np.random.default_rng(0).standard_normal(100000).astype(np.float32)
+    want = x.astype(ml_dtypes.bfloat16).view(np.uint16)  # ml_dtypes: round to nearest even
+    assert np.array_equal(formats.bf16_bits(x), want)
+
+
+# -- options ---------------------------------------------------------------------------------
+@pytest.mark.parametrize("kw, match", [
+    ({"rotation": "random"}, "rotation must be"),
+    ({"rotation": "hadamard", "head_dim": 192}, "power-of-two head_dim"),
+    ({"window_pages": 2}, "both 0"),
+    ({"window_slots": 2}, "both 0"),
+    ({"window_pages": -1, "window_slots": 2}, "non-negative"),
+    ({"window_pages": 2, "window_slots": 2, "block_size": 8}, "block_size % 16"),
+    ({"window_pages": 65, "window_slots": 2}, "at most 64"),
+    ({"window_pages": True, "window_slots": 2}, "non-negative integer"),
+])
+def test_bad_options(kw, match):
+    args = {"num_blocks": 4, "block_size": 16, "num_heads": 2, "head_dim": 64}
+    kw = dict(kw)
+    args.update({k: kw.pop(k) for k in list(kw) if k in args})
+    with pytest.raises(ValueError, match=match):
+        PagedKVCache(args["num_blocks"], args["block_size"], args["num_heads"],
+                     args["head_dim"], device="cpu", **kw)
+
+
+def test_nbytes_counts_the_window():
+    plain = PagedKVCache(10, 16, 2, 64, device="cpu")
+    win = PagedKVCache(10, 16, 2, 64, device="cpu", window_pages=3, window_slots=6)
+    assert win.nbytes - plain.nbytes == 6 * 2 * 16 * 2 * 64 * 2 + 10 * 4
+    assert win.window.shape == (6, 2, 16, 2, 64) and win.window.dtype == np.uint16
+    assert win.window_map.tolist() == [-1] * 10
+    assert (win.rotation, win.window_pages, win.window_slots) == ("none", 3, 6)
+
+
+# -- store and gather ------------------------------------------------------------------------
+@pytest.mark.parametrize("D", [16, 32, 64, 128, 256])
+@pytest.mark.parametrize("dtype", [BF16, F16, F32])
+@pytest.mark.parametrize("rule", ["static6", "4over6"])
+def test_rotated_store_is_the_plain_store_of_rotated_keys(D, dtype, rule):
+    rng = np.random.default_rng(D)
+    k, v = kv(rng, 40, 2, D, dtype)
+    kw = dict(scale_rule=rule, k_scale=0.02, v_scale=0.01, device="cpu",
+              swizzle_v_scales=D % 64 == 0)
+    rot = PagedKVCache(4, 16, 2, D, rotation="hadamard", **kw)
+    plain = PagedKVCache(4, 16, 2, D, **kw)
+    slots = rng.permutation(64)[:40]
+    rot.store(slots, k, v)
+    plain.store(slots, formats.hadamard(k), v.astype(np.float32))
+    assert np.array_equal(rot.buffer, plain.buffer)
+    assert rot.stats == plain.stats
+    for out in (BF16, F16, F32):
+        kr, vr = rot.gather_dequant(np.array([3, 0, 2]), dtype=out)
+        kp, vp = plain.gather_dequant(np.array([3, 0, 2]), dtype="float32")
+        assert np.array_equal(formats.float32_to(formats.hadamard(kp), out).view(np.uint8),
+                              kr.view(np.uint8))
+        assert np.array_equal(vr.view(np.uint8), formats.float32_to(vp, out).view(np.uint8))
+
+
+@pytest.mark.parametrize("rotation", ["none", "hadamard"])
+@pytest.mark.parametrize("dtype", [BF16, F16, F32])
+def test_store_writes_mapped_pages_to_the_window(rotation, dtype):
+    rng = np.random.default_rng(1)
+    H, D, T = 2, 64, 16
+    c = PagedKVCache(6, T, H, D, device="cpu", rotation=rotation, window_pages=2,
+                     window_slots=3, k_scale=0.02, v_scale=0.01)
+    c.map_window([4, 1], [2, 0])
+    before = c.window.copy()
+    k, v = kv(rng, 50, H, D, dtype)
+    k[7, 1, 20] = np.nan  # a group of token 7 (page 0: not mapped)
+    v[20, 0, 33] = np.inf  # token 20: page 1, slot 0
+    slots = np.arange(50)
+    slots[3] = -1
+    c.store(slots, k, v)
+    kr = formats.hadamard(k) if rotation == "hadamard" else k.astype(np.float32)
+    for page, slot in ((1, 0), (4, 2)):
+        toks = np.arange(page * T, min(50, (page + 1) * T))
+        rows = toks - page * T
+        want_k = formats.bf16_bits(kr[toks])
+        want_v = formats.bf16_bits(v[toks].astype(np.float32))
+        if page == 1:
+            want_v[20 - 16, 0, 32:48] = 0x7FC0  # the whole group of 16
+        assert np.array_equal(c.window[slot, 0, rows], want_k)
+        assert np.array_equal(c.window[slot, 1, rows], want_v)
+        assert not c.window[slot, :, len(rows):].any()
+    assert np.array_equal(c.window[1], before[1])  # slot 1 holds no page
+
+
+def test_store_window_last_occurrence_wins_and_padding():
+    rng = np.random.default_rng(2)
+    c = PagedKVCache(4, 16, 1, 64, device="cpu", window_pages=1, window_slots=1)
+    c.map_window([2], [0])
+    k, v = kv(rng, 3, 1, 64)
+    c.store(np.array([33, -1, 33]), k, v, unique_slots=False)
+    assert np.array_equal(c.window[0, 0, 1], formats.bf16_bits(k[2]))
+    assert not c.window[0, :, 0].any() and not c.window[0, :, 2:].any()
+
+
+# -- map_window ------------------------------------------------------------------------------
+@pytest.mark.parametrize("rotation", ["none", "hadamard"])
+def test_map_window_fills_from_the_pages(rotation):
+    rng = np.random.default_rng(4)
+    c = PagedKVCache(5, 16, 2, 64, device="cpu", rotation=rotation, window_pages=2,
+                     window_slots=2, k_scale=0.02, v_scale=0.01)
+    k, v = kv(rng, 80, 2, 64)
+    k[5, 0, :16] = np.nan
+    c.store(np.arange(80), k, v)
+    c.map_window(np.array([3, 1]), np.array([1, 0]))
+    twin = PagedKVCache(5, 16, 2, 64, device="cpu", k_scale=0.02, v_scale=0.01)
+    twin.buffer[:] = c.buffer  # the pages decoded in the stored basis
+    kd, vd = twin.gather_dequant(np.array([1, 3]), dtype="float32")
+    assert np.array_equal(c.window[0, 0], formats.bf16_bits(kd[:16]))
+    assert np.array_equal(c.window[1, 1], formats.bf16_bits(vd[16:]))
+    # unmapping leaves the map at -1; mapping page 0 fills its NaN group with 0x7FC0
+    c.map_window([1, 0], [-1, 0])
+    assert c.window_map.tolist() == [0, -1, -1, 1, -1]
+    assert np.all(c.window[0, 0, 5, 0, :16] == 0x7FC0)
+
+
+def test_map_window_bad_input_changes_nothing():
+    c = PagedKVCache(5, 16, 1, 64, device="cpu", window_pages=2, window_slots=2)
+    c.map_window([0], [1])
+    snap = (c.window_map.copy(), c.window.copy(), c.buffer.copy())
+    cases = [
+        (([0, 1], [0]), ValueError, "same length"),
+        (([5], [0]), IndexError, "blocks"),
+        (([1], [2]), IndexError, "window_slots = 2"),
+        (([1], [-2]), IndexError, "slots"),
+        (([1, 1], [0, -1]), ValueError, "repeats block"),
+        (([2], [1]), ValueError, "slot 1 would hold blocks \\[0, 2\\]"),
+        (([2, 3], [0, 0]), ValueError, "slot 0 would hold"),
+    ]
+    for (b, s), exc, match in cases:
+        with pytest.raises(exc, match=match):
+            c.map_window(b, s)
+        assert np.array_equal(c.window_map, snap[0])
+        assert np.array_equal(c.window, snap[1]) and np.array_equal(c.buffer, snap[2])
+    c.map_window([0, 2], [-1, 1])  # the ring's move: unmap and map in one call
+    assert c.window_map.tolist() == [-1, -1, 1, -1, -1]
+    with pytest.raises(ValueError, match="exact window"):
+        PagedKVCache(4, 16, 1, 64, device="cpu").map_window([0], [0])
+
+
+# -- attention -------------------------------------------------------------------------------
+def window_reference(c: PagedKVCache, q, qsl, tab, lens, causal=True):
+    """float64 attention with the window split of ``docs/window.md`` written out on its
+    own: per sequence the suffix of at most ``window_pages`` mapped pages read from the
+    bf16 slots, the rest from the pages decoded in the stored basis; q rotated by the
+    Hadamard matrix when the cache rotates."""
+    T, H, D = c.block_size, c.num_heads, c.head_dim
+    twin = PagedKVCache(c.num_blocks, T, H, D, device="cpu", k_scale=c.k_scale,
+                        v_scale=c.v_scale, layout=c.layout, scale_rule=c.scale_rule)
+    twin.buffer[:] = c.buffer
+    kd, vd = (x.astype(np.float64) for x in
+              twin.gather_dequant(np.arange(c.num_blocks), dtype="float32"))
+    q = q.astype(np.float64)
+    if c.rotation == "hadamard":
+        q = q @ sylvester(D).T
+    N, Hq, _ = q.shape
+    g = Hq // H
+    out = np.zeros((N, Hq, D))
+    lse = np.full((N, Hq), -np.inf)
+    scale = float(np.float32(1 / math.sqrt(D)))
+    wmap = c.window_map
+    for b in range(len(qsl) - 1):
+        s0, s1 = int(qsl[b]), int(qsl[b + 1])
+        n = s1 - s0
+        L = int(min(lens[b], tab.shape[1] * T))
+        if n == 0 or L == 0:
+            continue
+        K = kd[tab[b, np.arange(L) // T] * T + np.arange(L) % T].copy()
+        V = vd[tab[b, np.arange(L) // T] * T + np.arange(L) % T].copy()
+        npg = -(-L // T)
+        p = npg - 1
+        while p >= max(0, npg - c.window_pages) and 0 <= wmap[tab[b, p]] < c.window_slots:
+            sl = wmap[tab[b, p]]
+            toks = np.arange(p * T, min(L, (p + 1) * T))
+            K[toks] = bf16_values(c.window[sl, 0, : len(toks)])
+            V[toks] = bf16_values(c.window[sl, 1, : len(toks)])
+            p -= 1
+        for t in range(n):
+            lim = max(0, L - n + t + 1) if causal else L
+            if lim == 0:
+                continue
+            for h in range(H):
+                s = q[s0 + t, h * g:(h + 1) * g] @ K[:lim, h].T * scale
+                m = s.max(axis=1, keepdims=True)
+                w = np.exp(s - m)
+                out[s0 + t, h * g:(h + 1) * g] = w @ V[:lim, h] / w.sum(axis=1, keepdims=True)
+                lse[s0 + t, h * g:(h + 1) * g] = (m + np.log(w.sum(axis=1, keepdims=True)))[:, 0]
+    return out, lse
+
+
+def filled_window_cache(rng, *, rotation, T=16, H=2, D=64, num_blocks=24, P=3, lens=(),
+                        unmapped=(), layout="HND"):
+    """A cache whose sequences (one table row each) were stored with the window ring in
+    use: each page mapped before it is written, the page P back unmapped."""
+    c = PagedKVCache(num_blocks, T, H, D, device="cpu", rotation=rotation, window_pages=P,
+                     window_slots=P * len(lens), k_scale=0.03, v_scale=0.01, layout=layout,
+                     scale_rule="4over6")
+    width = max(-(-n // T) for n in lens)
+    tab = np.zeros((len(lens), width), np.int32)
+    perm = rng.permutation(num_blocks)
+    used = 0
+    for b, n in enumerate(lens):
+        npg = -(-n // T)
+        tab[b, :npg] = perm[used:used + npg]
+        used += npg
+        for p in range(npg):
+            blocks, slots = [int(tab[b, p])], [b * P + p % P]
+            if p >= P:
+                blocks.append(int(tab[b, p - P]))
+                slots.append(-1)
+            c.map_window(blocks, slots)
+            toks = np.arange(p * T, min(n, (p + 1) * T))
+            k, v = kv(rng, len(toks), H, D)
+            c.store(tab[b, p] * T + toks % T, k, v)
+    for b, p in unmapped:  # a page of the window lost its slot
+        c.map_window([int(tab[b, p])], [-1])
+    return c, tab, np.asarray(lens, np.int32)
+
+
+@pytest.mark.parametrize("rotation", ["none", "hadamard"])
+@pytest.mark.parametrize("dtype", [BF16, F16, F32])
+def test_decode_reads_the_window(rotation, dtype):
+    rng = np.random.default_rng(6)
+    lens = (1, 15, 16, 17, 40, 48, 100)
+    c, tab, sl = filled_window_cache(rng, rotation=rotation, lens=lens,
+                                     unmapped=[(5, 1), (6, 6)])
+    q = rng.standard_normal((len(lens), 8, 64)).astype(dtype)
+    out, lse = c.decode_attention(q, tab, sl, return_lse=True)
+    ref, ref_lse = window_reference(c, q, np.arange(len(lens) + 1), tab, sl, causal=False)
+    np.testing.assert_allclose(out.astype(np.float64), ref, rtol=1e-2 if dtype == BF16 else
+                               2e-3 if dtype == F16 else 1e-5, atol=1e-6)
+    np.testing.assert_allclose(lse, ref_lse, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("rotation", ["none", "hadamard"])
+@pytest.mark.parametrize("layout", ["HND", "NHD"])
+def test_any_length_attention_reads_the_window(rotation, layout):
+    rng = np.random.default_rng(7)
+    lens = (3, 33, 64, 130, 47)
+    nq = np.array([3, 1, 20, 70, 0])
+    c, tab, sl = filled_window_cache(rng, rotation=rotation, lens=lens, layout=layout,
+                                     unmapped=[(3, 8)])
+    qsl = np.concatenate([[0], np.cumsum(nq)]).astype(np.int32)
+    q = rng.standard_normal((int(nq.sum()), 4, 64)).astype(np.float32)
+    for causal in (True, False):
+        out, lse = c.attention(q, qsl, tab, sl, causal=causal, return_lse=True)
+        ref, ref_lse = window_reference(c, q, qsl, tab, sl, causal=causal)
+        np.testing.assert_allclose(out, ref, rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(lse, ref_lse, rtol=1e-5, atol=1e-5)
+
+
+def test_window_changes_only_what_it_should():
+    # mapped pages that are not among a sequence's last window_pages pages change nothing;
+    # the last pages mapped are read exactly, and the outputs get closer to exact K/V
+    rng = np.random.default_rng(8)
+    T, H, D, B = 16, 2, 64, 100
+    n = 64
+    k, v = kv(rng, n, H, D)
+    q = rng.standard_normal((B, 4, D)).astype(np.float32)
+    tab = np.tile(np.array([[3, 1, 0, 2]], np.int32), (B, 1))
+    slots = tab[0, np.arange(n) // T] * T + np.arange(n) % T
+    res = {}
+    for mapped in ((), (3,), (2, 0), (0, 2), (3, 1, 0, 2)):
+        c = PagedKVCache(4, T, H, D, device="cpu", window_pages=2, window_slots=4,
+                         k_scale=0.03, v_scale=0.01)
+        if mapped:
+            c.map_window(list(mapped), list(range(len(mapped))))
+        c.store(slots, k, v)
+        res[mapped] = c.decode_attention(q, tab, np.full(B, n))
+    assert np.array_equal(res[()], res[(3,)])  # page 3 is the sequence's first
+    assert not np.array_equal(res[()], res[(2, 0)])
+    assert np.array_equal(res[(2, 0)], res[(0, 2)])
+    assert np.array_equal(res[(2, 0)], res[(3, 1, 0, 2)])  # at most window_pages pages
+    s = (q.astype(np.float64).reshape(B, H, 2, D) @ k.transpose(1, 2, 0)[None]) / 8
+    w = np.exp(s - s.max(-1, keepdims=True))
+    exact = (w / w.sum(-1, keepdims=True)) @ v.transpose(1, 0, 2)[None]
+    err = {m: np.abs(res[m].reshape(B, H, 2, D) - exact).mean() for m in res}
+    assert err[(2, 0)] < 0.8 * err[()], err
+
+
+# -- page moves and files --------------------------------------------------------------------
+def test_copy_blocks_carries_the_window():
+    rng = np.random.default_rng(9)
+    c = PagedKVCache(6, 16, 2, 64, device="cpu", rotation="hadamard", window_pages=2,
+                     window_slots=4, k_scale=0.03, v_scale=0.01)
+    c.map_window([0, 1, 4], [0, 1, 2])
+    k, v = kv(rng, 96, 2, 64)
+    c.store(np.arange(96), k, v)
+    before = c.window.copy()
+    # 0 -> 4 (both mapped: the exact rows), 3 -> 1 (source not mapped: filled from the
+    # copied page), 1 -> 5 (destination not mapped: nothing), every read before any write
+    c.copy_blocks([0, 3, 1], [4, 1, 5])
+    assert np.array_equal(c.window[2], before[0])
+    twin = PagedKVCache(6, 16, 2, 64, device="cpu", k_scale=0.03, v_scale=0.01)
+    twin.buffer[:] = c.buffer
+    kd, vd = twin.gather_dequant([1], dtype="float32")
+    assert np.array_equal(c.window[1, 0], formats.bf16_bits(kd))
+    assert np.array_equal(c.window[1, 1], formats.bf16_bits(vd))
+    assert np.array_equal(c.window[0], before[0]) and np.array_equal(c.window[3], before[3])
+    # a chain in one call: 4 -> 0 and 0 -> 4 swap the exact rows
+    c.copy_blocks([4, 0], [0, 4])
+    assert np.array_equal(c.window[0], before[0]) and np.array_equal(c.window[2], before[0])
+
+
+def test_write_blocks_fills_mapped_windows():
+    rng = np.random.default_rng(10)
+    src = PagedKVCache(4, 16, 1, 64, device="cpu", k_scale=0.03, v_scale=0.01)
+    k, v = kv(rng, 64, 1, 64)
+    src.store(np.arange(64), k, v)
+    dst = PagedKVCache(4, 16, 1, 64, device="cpu", window_pages=1, window_slots=1,
+                       k_scale=0.03, v_scale=0.01)
+    dst.map_window([2], [0])
+    dst.write_blocks([2, 3], src.read_blocks([0, 1]), page_format=src.page_format())
+    kd, vd = src.gather_dequant([0], dtype="float32")
+    assert np.array_equal(dst.window[0, 0], formats.bf16_bits(kd))
+    assert np.array_equal(dst.window[0, 1], formats.bf16_bits(vd))
+
+
+def test_save_load_keeps_window_and_rotation(tmp_path):
+    rng = np.random.default_rng(11)
+    c, tab, sl = filled_window_cache(rng, rotation="hadamard", lens=(40, 70))
+    f = tmp_path / "w.safetensors"
+    c.save(f)
+    d = PagedKVCache.load(f, device="cpu")
+    assert (d.rotation, d.window_pages, d.window_slots) == ("hadamard", 3, 6)
+    assert np.array_equal(d.buffer, c.buffer)
+    assert np.array_equal(d.window_map, c.window_map)
+    live = np.unique(c.window_map[c.window_map >= 0])
+    assert np.array_equal(d.window[live], c.window[live])
+    q = rng.standard_normal((2, 4, 64)).astype(np.float32)
+    assert np.array_equal(d.decode_attention(q, tab, sl), c.decode_attention(q, tab, sl))
+    # load_pages into a cache whose pages are mapped elsewhere: the saved rows land in the
+    # slots the pages hold now
+    e = PagedKVCache(c.num_blocks, 16, 2, 64, device="cpu", rotation="hadamard",
+                     window_pages=3, window_slots=6, k_scale=c.k_scale, v_scale=c.v_scale,
+                     scale_rule="4over6")
+    m = np.flatnonzero(c.window_map >= 0)
+    e.map_window(m, np.arange(m.size)[::-1])
+    e.load_pages(f)
+    for j, b in enumerate(m):
+        assert np.array_equal(e.window[m.size - 1 - j], c.window[c.window_map[b]])
+    assert np.array_equal(e.decode_attention(q, tab, sl), c.decode_attention(q, tab, sl))
+
+
+def test_page_format_names_rotation_and_window():
+    plain = PagedKVCache(4, 16, 2, 64, device="cpu")
+    rot = PagedKVCache(4, 16, 2, 64, device="cpu", rotation="hadamard")
+    win = PagedKVCache(4, 16, 2, 64, device="cpu", window_pages=2, window_slots=2)
+    assert "rotation" not in plain.page_format() and "window_pages" not in plain.page_format()
+    assert rot.page_format()["rotation"] == "hadamard"
+    assert win.page_format()["window_pages"] == 2
+    data = plain.read_blocks([0])
+    for a, b in ((rot, plain), (plain, rot)):
+        before = a.buffer.copy()
+        with pytest.raises(ValueError, match="'rotation' differs"):
+            a.write_blocks([1], b.read_blocks([0]), page_format=b.page_format())
+        assert np.array_equal(a.buffer, before)
+    # the window is not part of the page bytes: pages move both ways
+    win.write_blocks([1], data, page_format=plain.page_format())
+    plain.write_blocks([1], win.read_blocks([1]), page_format=win.page_format())
