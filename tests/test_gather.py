@@ -170,7 +170,7 @@ class TestCupyBackend:
         """rotation="hadamard": K is the transform of the float32 decoded row, rounded once
         (pages of random bytes, bad ids, the grid's tail)."""
         rng = np.random.default_rng(D + H)
-        geom = PageGeometry(H, 16, D, layout, layout == "HND")
+        geom = PageGeometry(H, 16, D, layout, layout == "HND" and D >= 64)
         buf0 = rng.integers(0, 256, (9, 2, geom.side_bytes), dtype=np.uint8)
         blocks = np.array([3, 0, 8, 8, 1, -2, 9, 4], np.int32)
         shape = (len(blocks) * 16, H, D)
