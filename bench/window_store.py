@@ -21,9 +21,16 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from timing import BF16, Env, bind  # noqa: E402
 
-VARIANTS = {"plain": {}, "rot": dict(rotation="hadamard"),
-            "win": dict(window_pages=4, window_slots=None),
-            "rot+win": dict(rotation="hadamard", window_pages=4, window_slots=None)}
+#: name -> (cache options, pages mapped: "ring" the newest 4 of each of 8 sequences of 128
+#: pages, "all" every page of the pool's first 1024, i.e. every stored token), rotated pair
+VARIANTS = {"plain": ({}, None, True),
+            "rot": (dict(rotation="hadamard"), None, True),
+            "rot-nopair": (dict(rotation="hadamard"), None, False),
+            "win": (dict(window_pages=4), "ring", True),
+            "win-all": (dict(window_pages=4), "all", True),
+            "rot+win": (dict(rotation="hadamard", window_pages=4), "ring", True),
+            "rot+win-nopair": (dict(rotation="hadamard", window_pages=4), "ring", False)}
+RING = np.array([b for b in range(1024) if b % 128 >= 124], np.int32)  # 32 pages
 
 
 def main(argv=None) -> int:
@@ -37,6 +44,7 @@ def main(argv=None) -> int:
     import cupy as cp
 
     import fp4cache
+    from fp4cache._cuda import paged
 
     env = Env(True)
     H, D, T = a.heads, a.head_dim, a.block_size
@@ -45,15 +53,17 @@ def main(argv=None) -> int:
     sizes = {"decode 64 tok": 64, "decode 256 tok": 256, "prefill 16384 tok": 16384}
     for rule in ("static6", "4over6"):
         base = {}
-        for name, opts in VARIANTS.items():
+        for name, (opts, mapped, pair) in VARIANTS.items():
+            paged.ROTATED_PAIR = pair
             opts = dict(opts)
-            if "window_slots" in opts:  # every page mapped: each token also goes to a slot
-                opts["window_slots"] = 1024
+            if mapped is not None:
+                opts["window_slots"] = 1024 if mapped == "all" else len(RING)
             cache = fp4cache.PagedKVCache(num_blocks, T, H, D, device="cuda", scale_rule=rule,
                                           k_scale=0.02, v_scale=0.02, **opts)
-            if cache.window is not None:
-                cache.map_window(cp.arange(1024, dtype=cp.int32),
-                                 cp.arange(1024, dtype=cp.int32))
+            if mapped is not None:
+                pages = np.arange(1024, dtype=np.int32) if mapped == "all" else RING
+                cache.map_window(cp.asarray(pages), cp.arange(len(pages), dtype=cp.int32))
+            ring_slots = (RING[:, None] * T + np.arange(T)).reshape(-1)
             for label, n in sizes.items():
                 sets = []
                 nsets = 4 if n >= 4096 else 8
@@ -61,8 +71,9 @@ def main(argv=None) -> int:
                     rng = np.random.default_rng(j)
                     k = cp.asarray(rng.standard_normal((n, H, D), dtype=np.float32).astype(BF16))
                     v = cp.asarray(rng.standard_normal((n, H, D), dtype=np.float32).astype(BF16))
-                    # slots in the mapped pages [0, 1024) (all of them mapped with a window)
-                    s = cp.asarray(rng.permutation(1024 * T)[:n].astype(np.int64))
+                    # decode: tokens in the newest pages (the ring); prefill: all 1024 pages
+                    pool = ring_slots if n <= len(ring_slots) else np.arange(1024 * T)
+                    s = cp.asarray(rng.permutation(pool)[:n].astype(np.int64))
                     sets.append((s, k, v))
                 calls = [bind(cache.store, s, k, v) for s, k, v in sets]
                 t = env.time_calls(calls, reps=a.reps, batch=4 * len(calls))["median_s"]
@@ -73,7 +84,7 @@ def main(argv=None) -> int:
                                  us=t * 1e6, ratio=t / base[key]))
                 print(f"store {rule:8s} {label:18s} {name:8s} {t * 1e6:8.2f} us  "
                       f"{t / base[key]:.3f}x plain", flush=True)
-            if rule == "static6":
+            if rule == "static6" and pair:
                 for npages in (8, 512):
                     ids = [cp.asarray(np.random.default_rng(j).permutation(1024)[:npages]
                                       .astype(np.int32)) for j in range(4)]
@@ -87,7 +98,7 @@ def main(argv=None) -> int:
                                      us=t * 1e6, ratio=t / base[key]))
                     print(f"gather {label:27s} {name:8s} {t * 1e6:8.2f} us  "
                           f"{t / base[key]:.3f}x plain", flush=True)
-            if cache.window is not None and rule == "static6":
+            if cache.window is not None and rule == "static6" and mapped == "all":
                 for npages in (64, 512):
                     b = cp.arange(npages, dtype=cp.int32)
                     s = cp.arange(npages, dtype=cp.int32)

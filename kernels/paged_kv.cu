@@ -178,6 +178,21 @@ FP4C_DEVICE void store_encode(const RawGroup<T>* rk, const RawGroup<T>* rv, cons
   }
 }
 
+// max |x| of a group of floats as a tree (depth 4: the rotated K's values arrive at once).
+FP4C_DEVICE float group_abs_max_tree(const Group16& g, bool& nonfinite) {
+  u32 m[8];
+#pragma unroll
+  for (int i = 0; i < 8; ++i)
+    m[i] = max(__float_as_uint(g.x[i]) & 0x7FFFFFFFu, __float_as_uint(g.x[i + 8]) & 0x7FFFFFFFu);
+#pragma unroll
+  for (int w = 4; w >= 1; w >>= 1) {
+#pragma unroll
+    for (int i = 0; i < w; ++i) m[i] = max(m[i], m[i + w]);
+  }
+  nonfinite = m[0] >= 0x7F800000u;
+  return __uint_as_float(m[0]);
+}
+
 // The same with K rotated (rotation="hadamard"): K's NH groups are the float32 values of
 // the transform (their max and signs from the floats: the packed bf16 max does not apply).
 template <typename T, int RULE, int NH>
@@ -193,7 +208,7 @@ FP4C_DEVICE void store_encode_rot(const float (*yk)[16], const RawGroup<T>* rv,
     signs_from_floats(xk);
     unpack_raw(rv[q], xv);
     bool nk, nv;
-    const float mk = group_abs_max(xk, nk);
+    const float mk = group_abs_max_tree(xk, nk);
     const float mv = raw_group_abs_max<T>(rv[q], xv, nv);
     ek[q] = encode_group_m<RULE, true>(xk, mk, nk, P.k_s, P.k_g, EncodeAux{os_tab, pk});
     ev[q] = encode_group_m<RULE, true>(xv, mv, nv, P.v_s, P.v_g, EncodeAux{os_tab + 128, pk});
@@ -215,14 +230,23 @@ FP4C_DEVICE Bf16x16 bf16x16_of_raw(const RawGroup<T>& r) {
   }
 }
 
-// The exact window: when the item's page is mapped to a slot of [0, win_slots) (one int32
-// load), its NH K and NH V groups as bf16 (16 x 0x7FC0 for a group the encoder found
-// non-finite) into window[slot, side, t, h, 16g : 16g + 16], layout (S, 2, T, H, D).
+// The window slot of a valid slot's page (-1: none, or no window): one int32 load, issued
+// before the encode so that the arithmetic hides its latency.
+FP4C_DEVICE int store_window_slot(i64 slot, const StoreParams& P) {
+  if (P.win_slots == 0u || (u64)slot >= (u64)P.num_slots) return -1;
+  u64 page;
+  u32 t;
+  split_slot(slot, fastdiv_param(P.t), page, t);
+  return ((const int*)P.win_map)[page];
+}
+
+// The exact window: when the item's page is mapped to a slot ws of [0, win_slots), its NH
+// K and NH V groups as bf16 (16 x 0x7FC0 for a group the encoder found non-finite) into
+// window[ws, side, t, h, 16g : 16g + 16], layout (S, 2, T, H, D).
 template <int NH>
-FP4C_DEVICE void store_window(const Bf16x16* wk, const Bf16x16* wv, const Encoded16* ek,
+FP4C_DEVICE void store_window(int ws, const Bf16x16* wk, const Bf16x16* wv, const Encoded16* ek,
                               const Encoded16* ev, const StoreDest& d, const StoreItem& it,
                               const StoreParams& P) {
-  const int ws = ((const int*)P.win_map)[d.page];
   if ((u32)ws >= P.win_slots) return;  // -1 (unmapped) as u32 is huge
   const u32 Tn = P.t.d, H = P.H, D = P.g.d * 16u;
   const u64 row = ((u64)(u32)ws * 2u * Tn + d.t) * H + it.h;
@@ -330,6 +354,11 @@ FP4C_DEVICE void store_impl(const void* __restrict__ slots, const void* __restri
     }
     slot[j] = load_slot<SlotT>(slots, it[j].i);
   }
+  int wslot[M];  // WIN: the window slot of the item's page
+  if constexpr (WIN) {
+#pragma unroll
+    for (int j = 0; j < M; ++j) wslot[j] = inr[j] ? store_window_slot(slot[j], P) : -1;
+  }
   float yk[M][NH][16];  // ROT: K of the item, rotated
   if constexpr (ROT) {
 #pragma unroll
@@ -363,7 +392,7 @@ FP4C_DEVICE void store_impl(const void* __restrict__ slots, const void* __restri
     const StoreDest d = store_dest(slot[j], it[j], P);
     store_write<VEC, NH>(ek[j], ev[j], d, P);
     if constexpr (WIN) {
-      if (P.win_slots != 0u) {
+      if (wslot[j] >= 0) {
         Bf16x16 wk[NH], wv[NH];
 #pragma unroll
         for (int q = 0; q < NH; ++q) {
@@ -374,7 +403,7 @@ FP4C_DEVICE void store_impl(const void* __restrict__ slots, const void* __restri
           }
           wv[q] = bf16x16_of_raw<T>(rv[j][q]);
         }
-        store_window<NH>(wk, wv, ek[j], ev[j], d, it[j], P);
+        store_window<NH>(wslot[j], wk, wv, ek[j], ev[j], d, it[j], P);
       }
     }
   }

@@ -96,6 +96,10 @@ GATHER_PARAMS_DTYPE = _abi.struct_dtype("GatherParams")
 _PACK_MULTIPLIERS = tuple(1 << (4 * j + 10) for j in range(6)) + (1 << 2, 1 << 6)
 
 
+#: Whether a rotating store also gives a thread two heads (``K.STORE_PAIR``).
+ROTATED_PAIR = True
+
+
 def _noop(*args) -> None:
     return None
 
@@ -121,7 +125,8 @@ def store_plan(st: CacheState, slots, k, v, *, rule: str, unique_slots: bool) ->
     pa = _page_args(geom, st.num_blocks)
     G, H = geom.head_dim // GROUP, geom.num_heads
     dt = K.value_type(k.dtype, "k")
-    pair = H % 2 == 0 and (dt, rule) in K.STORE_PAIR
+    rot = st.rotation == "hadamard"
+    pair = H % 2 == 0 and (dt, rule) in K.STORE_PAIR and (ROTATED_PAIR or not rot)
     hg = fastdiv(H // 2 * G) if pair else pa["HG"]
     max_tokens = MAX_THREADS // int(hg[0])
     if n > max_tokens:  # later chunks overwrite earlier ones: the last occurrence wins
@@ -139,7 +144,6 @@ def store_plan(st: CacheState, slots, k, v, *, rule: str, unique_slots: bool) ->
     vec = (pa["side_ok"] and st.buffer.data.ptr % 8 == 0
            and aligned(k.data.ptr, kst[0], kst[1]) and aligned(v.data.ptr, vst[0], vst[1]))
     sl = index_name(slots.dtype, "slot_mapping")
-    rot = st.rotation == "hadamard"
     win = st.window
     spec = K.store_spec(dt, rule, sl, vec, pair, rot=rot, win=win is not None)
     fn = K.get_kernel(spec)
