@@ -22,14 +22,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from timing import BF16, Env, bind  # noqa: E402
 
 #: name -> (cache options, pages mapped: "ring" the newest 4 of each of 8 sequences of 128
-#: pages, "all" every page of the pool's first 1024, i.e. every stored token), rotated pair
+#: pages, "all" every page of the pool's first 1024, i.e. every stored token), gather rows
 VARIANTS = {"plain": ({}, None, True),
             "rot": (dict(rotation="hadamard"), None, True),
-            "rot-nopair": (dict(rotation="hadamard"), None, False),
             "win": (dict(window_pages=4), "ring", True),
             "win-all": (dict(window_pages=4), "all", True),
             "rot+win": (dict(rotation="hadamard", window_pages=4), "ring", True),
-            "rot+win-nopair": (dict(rotation="hadamard", window_pages=4), "ring", False)}
+            "rot+win-all": (dict(rotation="hadamard", window_pages=4), "all", True)}
 RING = np.array([b for b in range(1024) if b % 128 >= 124], np.int32)  # 32 pages
 
 
@@ -44,7 +43,6 @@ def main(argv=None) -> int:
     import cupy as cp
 
     import fp4cache
-    from fp4cache._cuda import paged
 
     env = Env(True)
     H, D, T = a.heads, a.head_dim, a.block_size
@@ -54,7 +52,6 @@ def main(argv=None) -> int:
     for rule in ("static6", "4over6"):
         base = {}
         for name, (opts, mapped, pair) in VARIANTS.items():
-            paged.ROTATED_PAIR = pair
             opts = dict(opts)
             if mapped is not None:
                 opts["window_slots"] = 1024 if mapped == "all" else len(RING)

@@ -231,13 +231,16 @@ FP4C_DEVICE Bf16x16 bf16x16_of_raw(const RawGroup<T>& r) {
 }
 
 // The window slot of a valid slot's page (-1: none, or no window): one int32 load, issued
-// before the encode so that the arithmetic hides its latency.
+// before the encode so that the arithmetic hides its latency (a volatile asm: NVVM would
+// otherwise sink a plain load into the branch that uses it, after the encode).
 FP4C_DEVICE int store_window_slot(i64 slot, const StoreParams& P) {
   if (P.win_slots == 0u || (u64)slot >= (u64)P.num_slots) return -1;
   u64 page;
   u32 t;
   split_slot(slot, fastdiv_param(P.t), page, t);
-  return ((const int*)P.win_map)[page];
+  int ws;
+  asm volatile("ld.global.nc.s32 %0, [%1];" : "=r"(ws) : "l"((const int*)P.win_map + page));
+  return ws;
 }
 
 // The exact window: when the item's page is mapped to a slot ws of [0, win_slots), its NH

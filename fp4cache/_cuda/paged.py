@@ -96,8 +96,10 @@ GATHER_PARAMS_DTYPE = _abi.struct_dtype("GatherParams")
 _PACK_MULTIPLIERS = tuple(1 << (4 * j + 10) for j in range(6)) + (1 << 2, 1 << 6)
 
 
-#: Whether a rotating store also gives a thread two heads (``K.STORE_PAIR``).
-ROTATED_PAIR = True
+#: A store with rotation or window gives a thread two heads (``K.STORE_PAIR``) from this
+#: many groups (``N * H * G``) on: the H200 measured, bf16 H=8 D=128 static6, 3.9 us one head
+#: against 5.2 us two heads per thread at 64 tokens, 40.1 against 39.0 us at 16384 tokens.
+PAIR_MIN_ITEMS = 1 << 19
 
 
 def _noop(*args) -> None:
@@ -126,7 +128,10 @@ def store_plan(st: CacheState, slots, k, v, *, rule: str, unique_slots: bool) ->
     G, H = geom.head_dim // GROUP, geom.num_heads
     dt = K.value_type(k.dtype, "k")
     rot = st.rotation == "hadamard"
-    pair = H % 2 == 0 and (dt, rule) in K.STORE_PAIR and (ROTATED_PAIR or not rot)
+    # two heads per thread where they pay: a rotating or windowed store of few tokens is
+    # latency-bound and runs faster with one head per thread (bench/window_store.py)
+    pair = (H % 2 == 0 and (dt, rule) in K.STORE_PAIR
+            and (not (rot or st.window is not None) or n * H * G >= PAIR_MIN_ITEMS))
     hg = fastdiv(H // 2 * G) if pair else pa["HG"]
     max_tokens = MAX_THREADS // int(hg[0])
     if n > max_tokens:  # later chunks overwrite earlier ones: the last occurrence wins
