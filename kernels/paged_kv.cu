@@ -378,6 +378,14 @@ FP4C_DEVICE void store_impl(const void* __restrict__ slots, const void* __restri
       hadamard_rows<NH>(yk[j], gid & (P.g.d - 1u), P.g.d, P.rot_scale);
     }
   }
+  Bf16x16 wk[M][NH];  // WIN and ROT: the window's K, packed at once (8 words, not 16 floats)
+  if constexpr (WIN && ROT) {
+#pragma unroll
+    for (int j = 0; j < M; ++j) {
+#pragma unroll
+      for (int q = 0; q < NH; ++q) wk[j][q] = bf16x16_of(yk[j][q]);
+    }
+  }
   Encoded16 ek[M][NH], ev[M][NH];
 #pragma unroll
   for (int j = 0; j < M; ++j) {
@@ -396,17 +404,24 @@ FP4C_DEVICE void store_impl(const void* __restrict__ slots, const void* __restri
     store_write<VEC, NH>(ek[j], ev[j], d, P);
     if constexpr (WIN) {
       if (wslot[j] >= 0) {
-        Bf16x16 wk[NH], wv[NH];
+        // the input groups are read again (cache hits) rather than kept in registers
+        // through the encode: an unmapped token costs one map load and no registers
+        const char* kp = store_src<T>(k, it[j], P.k_tok_stride, P.k_head_stride);
+        const char* vp = store_src<T>(v, it[j], P.v_tok_stride, P.v_head_stride);
+        Bf16x16 bk[NH], bv[NH];
 #pragma unroll
         for (int q = 0; q < NH; ++q) {
+          RawGroup<T> r;
           if constexpr (ROT) {
-            wk[q] = bf16x16_of(yk[j][q]);
+            bk[q] = wk[j][q];
           } else {
-            wk[q] = bf16x16_of_raw<T>(rk[j][q]);
+            load_raw<T, VEC>(kp + q * P.k_pair_bytes, r);
+            bk[q] = bf16x16_of_raw<T>(r);
           }
-          wv[q] = bf16x16_of_raw<T>(rv[j][q]);
+          load_raw<T, VEC>(vp + q * P.v_pair_bytes, r);
+          bv[q] = bf16x16_of_raw<T>(r);
         }
-        store_window<NH>(wslot[j], wk, wv, ek[j], ev[j], d, it[j], P);
+        store_window<NH>(wslot[j], bk, bv, ek[j], ev[j], d, it[j], P);
       }
     }
   }
