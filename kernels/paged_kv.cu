@@ -231,8 +231,8 @@ FP4C_DEVICE Bf16x16 bf16x16_of_raw(const RawGroup<T>& r) {
 }
 
 // The window slot of a valid slot's page (-1: none, or no window): one int32 load, issued
-// before the encode so that the arithmetic hides its latency (a volatile asm: NVVM would
-// otherwise sink a plain load into the branch that uses it, after the encode).
+// before the encode so that the arithmetic hides its latency (a volatile asm keeps it
+// there: a plain load may be moved into the branch that uses it, after the encode).
 FP4C_DEVICE int store_window_slot(i64 slot, const StoreParams& P) {
   if (P.win_slots == 0u || (u64)slot >= (u64)P.num_slots) return -1;
   u64 page;
