@@ -8,7 +8,9 @@ steps after two warm-up steps), for:
 - ``dynamic``: transformers' ``DynamicCache`` with ``attn_implementation="sdpa"``;
 - ``static``: ``StaticCache`` with sdpa;
 - ``fp4cache``: ``fp4cache.hf.FP4Cache`` with ``attn_implementation="fp4cache"`` (the
-  fused path: each layer stores its token into the pages and attends from them);
+  fused path: each layer stores its token into the pages and attends from them), with its
+  defaults (K rotated, the newest 3 pages of each row exact in bf16);
+- ``fp4cache_plain``: the same with ``rotation="none", window_pages=0`` (vLLM's pages);
 - ``no_attn``: the same step with attention replaced by a function that returns zeros and
   no cache (the floor: everything but attention and its cache).
 
@@ -111,7 +113,11 @@ def fill_fp4(cache: fh.FP4Cache, cfg, b, length):
     kc = cupy.from_dlpack(k)
     lens = np.zeros(cache.max_batch_size, np.int64)
     lens[:b] = length
+    # the rows' newest pages mapped to their window slots, as the cache's own steps map them
+    moves = cache._window_moves(b, np.zeros_like(lens), lens)
     for layer in cache.layers:
+        if moves is not None:
+            layer.pages.map_window(*moves, validate=False)
         layer.pages.store(slots, kc, kc)
         layer.positions = length
         layer.lens = lens
@@ -121,7 +127,7 @@ def fill_fp4(cache: fh.FP4Cache, cfg, b, length):
 def run_cell(model, cfg, b, length, steps, budget) -> dict:
     row: dict = {"B": b, "L": length, "bf16_kv_bytes": kv_bytes_bf16(cfg, b, length)}
     fits = row["bf16_kv_bytes"] * 2.2 < budget  # the cache plus DynamicCache's cat copies
-    for name in ("no_attn", "dynamic", "static", "fp4cache"):
+    for name in ("no_attn", "dynamic", "static", "fp4cache", "fp4cache_plain"):
         if name in ("dynamic", "static") and not fits:
             row[name] = None
             continue
@@ -143,9 +149,10 @@ def run_cell(model, cfg, b, length, steps, budget) -> dict:
             del cache
         else:
             model.set_attn_implementation("fp4cache")
-            cache = fh.FP4Cache(model.config, b, length + steps + 4, device="cuda")
+            plain = {"rotation": "none", "window_pages": 0} if name == "fp4cache_plain" else {}
+            cache = fh.FP4Cache(model.config, b, length + steps + 4, device="cuda", **plain)
             fill_fp4(cache, cfg, b, length)
-            row["fp4_kv_bytes"] = cache.nbytes
+            row[name.replace("fp4cache", "fp4") + "_kv_bytes"] = cache.nbytes
             row[name] = time_steps(model, cache, b, steps)
             del cache
         row[name + "_peak"] = peak_bytes()
@@ -211,8 +218,9 @@ def run_e2e(model, cfg, b, length, new_tokens) -> dict:
 
 def table(rows) -> str:
     lines = ["| B x cached tokens | DynamicCache + sdpa | StaticCache + sdpa | fp4cache fused | "
-             "vs Dynamic | attention removed | bf16 KV | NVFP4 KV |",
-             "|---|---|---|---|---|---|---|---|"]
+             "vs Dynamic | plain NVFP4 (no window, no rotation) | attention removed | bf16 KV "
+             "| NVFP4 KV (window included) |",
+             "|---|---|---|---|---|---|---|---|---|"]
 
     def ms(x):
         return "OOM" if x is None else f"{x:.1f} ms"
@@ -222,7 +230,7 @@ def table(rows) -> str:
         kv = f"{r['bf16_kv_bytes'] / 2**30:.2f} GiB | {r['fp4_kv_bytes'] / 2**30:.2f} GiB"
         lines.append(f"| {r['B']} x {r['L']:,} | {ms(r.get('dynamic'))} | "
                      f"{ms(r.get('static'))} | {ms(r['fp4cache'])} | {ratio} | "
-                     f"{ms(r['no_attn'])} | {kv} |")
+                     f"{ms(r.get('fp4cache_plain'))} | {ms(r['no_attn'])} | {kv} |")
     return "\n".join(lines)
 
 

@@ -233,6 +233,8 @@ class Context:
     nvfp4_scales: dict[str, tuple[list[float], list[float]]] = field(default_factory=dict)
     #: (k_scales, v_scales): amax / 448 per layer
     fp8_scales: tuple[list[float], list[float]] = ([], [])
+    #: (k_scales, v_scales) of 4over6 with K rotated (FP4Cache's default rotation)
+    rotated_scales: tuple[list[float], list[float]] = ([], [])
 
 
 Factory = Callable[[Context, int], Cache]
@@ -274,6 +276,25 @@ def _fp4cache(ctx: Context, max_len: int, rule: str, calibrated: bool) -> Cache:
     ks, vs = ctx.nvfp4_scales[rule] if calibrated else (None, None)
     return fhf.FP4Cache(ctx.model.config, 1, max_len, device="cpu", scale_rule=rule,
                         k_scales=ks, v_scales=vs)
+
+
+def _fp4cache_decode(ctx: Context, max_len: int, calibrated: bool) -> Cache:
+    """``FP4Cache`` with its defaults (4over6, Hadamard-rotated K, 3 exact pages per row),
+    read as decode steps read it: the window evaluated in chunks of one page
+    (:func:`hidden_states`)."""
+    ks, vs = ctx.rotated_scales if calibrated else (None, None)
+    cache = fhf.FP4Cache(ctx.model.config, 1, max_len, device="cpu", k_scales=ks,
+                         v_scales=vs)
+    cache.chunk = cache.block_size  # type: ignore[attr-defined]
+    return cache
+
+
+register("fp4cache", "fp4cache.hf.FP4Cache's defaults: NVFP4 4over6, K rotated (Hadamard), "
+         "the newest 3 pages of the row exact; default scale; chunks of 16 tokens")(
+    lambda ctx, max_len: _fp4cache_decode(ctx, max_len, False))
+register("fp4cache-cal", "fp4cache's FP4Cache defaults with per-layer scales from "
+         "calibrate_scales (K rotated); chunks of 16 tokens")(
+    lambda ctx, max_len: _fp4cache_decode(ctx, max_len, True))
 
 
 @register("float32", "float32 K/V (DynamicCache): the reference")
@@ -623,7 +644,7 @@ def calibrate(model: Any, ids: torch.Tensor) -> tuple[Context, list[dict], dict]
     ctx = Context(model=model, num_layers=len(ks))
     checks: dict[str, Any] = {}
     for rule in ("static6", "4over6"):
-        kcal, vcal = fhf.calibrate_scales(model, ids[None], rule)
+        kcal, vcal = fhf.calibrate_scales(model, ids[None], rule, rotation="none")
         ctx.nvfp4_scales[rule] = (kcal, vcal)
         # calibrate_scales is fp4cache.calibrate_scale on each layer's cached K / V
         mine = ([fp4cache.calibrate_scale(k.numpy(), rule) for k in ks],
@@ -632,6 +653,7 @@ def calibrate(model: Any, ids: torch.Tensor) -> tuple[Context, list[dict], dict]
         check_round_trip(ks[0], vs[0], rule, fhf.DEFAULT_SCALE)
         check_round_trip(ks[1], vs[1], rule, kcal[1])
         checks[f"fake_quant_{rule}_bit_identical_to_pages"] = True
+    ctx.rotated_scales = fhf.calibrate_scales(model, ids[None], "4over6")  # K rotated
     checks["window_attention_max_abs_error"] = check_window_attention()
     ctx.fp8_scales = ([float(k.abs().max()) / FP8_MAX for k in ks],
                       [float(v.abs().max()) / FP8_MAX for v in vs])
@@ -642,10 +664,14 @@ def calibrate(model: Any, ids: torch.Tensor) -> tuple[Context, list[dict], dict]
 def hidden_states(model: Any, ids: torch.Tensor, cache: Cache) -> torch.Tensor:
     """The last hidden states (T, hidden) of one prefill of ``ids`` (1-D) through ``cache``
     (and its ``attention_kwargs``, if any, to the attention)."""
+    chunk = getattr(cache, "chunk", None) or ids.numel()  # FP4Cache: page by page
+    parts = []
     with torch.no_grad():
-        out = model.model(input_ids=ids[None], past_key_values=cache, use_cache=True,
-                          **getattr(cache, "attention_kwargs", {}))
-    return out.last_hidden_state[0]
+        for i in range(0, ids.numel(), chunk):
+            out = model.model(input_ids=ids[None, i:i + chunk], past_key_values=cache,
+                              use_cache=True, **getattr(cache, "attention_kwargs", {}))
+            parts.append(out.last_hidden_state[0])
+    return torch.cat(parts)
 
 
 def log_probs(model: Any, hidden: torch.Tensor) -> list[torch.Tensor]:

@@ -1,7 +1,9 @@
 """Decode attention with the exact window and the rotation against the plain kernel, in
 one run: the few-row kernel (``fp4cache._cuda.decode``) on the same pages, plain (no
 window, no rotation), with a window of ``--pages`` mapped pages per sequence (random bf16
-slot rows), with the window and the rotation, and with the rotation alone.
+slot rows), with the window and the rotation, and with the rotation alone (and, with
+``--baseline FILE``, the plain call of another decode_attention.cu: an A/B of the plain
+path).
 
 Run on the GPU (from the repository root)::
 
@@ -65,6 +67,9 @@ def main(argv=None) -> int:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--pages", type=int, default=3)
     ap.add_argument("--batch", type=int, default=20, help="calls between the events")
+    ap.add_argument("--baseline", default=None, metavar="FILE",
+                    help="also time the plain call of this replacement of decode_attention.cu "
+                         "in the kernel folder (e.g. the previous commit's, for an A/B)")
     args = ap.parse_args(argv)
     from fp4cache._cuda import decode as ca
 
@@ -80,9 +85,14 @@ def main(argv=None) -> int:
                   sm_scale=1 / np.sqrt(D), stats=cache.pool.stats, scratch=scratch)
         variants = {"plain": (None, False), "window": ((win, wmap, P), False),
                     "window+rotate": ((win, wmap, P), True), "rotate": (None, True)}
+        files = {name: None for name in variants}
+        if args.baseline:
+            variants["baseline"] = (None, False)
+            files["baseline"] = args.baseline
         calls = {}
         for name, (w, r) in variants.items():
-            run = ca.decode_runner(cache.buffer, q, tab, lens, window=w, rotate=r, **kw)
+            run = ca.decode_runner(cache.buffer, q, tab, lens, window=w, rotate=r,
+                                   kernel_file=files[name], **kw)
             calls[name] = (lambda run=run, a=(q, tab, lens, out): run(*a, None))
         times = {name: [] for name in variants}
         for _ in range(args.rounds):

@@ -146,16 +146,20 @@ STRUCTS: dict[str, tuple[tuple, ...]] = {
         ("k_s", "float"), ("k_g", "float"), ("v_s", "float"), ("v_g", "float"),
         ("pk", "u32", 8),  # code-packing multipliers (EncodeAux::pk)
         ("win_slots", "u32"),  # slots of the window (0: none)
+        ("rot_scale", "float"),  # rotation: fl32(1 / sqrt(D))
+        ("_pad", "u32"),
     ),
     # kernels/paged_kv.cu, every non-pointer argument of the gather
     "GatherParams": (
         ("buffer", "u64"), ("stats", "u64"),
         ("num_blocks", "i64"), ("side_bytes", "i64"), ("data_bytes", "i64"),
-        ("c", "FastDiv"),  # output chunks per row
+        ("c", "FastDiv"),  # output chunks per row (rotating kernel: groups per row, G)
         ("h", "FastDiv"),  # H
         ("t", "FastDiv"),  # T
         ("nhd", "u32"), ("swizzle", "u32"), ("swz_m", "u32"),
         ("k_s", "float"), ("v_s", "float"),
+        ("rot_scale", "float"),  # rotation: fl32(1 / sqrt(D))
+        ("_pad", "u32"),
     ),
     # kernels/decode_attention.cu, every non-pointer argument of the decode attention
     "AttnParams": (
@@ -211,6 +215,21 @@ STRUCTS: dict[str, tuple[tuple, ...]] = {
         ("vbase", "u64"), ("vstride", "u64"), ("sbase", "u64"), ("sstride", "u64"),
         ("abase", "u64"), ("astride", "u64"),
         ("n_pool", "i64"), ("ids64", "u32"), ("_pad", "u32"),
+    ),
+    # kernels/window.cu, every non-pointer argument of the window fill and copy
+    "WindowParams": (
+        ("buffer", "u64"), ("win", "u64"), ("win_map", "u64"),  # u8 pool, bf16 slots, i32 map
+        ("staging", "u64"),  # copy: bf16 rows [n, 2*T*H*D] (workspace scratch)
+        ("num_blocks", "i64"), ("side_bytes", "i64"), ("data_bytes", "i64"),
+        ("total", "u32"),  # work items: pairs (entries) x groups per slot
+        ("qg", "FastDiv"),  # groups per slot, 2*T*H*G
+        ("g", "FastDiv"),  # G
+        ("h", "FastDiv"),  # H
+        ("t", "FastDiv"),  # T
+        ("nhd", "u32"), ("swizzle", "u32"), ("swz_m", "u32"),
+        ("win_slots", "u32"),  # S
+        ("mode", "u32"),  # fill: 0 map_window (slots given, map written), 1 fill_window
+        ("k_s", "float"), ("v_s", "float"),
     ),
     # kernels/page_copy.cu, every non-pointer argument of copy / read / write of whole pages
     "PageMoveParams": (

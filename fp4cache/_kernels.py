@@ -58,6 +58,9 @@ __all__ = [
     "claim_spec",
     "clear_spec",
     "gather_spec",
+    "window_fill_spec",
+    "window_stage_spec",
+    "window_write_spec",
     "quantize_spec",
     "dequantize_spec",
     "ll_amax_spec",
@@ -150,13 +153,18 @@ def _vec(vec: bool) -> tuple[str, str]:
     return ("1" if vec else "0"), ("" if vec else "_scalar")
 
 
-def store_spec(dtype: str, rule: str, slot: str, vec: bool = True, pair: bool = False) -> Spec:
+def store_spec(dtype: str, rule: str, slot: str, vec: bool = True, pair: bool = False,
+               rot: bool = False, win: bool = False) -> Spec:
     """Paged store of K and V (``dtype`` in bf16/f16/f32, ``slot`` in i32/i64); ``pair``:
-    each thread encodes one group of two heads, h and h + H/2, of a token (needs H even)."""
+    each thread encodes one group of two heads, h and h + H/2, of a token (needs H even);
+    ``rot``: K rotated by the Hadamard transform first (``_rot``; head_dim a power of two);
+    ``win``: the values of mapped pages also go to the exact window (``_win``)."""
     v, sfx = _vec(vec)
-    name = f"fp4cache_store_{dtype}_{rule}_{slot}{'_pair' if pair else ''}{sfx}"
+    name = (f"fp4cache_store_{dtype}_{rule}_{slot}{'_pair' if pair else ''}"
+            f"{'_rot' if rot else ''}{'_win' if win else ''}{sfx}")
     return Spec("paged_kv.cu", "FP4C_STORE_KERNEL", name,
-                (VALUE_TYPES[dtype], RULES[rule], INDEX_TYPES[slot], v, "2" if pair else "1"))
+                (VALUE_TYPES[dtype], RULES[rule], INDEX_TYPES[slot], v, "2" if pair else "1",
+                 "true" if rot else "false", "true" if win else "false"))
 
 
 def claim_spec(slot: str) -> Spec:
@@ -178,11 +186,37 @@ def clear_spec(slot: str) -> Spec:
 STORE_PAIR = frozenset({("bf16", "static6"), ("f16", "static6")})
 
 
-def gather_spec(dtype: str, block: str, vec: bool = True) -> Spec:
-    """Paged gather + dequantize of K and V into ``dtype`` rows."""
+def gather_spec(dtype: str, block: str, vec: bool = True, rot: bool = False) -> Spec:
+    """Paged gather + dequantize of K and V into ``dtype`` rows; ``rot``: K rotated back by
+    the Hadamard transform (``_rot``, one thread per group)."""
     v, sfx = _vec(vec)
+    if rot:
+        return Spec("paged_kv.cu", "FP4C_GATHER_ROT_KERNEL",
+                    f"fp4cache_gather_{dtype}_{block}_rot{sfx}",
+                    (VALUE_TYPES[dtype], INDEX_TYPES[block], v))
     return Spec("paged_kv.cu", "FP4C_GATHER_KERNEL", f"fp4cache_gather_{dtype}_{block}{sfx}",
                 (VALUE_TYPES[dtype], INDEX_TYPES[block], v))
+
+
+def window_fill_spec(ids: str, aligned: bool = True) -> Spec:
+    """map_window / fill_window: window slots filled from their pages (``ids`` the id type;
+    ``aligned``: 8-byte code loads, else ``_scalar``)."""
+    v, sfx = _vec(aligned)
+    return Spec("window.cu", "FP4C_WINDOW_FILL_KERNEL", f"fp4cache_window_fill_{ids}{sfx}",
+                (INDEX_TYPES[ids], v))
+
+
+def window_stage_spec(ids: str) -> Spec:
+    """copy_window, launch 1: the source slots of the pairs into staging rows."""
+    return Spec("window.cu", "FP4C_WINDOW_STAGE_KERNEL", f"fp4cache_window_stage_{ids}",
+                (INDEX_TYPES[ids],))
+
+
+def window_write_spec(ids: str, aligned: bool = True) -> Spec:
+    """copy_window, launch 2: the destination slots, from staging or from their pages."""
+    v, sfx = _vec(aligned)
+    return Spec("window.cu", "FP4C_WINDOW_WRITE_KERNEL", f"fp4cache_window_write_{ids}{sfx}",
+                (INDEX_TYPES[ids], v))
 
 
 def quantize_spec(dtype: str, rule: str, vec: bool = True) -> Spec:
@@ -350,12 +384,14 @@ def all_specs() -> list[Spec]:
         for vec in bools:
             for rule in RULES:
                 for ix in INDEX_TYPES:
-                    specs.append(store_spec(dt, rule, ix, vec))
-                    if (dt, rule) in STORE_PAIR:
-                        specs.append(store_spec(dt, rule, ix, vec, pair=True))
+                    for rot in bools:
+                        for win in bools:
+                            specs.append(store_spec(dt, rule, ix, vec, rot=rot, win=win))
+                            if (dt, rule) in STORE_PAIR:
+                                specs.append(store_spec(dt, rule, ix, vec, True, rot, win))
                 specs.append(quantize_spec(dt, rule, vec))
                 specs.append(ll_quantize_spec(dt, rule, vec))
-            specs += [gather_spec(dt, ix, vec) for ix in INDEX_TYPES]
+            specs += [gather_spec(dt, ix, vec, rot) for ix in INDEX_TYPES for rot in bools]
             specs.append(dequantize_spec(dt, vec))
             specs.append(ll_decode_spec(dt, vec))
             specs.append(ll_amax_spec(dt, vec))
@@ -365,6 +401,9 @@ def all_specs() -> list[Spec]:
     specs += [decode_attention_spec(dt, d, w, p) for dt in VALUE_TYPES for d in ATTN_HEAD_DIMS
               for w in (False, True) for p in (True, False)]
     specs += [page_mark_spec(ix) for ix in INDEX_TYPES]
+    specs += [f(ix, a) for f in (window_fill_spec, window_write_spec) for ix in INDEX_TYPES
+              for a in bools]
+    specs += [window_stage_spec(ix) for ix in INDEX_TYPES]
     specs += [f(ix, vw) for f in (page_copy_spec, page_read_spec, page_write_spec)
               for ix in INDEX_TYPES for vw in PAGE_VEC_BYTES]
     specs += [varlen_attention_spec(dt, d, mw, win) for dt in VALUE_TYPES

@@ -11,10 +11,19 @@
 // or 16 (_wide), each row with its bottom-right causal key limit.  Each page byte is read
 // and decoded once per (sequence, KV head) whatever the number of rows.
 //
-// Steps (each a function below): load q (load_q); per chunk of keys (walk_chunks: a
-// cp.async ring; walk_tiles: registers) scores (trans_scores), online softmax
-// (trans_softmax), P.V (trans_pv); merge the warps (merge_warps), write the split's
-// partial and merge the splits (write_partial, merge_splits), write out (write_rows).
+// Steps (each a function below): load q (load_q, rotated by the Hadamard transform when
+// the cache rotates K: rotate_q_slice); per chunk of keys (walk_chunks: a cp.async ring;
+// walk_tiles: registers) scores (trans_scores), online softmax (trans_softmax), P.V
+// (trans_pv); the keys of the exact window (walk_exact: exact_scores, trans_softmax,
+// exact_pv); merge the warps (merge_warps), write the split's partial and merge the
+// splits (write_partial, merge_splits), write out (write_rows).
+//
+// Exact window (docs/window.md, block_size % 16 == 0): a sequence's keys [ws, len) are
+// read from its window slots (bf16 K and V, window_seq finds ws: the longest run of its
+// last win_pages pages that are mapped) instead of the NVFP4 pages, in the same pass: the
+// NVFP4 walk of a split [s0, s1) stops at min(s1, ws), then its warps walk the exact
+// 16-token tiles [max(s0, ws), s1) into the same online softmax (ws is a multiple of 16).
+// Without a window (win_pages = 0) ws = len and nothing else runs.
 //
 // Work split (flash-decoding): one CTA of FP4C_ATTN_WARPS warps per (split, KV head,
 // sequence).  A split is split_len consecutive tokens (a multiple of 16 * max(CH, 2) *
@@ -860,10 +869,11 @@ FP4C_DEVICE WinSeq window_seq(const AttnParams& P, const SeqCtx& S, u32 s1) {
   WinSeq W;
   W.ws = S.len;
   W.slot = 0u;
+  if (P.win_pages == 0u || S.len == 0u) return W;  // (the plain path: nothing else)
   const u32 T = S.fT.d;
-  const u32 n = S.len == 0u ? 0u : fdiv(S.len - 1u, S.fT) + 1u;  // pages of the sequence
+  const u32 n = fdiv(S.len - 1u, S.fT) + 1u;  // pages of the sequence
   const u32 np = min(P.win_pages, n);
-  if (np == 0u || s1 <= (n - np) * T) return W;
+  if (s1 <= (n - np) * T) return W;
   W.win = (const u16*)P.win + S.h * D;
   W.map = (const int*)P.win_map;
   W.slots = P.win_slots;

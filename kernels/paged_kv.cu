@@ -20,6 +20,7 @@
 //              deterministic, and a captured CUDA graph replays correctly any number of
 //              times.
 #include "fp4_common.cuh"
+#include "hadamard.cuh"
 #include "paged_layout.cuh"
 
 template <typename SlotT>
@@ -120,6 +121,8 @@ FP4C_DEVICE bool store_slot_live(i64 slot, const StoreItem& it, const StoreParam
 struct StoreDest {
   u8* kside;
   u64 doff, ksoff, vsoff;
+  u64 page;  // the slot's page and token (the window's row)
+  u32 t;
 };
 FP4C_DEVICE StoreDest store_dest(i64 slot, const StoreItem& it, const StoreParams& P) {
   const FastDiv fT = fastdiv_param(P.t);
@@ -133,7 +136,28 @@ FP4C_DEVICE StoreDest store_dest(i64 slot, const StoreItem& it, const StoreParam
   d.doff = (u64)row * (G * 8) + g * 8;
   d.ksoff = (u64)P.data_bytes + (u64)row * G + g;
   d.vsoff = v_scale_offset(t, it.h, g, P.H, Tn, G, P.nhd, P.swizzle, P.swz_m, P.data_bytes);
+  d.page = page;
+  d.t = t;
   return d;
+}
+
+// max |x| of a raw group (x its float32 values) and whether it is non-finite.
+template <typename T>
+FP4C_DEVICE float raw_group_abs_max(const RawGroup<T>& r, const Group16& x, bool& nonfinite) {
+  // 16-bit inputs: packed float maxima on sm_86+ (measured faster), an integer max of
+  // bf16 below; float32 (and f16 below sm_86): the float max
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 860
+  constexpr bool kPacked = T::kBytes == 2;
+#else
+  constexpr bool kPacked = false;
+#endif
+  if constexpr (kPacked) {
+    return packed_group_abs_max<T>(r.w, nonfinite);
+  } else if constexpr (T::kIsBf16) {
+    return bf16_group_abs_max(r.w, nonfinite);
+  } else {
+    return group_abs_max(x, nonfinite);
+  }
 }
 
 // Encode the NH K groups and NH V groups of one item.
@@ -147,26 +171,95 @@ FP4C_DEVICE void store_encode(const RawGroup<T>* rk, const RawGroup<T>* rv, cons
     unpack_raw(rk[q], xk);
     unpack_raw(rv[q], xv);
     bool nk, nv;
-    float mk, mv;
-    // 16-bit inputs: packed float maxima on sm_86+ (measured faster), an integer max of
-    // bf16 below; float32 (and f16 below sm_86): the float max
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 860
-    constexpr bool kPacked = T::kBytes == 2;
-#else
-    constexpr bool kPacked = false;
-#endif
-    if constexpr (kPacked) {
-      mk = packed_group_abs_max<T>(rk[q].w, nk);
-      mv = packed_group_abs_max<T>(rv[q].w, nv);
-    } else if constexpr (T::kIsBf16) {
-      mk = bf16_group_abs_max(rk[q].w, nk);
-      mv = bf16_group_abs_max(rv[q].w, nv);
-    } else {
-      mk = group_abs_max(xk, nk);
-      mv = group_abs_max(xv, nv);
-    }
+    const float mk = raw_group_abs_max<T>(rk[q], xk, nk);
+    const float mv = raw_group_abs_max<T>(rv[q], xv, nv);
     ek[q] = encode_group_m<RULE, true>(xk, mk, nk, P.k_s, P.k_g, EncodeAux{os_tab, pk});
     ev[q] = encode_group_m<RULE, true>(xv, mv, nv, P.v_s, P.v_g, EncodeAux{os_tab + 128, pk});
+  }
+}
+
+// max |x| of a group of floats as a tree (depth 4: the rotated K's values arrive at once).
+FP4C_DEVICE float group_abs_max_tree(const Group16& g, bool& nonfinite) {
+  u32 m[8];
+#pragma unroll
+  for (int i = 0; i < 8; ++i)
+    m[i] = max(__float_as_uint(g.x[i]) & 0x7FFFFFFFu, __float_as_uint(g.x[i + 8]) & 0x7FFFFFFFu);
+#pragma unroll
+  for (int w = 4; w >= 1; w >>= 1) {
+#pragma unroll
+    for (int i = 0; i < w; ++i) m[i] = max(m[i], m[i + w]);
+  }
+  nonfinite = m[0] >= 0x7F800000u;
+  return __uint_as_float(m[0]);
+}
+
+// The same with K rotated (rotation="hadamard"): K's NH groups are the float32 values of
+// the transform (their max and signs from the floats: the packed bf16 max does not apply).
+template <typename T, int RULE, int NH>
+FP4C_DEVICE void store_encode_rot(const float (*yk)[16], const RawGroup<T>* rv,
+                                  const StoreParams& P, const u32* pk, Encoded16* ek,
+                                  Encoded16* ev) {
+  const float* __restrict__ os_tab = (const float*)P.os_tab;
+#pragma unroll
+  for (int q = 0; q < NH; ++q) {
+    Group16 xk, xv;
+#pragma unroll
+    for (int e = 0; e < 16; ++e) xk.x[e] = yk[q][e];
+    signs_from_floats(xk);
+    unpack_raw(rv[q], xv);
+    bool nk, nv;
+    const float mk = group_abs_max_tree(xk, nk);
+    const float mv = raw_group_abs_max<T>(rv[q], xv, nv);
+    ek[q] = encode_group_m<RULE, true>(xk, mk, nk, P.k_s, P.k_g, EncodeAux{os_tab, pk});
+    ev[q] = encode_group_m<RULE, true>(xv, mv, nv, P.v_s, P.v_g, EncodeAux{os_tab + 128, pk});
+  }
+}
+
+// bf16 bits of a raw input group (bf16: the words themselves).
+template <typename T>
+FP4C_DEVICE Bf16x16 bf16x16_of_raw(const RawGroup<T>& r) {
+  if constexpr (T::kIsBf16) {
+    Bf16x16 b;
+#pragma unroll
+    for (int j = 0; j < 8; ++j) b.w[j] = r.w[j];
+    return b;
+  } else {
+    Group16 x;
+    unpack_raw(r, x);
+    return bf16x16_of(x.x);
+  }
+}
+
+// The window slot of a valid slot's page (-1: none, or no window): one int32 load, issued
+// before the encode so that the arithmetic hides its latency (a volatile asm keeps it
+// there: a plain load may be moved into the branch that uses it, after the encode).
+FP4C_DEVICE int store_window_slot(i64 slot, const StoreParams& P) {
+  if (P.win_slots == 0u || (u64)slot >= (u64)P.num_slots) return -1;
+  u64 page;
+  u32 t;
+  split_slot(slot, fastdiv_param(P.t), page, t);
+  int ws;
+  asm volatile("ld.global.nc.s32 %0, [%1];" : "=r"(ws) : "l"((const int*)P.win_map + page));
+  return ws;
+}
+
+// The exact window: when the item's page is mapped to a slot ws of [0, win_slots), its NH
+// K and NH V groups as bf16 (16 x 0x7FC0 for a group the encoder found non-finite) into
+// window[ws, side, t, h, 16g : 16g + 16], layout (S, 2, T, H, D).
+template <int NH>
+FP4C_DEVICE void store_window(int ws, const Bf16x16* wk, const Bf16x16* wv, const Encoded16* ek,
+                              const Encoded16* ev, const StoreDest& d, const StoreItem& it,
+                              const StoreParams& P) {
+  if ((u32)ws >= P.win_slots) return;  // -1 (unmapped) as u32 is huge
+  const u32 Tn = P.t.d, H = P.H, D = P.g.d * 16u;
+  const u64 row = ((u64)(u32)ws * 2u * Tn + d.t) * H + it.h;
+  u16* kw = (u16*)P.win + row * D + it.g * 16u;
+  u16* vw = kw + (u64)Tn * H * D;
+#pragma unroll
+  for (int q = 0; q < NH; ++q) {
+    const u64 o = (u64)q * (H / NH) * D;  // NH = 2: head h + H/2
+    store_bf16x16(kw + o, ek[q].nonfinite ? bf16x16_nan() : wk[q]);
+    store_bf16x16(vw + o, ev[q].nonfinite ? bf16x16_nan() : wv[q]);
   }
 }
 
@@ -221,7 +314,12 @@ FP4C_DEVICE void store_write(const Encoded16* ek, const Encoded16* ev, const Sto
 // the item are issued first, then its groups encoded, and only then is it decided whether
 // and where the item goes: the slot, duplicate and claim lookups overlap the loads and the
 // arithmetic (a skipped or losing token's encoding is simply not written).
-template <typename T, int RULE, typename SlotT, bool VEC, int NH>
+//
+// ROT (rotation="hadamard"): K goes through the transform of hadamard.cuh right after the
+// loads, in every lane of the warp (a lane past the grid's end or of a skipped token still
+// takes part in the shuffles: nothing exits before it).  WIN (a cache with a window): a
+// written item's groups also go to its page's window slot (store_window).
+template <typename T, int RULE, typename SlotT, bool VEC, int NH, bool ROT, bool WIN>
 FP4C_DEVICE void store_impl(const void* __restrict__ slots, const void* __restrict__ k,
                             const void* __restrict__ v, const StoreParams& P) {
   const u32 pk[8] = {P.pk[0], P.pk[1], P.pk[2], P.pk[3], P.pk[4], P.pk[5], P.pk[6], P.pk[7]};
@@ -240,6 +338,13 @@ FP4C_DEVICE void store_impl(const void* __restrict__ slots, const void* __restri
   for (int j = 0; j < M; ++j) {
     const u32 gid = base + j * blockDim.x;
     inr[j] = gid < P.total;
+    if constexpr (ROT) {  // defined values for the lanes without an item
+#pragma unroll
+      for (int q = 0; q < NH; ++q) {
+#pragma unroll
+        for (int e = 0; e < 4 * T::kBytes; ++e) rk[j][q].w[e] = 0u;
+      }
+    }
     if (!inr[j]) continue;
     it[j] = store_item(gid, P);
     // K/V addresses depend on (i, h, g) only
@@ -252,16 +357,73 @@ FP4C_DEVICE void store_impl(const void* __restrict__ slots, const void* __restri
     }
     slot[j] = load_slot<SlotT>(slots, it[j].i);
   }
+  int wslot[M];  // WIN: the window slot of the item's page
+  if constexpr (WIN) {
+#pragma unroll
+    for (int j = 0; j < M; ++j) wslot[j] = inr[j] ? store_window_slot(slot[j], P) : -1;
+  }
+  float yk[M][NH][16];  // ROT: K of the item, rotated
+  if constexpr (ROT) {
+#pragma unroll
+    for (int j = 0; j < M; ++j) {
+#pragma unroll
+      for (int q = 0; q < NH; ++q) {
+        Group16 x;
+        unpack_raw(rk[j][q], x);
+#pragma unroll
+        for (int e = 0; e < 16; ++e) yk[j][q][e] = x.x[e];
+      }
+      // group g of the head is gid mod G (H*G and (H/2)*G are multiples of G = 2^k)
+      const u32 gid = base + j * blockDim.x;
+      hadamard_rows<NH>(yk[j], gid & (P.g.d - 1u), P.g.d, P.rot_scale);
+    }
+  }
+  Bf16x16 wk[M][NH];  // WIN and ROT: the window's K, packed at once (8 words, not 16 floats)
+  if constexpr (WIN && ROT) {
+#pragma unroll
+    for (int j = 0; j < M; ++j) {
+#pragma unroll
+      for (int q = 0; q < NH; ++q) wk[j][q] = bf16x16_of(yk[j][q]);
+    }
+  }
   Encoded16 ek[M][NH], ev[M][NH];
 #pragma unroll
   for (int j = 0; j < M; ++j) {
-    if (inr[j]) store_encode<T, RULE, NH>(rk[j], rv[j], P, pk, ek[j], ev[j]);
+    if (!inr[j]) continue;
+    if constexpr (ROT) {
+      store_encode_rot<T, RULE, NH>(yk[j], rv[j], P, pk, ek[j], ev[j]);
+    } else {
+      store_encode<T, RULE, NH>(rk[j], rv[j], P, pk, ek[j], ev[j]);
+    }
   }
 #pragma unroll
   for (int j = 0; j < M; ++j) {
     if (!inr[j]) continue;
     if (!store_slot_live(slot[j], it[j], P, s_last)) continue;
-    store_write<VEC, NH>(ek[j], ev[j], store_dest(slot[j], it[j], P), P);
+    const StoreDest d = store_dest(slot[j], it[j], P);
+    store_write<VEC, NH>(ek[j], ev[j], d, P);
+    if constexpr (WIN) {
+      if (wslot[j] >= 0) {
+        // the input groups are read again (cache hits) rather than kept in registers
+        // through the encode: an unmapped token costs one map load and no registers
+        const char* kp = store_src<T>(k, it[j], P.k_tok_stride, P.k_head_stride);
+        const char* vp = store_src<T>(v, it[j], P.v_tok_stride, P.v_head_stride);
+        Bf16x16 bk[NH], bv[NH];
+#pragma unroll
+        for (int q = 0; q < NH; ++q) {
+          RawGroup<T> r;
+          if constexpr (ROT) {
+            bk[q] = wk[j][q];
+          } else {
+            load_raw<T, VEC>(kp + q * P.k_pair_bytes, r);
+            bk[q] = bf16x16_of_raw<T>(r);
+          }
+          load_raw<T, VEC>(vp + q * P.v_pair_bytes, r);
+          bv[q] = bf16x16_of_raw<T>(r);
+        }
+        store_window<NH>(wslot[j], bk, bv, ek[j], ev[j], d, it[j], P);
+      }
+    }
   }
 }
 
@@ -271,11 +433,12 @@ FP4C_DEVICE void store_impl(const void* __restrict__ slots, const void* __restri
   const void *__restrict__ slots, const void *__restrict__ k, const void *__restrict__ v,  \
       const StoreParams params
 
-// NAME, value type, rule, slot type, vectorized loads/stores, heads per thread
-#define FP4C_STORE_KERNEL(NAME, T, RULE, SLOT, VEC, NH)                                     \
+// NAME, value type, rule, slot type, vectorized loads/stores, heads per thread, K rotated,
+// window writes
+#define FP4C_STORE_KERNEL(NAME, T, RULE, SLOT, VEC, NH, ROT, WIN)                           \
   extern "C" __global__ void __launch_bounds__(256, 1)                                      \
       NAME(FP4C_STORE_PARAMS) {                                                             \
-    store_impl<T, RULE, SLOT, VEC, NH>(slots, k, v, params);                                \
+    store_impl<T, RULE, SLOT, VEC, NH, ROT, WIN>(slots, k, v, params);                      \
   }
 
 // ---------------------------------------------------------------------------
@@ -392,6 +555,110 @@ FP4C_DEVICE void gather_impl(const void* __restrict__ blocks, void* __restrict__
 #define FP4C_GATHER_KERNEL(NAME, T, BLOCK, VEC)                                   \
   extern "C" __global__ void __launch_bounds__(256) NAME(FP4C_GATHER_PARAMS) {    \
     gather_impl<T, BLOCK, VEC>(blocks, out_k, out_v, total, params);              \
+  }
+
+// ---------------------------------------------------------------------------
+// gather + dequantize, K rotated back (rotation="hadamard")
+// ---------------------------------------------------------------------------
+// One thread per (row, group g) item, g fastest: a head's G = D/16 groups are consecutive
+// lanes of a warp (the transform's shuffles, hadamard.cuh).  The K group is decoded to
+// float32, the head's D values go through the transform, then are rounded to T; V is
+// decoded as by gather_impl.  Every lane takes part in the transform (a lane past the
+// end computes on NaN codes and writes nothing).  P.c is G here.
+template <typename T, bool VEC>
+FP4C_DEVICE void store_group16(void* p, const float* v) {
+  if constexpr (VEC && T::kBytes == 2) {
+    U32x4 a, b;
+    a.x = pack2(T(), v[0], v[1]);
+    a.y = pack2(T(), v[2], v[3]);
+    a.z = pack2(T(), v[4], v[5]);
+    a.w = pack2(T(), v[6], v[7]);
+    b.x = pack2(T(), v[8], v[9]);
+    b.y = pack2(T(), v[10], v[11]);
+    b.z = pack2(T(), v[12], v[13]);
+    b.w = pack2(T(), v[14], v[15]);
+    ((U32x4*)p)[0] = a;
+    ((U32x4*)p)[1] = b;
+  } else if constexpr (VEC) {
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      U32x4 a;
+      a.x = __float_as_uint(v[4 * i]);
+      a.y = __float_as_uint(v[4 * i + 1]);
+      a.z = __float_as_uint(v[4 * i + 2]);
+      a.w = __float_as_uint(v[4 * i + 3]);
+      ((U32x4*)p)[i] = a;
+    }
+  } else {
+#pragma unroll
+    for (int i = 0; i < 16; ++i) store_one(T(), (char*)p + i * T::kBytes, v[i]);
+  }
+}
+
+// The 8 code bytes of a group (ALIGNED: 8-byte aligned, VEC's host condition).
+template <bool ALIGNED>
+FP4C_DEVICE void load_group_codes(const u8* p, u32& lo, u32& hi) {
+  if constexpr (ALIGNED) {
+    const U32x2 c = ldg8(p);
+    lo = c.x;
+    hi = c.y;
+  } else {
+    lo = hi = 0u;
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      lo |= ldg_u8(p + e) << (8 * e);
+      hi |= ldg_u8(p + 4 + e) << (8 * e);
+    }
+  }
+}
+
+template <typename T, typename BlockT, bool VEC>
+FP4C_DEVICE void gather_rot_impl(const void* __restrict__ blocks, void* __restrict__ out_k,
+                                 void* __restrict__ out_v, u32 total, const GatherParams& P) {
+  const u8* __restrict__ buffer = (const u8*)P.buffer;
+  const FastDiv fG = P.c, fH = P.h, fT = P.t;
+  const u32 G = fG.d, H = fH.d, Tn = fT.d;
+  const u32 gid = blockIdx.x * blockDim.x + threadIdx.x;
+  const bool inr = gid < total;
+  u32 klo = 0u, khi = 0u, vlo = 0u, vhi = 0u, ksf = 0x7Fu, vsf = 0x7Fu;
+  bool bad = false;
+  if (inr) {
+    const u32 orow = fdiv(gid, fG);  // (i*T + t)*H + h
+    const u32 g = gid - orow * G;
+    const u32 it = fdiv(orow, fH);  // i*T + t
+    const u32 h = orow - it * H;
+    const u32 i = fdiv(it, fT);
+    const u32 t = it - i * Tn;
+    const i64 b = (i64)((const BlockT*)blocks)[i];
+    if (b < 0 || b >= P.num_blocks) {  // NaN rows: codes 0 with scale 0x7F
+      bad = t == 0 && h == 0 && g == 0;
+    } else {
+      const u8* kside = buffer + (u64)b * (u64)(2 * P.side_bytes);
+      const u8* vside = kside + P.side_bytes;
+      const u32 row = row_index(t, h, H, Tn, P.nhd);
+      const u64 doff = (u64)row * (G * 8) + g * 8;
+      load_group_codes<VEC>(kside + doff, klo, khi);
+      load_group_codes<VEC>(vside + doff, vlo, vhi);
+      ksf = ldg_u8(kside + (u64)P.data_bytes + (u64)row * G + g);
+      vsf = ldg_u8(vside + v_scale_offset(t, h, g, H, Tn, G, P.nhd, P.swizzle, P.swz_m,
+                                          P.data_bytes));
+    }
+  }
+  float x[1][16];
+  decode_group16(klo, khi, ksf, P.k_s, x[0]);
+  hadamard_rows<1>(x, gid & (G - 1u), G, P.rot_scale);
+  if (!inr) return;
+  if (bad) atomicAdd((u64*)P.stats + FP4C_STAT_BAD_BLOCK_IDS, 1ull);
+  store_group16<T, VEC>((char*)out_k + (u64)gid * 16 * T::kBytes, x[0]);
+  float y[16];
+  decode_group16(vlo, vhi, vsf, P.v_s, y);
+  store_group16<T, VEC>((char*)out_v + (u64)gid * 16 * T::kBytes, y);
+}
+
+// NAME, output value type, block-id type, vectorized
+#define FP4C_GATHER_ROT_KERNEL(NAME, T, BLOCK, VEC)                               \
+  extern "C" __global__ void __launch_bounds__(256) NAME(FP4C_GATHER_PARAMS) {    \
+    gather_rot_impl<T, BLOCK, VEC>(blocks, out_k, out_v, total, params);          \
   }
 
 #ifdef FP4C_INSTANTIATIONS

@@ -1005,11 +1005,27 @@ def window_gpu_run(cpu, q, tab, lens, *, qsl=None, causal=False, max_q=1, window
     return out, lse, cp.asnumpy(stats)
 
 
+def check_window(out, lse, ref_out, ref_lse, dtname, what, rotate):
+    """``helpers.check``; with the rotation lse within ``4e-3 * max(1, |lse|)``: the kernel
+    rounds the rotated q (no longer bf16 values) to f16, 2^-11 relative per value, which
+    moves scores by up to ~2e-3 (measured ~1.3e-3 against the float64 oracle, a NumPy
+    model of that rounding gives the same)."""
+    check(out, None if rotate else lse, ref_out, ref_lse, dtname, what)
+    if rotate:
+        gl = cp.asnumpy(lse).astype(np.float64)
+        assert np.array_equal(np.isnan(gl), np.isnan(ref_lse)), f"{what}: lse NaN"
+        assert np.array_equal(np.isneginf(gl), np.isneginf(ref_lse)), f"{what}: lse -inf"
+        fin = np.isfinite(ref_lse)
+        err = np.abs(gl[fin] - ref_lse[fin])
+        assert (err <= 4e-3 * np.maximum(1.0, np.abs(ref_lse[fin]))).all(), \
+            f"{what}: lse error {err.max():.3g}"
+
+
 def window_ref(cpu, q, tab, lens, *, qsl=None, causal=False):
-    if qsl is None:
-        return cpu.decode_attention(q, tab, lens, return_lse=True)
+    if qsl is None:  # (validate=False: bad ids give NaN as on the GPU)
+        return cpu.decode_attention(q, tab, lens, return_lse=True, validate=False)
     return cpu.attention(q, np.asarray(qsl, np.int32), tab, lens, causal=causal,
-                         return_lse=True)
+                         return_lse=True, validate=False)
 
 
 # (D, group, T, layout, swizzle, rotation, window pages, dtype)
@@ -1050,7 +1066,8 @@ class TestWindow:
         q = rand_q(rng, len(lens), H * group, D, dtname)
         ro, rl = window_ref(cpu, q, tab, sl)
         out, lse, _ = window_gpu_run(cpu, q, tab, sl)
-        check(out, lse, ro, rl, dtname, f"window {case}", empty_rows_zero=True)
+        check_window(out, lse, ro, rl, dtname, f"window {case}", rotation == "hadamard")
+        assert not cp.asnumpy(out[0]).astype(np.float32).any()  # length 0 -> zeros
         if P:  # the window is read: without it the result is another one
             plain, _, _ = window_gpu_run(cpu, q, tab, sl, window=False)
             assert not np.array_equal(cp.asnumpy(plain), cp.asnumpy(out))
@@ -1065,7 +1082,7 @@ class TestWindow:
         q = rand_q(rng, len(lens), 8, 128, "bfloat16")
         ro, rl = window_ref(cpu, q, tab, sl)
         out, lse, _ = window_gpu_run(cpu, q, tab, sl, decode_route="bitmove")
-        check(out, lse, ro, rl, "bfloat16", "window bitmove")
+        check_window(out, lse, ro, rl, "bfloat16", "window bitmove", rotation == "hadamard")
 
     @pytest.mark.parametrize("D,group,dtname", [(128, 4, "bfloat16"), (64, 8, "float32"),
                                                  (256, 16, "float16")])
@@ -1081,7 +1098,7 @@ class TestWindow:
         out, lse, _ = window_gpu_run(cpu, q, tab, sl, scratch=scratch)
         (plan,) = ca.attention_plans(scratch)
         assert plan.grid[0] > 1  # split-KV in use
-        check(out, lse, ro, rl, dtname, f"window long D={D}")
+        check_window(out, lse, ro, rl, dtname, f"window long D={D}", True)
 
     @pytest.mark.parametrize("rotation", ["none", "hadamard"])
     @pytest.mark.parametrize("T,group", [(16, 4), (32, 2), (64, 1)])
@@ -1107,7 +1124,8 @@ class TestWindow:
                 assert r1.tolist() == [False, True, True]
                 r4 = np.isnan(ro[int(qsl[4]):int(qsl[5])])
                 assert not r4[:2].any() and r4[2:, group:, 32:48].all()
-            check(out, lse, ro, rl, "bfloat16", f"spec causal={causal}")
+            check_window(out, lse, ro, rl, "bfloat16", f"spec causal={causal}",
+                         rotation == "hadamard")
 
     def test_bad_ids_and_nan_groups(self):
         rng = np.random.default_rng(12)
@@ -1146,6 +1164,7 @@ class TestWindow:
                                   v_s=cpu.pool.v_s, sm_scale=1 / np.sqrt(128), stats=stats,
                                   scratch=scratch, window=(win, wmap, 3), rotate=True)
         runner(qg, tg, lg, out, lse)  # warm: plan and workspace exist
+        cp.cuda.get_current_stream().synchronize()
         stream = cp.cuda.Stream(non_blocking=True)
         with stream:
             stream.begin_capture()
@@ -1157,10 +1176,13 @@ class TestWindow:
             # new token values in the window slots (the oracle's own rows)
             cpu.window[...] = formats.bf16_bits(
                 rng.standard_normal(cpu.window.shape).astype(np.float32))
-            qg[...] = cp.asarray(q)
-            lg[...] = cp.asarray(sl2)
-            win[...] = cp.asarray(cpu.window)
-            graph.launch(stream)
+            with stream:  # (the updates ordered before the replay)
+                qg[...] = cp.asarray(q)
+                lg[...] = cp.asarray(sl2)
+                win[...] = cp.asarray(cpu.window)
+                out.view(cp.uint16).fill(0x7E7E)
+                lse.fill(12345.0)
+                graph.launch(stream)
             stream.synchronize()
             ro, rl = window_ref(cpu, q, tab, sl2)
-            check(out, lse, ro, rl, "bfloat16", f"graph replay {step}")
+            check_window(out, lse, ro, rl, "bfloat16", f"graph replay {step}", True)

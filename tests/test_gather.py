@@ -163,6 +163,30 @@ class TestCupyBackend:
         bad = STAT["bad_block_ids"]
         assert int(cp.asnumpy(st)[bad]) == 2 == int(st_ref[bad])
 
+    @pytest.mark.parametrize("dtype", VALUE_DTYPES, ids=str)
+    @pytest.mark.parametrize("D, H, layout", [(16, 3, "HND"), (64, 2, "NHD"), (128, 4, "HND"),
+                                              (256, 1, "NHD")])
+    def test_rotated_gather_random_bytes(self, dtype, D, H, layout):
+        """rotation="hadamard": K is the transform of the float32 decoded row, rounded once
+        (pages of random bytes, bad ids, the grid's tail)."""
+        rng = np.random.default_rng(D + H)
+        geom = PageGeometry(H, 16, D, layout, layout == "HND" and D >= 64)
+        buf0 = rng.integers(0, 256, (9, 2, geom.side_bytes), dtype=np.uint8)
+        blocks = np.array([3, 0, 8, 8, 1, -2, 9, 4], np.int32)
+        shape = (len(blocks) * 16, H, D)
+        rk, rv = np.empty(shape, dtype), np.empty(shape, dtype)
+        st_ref = np.zeros(NSTATS, np.uint64)
+        s = np.float32(0.37)
+        nb.gather_dequant(buf0, blocks, rk, rv, geom=geom, k_s=s, v_s=np.float32(1.0),
+                          stats=st_ref, rotate=True)
+        gk, gv = poisoned_elements(shape, dtype), poisoned_elements(shape, dtype)
+        st = cp.zeros(NSTATS, cp.uint64)
+        cb.gather_dequant(cp.asarray(buf0), cp.asarray(blocks), gk, gv, geom=geom, k_s=s,
+                          v_s=np.float32(1.0), stats=st, rotate=True)
+        same_values(gk, rk, "k")
+        same_values(gv, rv, "v")
+        assert np.array_equal(cp.asnumpy(st), st_ref)
+
     def test_gather_dequant_cuda_graph_capture_and_replay(self):
         rng = np.random.default_rng(21)
         geom = PageGeometry(8, 16, 128, "HND", True)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import copy
 
+import ml_dtypes
 import numpy as np
 import pytest
 
@@ -21,7 +22,7 @@ transformers = pytest.importorskip("transformers",
                                    reason="fp4cache.hf needs the 'hf' extra (transformers)")
 
 import fp4cache.hf as fh  # noqa: E402
-from fp4cache import gpu_available  # noqa: E402
+from fp4cache import formats, gpu_available  # noqa: E402
 
 LOGIT_RTOL = 2e-3  # of the largest |logit|: float32 attention sums in another order
 
@@ -74,6 +75,9 @@ def _close(a, b, rtol=LOGIT_RTOL):
     assert err <= rtol * scale, f"max |logit diff| {err:.3g} > {rtol} x {scale:.3g}"
 
 
+#: The plain NVFP4 cache (no rotation, no exact window): vLLM's pages.
+PLAIN = {"rotation": "none", "window_pages": 0}
+
 CASES = [("llama", 8, 2, 64), ("qwen2", 6, 2, 128), ("mistral", 4, 4, 64),
          ("llama", 12, 4, 128)]  # GQA 4, 3, 1, 3; head_dim 64 and 128
 
@@ -97,10 +101,34 @@ def test_fused_equals_sdpa_over_the_dequantized_cache(kind, heads, kv_heads, hea
     assert c_f.layers[0].mode == "fused" and c_r.layers[0].mode == "dequantize"
 
 
+def test_dequantize_mode_returns_the_exact_window():
+    cfg = _config("llama")
+    model = _model(cfg, "eager")
+    cache = fh.FP4Cache(model.config, 1, 64, device="cpu")  # rotation and window (default)
+    assert (cache.rotation, cache.window_pages) == ("hadamard", 3)
+    k = torch.randn(1, 2, 40, 64)
+    v = torch.randn(1, 2, 40, 64)
+    kk, vv = cache.update(k, v, 0)
+    # the 3 newest pages (all 40 tokens) come from the window: bf16 of the values
+    # (K through the rotation and back: float32 rounding on top)
+    torch.testing.assert_close(vv, v.to(torch.bfloat16).float(), rtol=0, atol=0)
+    exact_k = formats.hadamard(formats.hadamard(k.numpy()).astype(ml_dtypes.bfloat16)
+                               .astype(np.float32))
+    assert torch.equal(kk, torch.from_numpy(exact_k))
+    k2 = torch.randn(1, 2, 20, 64)
+    kk, vv = cache.update(k2, k2, 0)  # 60 tokens: page 0 has left the window
+    ref_k, ref_v = cache.layers[0].pages.gather_dequant(np.array([0]), dtype="float32")
+    assert torch.equal(vv[0, :, :16].transpose(0, 1), torch.from_numpy(ref_v))
+    assert torch.equal(kk[0, :, :16].transpose(0, 1), torch.from_numpy(ref_k))
+    torch.testing.assert_close(vv[:, :, 16:40], v[:, :, 16:].to(torch.bfloat16).float(),
+                               rtol=0, atol=0)
+    assert cache.layers[0].pages.window_map[:4].tolist() == [-1, 1, 2, 0]  # page p: p % 3
+
+
 def test_dequantize_mode_returns_the_cache_contents():
     cfg = _config("llama")
     model = _model(cfg, "eager")
-    cache = fh.FP4Cache(model.config, 1, 32, device="cpu")
+    cache = fh.FP4Cache(model.config, 1, 32, device="cpu", **PLAIN)
     k = torch.randn(1, 2, 5, 64)
     v = torch.randn(1, 2, 5, 64)
     kk, vv = cache.update(k, v, 0)
@@ -206,24 +234,31 @@ def test_calibrate_scales_per_layer():
     model = _model(cfg, "fp4cache")
     ids = torch.randint(1, cfg.vocab_size, (1, 24))
     ks, vs = fh.calibrate_scales(model, ids, "4over6")
+    plain_ks, plain_vs = fh.calibrate_scales(model, ids, "4over6", rotation="none")
     assert len(ks) == len(vs) == 3 and all(s > 0 for s in ks + vs)
     assert model.config._attn_implementation == "fp4cache"  # restored
     cache = transformers.DynamicCache()
     sdpa = _model(cfg, "sdpa")
     with torch.no_grad():
         sdpa(input_ids=ids, past_key_values=cache)
-    k0 = cache.layers[1].keys.float().abs().max().item()
-    assert ks[1] == pytest.approx(k0 / (6 * 256), rel=1e-6)
+    k1 = cache.layers[1].keys.float()
+    assert plain_ks[1] == pytest.approx(k1.abs().max().item() / (6 * 256), rel=1e-6)
+    rotated = formats.hadamard(k1.numpy())  # the keys as FP4Cache stores them by default
+    assert ks[1] == pytest.approx(float(np.abs(rotated).max()) / (6 * 256), rel=1e-6)
+    assert vs == plain_vs
     c = fh.FP4Cache(model.config, 1, 32, k_scales=ks, v_scales=vs, device="cpu")
     assert [layer.pages.k_scale for layer in c.layers] == pytest.approx(ks, rel=1e-7)
 
 
 def test_nbytes_and_compression():
     cfg = _config("llama", heads=8, kv_heads=2, head_dim=128, layers=4)
-    cache = fh.FP4Cache(cfg, 4, 256, device="cpu")
+    cache = fh.FP4Cache(cfg, 4, 256, device="cpu", **PLAIN)
     bf16 = 4 * 256 * 2 * 128 * 2 * 2 * 4  # B x L x H x D x (K, V) x 2 bytes x layers
     assert cache.nbytes == sum(layer.pages.nbytes for layer in cache.layers)
     assert bf16 / cache.nbytes == pytest.approx(256 / 72, rel=1e-3)
+    win = fh.FP4Cache(cfg, 4, 256, device="cpu")  # plus 3 bf16 pages per row and a map
+    window = 4 * (4 * 3 * 16 * 2 * 128 * 2 * 2 + 4 * 16 * 4)  # layers x (slots + map)
+    assert win.nbytes == cache.nbytes + window
 
 
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
@@ -239,7 +274,7 @@ LAYER_RTOL = {torch.bfloat16: 5e-3, torch.float32: 1e-3}
 def test_one_layer_against_float32_attention(device, dtype, b, q, past):
     cfg = _config("llama", layers=1)
     cfg._attn_implementation = "fp4cache"
-    cache = fh.FP4Cache(cfg, b, 80, device=device)
+    cache = fh.FP4Cache(cfg, b, 80, device=device, **PLAIN)
     layer = cache.layers[0]
     g = torch.Generator().manual_seed(8)
 

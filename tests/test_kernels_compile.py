@@ -36,7 +36,7 @@ def local_depots(ptx: str) -> list[int]:
 def test_all_specializations_compile(arch):
     ptx = K.compile_all(arch)
     assert set(ptx) == {"paged_kv.cu", "flat_codec.cu", "longlive.cu", "decode_attention.cu",
-                        "page_copy.cu", "varlen_attention.cu"}
+                        "page_copy.cu", "varlen_attention.cu", "window.cu"}
     names = {s.name for s in K.all_specs()}
     found = {n for n in names for text in ptx.values() if f".entry {n}(" in text}
     assert found == names
@@ -168,7 +168,7 @@ def test_source_assembly():
     with pytest.raises(ValueError):
         K.build_source("flat_codec.cu", [spec])
     families = {s.macro for s in K.all_specs()}
-    assert len(families) == 16
+    assert len(families) == 20
     assert len({s.name for s in K.all_specs()}) == len(K.all_specs())
 
 
@@ -177,5 +177,6 @@ def test_kernel_dir_holds_sources():
     assert (d / "fp4_common.cuh").is_file()
     for f in ("paged_kv.cu", "flat_codec.cu", "longlive.cu", "decode_attention.cu",
               "page_copy.cu", "varlen_attention.cu", "paged_layout.cuh", "attn_ptx.cuh",
-              "attn_dequant.cuh", "attn_seq.cuh", "attn_state.cuh", "attn_epilogue.cuh"):
+              "attn_dequant.cuh", "attn_seq.cuh", "attn_state.cuh", "attn_epilogue.cuh",
+              "window.cu", "hadamard.cuh"):
         assert (d / f).is_file()

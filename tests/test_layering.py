@@ -5,7 +5,7 @@ The order (``fp4cache/_backend.py`` describes the layers), lowest first::
     constants   typing, _abi, formats
     helpers     _arrays, layout, _plans, _device, _kernels, _hotpath
     backends    _cpu, _cuda.launch, _cuda.state, _cuda.paged, _cuda.decode,
-                _cuda.varlen, _cuda.pages, _cuda.longlive, _cuda
+                _cuda.varlen, _cuda.pages, _cuda.window, _cuda.longlive, _cuda
     protocol    _backend
     front ends  codec, calibrate, attention, pages, longlive, cache
     public      fp4cache (__init__), __main__, hf
@@ -29,7 +29,7 @@ ORDER = [
     "typing", "_abi", "formats",
     "_arrays", "layout", "_plans", "_device", "_kernels", "_hotpath",
     "_cpu", "_cuda.launch", "_cuda.state", "_cuda.paged", "_cuda.decode", "_cuda.varlen",
-    "_cuda.pages", "_cuda.longlive", "_cuda",
+    "_cuda.pages", "_cuda.window", "_cuda.longlive", "_cuda",
     "_backend",
     "codec", "calibrate", "attention", "pages", "longlive", "cache",
     "", "__main__", "hf",

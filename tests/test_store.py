@@ -874,6 +874,39 @@ class TestCupyBackend:
         same_values(gv, rv, "out_v")
         assert np.array_equal(cp.asnumpy(st), st_ref)
 
+    @pytest.mark.parametrize("dtype", [BF16, np.float16, np.float32], ids=str)
+    @pytest.mark.parametrize("rotate, window", [(True, False), (False, True), (True, True)])
+    @pytest.mark.parametrize("n, H, layout", [(1, 2, "HND"), (77, 3, "NHD"), (300, 2, "HND")])
+    def test_rotated_and_window_store_match_numpy(self, dtype, rotate, window, n, H, layout):
+        """Random initial pages and window slots (stray writes show), repeated, padding and
+        bad slots, NaN and infinite groups, tokens of unmapped pages."""
+        rng = np.random.default_rng(n + H)
+        T, D, num_blocks = 16, 128, 5
+        geom = PageGeometry(H, T, D, layout, layout == "HND")
+        buf0 = rng.integers(0, 256, (num_blocks, 2, geom.side_bytes), dtype=np.uint8)
+        win0 = rng.integers(0, 1 << 16, (3, 2, T, H, D), dtype=np.uint16)
+        wmap = np.array([-1, 0, 2, -1, 1], np.int32)
+        slots = rng.integers(0, num_blocks * T, n).astype(np.int64)
+        if n > 2:
+            slots[[1, 2, 3]] = [-1, num_blocks * T, -9]
+        k = make_values(rng, (n, H, D), dtype, nonfinite=0.001)
+        v = make_values(rng, (n, H, D), dtype, nonfinite=0.003)
+        ks, kg = scales_for(rng, "calib")
+        vs, vg = scales_for(rng, "calib")
+        rule = "4over6" if dtype == np.float32 else "static6"
+        buf_ref, win_ref = buf0.copy(), win0.copy()
+        st_ref = np.zeros(NSTATS, np.uint64)
+        nb.store(buf_ref, slots, k, v, geom=geom, rule=rule, k_s=ks, k_g=kg, v_s=vs, v_g=vg,
+                 stats=st_ref, rotate=rotate, window=(win_ref, wmap) if window else None)
+        buf, win = cp.asarray(buf0), cp.asarray(win0)
+        st = cp.zeros(NSTATS, cp.uint64)
+        cb.store(buf, cp.asarray(slots), cp.asarray(k), cp.asarray(v), geom=geom, rule=rule,
+                 k_s=ks, k_g=kg, v_s=vs, v_g=vg, stats=st, rotate=rotate,
+                 window=(win, cp.asarray(wmap)) if window else None)
+        same_bytes(buf, buf_ref, "pages")
+        same_bytes(win, win_ref, "window")
+        assert np.array_equal(cp.asnumpy(st), st_ref)
+
     @pytest.mark.parametrize("n", [5, 128, 129, 1000])
     def test_duplicate_slots_last_occurrence_wins(self, n):
         """Scan path (n <= 128) and claim path (n > 128) both keep the last occurrence."""

@@ -12,6 +12,11 @@ import pytest
 
 from fp4cache import PagedKVCache, formats
 
+try:  # CuPy, for the GPU cases (which skip by their marker where there is no GPU)
+    import cupy as cp
+except ImportError:
+    cp = None
+
 BF16 = np.dtype(ml_dtypes.bfloat16)
 F16 = np.dtype(np.float16)
 F32 = np.dtype(np.float32)
@@ -439,3 +444,161 @@ def test_page_format_names_rotation_and_window():
     # the window is not part of the page bytes: pages move both ways
     win.write_blocks([1], data, page_format=plain.page_format())
     plain.write_blocks([1], win.read_blocks([1]), page_format=win.page_format())
+
+
+# -- the GPU backend against the CPU backend -------------------------------------------------
+def gpu_twins(num_blocks=6, T=16, H=2, D=64, **kw):
+    """A CPU and a GPU cache of the same options."""
+    kw = {"k_scale": 0.02, "v_scale": 0.01, **kw}
+    return (PagedKVCache(num_blocks, T, H, D, device="cpu", **kw),
+            PagedKVCache(num_blocks, T, H, D, device="cuda", **kw))
+
+
+def assert_same_pool(gpu, cpu, what=""):
+    """Pages, window slots, window map and counters byte for byte."""
+    assert np.array_equal(cp.asnumpy(gpu.buffer), cpu.buffer), f"{what}: pages"
+    if cpu.window is not None:
+        gw, cw = cp.asnumpy(gpu.window), cpu.window
+        bad = np.argwhere(gw != cw)
+        assert bad.size == 0, f"{what}: window differs at {bad[:4].tolist()}"
+        assert np.array_equal(cp.asnumpy(gpu.window_map), cpu.window_map), f"{what}: map"
+    assert gpu.stats == cpu.stats, what
+
+
+def gpu_store_inputs(rng, n, H, D, dtype, num_slots):
+    """K, V with a NaN and an infinity, slots with repeats, padding (-1) and bad ones."""
+    k, v = kv(rng, n, H, D, dtype)
+    k[n // 2, H - 1, D // 3] = np.nan
+    v[n // 3, 0, D - 1] = np.inf
+    slots = rng.integers(0, num_slots, n).astype(np.int64)
+    if n > 2:
+        slots[1] = -1
+        slots[2] = num_slots + 3 if n % 2 else -7
+    return k, v, slots
+
+
+def store_both(cpu, gpu, k, v, slots, unique_slots=False):
+    """The same store on both (bad slots are counted, not raised: validate=False)."""
+    cpu.store(slots, k, v, unique_slots=unique_slots, validate=False)
+    gpu.store(cp.asarray(slots), cp.asarray(k), cp.asarray(v), unique_slots=unique_slots,
+              validate=False)
+
+
+def _store_cases():
+    # every head_dim with the transform; every dtype, rule and layout at 128; odd H (one
+    # head per thread) and even H (two heads per thread for 16-bit static6)
+    for D in (16, 32, 64, 256):
+        yield D, BF16, "static6", "HND" if D < 64 else "NHD", 2
+    for dtype in (BF16, F16, F32):
+        for rule in ("static6", "4over6"):
+            for layout in ("HND", "NHD"):
+                yield 128, dtype, rule, layout, 2
+    yield 64, BF16, "static6", "HND", 3
+    yield 64, F16, "4over6", "NHD", 1
+
+
+@pytest.mark.gpu
+class TestGpu:
+    """The CuPy backend's store, gather and window functions against the CPU backend,
+    through the public methods: pages, window bits, map and counters byte for byte."""
+
+    @pytest.mark.parametrize("D, dtype, rule, layout, H", list(_store_cases()),
+                             ids=lambda x: str(x))
+    @pytest.mark.parametrize("rotation, window", [("hadamard", False), ("none", True),
+                                                  ("hadamard", True)])
+    def test_store_and_gather_equal_cpu(self, D, dtype, rule, layout, H, rotation, window):
+        rng = np.random.default_rng(D * 7 + H)
+        nb, T = 6, 16
+        opts = dict(rotation=rotation, scale_rule=rule, layout=layout,
+                    swizzle_v_scales=D % 64 == 0 and layout == "HND")
+        if window:
+            opts.update(window_pages=2, window_slots=3)
+        cpu, gpu = gpu_twins(nb, T, H, D, **opts)
+        if window:  # pages 2 and 5 stay unmapped
+            for c in (cpu, gpu):
+                c.map_window(np.array([1, 4, 0]), np.array([0, 2, 1]))
+        # n = 1: no duplicate pass, a grid tail of one token; 50: the scan; 300: the claim
+        for n in (1, 50, 300):
+            k, v, slots = gpu_store_inputs(rng, n, H, D, dtype, nb * T)
+            store_both(cpu, gpu, k, v, slots)
+            assert_same_pool(gpu, cpu, f"store of {n}")
+        # unique slots (no duplicate pass), one token per page of the pool
+        k, v, _ = gpu_store_inputs(rng, nb * T, H, D, dtype, nb * T)
+        store_both(cpu, gpu, k, v, rng.permutation(nb * T), unique_slots=True)
+        assert_same_pool(gpu, cpu, "unique")
+        blocks = np.array([3, 0, 5, 0, 1, 4, 2])
+        for out in (BF16, F16, F32):
+            ck, cv = cpu.gather_dequant(blocks, dtype=out)
+            gk, gv = gpu.gather_dequant(cp.asarray(blocks), dtype=out)
+            same_bits(gk, ck, "gather K")
+            same_bits(gv, cv, "gather V")
+
+    @pytest.mark.parametrize("rotation", ["none", "hadamard"])
+    @pytest.mark.parametrize("D, H, layout", [(16, 1, "NHD"), (64, 2, "HND"),
+                                              (256, 3, "HND")])
+    @pytest.mark.parametrize("itype", [np.int32, np.int64])
+    def test_map_fill_and_copy_equal_cpu(self, rotation, D, H, layout, itype):
+        rng = np.random.default_rng(D + H)
+        nb, T = 8, 16
+        cpu, gpu = gpu_twins(nb, T, H, D, rotation=rotation, layout=layout,
+                             swizzle_v_scales=layout == "HND", window_pages=2,
+                             window_slots=5)
+        k, v, slots = gpu_store_inputs(rng, nb * T, H, D, BF16, nb * T)
+        store_both(cpu, gpu, k, v, rng.permutation(nb * T))
+
+        def both(name, *ids):
+            getattr(cpu, name)(*ids)
+            getattr(gpu, name)(*(cp.asarray(np.asarray(a, itype)) for a in ids))
+            assert_same_pool(gpu, cpu, name)
+
+        both("map_window", [0, 2, 3, 6], [1, 0, 4, 2])
+        both("map_window", [3, 5], [-1, 4])  # unmap and map in one call
+        # chains and swaps: 2 -> 0 (both mapped), 0 -> 2, 1 -> 6 (source unmapped),
+        # 6 -> 7 (destination unmapped), 5 -> 5 (itself)
+        both("copy_blocks", [2, 0, 1, 6, 5], [0, 2, 6, 7, 5])
+        both("copy_blocks", [7, 3], [5, 0])
+        rows = cpu.read_blocks([4, 1])
+        cpu.write_blocks([2, 3], rows, page_format=cpu.page_format())
+        gpu.write_blocks(cp.asarray(np.array([2, 3], itype)), cp.asarray(rows),
+                         page_format=gpu.page_format())
+        assert_same_pool(gpu, cpu, "write_blocks")
+
+    def test_window_calls_in_a_cuda_graph(self):
+        cpu, gpu = gpu_twins(8, 16, 2, 64, rotation="hadamard", window_pages=2,
+                             window_slots=4)
+        rng = np.random.default_rng(5)
+        k, v, slots = gpu_store_inputs(rng, 128, 2, 64, BF16, 128)
+        store_both(cpu, gpu, k, v, np.arange(128))
+        dk, dv, ds = cp.asarray(k[:20]), cp.asarray(v[:20]), cp.asarray(np.arange(20) + 40)
+        b, s = cp.asarray(np.array([2, 3])), cp.asarray(np.array([0, 1]))
+        src, dst = cp.asarray(np.array([2, 5])), cp.asarray(np.array([3, 2]))
+        # the first calls prepare plans and workspace; the capture allocates nothing
+        gpu.map_window(b, s, validate=False)
+        gpu.copy_blocks(src, dst, validate=False)
+        gpu.store(ds, dk, dv)
+        cp.cuda.Device().synchronize()
+        stream = cp.cuda.Stream(non_blocking=True)
+        with stream:
+            stream.begin_capture()
+            gpu.map_window(b, s, validate=False)
+            gpu.copy_blocks(src, dst, validate=False)
+            gpu.store(ds, dk, dv)
+            graph = stream.end_capture()
+            graph.launch(stream)
+        stream.synchronize()
+        for _ in range(2):
+            cpu.map_window([2, 3], [0, 1])
+            cpu.copy_blocks([2, 5], [3, 2])
+            cpu.store(np.arange(20) + 40, k[:20], v[:20])
+        assert_same_pool(gpu, cpu, "graph")
+
+
+def same_bits(gpu, ref, what=""):
+    """Bit-identical float arrays, NaN anywhere the reference has NaN (payloads apart)."""
+    g = cp.asnumpy(gpu)
+    assert g.shape == ref.shape and g.dtype == ref.dtype, what
+    gn, rn = np.isnan(g.astype(np.float32)), np.isnan(ref.astype(np.float32))
+    assert np.array_equal(gn, rn), f"{what}: NaN positions differ ({gn.sum()} vs {rn.sum()})"
+    u = {2: np.uint16, 4: np.uint32}[ref.dtype.itemsize]
+    bad = np.flatnonzero(np.where(rn, 0, g.view(u)) != np.where(rn, 0, ref.view(u)))
+    assert bad.size == 0, f"{what}: {bad.size} values differ, first at {bad[:5]}"

@@ -12,6 +12,7 @@ of :mod:`fp4cache._hotpath` keeps them).  One module per feature:
 * :mod:`.decode`: the split plan, decode and few-row attention;
 * :mod:`.varlen`: attention for any query length;
 * :mod:`.pages`: page moves and host transfers;
+* :mod:`.window`: the exact window's fill and copy;
 * :mod:`.longlive`: LongLive's blocks;
 * :mod:`.launch`: launch helpers.
 """
@@ -31,11 +32,12 @@ from .paged import dequantize, gather_dequant, gather_plan, quantize, store, sto
 from .pages import copy_pages, read_pages, write_pages
 from .state import CacheState
 from .varlen import attention, varlen_runner
+from .window import copy_window, fill_window, map_window
 
 __all__ = [
     "CacheState", "store_plan", "gather_plan", "decode_runner", "varlen_runner",
     "workspace_bound", "store", "gather_dequant", "decode_attention", "attention",
     "quantize", "dequantize", "abs_max", "longlive_quantize", "longlive_dequantize",
     "longlive_pointer_tables", "longlive_pool_launcher", "longlive_list_launcher",
-    "copy_pages", "read_pages", "write_pages",
+    "copy_pages", "read_pages", "write_pages", "map_window", "fill_window", "copy_window",
 ]

@@ -96,8 +96,20 @@ GATHER_PARAMS_DTYPE = _abi.struct_dtype("GatherParams")
 _PACK_MULTIPLIERS = tuple(1 << (4 * j + 10) for j in range(6)) + (1 << 2, 1 << 6)
 
 
+#: A store with rotation or window gives a thread two heads (``K.STORE_PAIR``) from this
+#: many groups (``N * H * G``) on: the H200 measured, bf16 H=8 D=128 static6, 3.9 us one head
+#: against 5.2 us two heads per thread at 64 tokens, 40.1 against 39.0 us at 16384 tokens.
+PAIR_MIN_ITEMS = 1 << 19
+
+
 def _noop(*args) -> None:
     return None
+
+
+def rotation_scale(head_dim: int) -> np.float32:
+    """``fl32(1 / sqrt(D))``, the last step of the rotation (as
+    :func:`fp4cache.formats.hadamard`)."""
+    return _F32(1.0 / np.sqrt(head_dim))
 
 
 def store_plan(st: CacheState, slots, k, v, *, rule: str, unique_slots: bool) -> Callable:
@@ -115,7 +127,11 @@ def store_plan(st: CacheState, slots, k, v, *, rule: str, unique_slots: bool) ->
     pa = _page_args(geom, st.num_blocks)
     G, H = geom.head_dim // GROUP, geom.num_heads
     dt = K.value_type(k.dtype, "k")
-    pair = H % 2 == 0 and (dt, rule) in K.STORE_PAIR
+    rot = st.rotation == "hadamard"
+    # two heads per thread where they pay: a rotating or windowed store of few tokens is
+    # latency-bound and runs faster with one head per thread (bench/window_store.py)
+    pair = (H % 2 == 0 and (dt, rule) in K.STORE_PAIR
+            and (not (rot or st.window is not None) or n * H * G >= PAIR_MIN_ITEMS))
     hg = fastdiv(H // 2 * G) if pair else pa["HG"]
     max_tokens = MAX_THREADS // int(hg[0])
     if n > max_tokens:  # later chunks overwrite earlier ones: the last occurrence wins
@@ -133,7 +149,8 @@ def store_plan(st: CacheState, slots, k, v, *, rule: str, unique_slots: bool) ->
     vec = (pa["side_ok"] and st.buffer.data.ptr % 8 == 0
            and aligned(k.data.ptr, kst[0], kst[1]) and aligned(v.data.ptr, vst[0], vst[1]))
     sl = index_name(slots.dtype, "slot_mapping")
-    spec = K.store_spec(dt, rule, sl, vec, pair)
+    win = st.window
+    spec = K.store_spec(dt, rule, sl, vec, pair, rot=rot, win=win is not None)
     fn = K.get_kernel(spec)
     half = H // 2
     total = n * int(hg[0])
@@ -155,8 +172,11 @@ def store_plan(st: CacheState, slots, k, v, *, rule: str, unique_slots: bool) ->
             ("swz_m", pa["swz_m"]),
             ("pair_rows", half if geom.layout == "NHD" else half * geom.block_size),
             ("k_s", k_s), ("k_g", k_g), ("v_s", v_s), ("v_g", v_g),
-            ("pk", _PACK_MULTIPLIERS)):
+            ("pk", _PACK_MULTIPLIERS), ("rot_scale", rotation_scale(geom.head_dim))):
         p[name] = value
+    if win is not None:  # the exact window (store_window in kernels/paged_kv.cu)
+        p["win"], p["win_map"] = win.data.ptr, st.window_map.data.ptr
+        p["win_slots"] = win.shape[0]
     params = by_value(p)
     grid = grid_of(total)  # one item per thread
     keep = st  # the struct holds the state's addresses
@@ -179,22 +199,28 @@ def store_plan(st: CacheState, slots, k, v, *, rule: str, unique_slots: bool) ->
 
 
 def store(buffer, slot_mapping, k, v, *, geom: PageGeometry, rule, k_s, k_g, v_s, v_g, stats,
-          unique_slots: bool = False) -> None:
+          unique_slots: bool = False, rotate: bool = False, window=None) -> None:
     """The functional form of the protocol (as in the NumPy backend; tests, benchmarks):
     store into ``buffer``/``stats`` through a :class:`CacheState` made for this call (it
     allocates and uploads tables: not for CUDA-graph capture, which needs the owner's
-    state, :class:`~fp4cache.PagedKVCache`)."""
+    state, :class:`~fp4cache.PagedKVCache`).  ``rotate``: K rotated first; ``window``:
+    ``(slots, map)`` of an exact window (cupy uint16 ``(S, 2, T, H, D)``, int32
+    ``(num_blocks,)``)."""
     st = CacheState(buffer.data.device_id, geom, buffer.shape[0], k_s, k_g, v_s, v_g,
-                    buffer=buffer, stats=stats)
+                    buffer=buffer, stats=stats, rotation="hadamard" if rotate else "none")
+    if window is not None:
+        st.window, st.window_map = window
     slots = contig(slot_mapping)
     store_plan(st, slots, k, v, rule=rule, unique_slots=unique_slots)(slots, k, v)
 
 
 def gather_dequant(buffer, blocks, out_k, out_v, *, geom: PageGeometry, k_s, v_s,
-                   stats) -> None:
-    """The functional form of the gather (as in the NumPy backend; tests, benchmarks)."""
+                   stats, rotate: bool = False) -> None:
+    """The functional form of the gather (as in the NumPy backend; tests, benchmarks;
+    ``rotate``: K turned back to the original basis)."""
     st = CacheState(buffer.data.device_id, geom, buffer.shape[0], k_s, 1.0, v_s, 1.0,
-                    buffer=buffer, stats=stats, tables=False)
+                    buffer=buffer, stats=stats, tables=False,
+                    rotation="hadamard" if rotate else "none")
     blocks = contig(blocks)
     gather_plan(st, blocks, out_k, out_v)(blocks, out_k, out_v)
 
@@ -202,30 +228,42 @@ def gather_dequant(buffer, blocks, out_k, out_v, *, geom: PageGeometry, k_s, v_s
 def gather_plan(st: CacheState, blocks, out_k, out_v) -> Callable:
     """``run(blocks, out_k, out_v)``: gather and decode pages ``blocks`` (C-contiguous,
     any length, of ``blocks``' dtype) into C-contiguous outputs ``[n*T, H, D]`` of
-    ``out_k``'s dtype, 16-byte aligned if both of these are."""
+    ``out_k``'s dtype, 16-byte aligned if both of these are.  A rotating cache's K comes
+    back in the original basis (the ``_rot`` kernel: one thread per group)."""
     geom = st.geom
     pa = _page_args(geom, st.num_blocks)
     itemsize = out_k.itemsize
+    rot = st.rotation == "hadamard"
     chunk = 16 // itemsize  # values per 16-byte output piece; itemsize pieces per group
     per_page = geom.block_size * int(pa["HG"][0]) * itemsize
     max_pages = MAX_THREADS // per_page
-    vec = (geom.side_bytes % (chunk // 2) == 0 and st.buffer.data.ptr % (chunk // 2) == 0
-           and out_k.data.ptr % 16 == 0 and out_v.data.ptr % 16 == 0)
+    if rot:  # 8-byte code loads, 16-byte stores of the 32 or 64 output bytes of a group
+        vec = (geom.side_bytes % 8 == 0 and st.buffer.data.ptr % 8 == 0
+               and out_k.data.ptr % 16 == 0 and out_v.data.ptr % 16 == 0)
+    else:
+        vec = (geom.side_bytes % (chunk // 2) == 0 and st.buffer.data.ptr % (chunk // 2) == 0
+               and out_k.data.ptr % 16 == 0 and out_v.data.ptr % 16 == 0)
     spec = K.gather_spec(K.value_type(out_k.dtype, "out_k"), index_name(blocks.dtype, "blocks"),
-                         vec)
+                         vec, rot=rot)
     fn = K.get_kernel(spec)
-    fc, fh, ft = fastdiv(pa["G"] * itemsize), pa["fH"], pa["fT"]
+    fc = pa["fG"] if rot else fastdiv(pa["G"] * itemsize)
+    fh, ft = pa["fH"], pa["fT"]
     p = np.zeros((), dtype=GATHER_PARAMS_DTYPE)
     for name, value in (
             ("buffer", st.buffer.data.ptr), ("stats", st.stats.data.ptr),
             ("num_blocks", pa["num_blocks"]), ("side_bytes", pa["side"]),
             ("data_bytes", pa["data"]), ("c", fc), ("h", fh), ("t", ft),
             ("nhd", pa["nhd"]), ("swizzle", pa["swz"]),
-            ("swz_m", pa["swz_m"]), ("k_s", st.scalars[0]), ("v_s", st.scalars[2])):
+            ("swz_m", pa["swz_m"]), ("k_s", st.scalars[0]), ("v_s", st.scalars[2]),
+            ("rot_scale", rotation_scale(geom.head_dim))):
         p[name] = value
     params = by_value(p)
     T = geom.block_size
-    per_cta = THREADS * _abi.DECODE_CHUNKS
+    if rot:  # one group per thread
+        per_page = geom.block_size * int(pa["HG"][0])
+        per_cta = THREADS
+    else:
+        per_cta = THREADS * _abi.DECODE_CHUNKS
 
     def run(blocks, out_k, out_v, _keep=st):
         n = blocks.shape[0]
