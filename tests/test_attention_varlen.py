@@ -1666,3 +1666,50 @@ class TestWindowCPU:
                          rotate=rotation == "hadamard")
             check_rows(out, lse, np.asarray(ro, np.float64), np.asarray(rl, np.float64), dtname,
                        f"{case} causal={causal}", lse_tol=lse_tol(P > 0 or rotation == "hadamard"))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("rotation,P", [("hadamard", 3), ("none", 2), ("hadamard", 0)])
+def test_public_method_with_window_matches_cpu_cache(rotation, P):
+    """End to end through ``PagedKVCache.attention``: a GPU and a CPU cache with the same
+    options, the same map_window calls (the last P pages of each sequence, mapped before
+    the stores) and stores; a mixed batch (few-row and chunk sequences) on both."""
+    rng = np.random.default_rng(zlib_seed("public-window", rotation, P))
+    H, T, D, group = 2, 16, 128, 4
+    ns = [1, 4, 40, 100, 0, 17]
+    lens = np.array([300, 5 * T + 3, 40, 7 * T + 100, 60, 17 + 2 * T], np.int32)
+    npg = [-(-int(n) // T) for n in lens]
+    nb = sum(npg) + 2
+    opts = dict(rotation=rotation, k_scale=8.0 * 4.5 / (6 * 448), v_scale=4.5 / (6 * 448))
+    if P:
+        opts.update(window_pages=P, window_slots=P * len(lens))
+    cpu = PagedKVCache(nb, T, H, D, device="cpu", **opts)
+    gpu = PagedKVCache(nb, T, H, D, device="cuda", **opts)
+    tab = np.full((len(lens), max(npg) + 1), -1, np.int32)
+    perm = rng.permutation(nb)
+    pos = 0
+    for b, n in enumerate(npg):
+        tab[b, :n] = perm[pos:pos + n]
+        pos += n
+    if P:
+        blocks = np.array([tab[b, p] for b, n in enumerate(npg)
+                           for p in range(max(0, n - P), n)], np.int32)
+        slots = np.array([P * b + p % P for b, n in enumerate(npg)
+                          for p in range(max(0, n - P), n)], np.int32)
+        cpu.map_window(blocks, slots)
+        gpu.map_window(cp.asarray(blocks), cp.asarray(slots))
+    slot_ids = np.concatenate([tab[b, np.arange(n) // T] * T + np.arange(n) % T
+                               for b, n in enumerate(lens) if n]).astype(np.int64)
+    k = rng.standard_normal((slot_ids.size, H, D), dtype=np.float32).astype(BF16)
+    v = rng.standard_normal((slot_ids.size, H, D), dtype=np.float32).astype(BF16)
+    cpu.store(slot_ids, k, v)
+    gpu.store(cp.asarray(slot_ids), cp.asarray(k), cp.asarray(v))
+    q = rand_q(rng, sum(ns), H * group, D, "bfloat16")
+    qsl = starts_of(ns)
+    for causal in (True, False):
+        ro, rl = cpu.attention(q.astype(np.float32), qsl, tab, lens, causal=causal,
+                               return_lse=True)
+        out, lse = call(gpu, q, qsl, tab, lens, causal=causal, max_query_len=max(ns))
+        check_rows(out, lse, np.asarray(ro, np.float64), np.asarray(rl, np.float64),
+                   "bfloat16", f"public {rotation} P={P} causal={causal}",
+                   lse_tol=lse_tol(P > 0 or rotation == "hadamard"))
