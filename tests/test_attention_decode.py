@@ -59,6 +59,7 @@ from helpers import (
     poisoned,
     rand_q,
     tables_for,
+    window_cpu_cache,
 )
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -933,45 +934,6 @@ def test_method_on_gpu_equals_cpu_backend(dtype, group):
 
 
 # -- the exact window and the rotation (docs/window.md) in the few-row kernel ---------------
-def window_cpu_cache(rng, *, H, T, D, lens, P, rotation, layout="HND", swizzle=True,
-                     extra_mapped=(), unmapped=(), nan_k=(), nan_v=(), spare=3):
-    """A CPU cache (the oracle) whose sequences (one table row each) have their last ``P``
-    pages mapped to window slots before every token is stored (so the slots hold the exact
-    bf16 values); ``extra_mapped``: (sequence, page) also mapped (before the window: never
-    read exactly), ``unmapped``: (sequence, page) unmapped after the stores (a shorter
-    suffix or none); ``nan_k`` / ``nan_v``: (sequence, token, head, d) stored as NaN.
-    Returns (cache, tab, lens)."""
-    lens = np.asarray(lens, np.int32)
-    npg = [-(-int(n) // T) for n in lens]
-    num_blocks = sum(npg) + spare
-    cpu = PagedKVCache(num_blocks, T, H, D, device="cpu", rotation=rotation, window_pages=P,
-                       window_slots=P * len(lens) + len(extra_mapped), layout=layout,
-                       swizzle_v_scales=swizzle, k_scale=8.0 * 4.5 / (6 * 448),
-                       v_scale=4.5 / (6 * 448), scale_rule="4over6")
-    width = max(npg) + 1
-    tab = np.full((len(lens), width), -1, np.int32)
-    perm = rng.permutation(num_blocks)
-    pos = 0
-    for b, n in enumerate(npg):
-        tab[b, :n] = perm[pos:pos + n]
-        pos += n
-    if P:
-        blocks = [int(tab[b, p]) for b, n in enumerate(npg) for p in range(max(0, n - P), n)]
-        blocks += [int(tab[b, p]) for b, p in extra_mapped]
-        cpu.map_window(blocks, list(range(len(blocks))))
-    slots = np.concatenate([tab[b, np.arange(n) // T] * T + np.arange(n) % T
-                            for b, n in enumerate(lens) if n])
-    k, v = kv_values(rng, slots.size, H, D)
-    k, v = k.astype(np.float32), v.astype(np.float32)
-    start = np.concatenate([[0], np.cumsum(lens)])
-    for (b, t, h, d), x in [(a, k) for a in nan_k] + [(a, v) for a in nan_v]:
-        x[start[b] + t, h, d] = np.nan
-    cpu.store(slots, k, v)
-    for b, p in unmapped:
-        cpu.map_window([int(tab[b, p])], [-1])
-    return cpu, tab, lens
-
-
 def window_gpu_run(cpu, q, tab, lens, *, qsl=None, causal=False, max_q=1, window=True,
                    decode_route="auto", scratch=None):
     """The GPU kernel on copies of the CPU cache's pages, window slots and map (launched

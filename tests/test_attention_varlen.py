@@ -55,6 +55,7 @@ from helpers import (
     rand_q,
     starts_of,
     tables_for,
+    window_cpu_cache,
 )
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -1634,12 +1635,11 @@ WINDOW_CPU_CASES = [
 class TestWindowCPU:
     """The window and the rotation through ``fp4cache._cuda.varlen`` (the few-row and the
     varlen kernel in one call) against the CPU backend on the same pages, window slots and
-    map (``test_attention_decode.window_cpu_cache``: mapped before the stores, so the slots
+    map (``helpers.window_cpu_cache``: mapped before the stores, so the slots
     hold the exact values; the CPU backend has its float64 checks in test_window.py)."""
 
     @pytest.mark.parametrize("case", WINDOW_CPU_CASES, ids=lambda c: "-".join(map(str, c)))
     def test_mixed_batch_matches_cpu(self, case):
-        from test_attention_decode import window_cpu_cache
 
         D, group, T, layout, swizzle, rotation, P, dtname = case
         rng = np.random.default_rng(zlib.crc32(repr(("vl",) + case).encode()))
