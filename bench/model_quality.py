@@ -275,7 +275,7 @@ def _default(ctx: Context) -> list[float]:
 def _fp4cache(ctx: Context, max_len: int, rule: str, calibrated: bool) -> Cache:
     ks, vs = ctx.nvfp4_scales[rule] if calibrated else (None, None)
     return fhf.FP4Cache(ctx.model.config, 1, max_len, device="cpu", scale_rule=rule,
-                        k_scales=ks, v_scales=vs)
+                        k_scales=ks, v_scales=vs, rotation="none", window_pages=0)
 
 
 def _fp4cache_decode(ctx: Context, max_len: int, calibrated: bool) -> Cache:
@@ -317,7 +317,7 @@ for _rule in ("static6", "4over6"):  # through FP4Cache, default and calibrated 
     for _cal in (False, True):
         register(f"nvfp4-{_rule}" + ("-cal" if _cal else ""),
                  f"NVFP4 {_rule}, {'calibrated' if _cal else 'default'} global "
-                 f"scale{'s' if _cal else ''} (FP4Cache)")(
+                 f"scale{'s' if _cal else ''} (FP4Cache, no rotation, no window)")(
             lambda ctx, max_len, rule=_rule, cal=_cal: _fp4cache(ctx, max_len, rule, cal))
 
 
