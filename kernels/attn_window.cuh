@@ -1,13 +1,13 @@
-// fp4cache: the exact window and the q rotation of the attention kernels (docs/window.md):
-// where a sequence's window starts, the rows of a window slot as f16 in the decoded units,
-// and the normalized Hadamard transform of a q row held 32 lanes wide.  A template
-// parameter `Params` is AttnParams or VarlenParams (fp4cache/_abi.py: win, win_map,
+// fp4cache: the exact window of the attention kernels (docs/window.md): where a sequence's
+// window starts and the rows of a window slot as f16 in the decoded units (the q rotation
+// is hadamard.cuh's).  A template parameter `Params` is AttnParams or VarlenParams (fp4cache/_abi.py: win, win_map,
 // win_pages, win_slots, win_k_mul, win_v_mul have the same names in both).
 #pragma once
 #include "fp4_common.cuh"
 #include "attn_ptx.cuh"
 #include "attn_dequant.cuh"
 #include "attn_seq.cuh"
+#include "hadamard.cuh"
 
 // ---------------------------------------------------------------------------------------
 // Window start: the first key read from the window slots
@@ -79,36 +79,4 @@ FP4C_DEVICE U32x4 window_word_f16(const U32x4& a, float mul) {
 #pragma unroll
   for (int p = 0; p < 4; ++p) o[p] = f16x2_sat(v[pair_nibble(p, 0)], v[pair_nibble(p, 1)]);
   return U32x4{o[0], o[1], o[2], o[3]};
-}
-
-// ---------------------------------------------------------------------------------------
-// q rotation: the normalized Hadamard transform of a row of D values, x[k] = d lane + 32k
-// ---------------------------------------------------------------------------------------
-// Butterflies of strides 1 .. 16 across the lanes, then 32 .. D/2 in the registers, then
-// times fl32(1 / sqrt(D)) (docs/window.md's order; the whole warp calls it).
-template <int D>
-FP4C_DEVICE void hadamard_row(float (&x)[D / 32]) {
-  constexpr int R = D / 32;
-  const u32 lane = threadIdx.x & 31u;
-#pragma unroll
-  for (int s = 1; s < 32; s <<= 1) {
-#pragma unroll
-    for (int k = 0; k < R; ++k) {
-      const float y = __shfl_xor_sync(0xFFFFFFFFu, x[k], s);
-      x[k] = (lane & (u32)s) ? f_sub(y, x[k]) : f_add(x[k], y);
-    }
-  }
-#pragma unroll
-  for (int m = 1; m < R; m <<= 1) {
-#pragma unroll
-    for (int k = 0; k < R; ++k) {
-      if (k & m) continue;
-      const float a = x[k], b = x[k + m];
-      x[k] = f_add(a, b);
-      x[k + m] = f_sub(a, b);
-    }
-  }
-  constexpr float inv = D == 64 ? 0.125f : D == 128 ? 0.08838834764831845f : 0.0625f;
-#pragma unroll
-  for (int k = 0; k < R; ++k) x[k] = f_mul(x[k], inv);
 }

@@ -12,7 +12,7 @@
 // and decoded once per (sequence, KV head) whatever the number of rows.
 //
 // Steps (each a function below): load q (load_q, rotated by the Hadamard transform when
-// the cache rotates K: rotate_q_slice); per chunk of keys (walk_chunks: a cp.async ring;
+// the cache rotates K: hadamard_quarter_rows); per chunk of keys (walk_chunks: a cp.async ring;
 // walk_tiles: registers) scores (trans_scores), online softmax (trans_softmax), P.V
 // (trans_pv); the keys of the exact window (walk_exact: exact_scores, trans_softmax,
 // exact_pv); merge the warps (merge_warps), write the split's partial and merge the
@@ -76,6 +76,7 @@
 #include "attn_seq.cuh"
 #include "attn_state.cuh"
 #include "attn_epilogue.cuh"
+#include "hadamard.cuh"
 
 #define FP4C_ATTN_THREADS (32 * FP4C_ATTN_WARPS)
 // minimum resident CTAs per SM (register budget) by head_dim, loader and row tiles (one n8
@@ -528,32 +529,8 @@ FP4C_DEVICE void load_q_slice(const char* src, bool use, bool vec, float (&x)[N]
   }
 }
 
-// The Hadamard transform of the lanes' rows without its normalization (docs/window.md,
-// rotation: K is stored rotated, so q is rotated the same way; 1/sqrt(D) is in the host's
-// qk_scale): lane c holds d = c D/4 + k in x[k]; the butterflies of strides 1 .. D/8 run
-// within the lane, those of strides D/4 and D/2 between lanes c ^ 1 and c ^ 2.
-template <int D>
-FP4C_DEVICE void rotate_q_slice(float (&x)[D / 4]) {
-  const u32 c = threadIdx.x & 3u;
-#pragma unroll
-  for (int s = 1; s < D / 4; s *= 2)
-#pragma unroll
-    for (int i = 0; i < D / 4; ++i)
-      if ((i & s) == 0) {
-        const float a = x[i], b = x[i + s];
-        x[i] = f_add(a, b);
-        x[i + s] = f_sub(a, b);
-      }
-#pragma unroll
-  for (u32 m = 1u; m <= 2u; m *= 2u)
-#pragma unroll
-    for (int i = 0; i < D / 4; ++i) {
-      const float o = __shfl_xor_sync(0xFFFFFFFFu, x[i], m);
-      x[i] = (c & m) ? f_sub(o, x[i]) : f_add(x[i], o);  // (lo + hi, lo - hi)
-    }
-}
-
-// load q: row g + 8 nc of the lane's n8 tiles (rotated when `rotate`, rotate_q_slice),
+// load q: row g + 8 nc of the lane's n8 tiles (rotated when `rotate`: hadamard_quarter_rows,
+// hadamard.cuh, without the normalization, which is in the host's qk_scale),
 // scaled by a power of two per row (max |q| lands in [2^14, 2^15)) and rounded to f16
 // (float32 q: hi + lo); the column's score scale (qk_scale with that power undone) goes to
 // St.rsc.  Lane (g, c) needs exactly the D/4 values d = c D/4 .. (c+1) D/4 - 1 of its rows
@@ -575,7 +552,7 @@ FP4C_DEVICE void load_q(const void* __restrict__ q, const RowMap& R, float qk_sc
   }
   if (rotate) {
 #pragma unroll
-    for (int nc = 0; nc < NC; ++nc) rotate_q_slice<D>(x[nc]);
+    for (int nc = 0; nc < NC; ++nc) hadamard_quarter_rows<D>(x[nc]);
   }
 #pragma unroll
   for (int nc = 0; nc < NC; ++nc) {

@@ -11,47 +11,86 @@
 #pragma once
 #include "fp4_common.cuh"
 
-// One butterfly stage of stride s < 16 inside the thread's 16 values.
-template <int S>
-FP4C_DEVICE void hadamard_stage_local(float* x) {
+// The stages are written once, here, for the three ways a vector sits in a warp: 16 values
+// per thread over G lanes (store, gather: hadamard_rows), D/4 per lane over 4 lanes (the
+// few-row kernel's q: decode_attention.cu) and d = lane + 32 k (the any-length kernel's q:
+// hadamard_row).  Index bits held in a thread's registers are butterflied by
+// hadamard_in_thread, bits held by the lane by hadamard_across_lanes; a caller runs them
+// in the order of their strides (lowest first), then hadamard_normalize.
+
+// The butterflies of strides 1 .. R/2 over a thread's R values x[0 .. R).
+template <int R>
+FP4C_DEVICE void hadamard_in_thread(float* x) {
 #pragma unroll
-  for (int i = 0; i < 16; ++i) {
-    if ((i & S) == 0) {
-      const float a = x[i], b = x[i + S];
-      x[i] = f_add(a, b);
-      x[i + S] = f_sub(a, b);
+  for (int s = 1; s < R; s <<= 1) {
+#pragma unroll
+    for (int i = 0; i < R; ++i) {
+      if ((i & s) == 0) {
+        const float a = x[i], b = x[i + s];
+        x[i] = f_add(a, b);
+        x[i + s] = f_sub(a, b);
+      }
     }
   }
 }
 
+// The butterflies between the thread with index idx (its lane's bits m = 1 .. G/2 as the
+// vector's) and the lane idx ^ m, for each of its N values: the lower index keeps a + b, the
+// higher a - b (a the lower's value).  Every lane of the warp must call it with the same G
+// (the shuffles name all 32 lanes): lanes without an item pass any values.
+template <int N>
+FP4C_DEVICE void hadamard_across_lanes(float* x, u32 idx, u32 G) {
+  for (u32 m = 1; m < G; m <<= 1) {  // G is uniform: every lane runs the same stages
+    const bool hi = (idx & m) != 0u;
+#pragma unroll
+    for (int i = 0; i < N; ++i) {
+      const float p = __shfl_xor_sync(0xFFFFFFFFu, x[i], (int)m);
+      x[i] = hi ? f_sub(p, x[i]) : f_add(x[i], p);
+    }
+  }
+}
+
+// Times the normalization (fl32(1/sqrt(D)): the host's rot_scale, or hadamard_norm<D>).
+template <int N>
+FP4C_DEVICE void hadamard_normalize(float* x, float scale) {
+#pragma unroll
+  for (int i = 0; i < N; ++i) x[i] = f_mul(x[i], scale);
+}
+
+// fl32(1/sqrt(D)) for the head sizes of the attention kernels (fp4cache.formats.hadamard's
+// factor: 2^-3, 0x3DB504F3, 2^-4).
+template <int D>
+FP4C_DEVICE constexpr float hadamard_norm() {
+  static_assert(D == 64 || D == 128 || D == 256, "head_dim 64, 128 or 256");
+  return D == 64 ? 0.125f : D == 128 ? 0.08838834764831845f : 0.0625f;
+}
+
 // The transform of the NH heads a thread holds (x[q*16 .. q*16+15] for head q), group g
-// of G.  Every lane of the warp must call it with the same G (the shuffles name all 32
-// lanes): lanes without an item pass any values and ignore the result.
+// of G (d = 16 g + i).
 template <int NH>
 FP4C_DEVICE void hadamard_rows(float (*x)[16], u32 g, u32 G, float scale) {
 #pragma unroll
-  for (int q = 0; q < NH; ++q) {
-    hadamard_stage_local<1>(x[q]);
-    hadamard_stage_local<2>(x[q]);
-    hadamard_stage_local<4>(x[q]);
-    hadamard_stage_local<8>(x[q]);
-  }
-  for (u32 m = 1; m < G; m <<= 1) {  // G is uniform: every lane runs the same stages
-    const bool hi = (g & m) != 0u;
-#pragma unroll
-    for (int q = 0; q < NH; ++q) {
-#pragma unroll
-      for (int i = 0; i < 16; ++i) {
-        const float p = __shfl_xor_sync(0xFFFFFFFFu, x[q][i], (int)m);
-        x[q][i] = hi ? f_sub(p, x[q][i]) : f_add(x[q][i], p);
-      }
-    }
-  }
-#pragma unroll
-  for (int q = 0; q < NH; ++q) {
-#pragma unroll
-    for (int i = 0; i < 16; ++i) x[q][i] = f_mul(x[q][i], scale);
-  }
+  for (int q = 0; q < NH; ++q) hadamard_in_thread<16>(x[q]);
+  hadamard_across_lanes<NH * 16>(&x[0][0], g, G);
+  hadamard_normalize<NH * 16>(&x[0][0], scale);
+}
+
+// The transform of a row of D values held x[k] = d lane + 32 k by the 32 lanes (strides
+// 1 .. 16 across the lanes, then 32 .. D/2 in the registers, then the normalization; the
+// whole warp calls it).
+template <int D>
+FP4C_DEVICE void hadamard_row(float (&x)[D / 32]) {
+  hadamard_across_lanes<D / 32>(x, threadIdx.x & 31u, 32u);
+  hadamard_in_thread<D / 32>(x);
+  hadamard_normalize<D / 32>(x, hadamard_norm<D>());
+}
+
+// The transform without its normalization of rows held d = c D/4 + k in x[k] by the lanes
+// c = lane % 4 (strides 1 .. D/8 in the registers, D/4 and D/2 across lanes c ^ 1, c ^ 2).
+template <int D>
+FP4C_DEVICE void hadamard_quarter_rows(float (&x)[D / 4]) {
+  hadamard_in_thread<D / 4>(x);
+  hadamard_across_lanes<D / 4>(x, threadIdx.x & 3u, 4u);
 }
 
 // ---------------------------------------------------------------------------
