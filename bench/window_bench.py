@@ -3,7 +3,8 @@ one run: the few-row kernel (``fp4cache._cuda.decode``) on the same pages, plain
 window, no rotation), with a window of ``--pages`` mapped pages per sequence (random bf16
 slot rows), with the window and the rotation, and with the rotation alone (and, with
 ``--baseline FILE``, the plain call of another decode_attention.cu: an A/B of the plain
-path).
+path); the peer is the fastest torch SDPA backend (cuDNN, flash, efficient) over
+contiguous bf16 K/V of the same tokens, timed in the same run (``--no-sdpa``: without).
 
 Run on the GPU (from the repository root)::
 
@@ -60,6 +61,19 @@ def setup(env: Env, B: int, L: int, Hq: int, H: int, D: int, T: int, P: int, see
         cp.asarray(wmap), q
 
 
+def sdpa_peer(args, cache, tab, q, B, L, H, D):
+    """(seconds, backend name) of the fastest SDPA backend over the same tokens as
+    contiguous bf16 K/V (attention_bench.py's), or None where torch has none."""
+    from attention_bench import AttnBench
+
+    bench = AttnBench(argparse.Namespace(reps=args.reps))
+    k4, v4 = bench.sdpa_kv(cache, tab, B, L, H, D)
+    q4 = bench.env.to_torch(q).view(B, q.shape[1], 1, D)
+    best = bench.sdpa_best(q4, k4, v4, 1 / np.sqrt(D))
+    del k4, v4
+    return None if best is None else (best[0], best[1].name)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=None)
@@ -67,6 +81,7 @@ def main(argv=None) -> int:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--pages", type=int, default=3)
     ap.add_argument("--batch", type=int, default=20, help="calls between the events")
+    ap.add_argument("--no-sdpa", action="store_true", help="leave out the SDPA peer")
     ap.add_argument("--baseline", default=None, metavar="FILE",
                     help="also time the plain call of this replacement of decode_attention.cu "
                          "in the kernel folder (e.g. the previous commit's, for an A/B)")
@@ -100,12 +115,18 @@ def main(argv=None) -> int:
                 times[name].append(env.time_calls([call], reps=args.reps,
                                                   batch=args.batch)["median_s"])
         base = float(np.median(times["plain"]))
+        sdpa = None if args.no_sdpa else sdpa_peer(args, cache, tab, q, B, L, H, D)
         for name in variants:
             t = float(np.median(times[name]))
             row = dict(B=B, L=L, Hq=Hq, H=H, D=D, T=T, window_pages=P, variant=name,
                        us=t * 1e6, vs_plain=t / base, rounds_us=[x * 1e6 for x in times[name]])
+            peer = ""
+            if sdpa is not None:
+                row.update(sdpa_us=sdpa[0] * 1e6, sdpa_backend=sdpa[1],
+                           speedup_vs_sdpa=sdpa[0] / t)
+                peer = f"  {sdpa[0] / t:.2f}x SDPA {sdpa[1]}"
             rows.append(row)
-            print(f"B={B:3d} L={L:6d} {name:14s} {t * 1e6:8.1f} us  x{t / base:.3f}  "
+            print(f"B={B:3d} L={L:6d} {name:14s} {t * 1e6:8.1f} us  x{t / base:.3f}{peer}  "
                   f"rounds {' '.join(f'{x * 1e6:.1f}' for x in times[name])}", flush=True)
         del cache, tab, lens, win, wmap, q, out, scratch
         env.free()

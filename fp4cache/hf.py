@@ -319,7 +319,10 @@ class FP4Cache(Cache):
 
     The exact window is read by the fused attention (decode steps read their newest
     ``window_pages`` pages exact; the rows of a longer step read the newest pages of the
-    row after the step exact); the dequantizing path returns the NVFP4 values.
+    row after the step exact).  The dequantizing path returns the newest pages exact too,
+    so both read the same values; with left padding they differ a little, because the
+    dequantizing path's pages hold the padding as well and a padded row's newest pages
+    then cover fewer of its tokens.
     """
 
     def __init__(self, config: Any, max_batch_size: int, max_cache_len: int, *,
@@ -367,7 +370,8 @@ class FP4Cache(Cache):
                              f"{window_pages!r}")
         self.rotation = rotation
         self.window_pages = min(int(window_pages), self.pages_per_row)
-        self._mapped: set[int] = set()  # blocks mapped to their window slot (every layer)
+        # blocks mapped to their window slot (the same in every layer)
+        self._mapped = np.zeros(self.max_batch_size * self.pages_per_row, bool)
         self._moves: tuple | None = None  # (key, blocks, slots) of the last window step
         self._table = np.arange(self.max_batch_size * self.pages_per_row,
                                 dtype=np.int64).reshape(self.max_batch_size, -1)
@@ -434,35 +438,34 @@ class FP4Cache(Cache):
         if self._moves is not None and self._moves[0] == key:
             return self._moves[1]
         t, P = self.block_size, self.window_pages
-        want: set[int] = set()
         rows = np.flatnonzero(lens_after[:b] > lens_before[:b])
-        for r in rows:
-            n = -(-int(lens_after[r]) // t)
-            want.update(int(x) for x in self._table[r, max(0, n - P):n])
-        owned = set(int(x) for x in self._table[rows].reshape(-1))
-        drop = sorted((self._mapped & owned) - want)
-        add = sorted(want - self._mapped)
+        tab = self._table[rows]  # (rows, pages_per_row): the rows' blocks
+        n = -(-lens_after[rows] // t)[:, None]  # pages in use after the step
+        col = np.arange(tab.shape[1])
+        want = (col >= n - P) & (col < n)  # the newest P pages of each row
+        mapped = self._mapped[tab]
+        drop, add = np.sort(tab[mapped & ~want]), np.sort(tab[want & ~mapped])
         moves = None
-        if drop or add:
-            blocks = np.array(drop + add, dtype=np.int64)
-            slots = np.concatenate([np.full(len(drop), -1, np.int64),
-                                    self._slot_of(np.array(add, dtype=np.int64))])
+        if drop.size or add.size:
+            blocks = np.concatenate([drop, add]).astype(np.int64)
+            slots = np.concatenate([np.full(drop.size, -1, np.int64), self._slot_of(add)])
             moves = (self._index(blocks), self._index(slots))
-            self._mapped = (self._mapped - set(drop)) | set(add)
+            self._mapped[drop] = False
+            self._mapped[add] = True
         self._moves = (key, moves)
         return moves
 
     def _unmap_all(self) -> None:
         """Unmap every mapped block in every layer (a reset)."""
-        if self._mapped:
-            blocks = np.array(sorted(self._mapped), dtype=np.int64)
+        if self._mapped.any():
+            blocks = np.flatnonzero(self._mapped).astype(np.int64)
             for layer in self.layers:
                 if layer.pages is not None:
                     with self._on_stream():
                         layer.pages.map_window(self._index(blocks),
                                                self._index(np.full(blocks.size, -1)),
                                                validate=False)
-        self._mapped = set()
+        self._mapped[:] = False
         self._moves = None
 
     def _on_stream(self):

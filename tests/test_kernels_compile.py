@@ -149,7 +149,13 @@ def test_nvrtc_front_ends_agree():
     logs = {b: [ln for ln in K.compile_log(src, spec.file, "sm_90", ("-Xptxas", "-v"), b)
                 .splitlines() if "Compile time" not in ln] for b in have}
     assert len(set(ptx.values())) == 1 and f".entry {spec.name}(" in ptx[have[0]]
-    assert logs[have[0]] == logs[have[1]]
+    front = {b: [ln for ln in lines if not ln.startswith("ptxas")] for b, lines in logs.items()}
+    assert front[have[0]] == front[have[1]]  # NVRTC's own diagnostics
+    # ptxas' lines: the same where both front ends return them (NVRTC 13 on a GPU machine
+    # was seen to return them to the first of two identical compiles only)
+    ptxas = [[ln for ln in lines if ln.startswith("ptxas")] for lines in logs.values()]
+    if all(ptxas):
+        assert ptxas[0] == ptxas[1]
     if next(iter(versions.values()))[0] == 12:  # NVRTC 12 (the test extra's) runs ptxas -v
         assert any("Used" in ln and "registers" in ln for ln in logs[have[0]])
     with pytest.raises(ValueError, match="backend"):
