@@ -372,7 +372,16 @@ def main(argv=None) -> int:
                     help="also time each row with the last P pages in the exact window")
     ap.add_argument("--rotate", action="store_true",
                     help="also time each row with the q rotation (with --window: both)")
+    ap.add_argument("--max-row-warps", type=int, default=None, metavar="MW",
+                    help="experiment: launch no varlen kernel of more row warps than MW "
+                         "(e.g. 4: the 64-row kernel for long sequences instead of _r128)")
     args = ap.parse_args(argv)
+    if args.max_row_warps is not None:
+        from fp4cache._cuda import varlen
+
+        allowed = [mw for mw in varlen._abi.VARLEN_ROW_WARPS if mw <= args.max_row_warps]
+        varlen.row_warps_for = lambda rows: next(
+            (mw for mw in allowed if rows <= varlen._abi.MMA_ROWS * mw), max(allowed))
     VarlenBench(args).run()
     return 0
 

@@ -21,7 +21,8 @@ __all__ = ["RULES", "LAYOUTS", "STAT_NAMES", "STAT", "STRUCTS", "struct_dtype", 
            "ATTN_MAX_SPLITS", "PAIR_SCALE_SHIFT", "ATTN_CHUNK_TILES", "COPY_UNROLL",
            "COPY_MIN_CTAS", "COPY_TABLES", "PAGE_MOVE_THREADS", "SCALE_SATURATES_ABOVE",
            "MMA_ROWS", "VARLEN_WARPS", "VARLEN_TILE_KEYS", "VARLEN_ROW_WARPS",
-           "VARLEN_MAX_SPLITS", "VARLEN_MIN_SPLIT", "VARLEN_SMEM_PAD", "varlen_smem_bytes"]
+           "VARLEN_MAX_SPLITS", "VARLEN_MIN_SPLIT", "VARLEN_SMEM_PAD", "varlen_smem_bytes",
+           "varlen_warps"]
 
 #: Scale rules: name -> value of the kernels' ``RULE`` template parameter.
 RULES: dict[str, int] = {"static6": 0, "4over6": 1}
@@ -92,14 +93,15 @@ COPY_TABLES = 2
 PAGE_MOVE_THREADS = 512
 #: Rows of one mma.sync m16n8k16 tile (the A operand's m side).
 MMA_ROWS = 16
-#: Attention over any query length (kernels/varlen_attention.cu): warps per CTA; keys of the
-#: tile one warp decodes per step (a CTA step is VARLEN_WARPS tiles); the kernels' row
-#: warps (a CTA holds MMA_ROWS * row_warps query rows, (token, head) pairs; the
-#: VARLEN_WARPS / row_warps warps of a row block split the step's keys): 1 for sequences
-#: of at most 16 rows (decode, speculative verification), 2 for at most 32, 4 for longer.
+#: Attention over any query length (kernels/varlen_attention.cu): warps per CTA (at least;
+#: varlen_warps); keys of the tile one warp decodes per step (a CTA step is one tile per
+#: warp); the kernels' row warps (a CTA holds MMA_ROWS * row_warps query rows, (token,
+#: head) pairs; the varlen_warps / row_warps warps of a row block split the step's keys):
+#: 1 for sequences of at most 16 rows (decode, speculative verification), 2 for at most
+#: 32, 4 for at most 64, 8 (a CTA of 8 warps) for longer.
 VARLEN_WARPS = 4
 VARLEN_TILE_KEYS = 16
-VARLEN_ROW_WARPS = (1, 2, 4)
+VARLEN_ROW_WARPS = (1, 2, 4, 8)
 #: A sequence whose rows fit one CTA splits its keys over at most VARLEN_MAX_SPLITS CTAs of
 #: at least VARLEN_MIN_SPLIT keys (partials of the CTA's rows in the workspace).
 VARLEN_MAX_SPLITS = 32
@@ -108,12 +110,18 @@ VARLEN_MIN_SPLIT = 256
 VARLEN_SMEM_PAD = 8
 
 
+def varlen_warps(row_warps: int) -> int:
+    """Warps of a varlen kernel's CTA (FP4C_VL_WARPS): VARLEN_WARPS, or row_warps when more."""
+    return max(VARLEN_WARPS, row_warps)
+
+
 def varlen_smem_bytes(head_dim: int, row_warps: int, split_q: bool) -> int:
     """Dynamic shared memory of a varlen kernel (the kernel checks it against its own
     layout): decoded K and V tiles of every warp, the scale-row staging, q (hi [+ lo])."""
     ld = head_dim + VARLEN_SMEM_PAD
-    kv = VARLEN_WARPS * 2 * VARLEN_TILE_KEYS * ld * 2
-    sc = VARLEN_WARPS * 2 * VARLEN_TILE_KEYS * (head_dim // 16)
+    w = varlen_warps(row_warps)
+    kv = w * 2 * VARLEN_TILE_KEYS * ld * 2
+    sc = w * 2 * VARLEN_TILE_KEYS * (head_dim // 16)
     q = MMA_ROWS * row_warps * ld * 2 * (2 if split_q else 1)
     return kv + sc + q
 

@@ -23,14 +23,15 @@
 //     launch's
 //     rows_lo < rows <= rows_hi (a mixed batch takes two launches: the 16-row kernel for
 //     sequences of at most 16 rows, a larger one for the others).
-// Kernels _r16, _r32, _r64 (MW = 1, 2, 4 row warps): warp w owns rows 16 (w / KW) ..
-// + 15 and the tiles w % KW, w % KW + KW, ... of each step (KW = 4 / MW); the KW warps of
-// a row block are merged in shared memory at the end.  Their _win variants (WIN) add the
+// Kernels _r16, _r32, _r64, _r128 (MW = 1, 2, 4, 8 row warps; CTAs of max(4, MW) warps):
+// warp w owns rows 16 (w / KW) .. + 15 and the tiles w % KW, w % KW + KW, ... of each step
+// (KW = warps / MW; _r128: every tile of its 128-key step, in two calls of 4 tiles); the
+// KW warps of a row block are merged in shared memory at the end.  Their _win variants (WIN) add the
 // exact window and the q rotation (docs/window.md; the plain kernels have neither's code):
 // the steps wholly before the window start run the plain loop, the later ones the window
 // step below for their tiles at or past it.
 //
-// A step covers FP4C_VARLEN_WARPS tiles of FP4C_VARLEN_TILE_KEYS keys.  Steps:
+// A step covers one tile of FP4C_VARLEN_TILE_KEYS keys per warp.  Steps:
 //   load:    lane (token t = lane % 16, side = lane / 16) reads its key's code row and scale
 //            row into registers (the next step's loads are in flight while this step is
 //            computed; a cp.async ring measured slower, docs/kernels.md); any block
@@ -76,19 +77,23 @@
 #include "attn_epilogue.cuh"
 #include "attn_window.cuh"
 
-#define FP4C_VL_THREADS (32 * FP4C_VARLEN_WARPS)
+// warps of a CTA: FP4C_VARLEN_WARPS, or MW when a CTA has more row warps (_r128)
+#define FP4C_VL_WARPS(MW) ((MW) > FP4C_VARLEN_WARPS ? (MW) : FP4C_VARLEN_WARPS)
+#define FP4C_VL_THREADS(MW) (32 * FP4C_VL_WARPS(MW))
 #define FP4C_VL_NOKEY 0xFFFFFFFFu
 
 // Geometry of one head_dim: HeadDims (attn_seq.cuh) and this kernel's tiling
 template <int D, int MW, bool SPLIT>
 struct VlDims : HeadDims<D> {
-  static_assert(FP4C_VARLEN_WARPS % MW == 0, "row warps divide the warps");
-  static constexpr int W = FP4C_VARLEN_WARPS;
+  static constexpr int W = FP4C_VL_WARPS(MW);       // warps of the CTA
+  static_assert(W % MW == 0, "row warps divide the warps");
+  static constexpr int THREADS = 32 * W;
   static constexpr int KW = W / MW;                  // warps sharing one row block
   static constexpr int ROWS = FP4C_MMA_ROWS * MW;    // query rows of the CTA
   static constexpr int TK = FP4C_VARLEN_TILE_KEYS;   // keys per warp tile
   static constexpr int STEP = TK * W;                // keys per CTA step
-  static constexpr int NTL = MW;                     // tiles a warp computes per step
+  static constexpr int NTL = MW < 4 ? MW : 4;        // tiles of one vl_tiles call (registers)
+  static constexpr int NCALL = MW / NTL;             // vl_tiles calls per step (MW tiles)
   static constexpr int LD = D + FP4C_VARLEN_SMEM_PAD;  // f16 per shared row
   static constexpr int TILE = 2 * TK * LD * 2;       // bytes of one decoded K + V tile
   static constexpr int KV = W * TILE;
@@ -176,13 +181,13 @@ FP4C_DEVICE u32 pair_column(u32 n) {
   return col;
 }
 
-template <typename T, int D, int ROWS, int LD, bool SPLIT, bool WIN>
+template <typename T, int D, int ROWS, int LD, int NW, bool SPLIT, bool WIN>
 FP4C_DEVICE void load_q(const void* q, const VlWork& W, const VarlenParams& P, u16* sq,
                         u16* sql, float* s_rsc, u32* s_lim) {
   const u32 lane = threadIdx.x & 31u, warp = threadIdx.x >> 5;
   const u32 Hq = P.H * P.group;
   const u32 col0 = (lane & ~7u) + pair_column(lane & 7u);  // column of d = lane (+ 32k)
-  for (u32 j = warp; j < (u32)ROWS; j += FP4C_VARLEN_WARPS) {
+  for (u32 j = warp; j < (u32)ROWS; j += NW) {
     float x[D / 32];
     float mx = 0.0f;
     u32 tok = 0u;
@@ -518,7 +523,7 @@ FP4C_DEVICE void vl_merge_warps(VlRowState<D>& st, float (*s_o)[D + 1],
                                 float (*s_m)[FP4C_MMA_ROWS * MW],
                                 float (*s_l)[FP4C_MMA_ROWS * MW], const u32* s_lim,
                                 u32 nan_key, const u32* s_vnan, float* s_M, float* s_L) {
-  constexpr int KW = FP4C_VARLEN_WARPS / MW, ROWS = FP4C_MMA_ROWS * MW;
+  constexpr int KW = FP4C_VL_WARPS(MW) / MW, ROWS = FP4C_MMA_ROWS * MW;
   const u32 lane = threadIdx.x & 31u, warp = threadIdx.x >> 5, g = lane >> 2, c = lane & 3u;
   const u32 mw = warp / KW, kw = warp - mw * KW;
 #pragma unroll
@@ -553,7 +558,7 @@ FP4C_DEVICE void vl_merge_warps(VlRowState<D>& st, float (*s_o)[D + 1],
   if (threadIdx.x < (u32)ROWS)
     merge_warp_row<KW>(s_m, s_l, threadIdx.x, nan_key < s_lim[threadIdx.x], s_M, s_L);
   // V groups stored as NaN among the keys a row sees: NaN in the group's columns
-  for (u32 k = threadIdx.x; k < (u32)(ROWS * (D / 16)); k += FP4C_VL_THREADS) {
+  for (u32 k = threadIdx.x; k < (u32)(ROWS * (D / 16)); k += FP4C_VL_THREADS(MW)) {
     const u32 row = k / (D / 16), grp = k - row * (D / 16);
     if (s_vnan[grp] < s_lim[row]) {
 #pragma unroll
@@ -568,7 +573,7 @@ FP4C_DEVICE void vl_merge_warps(VlRowState<D>& st, float (*s_o)[D + 1],
 // finish: with splits, write the partial and let the last CTA of the (sequence, KV head)
 // merge the partials (atomic ticket, reset by that CTA); then write out and lse
 // ---------------------------------------------------------------------------------------
-template <typename T, int D, int ROWS>
+template <typename T, int D, int ROWS, int THREADS>
 FP4C_DEVICE void vl_finish(const VlWork& W, const VarlenParams& P, float (*s_o)[D + 1],
                            float* s_M, float* s_L,
                            float (*s_w)[FP4C_VARLEN_MAX_SPLITS],  // split weights per row
@@ -581,12 +586,12 @@ FP4C_DEVICE void vl_finish(const VlWork& W, const VarlenParams& P, float (*s_o)[
                      (u32*)P.counters + (W.b * P.H + W.h), W.nsplit,
                      W.kv_end == 0u ? 0u : (W.kv_end + W.split_len - 1u) / W.split_len, ROWS,
                      W.rows_here};
-    if (W.s0 < W.s1) write_partial<D, FP4C_VL_THREADS>(S, W.split, s_o, s_M, s_L);
-    if (!merge_splits<D, FP4C_VL_THREADS, FP4C_VARLEN_MAX_SPLITS>(S, s_o, s_M, s_L, s_w, s_flag))
+    if (W.s0 < W.s1) write_partial<D, THREADS>(S, W.split, s_o, s_M, s_L);
+    if (!merge_splits<D, THREADS, FP4C_VARLEN_MAX_SPLITS>(S, s_o, s_M, s_L, s_w, s_flag))
       return;
   }
   const RowMap R = row_map(P, W.h, W.qs0, W.n);
-  write_rows<T, D, FP4C_VL_THREADS>(R, W.r0, W.rows_here, s_o, s_M, s_L, P.out_scale, out, lse);
+  write_rows<T, D, THREADS>(R, W.r0, W.rows_here, s_o, s_M, s_L, P.out_scale, out, lse);
 }
 
 // ---------------------------------------------------------------------------------------
@@ -614,7 +619,7 @@ FP4C_DEVICE void varlen_item(u32 item, const void* __restrict__ q, const void* _
   u16* sql = sq + ROWS * LD;
   if (threadIdx.x == 0) s_nan = FP4C_VL_NOKEY;
   if (threadIdx.x < (u32)A::G) s_vnan[threadIdx.x] = FP4C_VL_NOKEY;
-  load_q<T, D, ROWS, LD, SPLIT, WIN>(q, W, P, sq, sql, s_rsc, s_lim);
+  load_q<T, D, ROWS, LD, A::W, SPLIT, WIN>(q, W, P, sq, sql, s_rsc, s_lim);
   __syncthreads();
 
   // ---- this lane's rows: limits (split end included), score scales, q fragments ---------
@@ -673,12 +678,17 @@ FP4C_DEVICE void varlen_item(u32 item, const void* __restrict__ q, const void* _
       else
         vl_decode<D, LD>(R, step + my_key, P.swizzle, my_stage, my_tile, nan_key, s_vnan);
       if (step + A::STEP < W.s1) vl_load<D>(S, step + A::STEP + my_key, nv_end, R);
-      // warp (mw, kw) computes tiles kw, kw + KW, ... of the step (MW = 1: its own tile)
+      // warp (mw, kw) computes tiles kw, kw + KW, ... of the step (MW = 1: its own tile),
+      // NTL of them per vl_tiles call
       if constexpr (MW == 1) __syncwarp(); else __syncthreads();
-      if (step + 16u * kw < wmax)
-        vl_tiles<D, A::NTL, LD, SPLIT, A::QREG>(kv_s + kw * A::TILE, A::KW * A::TILE,
-                                                step + 16u * kw, 16u * A::KW, wmax, qaddr, qladdr,
-                                                qf, qlf, lim, rs, st);
+#pragma unroll
+      for (int hc = 0; hc < A::NCALL; ++hc) {
+        const u32 t0 = kw + (u32)(hc * A::NTL * A::KW);  // the call's first tile
+        if (step + 16u * t0 < wmax)
+          vl_tiles<D, A::NTL, LD, SPLIT, A::QREG>(kv_s + t0 * A::TILE, A::KW * A::TILE,
+                                                  step + 16u * t0, 16u * A::KW, wmax, qaddr,
+                                                  qladdr, qf, qlf, lim, rs, st);
+      }
       if constexpr (MW == 1) __syncwarp(); else __syncthreads();
     }
   }
@@ -692,12 +702,14 @@ FP4C_DEVICE void varlen_item(u32 item, const void* __restrict__ q, const void* _
   // the split weights take q's place (q is no longer read)
   static_assert(ROWS * FP4C_VARLEN_MAX_SPLITS * 4 <= A::QB, "split weights in q's place");
   float(*s_w)[FP4C_VARLEN_MAX_SPLITS] = reinterpret_cast<float(*)[FP4C_VARLEN_MAX_SPLITS]>(sq);
-  vl_finish<T, D, ROWS>(W, P, s_o, s_M, s_L, s_w, s_flag, out, lse);
+  vl_finish<T, D, ROWS, A::THREADS>(W, P, s_o, s_M, s_L, s_w, s_flag, out, lse);
 }
 
 // minimum resident CTAs per SM (register budget): 16-row kernels keep q in shared memory
 // to reach 3 (D = 128) / 4 (D = 64) CTAs per SM, enough loads in flight for long contexts
-#define FP4C_VL_MINB(D, MW) ((D) == 64 ? ((MW) == 1 ? 4 : 3) : (D) == 128 ? ((MW) == 1 ? 3 : 2) : 1)
+// (_r128: 8 warps, one CTA)
+#define FP4C_VL_MINB(D, MW) \
+  ((MW) > 4 ? 1 : (D) == 64 ? ((MW) == 1 ? 4 : 3) : (D) == 128 ? ((MW) == 1 ? 3 : 2) : 1)
 // ---------------------------------------------------------------------------------------
 // The kernel: a CTA takes the work items blockIdx.x, + gridDim.x, ... (the grid is capped
 // at a few waves of resident CTAs, so the items a mixed batch's launch leaves empty cost a
@@ -719,11 +731,11 @@ FP4C_DEVICE void varlen_attn_impl(const void* __restrict__ q, const void* __rest
   }
 }
 
-// NAME, q/out value type, head_dim, row warps (1, 2, 4: 16, 32, 64 rows per CTA), WIN (1:
+// NAME, q/out value type, head_dim, row warps (1, 2, 4, 8: 16 .. 128 rows per CTA), WIN (1:
 // the exact window and the q rotation compiled in, runtime-selected by the params; 0: the
 // plain cache's kernel, without their code)
 #define FP4C_VARLEN_KERNEL(NAME, T, D, MW, WIN)                                              \
-  extern "C" __global__ void __launch_bounds__(FP4C_VL_THREADS, FP4C_VL_MINB(D, MW))         \
+  extern "C" __global__ void __launch_bounds__(FP4C_VL_THREADS(MW), FP4C_VL_MINB(D, MW))     \
       NAME(const void* __restrict__ q, const void* __restrict__ qsl,                         \
            const void* __restrict__ tables, const void* __restrict__ seq_lens,               \
            void* __restrict__ out, float* __restrict__ lse, const VarlenParams params) {     \

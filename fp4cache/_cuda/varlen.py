@@ -128,7 +128,8 @@ def _make_launch(buffer, q, query_start_loc, block_tables, seq_lens, geom: PageG
     smem = _abi.varlen_smem_bytes(D, row_warps, np.dtype(q.dtype).itemsize == 4)
     if smem > _STATIC_SMEM_MAX:
         fn.max_dynamic_shared_size_bytes = smem
-    resident = resident_ctas(fn, 32 * _abi.VARLEN_WARPS, smem)
+    threads = 32 * _abi.varlen_warps(row_warps)
+    resident = resident_ctas(fn, threads, smem)
     ps = plan_shape(B, H, row_warps, rows, max_blocks * T, resident)
     # (the plan depends on shapes only; items past a sequence's work are skipped on the
     # device)
@@ -155,7 +156,7 @@ def _make_launch(buffer, q, query_start_loc, block_tables, seq_lens, geom: PageG
     for name, value in (("slots", ps.slots), ("max_splits", ps.max_splits), ("smem", smem),
                         ("items", items)):
         p[name] = value
-    return _VarlenPlan(fn, grid, smem, by_value(p), (buffer, stats, geom, window, ps))
+    return _VarlenPlan(fn, grid, smem, by_value(p), (buffer, stats, geom, window, ps), threads)
 
 
 def make_varlen_plan(buffer, q, query_start_loc, block_tables, seq_lens, geom: PageGeometry,
