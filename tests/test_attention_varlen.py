@@ -1110,7 +1110,7 @@ class TestKernel:
 
     def test_mixed_batch_one_launch(self):
         """Decode tokens, speculative tokens and a long chunk in one call: two launches (the
-        few-row kernel splits the keys of the sequences of <= 16 rows, the 64-row kernel takes
+        few-row kernel splits the keys of the sequences of <= 16 rows, the 128-row kernel takes
         the others; its 24-row sequence fits one tile and splits too)."""
         rng = np.random.default_rng(11)
         ns = [1, 4, 300, 1, 0, 2, 6]
@@ -1120,7 +1120,7 @@ class TestKernel:
         (call,) = scratch.plans.values()
         (small,), big = (lp.keep for lp in call.launches)
         assert small.spec.name.endswith("_wide_paged16") and small.grid[0] > 1
-        assert big[-1].row_warps == 4
+        assert big[-1].row_warps == 8
 
     def test_one_cta_takes_every_work_item(self, monkeypatch):
         """A grid of one CTA for the varlen launch (GRID_WAVES = 0): it loops over every work
