@@ -377,11 +377,10 @@ def main(argv=None) -> int:
                          "(e.g. 4: the 64-row kernel for long sequences instead of _r128)")
     args = ap.parse_args(argv)
     if args.max_row_warps is not None:
-        from fp4cache._cuda import varlen
+        from fp4cache import _abi
 
-        allowed = [mw for mw in varlen._abi.VARLEN_ROW_WARPS if mw <= args.max_row_warps]
-        varlen.row_warps_for = lambda rows: next(
-            (mw for mw in allowed if rows <= varlen._abi.MMA_ROWS * mw), max(allowed))
+        _abi.VARLEN_ROW_WARPS = tuple(mw for mw in _abi.VARLEN_ROW_WARPS
+                                      if mw <= args.max_row_warps)
     VarlenBench(args).run()
     return 0
 

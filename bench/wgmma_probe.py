@@ -76,17 +76,31 @@ __device__ __forceinline__ void write_acc(const float* d, float* out) {
   }
 }
 
+// Stage the image, zero the accumulators and fence them: the image's shared address.
+__device__ __forceinline__ u32 begin(const unsigned char* img, u32 bytes, unsigned char* sm,
+                                     float* d) {
+  stage(img, bytes, sm);
+  for (int i = 0; i < NACC; ++i) d[i] = 0.0f;
+  asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
+  return smem_addr(sm);
+}
+
+// Wait for the wgmma chain and write the accumulators (out[0] = -1e30 when the image was
+// not 1024-byte aligned: the swizzle's pattern would start elsewhere).
+__device__ __forceinline__ void end(const float* d, u32 base, float* out) {
+  asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
+  asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
+  write_acc(d, out);
+  if (threadIdx.x == 0 && (base & 1023u)) out[0] = -1e30f;
+}
+
 // A and B in shared memory (K-major unless tnsp_b), nk k16 steps
 extern "C" __global__ void probe_ss(const unsigned char* img, u32 bytes, u32 a_off, u32 b_off,
                                     u32 a_lbo, u32 a_sbo, u32 b_lbo, u32 b_sbo, u32 a_step,
                                     u32 b_step, u32 nk, u32 tnsp_b, float* out) {
   extern __shared__ __align__(1024) unsigned char sm[];
-  stage(img, bytes, sm);
   float d[NACC];
-  for (int i = 0; i < NACC; ++i) d[i] = 0.0f;
-  const u32 base = smem_addr(sm);
-  if (threadIdx.x == 0 && (base & 1023u)) out[0] = -1e30f;
-  asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
+  const u32 base = begin(img, bytes, sm, d);
   for (u32 k = 0; k < nk; ++k) {
     const u64 da = desc(base + a_off + k * a_step, a_lbo, a_sbo);
     const u64 db = desc(base + b_off + k * b_step, b_lbo, b_sbo);
@@ -98,9 +112,7 @@ extern "C" __global__ void probe_ss(const unsigned char* img, u32 bytes, u32 a_o
       asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %NSC, 0;\n" SS_T "\n}\n"
                    : OUTS : "l"(da), "l"(db), "r"(sc), "n"(0));
   }
-  asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
-  asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
-  write_acc(d, out);
+  end(d, base, out);
 }
 
 // A from registers (afrag: [nk][128 threads][4] u32, the m16n8k16 A fragment of each
@@ -109,12 +121,8 @@ extern "C" __global__ void probe_rs(const unsigned char* img, u32 bytes, const u
                                     u32 b_off, u32 b_lbo, u32 b_sbo, u32 b_step, u32 nk,
                                     u32 tnsp_b, float* out) {
   extern __shared__ __align__(1024) unsigned char sm[];
-  stage(img, bytes, sm);
   float d[NACC];
-  for (int i = 0; i < NACC; ++i) d[i] = 0.0f;
-  const u32 base = smem_addr(sm);
-  if (threadIdx.x == 0 && (base & 1023u)) out[0] = -1e30f;
-  asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
+  const u32 base = begin(img, bytes, sm, d);
   for (u32 k = 0; k < nk; ++k) {
     const u32* a = afrag + (k * 128u + threadIdx.x) * 4u;
     const u32 a0 = a[0], a1 = a[1], a2 = a[2], a3 = a[3];
@@ -127,9 +135,7 @@ extern "C" __global__ void probe_rs(const unsigned char* img, u32 bytes, const u
       asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %NSCR, 0;\n" RS_T "\n}\n"
                    : OUTS : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "l"(db), "r"(sc), "n"(0));
   }
-  asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
-  asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
-  write_acc(d, out);
+  end(d, base, out);
 }
 """.replace("NACC", str(nd)).replace("NCOL", str(n)).replace("OUTS", outs) \
         .replace('" SS_T "', ss).replace('" RS_T "', rs) \

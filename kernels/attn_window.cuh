@@ -1,13 +1,13 @@
 // fp4cache: the exact window of the attention kernels (docs/window.md): where a sequence's
 // window starts and the rows of a window slot as f16 in the decoded units (the q rotation
-// is hadamard.cuh's).  A template parameter `Params` is AttnParams or VarlenParams (fp4cache/_abi.py: win, win_map,
-// win_pages, win_slots, win_k_mul, win_v_mul have the same names in both).
+// is hadamard.cuh's).  A template parameter `Params` is AttnParams or VarlenParams
+// (fp4cache/_abi.py: win, win_map, win_pages, win_slots, win_k_mul, win_v_mul have the
+// same names in both).
 #pragma once
 #include "fp4_common.cuh"
 #include "attn_ptx.cuh"
 #include "attn_dequant.cuh"
 #include "attn_seq.cuh"
-#include "hadamard.cuh"
 
 // ---------------------------------------------------------------------------------------
 // Window start: the first key read from the window slots

@@ -56,7 +56,7 @@
 // q is converted to f16 per row with a power-of-two scale (max |q| lands in [2^14, 2^15),
 // exact for bf16 / f16); float32 q is split into f16 hi + lo parts (two MMAs).  With
 // `rotate` (K stored rotated) the q row goes through the normalized Hadamard transform in
-// float32 first (hadamard_row, attn_window.cuh).
+// float32 first (hadamard_row, hadamard.cuh).
 //
 // Bad block ids (outside [0, num_blocks)): nothing is read from a bad page, its K and V
 // decode to 0 and the smallest such key of the CTA is kept; a row that sees that key gets
@@ -76,6 +76,7 @@
 #include "attn_state.cuh"
 #include "attn_epilogue.cuh"
 #include "attn_window.cuh"
+#include "hadamard.cuh"
 
 // warps of a CTA: FP4C_VARLEN_WARPS, or MW when a CTA has more row warps (_r128)
 #define FP4C_VL_WARPS(MW) ((MW) > FP4C_VARLEN_WARPS ? (MW) : FP4C_VARLEN_WARPS)
