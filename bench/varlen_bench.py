@@ -48,14 +48,16 @@ TARGETS = {"n4_vs_decode": 1.2, "n4_vs_sdpa": 2.0, "n8_vs_decode": 1.6,
 
 class VarlenBench(AttnBench):
     def varlen(self, cache, q, qsl, tab, lens, out, scratch, sm_scale, mql, causal=True,
-               window=None, rotate=False):
+               window=None, rotate=False, route=None):
         from fp4cache._cuda import varlen as cv
+
+        route = self.args.route if route is None else route
 
         def call():
             cv.attention(cache.buffer, q, qsl, tab, lens, out, None, max_query_len=mql,
                          causal=causal, geom=cache.geometry, k_s=cache.pool.k_s, v_s=cache.pool.v_s,
                          sm_scale=sm_scale, stats=cache.pool.stats, scratch=scratch,
-                         window=window, rotate=rotate)
+                         window=window, rotate=rotate, route=route)
         return call
 
     def window_of(self, cache, tab, lens, P):
@@ -223,9 +225,21 @@ class VarlenBench(AttnBench):
         flops = 4.0 * pairs * Hq * D
         rel = self.check(cache, tab, lensd, qsl, q, out, sm_scale, H, D, T)
         plan = next(iter(scratch.plans.values())).launches[-1]
-        row = dict(case=f"prefill B=1, {n} after {cached}", varlen_us=t * 1e6,
+        row = dict(case=f"prefill B=1, {n} after {cached}, D={D}", varlen_us=t * 1e6,
                    tflops=flops / t / 1e12, grid=plan.grid, regs=int(plan.fn.num_regs),
-                   max_row_rel_err=rel, check="ok" if rel <= 1e-2 else "FAIL")
+                   kernel=plan.name, max_row_rel_err=rel, check="ok" if rel <= 1e-2 else "FAIL")
+        if self.args.route == "auto":  # the mma.sync route on the same cache and q
+            mcall = self.varlen(cache, q, qsl, tab, lensd, out, new_scratch(), sm_scale, n,
+                                route="mma")
+            mcall()
+            cp.cuda.Device().synchronize()
+            tm = self.time([mcall], batch=3)
+            mrel = self.check(cache, tab, lensd, qsl, q, out, sm_scale, H, D, T)
+            row.update(mma_us=tm * 1e6, mma_tflops=flops / tm / 1e12, mma_rel_err=mrel)
+            log(f"   route mma: {tm * 1e6:.1f} us, {flops / tm / 1e12:.1f} TFLOPS; err "
+                f"{mrel:.1e}")
+            call()  # out of the timed route again
+            cp.cuda.Device().synchronize()
         kd, vd = cache.gather_dequant(tab.reshape(-1))
         kt = torch.from_dlpack(kd.view(cp.int16)).view(torch.bfloat16)[:L]
         vt = torch.from_dlpack(vd.view(cp.int16)).view(torch.bfloat16)[:L]
@@ -247,6 +261,12 @@ class VarlenBench(AttnBench):
         self.rows.append(row)
         self.write()
         del k4, v4
+
+    def prefill_shapes(self):
+        """The prefill row at head_dim 64 and 256, and a plain 8,192-token prefill."""
+        for kw in (dict(D=64), dict(D=256), dict(n=8192, cached=0)):
+            self.prefill(**kw)
+            self.release()
 
     def mixed(self, Hq=32, H=8, D=128, T=16, seed=9):
         cp = self.cp
@@ -342,7 +362,8 @@ class VarlenBench(AttnBench):
     def run(self):
         self.copy()
         steps = [("spec", lambda: self.spec([2, 4, 8])), ("prefill", self.prefill),
-                 ("mixed", self.mixed), ("host", self.host)]
+                 ("prefill_shapes", self.prefill_shapes), ("mixed", self.mixed),
+                 ("host", self.host)]
         for name, fn in steps:
             if self.args.only and name not in self.args.only:
                 continue
@@ -367,7 +388,11 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=None)
     ap.add_argument("--reps", type=int, default=10)
-    ap.add_argument("--only", nargs="*", default=None, help="spec, prefill, mixed, host")
+    ap.add_argument("--only", nargs="*", default=None,
+                    help="spec, prefill, prefill_shapes, mixed, host")
+    ap.add_argument("--route", default="auto", choices=("auto", "mma"),
+                    help="the prefill route (fp4cache._kernels.PREFILL_ROUTES): auto (the "
+                         "wgmma kernel on sm_90; the prefill rows time mma beside it) or mma")
     ap.add_argument("--window", type=int, default=0, metavar="P",
                     help="also time each row with the last P pages in the exact window")
     ap.add_argument("--rotate", action="store_true",

@@ -22,6 +22,9 @@ __all__ = ["RULES", "LAYOUTS", "STAT_NAMES", "STAT", "STRUCTS", "struct_dtype", 
            "COPY_MIN_CTAS", "COPY_TABLES", "PAGE_MOVE_THREADS", "SCALE_SATURATES_ABOVE",
            "MMA_ROWS", "VARLEN_WARPS", "VARLEN_TILE_KEYS", "VARLEN_ROW_WARPS",
            "VARLEN_MAX_SPLITS", "VARLEN_MIN_SPLIT", "VARLEN_SMEM_PAD", "varlen_smem_bytes",
+           "VARLEN_WG_HEAD_DIMS", "VARLEN_WG_ROW_WARPS", "VARLEN_WG_STEP",
+           "VARLEN_WG_K_STAGES", "VARLEN_WG_V_STAGES",
+           "varlen_wg_smem_bytes",
            "varlen_warps"]
 
 #: Scale rules: name -> value of the kernels' ``RULE`` template parameter.
@@ -124,6 +127,26 @@ def varlen_smem_bytes(head_dim: int, row_warps: int, split_q: bool) -> int:
     sc = w * 2 * VARLEN_TILE_KEYS * (head_dim // 16)
     q = MMA_ROWS * row_warps * ld * 2 * (2 if split_q else 1)
     return kv + sc + q
+
+
+#: The wgmma kernel (kernels/varlen_wgmma.cu, sm_90a): head dims, rows per CTA (two
+#: warpgroups of 64; the plan's row_warps is VARLEN_WG_ROW_WARPS), keys per step, shared
+#: stages of the decoded K and of the decoded V (one step each).
+VARLEN_WG_HEAD_DIMS = (64, 128)
+VARLEN_WG_ROW_WARPS = 8
+VARLEN_WG_STEP = 128
+VARLEN_WG_K_STAGES = 2
+VARLEN_WG_V_STAGES = 3
+
+
+def varlen_wg_smem_bytes(head_dim: int) -> int:
+    """Dynamic shared memory of the wgmma kernel (``WgDims::SMEM``, checked by the kernel):
+    1024 bytes to align the swizzled regions, q, the K and V stages, the scale staging."""
+    rows = MMA_ROWS * VARLEN_WG_ROW_WARPS
+    warps = VARLEN_WG_ROW_WARPS
+    stages = VARLEN_WG_K_STAGES + VARLEN_WG_V_STAGES
+    return (1024 + rows * head_dim * 2 + stages * VARLEN_WG_STEP * head_dim * 2
+            + warps * 2 * VARLEN_TILE_KEYS * (head_dim // 16))
 
 
 #: The device ``FastDiv`` (``fdiv`` in kernels/fp4_common.cuh): ``n / d`` of a run-time
@@ -316,7 +339,11 @@ def header() -> str:
             f"#define FP4C_VARLEN_TILE_KEYS {VARLEN_TILE_KEYS}",
             f"#define FP4C_VARLEN_MAX_SPLITS {VARLEN_MAX_SPLITS}",
             f"#define FP4C_VARLEN_MIN_SPLIT {VARLEN_MIN_SPLIT}",
-            f"#define FP4C_VARLEN_SMEM_PAD {VARLEN_SMEM_PAD}"]
+            f"#define FP4C_VARLEN_SMEM_PAD {VARLEN_SMEM_PAD}",
+            f"#define FP4C_VARLEN_WG_ROW_WARPS {VARLEN_WG_ROW_WARPS}",
+            f"#define FP4C_VARLEN_WG_STEP {VARLEN_WG_STEP}",
+            f"#define FP4C_VARLEN_WG_K_STAGES {VARLEN_WG_K_STAGES}",
+            f"#define FP4C_VARLEN_WG_V_STAGES {VARLEN_WG_V_STAGES}"]
     fd = _CTYPES["FastDiv"]
     out.append("struct FastDiv {")
     out += [f"  {t} {n};" for n, t in FASTDIV_FIELDS]

@@ -77,6 +77,8 @@ __all__ = [
     "page_read_spec",
     "page_write_spec",
     "varlen_attention_spec",
+    "varlen_wgmma_spec",
+    "arch_family",
 ]
 
 #: Options of every compile: C++17, no FMA contraction (bit-exact float32 arithmetic).
@@ -131,9 +133,11 @@ def kernel_dir() -> Path:
 class Spec:
     """One kernel specialization: file, stamping macro, kernel name, macro arguments, the
     macros its translation unit defines (a variant's switch, e.g. ``FP4C_ATTN_BITMOVE``),
-    where the host reads them back the builder's arguments by name (``params``) and the
+    where the host reads them back the builder's arguments by name (``params``), the
     folder of ``file`` (``None``: the shipped :func:`kernel_dir`; a test kernel's folder
-    otherwise, whose includes are looked up there first, then in :func:`kernel_dir`)."""
+    otherwise, whose includes are looked up there first, then in :func:`kernel_dir`) and
+    the one architecture it is compiled for (``"sm_90a"``: it uses features of that
+    architecture only; ``None``: the device's)."""
 
     file: str
     macro: str
@@ -142,6 +146,7 @@ class Spec:
     defines: tuple[tuple[str, int], ...] = ()
     params: tuple | None = None
     folder: str | None = None
+    arch: str | None = None
 
     @property
     def instantiation(self) -> str:
@@ -270,6 +275,12 @@ ATTN_HEAD_DIMS = (64, 128, 256)
 #: and bit moves below; "bitmove" takes the bit moves on every GPU (so that a newer GPU
 #: can test the sm_80 route).
 DECODE_ROUTES = ("auto", "bitmove")
+#: Which kernel ``PagedKVCache.attention`` takes for sequences of more than 64 rows
+#: (``fp4cache._cuda.varlen``): "auto" the wgmma kernel (``kernels/varlen_wgmma.cu``) where
+#: it applies (an sm_90 device, bf16 / f16 q, head_dim in ``_abi.VARLEN_WG_HEAD_DIMS``, no
+#: window or rotation), else the 128-row mma.sync kernel; "mma" the mma.sync kernel on every
+#: GPU (so that an sm_90 device can test and time the sm_80 route).
+PREFILL_ROUTES = ("auto", "mma")
 
 
 class DecodeAttnArgs(NamedTuple):
@@ -333,6 +344,19 @@ def varlen_attention_spec(dtype: str, head_dim: int, row_warps: int,
             f"{'_win' if window else ''}")
     return Spec("varlen_attention.cu", "FP4C_VARLEN_KERNEL", name,
                 (VALUE_TYPES[dtype], str(head_dim), str(row_warps), "1" if window else "0"))
+
+
+def varlen_wgmma_spec(dtype: str, head_dim: int) -> Spec:
+    """The wgmma attention kernel (``kernels/varlen_wgmma.cu``, sm_90a only): the 128-row
+    varlen kernel's work for ``dtype`` (bf16 / f16) q/out, ``head_dim`` in
+    ``_abi.VARLEN_WG_HEAD_DIMS``, without the window and the rotation."""
+    if dtype not in ("bf16", "f16"):
+        raise ValueError(f"dtype must be bf16 or f16, got {dtype!r}")
+    if head_dim not in _abi.VARLEN_WG_HEAD_DIMS:
+        raise ValueError(f"head_dim must be one of {_abi.VARLEN_WG_HEAD_DIMS}, got {head_dim}")
+    return Spec("varlen_wgmma.cu", "FP4C_VARLEN_WG_KERNEL",
+                f"fp4cache_varlen_wgmma_{dtype}_d{head_dim}",
+                (VALUE_TYPES[dtype], str(head_dim)), arch="sm_90a")
 
 
 def attention_head_dim(spec: Spec) -> int:
@@ -408,6 +432,7 @@ def all_specs() -> list[Spec]:
               for ix in INDEX_TYPES for vw in PAGE_VEC_BYTES]
     specs += [varlen_attention_spec(dt, d, mw, win) for dt in VALUE_TYPES
               for d in ATTN_HEAD_DIMS for mw in _abi.VARLEN_ROW_WARPS for win in bools]
+    specs += [varlen_wgmma_spec(dt, d) for dt in ("bf16", "f16") for d in _abi.VARLEN_WG_HEAD_DIMS]
     return specs
 
 
@@ -460,6 +485,8 @@ def build_source(file: str, specs: list[Spec] | tuple[Spec, ...]) -> str:
     variants = {s.defines for s in specs}
     if len(variants) > 1:
         raise ValueError("specs of one translation unit must share their defines")
+    if len({s.arch for s in specs}) > 1:
+        raise ValueError("specs of one translation unit must share their architecture")
     folders = {s.folder for s in specs}
     if len(folders) > 1:
         raise ValueError("specs of one translation unit must share their folder")
@@ -489,7 +516,8 @@ def get_kernel(spec: Spec):
     key = (cupy.cuda.runtime.getDevice(), spec)
     fn = _FUNCS.get(key)
     if fn is None:
-        mod = cupy.RawModule(code=build_source(spec.file, [spec]), options=NVRTC_OPTIONS)
+        opts = NVRTC_OPTIONS + ((f"--gpu-architecture={spec.arch}",) if spec.arch else ())
+        mod = cupy.RawModule(code=build_source(spec.file, [spec]), options=opts)
         fn = _FUNCS.setdefault(key, mod.get_function(spec.name))
     return fn
 
@@ -622,22 +650,30 @@ def compile_log(source: str, name: str, arch: str, extra: tuple[str, ...] = (),
     return _compile(source, name, opts, False, backend, arch)[1]
 
 
+def arch_family(arch: str) -> str:
+    """The architecture an arch-specific target belongs to: ``"sm_90a"`` -> ``"sm_90"``."""
+    return arch[:-1] if arch.endswith("a") else arch
+
+
 def compile_all(arch: str = "sm_90", specs: list[Spec] | None = None,
                 backend: str | None = None) -> dict[str, str]:
     """Compile every specialization for ``arch`` without a GPU (one NVRTC call per file
-    and variant; ``backend`` as for :func:`compile_source`).
+    and variant; ``backend`` as for :func:`compile_source`); a spec of an arch-specific
+    target (``Spec.arch``, e.g. ``"sm_90a"``) is compiled for that target with the
+    architecture it belongs to (:func:`arch_family`) and left out for the others.
 
     Returns ``{file: ptx}``.  Raises ``RuntimeError`` with the compiler log on failure
     and ``RuntimeError`` if a kernel is missing from the PTX.
     """
-    specs = all_specs() if specs is None else specs
-    by_file: dict[tuple[str, str, tuple], list[Spec]] = {}
+    specs = [s for s in (all_specs() if specs is None else specs)
+             if s.arch is None or arch_family(s.arch) == arch]
+    by_file: dict[tuple[str, str, tuple, str], list[Spec]] = {}
     for s in specs:
-        by_file.setdefault((s.file, s.folder or "", s.defines), []).append(s)
+        by_file.setdefault((s.file, s.folder or "", s.defines, s.arch or ""), []).append(s)
     out: dict[str, str] = {}
-    for (file, _, _), group in sorted(by_file.items()):
-        ptx = compile_source(build_source(file, group), file, arch, CUPY_IMPLICIT_OPTIONS,
-                             backend)
+    for (file, _, _, own), group in sorted(by_file.items()):
+        ptx = compile_source(build_source(file, group), file, own or arch,
+                             CUPY_IMPLICIT_OPTIONS, backend)
         for s in group:
             if f".entry {s.name}(" not in ptx:
                 raise RuntimeError(f"kernel {s.name} missing from the PTX of {file}")

@@ -64,6 +64,7 @@ from nvfp4_ref import paged_attention_f64
 import fp4cache
 from fp4cache import PagedKVCache, _abi
 from fp4cache import _cpu as npb
+from fp4cache import _kernels as K
 from fp4cache import attention as front
 
 try:  # CuPy and its backend modules, for the GPU cases (which skip by their marker
@@ -999,6 +1000,10 @@ def test_cuda_graph_capture_and_replay():
 
 
 # -- the kernels on the GPU, against the float64 reference ---------------------------------
+#: The prefill route ``run`` passes (``_kernels.PREFILL_ROUTES``; TestKernel runs with each).
+ROUTE = {"name": "auto"}
+
+
 def run(cache, q, qsl, tab, lens, *, max_query_len, causal, sm_scale=None, scratch=None,
         with_lse=True, window=None, rotate=False):
     geom = cache.geometry
@@ -1009,7 +1014,7 @@ def run(cache, q, qsl, tab, lens, *, max_query_len, causal, sm_scale=None, scrat
     cv.attention(cache.buffer, q, qsl, tab, lens, out, lse, max_query_len=max_query_len,
                  causal=causal, geom=geom, k_s=cache.pool.k_s, v_s=cache.pool.v_s,
                  sm_scale=sm_scale, stats=cache.pool.stats, scratch=scratch, window=window,
-                 rotate=rotate)
+                 rotate=rotate, route=ROUTE["name"])
     return out, lse, scratch
 
 
@@ -1043,9 +1048,42 @@ def zlib_seed(*parts) -> int:
     return zlib.crc32(repr(parts).encode())
 
 
+def wgmma_device() -> bool:
+    return cp.cuda.Device().compute_capability == "90"
+
+
 @pytest.mark.gpu
 class TestKernel:
-    """``fp4cache._cuda.varlen``'s kernels against the float64 reference."""
+    """``fp4cache._cuda.varlen``'s kernels against the float64 reference, each test with
+    both prefill routes (on an sm_90 device "auto" takes the wgmma kernel for the
+    sequences of more than 64 rows, "mma" the 128-row mma.sync kernel)."""
+
+    @pytest.fixture(autouse=True, params=K.PREFILL_ROUTES)
+    def route(self, request, monkeypatch):
+        monkeypatch.setitem(ROUTE, "name", request.param)
+        return request.param
+
+    @pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
+    @pytest.mark.parametrize("D,group,dtname,layout", [
+        (128, 1, "bfloat16", "HND"), (128, 2, "float16", "NHD"), (128, 4, "bfloat16", "NHD"),
+        (128, 8, "float16", "HND"), (128, 16, "bfloat16", "HND"), (64, 1, "bfloat16", "NHD"),
+        (64, 4, "float16", "HND"), (64, 16, "bfloat16", "HND"), (256, 4, "bfloat16", "HND")])
+    def test_many_rows_every_geometry(self, D, group, dtname, layout, causal, route):
+        """Sequences of more than 64 rows (the wgmma kernel on sm_90 with route "auto":
+        head_dim 64 / 128, GQA 1-16, both layouts; head_dim 256 stays on the mma.sync
+        kernel) beside a few-row one: chunks after cached keys, one that starts at key 0,
+        a 100-token chunk that fits one 128-row tile with group 1 (split keys), step
+        edges of 128 keys."""
+        rng = np.random.default_rng(zlib_seed("many", D, group, dtname, layout, causal))
+        ns = [300, 100, 1, 129, 65]
+        lens = [1000, 100, 700, 129 + 256, 3000]
+        _, out, lse, ro, rl, scratch = case(rng, ns=ns, lens=lens, H=2, T=16, D=D,
+                                            group=group, dtname=dtname, layout=layout,
+                                            causal=causal)
+        check(out, lse, ro, rl, dtname, f"many rows D={D} g={group} {route}")
+        (call,) = scratch.plans.values()
+        wg = route == "auto" and wgmma_device() and D in (64, 128)
+        assert ("_varlen_wgmma_" in call.launches[-1].name) == wg, call.launches[-1].name
 
     @pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
     @pytest.mark.parametrize("D,group,dtname,layout", [
@@ -1231,6 +1269,51 @@ class TestKernel:
         ro, rl = paged_attention_f64(kd, vd, q, qsl, tab, lens, T, 1 / np.sqrt(D),
                                      num_blocks, True)
         check(out, lse, ro, rl, "float16", "clamped")
+
+    def test_cuda_graph_with_chunks(self, route):
+        """A batch with a 200-token chunk (the wgmma kernel on sm_90 with route "auto"),
+        captured once and replayed with new q, query_start_loc, lengths and block tables."""
+        rng = np.random.default_rng(27)
+        H, T, D, group = 2, 16, 128, 4
+        B, max_blocks, N = 3, 200, 208
+        num_blocks = 3 * max_blocks
+        cache, kd, vd = make_gpu_cache(rng, H=H, T=T, D=D, num_blocks=num_blocks)
+        qd = cp.empty((N, H * group, D), dtype=BF16)
+        qsld = cp.empty((B + 1,), dtype=cp.int32)
+        td = cp.empty((B, max_blocks), dtype=cp.int32)
+        ld = cp.empty((B,), dtype=cp.int32)
+        out = cp.empty((N, H * group, D), dtype=BF16)
+        lse = cp.empty((N, H * group), dtype=cp.float32)
+        stream = cp.cuda.Stream(non_blocking=True)
+        kw = dict(max_query_len=200, causal=True, geom=cache.geometry, k_s=cache.pool.k_s,
+                  v_s=cache.pool.v_s, sm_scale=1 / np.sqrt(D), stats=cache.pool.stats,
+                  scratch=new_scratch(), route=route)
+        cases = (([200, 4, 4], [3000, 100, 4]), ([1, 7, 200], [7, 500, 3100]),
+                 ([100, 0, 108], [100, 0, 2000]))
+        graph = None
+        for rep, (ns, lens) in enumerate(cases):
+            qsl = starts_of(ns)
+            q = rand_q(rng, N, H * group, D, "bfloat16")
+            tab = tables_for(rng, lens, T, num_blocks, max_blocks)
+            with stream:
+                qd[...] = cp.asarray(q)
+                qsld[...] = cp.asarray(qsl)
+                td[...] = cp.asarray(tab)
+                ld[...] = cp.asarray(np.array(lens, np.int32))
+                out.view(cp.uint16).fill(0x7E7E)
+                lse.fill(12345.0)
+                if graph is None:
+                    cv.attention(cache.buffer, qd, qsld, td, ld, out, lse, **kw)  # warm
+                    stream.begin_capture()
+                    cv.attention(cache.buffer, qd, qsld, td, ld, out, lse, **kw)
+                    graph = stream.end_capture()
+                    out.view(cp.uint16).fill(0x7E7E)
+                graph.launch(stream)
+            stream.synchronize()
+            ro, rl = paged_attention_f64(kd, vd, q, qsl, tab, lens, T, 1 / np.sqrt(D),
+                                         num_blocks, True)
+            n = int(qsl[-1])
+            check(out[:n], lse[:n], ro[:n], rl[:n], "bfloat16", f"replay {rep} {route}")
 
     def test_cuda_graph_capture_and_replay(self):
         """Captured once with max_query_len, replayed with new q, query_start_loc, lengths and
@@ -1535,6 +1618,51 @@ class TestWindow:
                                                  group=4, causal=causal)
             check(out, lse, ro, rl, "bfloat16", f"mixed causal={causal}",
                   lse_tol=WIN_LSE_TOL)
+
+    def test_cuda_graph_with_chunks(self, route):
+        """A batch with a 200-token chunk (the wgmma kernel on sm_90 with route "auto"),
+        captured once and replayed with new q, query_start_loc, lengths and block tables."""
+        rng = np.random.default_rng(27)
+        H, T, D, group = 2, 16, 128, 4
+        B, max_blocks, N = 3, 200, 208
+        num_blocks = 3 * max_blocks
+        cache, kd, vd = make_gpu_cache(rng, H=H, T=T, D=D, num_blocks=num_blocks)
+        qd = cp.empty((N, H * group, D), dtype=BF16)
+        qsld = cp.empty((B + 1,), dtype=cp.int32)
+        td = cp.empty((B, max_blocks), dtype=cp.int32)
+        ld = cp.empty((B,), dtype=cp.int32)
+        out = cp.empty((N, H * group, D), dtype=BF16)
+        lse = cp.empty((N, H * group), dtype=cp.float32)
+        stream = cp.cuda.Stream(non_blocking=True)
+        kw = dict(max_query_len=200, causal=True, geom=cache.geometry, k_s=cache.pool.k_s,
+                  v_s=cache.pool.v_s, sm_scale=1 / np.sqrt(D), stats=cache.pool.stats,
+                  scratch=new_scratch(), route=route)
+        cases = (([200, 4, 4], [3000, 100, 4]), ([1, 7, 200], [7, 500, 3100]),
+                 ([100, 0, 108], [100, 0, 2000]))
+        graph = None
+        for rep, (ns, lens) in enumerate(cases):
+            qsl = starts_of(ns)
+            q = rand_q(rng, N, H * group, D, "bfloat16")
+            tab = tables_for(rng, lens, T, num_blocks, max_blocks)
+            with stream:
+                qd[...] = cp.asarray(q)
+                qsld[...] = cp.asarray(qsl)
+                td[...] = cp.asarray(tab)
+                ld[...] = cp.asarray(np.array(lens, np.int32))
+                out.view(cp.uint16).fill(0x7E7E)
+                lse.fill(12345.0)
+                if graph is None:
+                    cv.attention(cache.buffer, qd, qsld, td, ld, out, lse, **kw)  # warm
+                    stream.begin_capture()
+                    cv.attention(cache.buffer, qd, qsld, td, ld, out, lse, **kw)
+                    graph = stream.end_capture()
+                    out.view(cp.uint16).fill(0x7E7E)
+                graph.launch(stream)
+            stream.synchronize()
+            ro, rl = paged_attention_f64(kd, vd, q, qsl, tab, lens, T, 1 / np.sqrt(D),
+                                         num_blocks, True)
+            n = int(qsl[-1])
+            check(out[:n], lse[:n], ro[:n], rl[:n], "bfloat16", f"replay {rep} {route}")
 
     def test_cuda_graph_capture_and_replay(self):
         """Captured once with the window; replayed after new q, lengths, tables, window

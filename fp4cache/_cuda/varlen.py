@@ -47,7 +47,8 @@ from .decode import (
     window_params,
 )
 
-__all__ = ["attention", "varlen_runner", "plan_shape", "row_warps_for", "GRID_WAVES",
+__all__ = ["attention", "varlen_runner", "plan_shape", "row_warps_for", "wgmma_applies",
+           "GRID_WAVES",
            "VARLEN_PARAMS_DTYPE", "WORKSPACE_WAVES"]
 
 #: numpy twin of ``struct VarlenParams`` (generated from :mod:`fp4cache._abi`).
@@ -104,6 +105,7 @@ class _VarlenPlan(NamedTuple):
     params: Any  # a VARLEN_PARAMS_DTYPE (or AttnParams: a few-row launch) struct, by_value
     keep: tuple  # the workspace, what the params point to, and the PlanShape last
     block: int = 32 * _abi.VARLEN_WARPS
+    name: str = ""  # the kernel's name
 
 
 class _VarlenCall(NamedTuple):
@@ -113,19 +115,25 @@ class _VarlenCall(NamedTuple):
 def _make_launch(buffer, q, query_start_loc, block_tables, seq_lens, geom: PageGeometry,
                  row_warps: int, rows: int, rows_lo: int, rows_hi: int, causal: bool, k_s,
                  v_s, sm_scale, stats, workspace, window=None,
-                 rotate: bool = False) -> _VarlenPlan:
+                 rotate: bool = False, wgmma: bool = False) -> _VarlenPlan:
     """One launch for the sequences of ``rows_lo < rows <= rows_hi`` rows, the longest
     ``rows``; with a window or the rotation the kernel variant that has them
-    (``decode.window_params``; q rotated in the kernel, its 1/sqrt(head_dim) included)."""
+    (``decode.window_params``; q rotated in the kernel, its 1/sqrt(head_dim) included);
+    ``wgmma``: the sm_90a kernel in place of the 128-row one (:func:`wgmma_applies`)."""
     _, Hq, D = q.shape
     B = int(query_start_loc.shape[0]) - 1
     H, T = geom.num_heads, geom.block_size
     group = Hq // H
     max_blocks = int(block_tables.shape[1])
     extras = window is not None or bool(rotate)
-    spec = K.varlen_attention_spec(K.value_type(q.dtype, "q.dtype"), D, row_warps, extras)
+    dtype = K.value_type(q.dtype, "q.dtype")
+    if wgmma:
+        spec = K.varlen_wgmma_spec(dtype, D)
+        smem = _abi.varlen_wg_smem_bytes(D)
+    else:
+        spec = K.varlen_attention_spec(dtype, D, row_warps, extras)
+        smem = _abi.varlen_smem_bytes(D, row_warps, np.dtype(q.dtype).itemsize == 4)
     fn = K.get_kernel(spec)
-    smem = _abi.varlen_smem_bytes(D, row_warps, np.dtype(q.dtype).itemsize == 4)
     if smem > _STATIC_SMEM_MAX:
         fn.max_dynamic_shared_size_bytes = smem
     threads = 32 * _abi.varlen_warps(row_warps)
@@ -156,12 +164,28 @@ def _make_launch(buffer, q, query_start_loc, block_tables, seq_lens, geom: PageG
     for name, value in (("slots", ps.slots), ("max_splits", ps.max_splits), ("smem", smem),
                         ("items", items)):
         p[name] = value
-    return _VarlenPlan(fn, grid, smem, by_value(p), (buffer, stats, geom, window, ps), threads)
+    return _VarlenPlan(fn, grid, smem, by_value(p), (buffer, stats, geom, window, ps), threads,
+                       spec.name)
+
+
+def wgmma_applies(q, row_warps: int, extras: bool, smem_max: int, route: str = "auto") -> bool:
+    """Whether the launch of ``row_warps`` (the 128-row kernel's) takes the wgmma kernel:
+    ``route`` "auto" (``_kernels.PREFILL_ROUTES``), an sm_90 device, bf16 / f16 q, head_dim
+    in ``_abi.VARLEN_WG_HEAD_DIMS``, neither window nor rotation (``extras``), and its
+    shared memory on this device."""
+    D = int(q.shape[2])
+    return (route == "auto" and row_warps == _abi.VARLEN_WG_ROW_WARPS and not extras
+            and np.dtype(q.dtype).itemsize == 2 and D in _abi.VARLEN_WG_HEAD_DIMS
+            and cupy.cuda.Device().compute_capability == "90"
+            and _abi.varlen_wg_smem_bytes(D) <= smem_max)
 
 
 def make_varlen_plan(buffer, q, query_start_loc, block_tables, seq_lens, geom: PageGeometry,
                max_query_len: int, causal: bool, k_s, v_s, sm_scale, stats,
-               workspace, window=None, rotate: bool = False) -> _VarlenCall:
+               workspace, window=None, rotate: bool = False,
+               route: str = "auto") -> _VarlenCall:
+    if route not in K.PREFILL_ROUTES:
+        raise ValueError(f"route must be one of {K.PREFILL_ROUTES}, got {route!r}")
     _, Hq, D = q.shape
     group = check_attention_args("attention", buffer, q, geom, query_start_loc=query_start_loc,
                                  block_tables=block_tables, seq_lens=seq_lens)
@@ -182,11 +206,12 @@ def make_varlen_plan(buffer, q, query_start_loc, block_tables, seq_lens, geom: P
     if _abi.varlen_smem_bytes(D, 1, split_q) > smem_max:
         raise ValueError(f"head_dim {D} with {q.dtype} q needs more shared memory per CTA "
                          f"than this device has ({smem_max + 4096} bytes)")
+    wgmma = wgmma_applies(q, big, window is not None or bool(rotate), smem_max, route)
     return _VarlenCall((
         _few_rows_launch(*args, 0, small, small // group, causal, k_s, v_s, sm_scale, stats,
                          workspace, window, rotate),
         _make_launch(*args, big, rows, small, 0xFFFFFFFF, causal, k_s, v_s, sm_scale,
-                     stats, workspace, window, rotate)))
+                     stats, workspace, window, rotate, wgmma)))
 
 
 def _few_rows_launch(buffer, q, query_start_loc, block_tables, seq_lens, geom: PageGeometry,
@@ -204,11 +229,13 @@ def _few_rows_launch(buffer, q, query_start_loc, block_tables, seq_lens, geom: P
     plan = make_decode_plan(buffer, q, block_tables, seq_lens, geom, k_s, v_s, sm_scale, stats,
                             workspace, rows=rows, window=window, rotate=rotate)
     nsplit, H, B = plan.grid
-    return _VarlenPlan(plan.fn, nsplit * H * B, 0, plan.params, (plan,), plan.block[0])
+    return _VarlenPlan(plan.fn, nsplit * H * B, 0, plan.params, (plan,), plan.block[0],
+                       plan.spec.name)
 
 
 def varlen_plan_key(buffer, q, query_start_loc, block_tables, seq_lens, geom, max_query_len, causal,
-              k_s, v_s, sm_scale, stats, window=None, rotate: bool = False) -> tuple:
+              k_s, v_s, sm_scale, stats, window=None, rotate: bool = False,
+              route: str = "auto") -> tuple:
     # id(geom): the plan keeps geom alive, so the id is not reused while the key exists.
     # No stream: the workspace is the owner's, shared by every stream (calls on different
     # streams are ordered by the caller, see Workspace).
@@ -216,24 +243,25 @@ def varlen_plan_key(buffer, q, query_start_loc, block_tables, seq_lens, geom, ma
             id(geom), q.shape, q.dtype, query_start_loc.shape[0], query_start_loc.dtype,
             block_tables.shape[1], block_tables.dtype, seq_lens.dtype, int(max_query_len),
             bool(causal), float(k_s), float(v_s), float(sm_scale), stats.data.ptr,
-            window_key(window, rotate))
+            window_key(window, rotate), route)
 
 
 def varlen_runner(buffer, q, query_start_loc, block_tables, seq_lens, *, max_query_len: int,
                      causal: bool, geom: PageGeometry, k_s, v_s, sm_scale, stats,
-                     scratch, window=None, rotate: bool = False):
+                     scratch, window=None, rotate: bool = False, route: str = "auto"):
     """``run(q, query_start_loc, block_tables, seq_lens, out, lse)``: :func:`attention` for
     arrays like these on the current stream, prepared once (one or two launches per call;
     the front end keeps it for its hot path).  ``window = (slots, map, pages)``: the cache's
     exact window (keys from the window start on read from the bf16 slots,
-    ``docs/window.md``); ``rotate``: K is stored rotated, q is rotated in the kernels."""
+    ``docs/window.md``); ``rotate``: K is stored rotated, q is rotated in the kernels;
+    ``route``: ``_kernels.PREFILL_ROUTES``."""
     key = varlen_plan_key(buffer, q, query_start_loc, block_tables, seq_lens, geom, max_query_len,
-                    causal, k_s, v_s, sm_scale, stats, window, rotate)
+                    causal, k_s, v_s, sm_scale, stats, window, rotate, route)
     plan = scratch.plans.get(key)
     if plan is None:
         plan = make_varlen_plan(buffer, q, query_start_loc, block_tables, seq_lens, geom,
                           max_query_len, causal, k_s, v_s, sm_scale, stats, scratch.workspace,
-                          window, rotate)
+                          window, rotate, route)
         scratch.plans.put(key, plan)
     zero = NULL
     launches = tuple((lp.fn, (lp.grid,), (lp.block,), lp.smem, lp.params)
@@ -251,7 +279,8 @@ def varlen_runner(buffer, q, query_start_loc, block_tables, seq_lens, *, max_que
 
 def attention(buffer, q, query_start_loc, block_tables, seq_lens, out, lse, *,
               max_query_len: int, causal: bool, geom: PageGeometry, k_s, v_s,
-              sm_scale: float, stats, scratch, window=None, rotate: bool = False) -> None:
+              sm_scale: float, stats, scratch, window=None, rotate: bool = False,
+              route: str = "auto") -> None:
     """Paged attention over the NVFP4 page pool ``buffer`` for any query length per
     sequence (see the module doc).
 
@@ -285,6 +314,9 @@ def attention(buffer, q, query_start_loc, block_tables, seq_lens, out, lse, *,
     window, rotate
         The cache's exact window ``(slots, map, pages)`` or None, and whether K is stored
         rotated (:func:`varlen_runner`, ``docs/window.md``).
+    route : str
+        ``_kernels.PREFILL_ROUTES``: "auto" takes the wgmma kernel for sequences of more
+        than 64 rows where it applies (:func:`wgmma_applies`), "mma" the mma.sync kernels.
 
     Raises
     ------
@@ -297,4 +329,5 @@ def attention(buffer, q, query_start_loc, block_tables, seq_lens, out, lse, *,
     varlen_runner(buffer, q, query_start_loc, block_tables, seq_lens,
                      max_query_len=max_query_len, causal=causal, geom=geom, k_s=k_s, v_s=v_s,
                      sm_scale=sm_scale, stats=stats, scratch=scratch, window=window,
-                     rotate=rotate)(q, query_start_loc, block_tables, seq_lens, out, lse)
+                     rotate=rotate, route=route)(q, query_start_loc, block_tables, seq_lens,
+                                                 out, lse)
