@@ -7,6 +7,11 @@ Run on the GPU (from the repository root)::
     PYTHONPATH=. python3 bench/varlen_bench.py --out $OUT/varlen.json
     PYTHONPATH=. python3 bench/varlen_bench.py --window 3 --rotate --only spec prefill mixed
 
+The prefill rows (``prefill``; ``prefill_shapes``: head_dim 64 and 256, a plain 8,192-token
+prefill) time the default route (on sm_90 the wgmma kernel) and the mma.sync route
+(``--route mma`` times only that one; ``fp4cache._kernels.PREFILL_ROUTES``) on the same
+cache and q.
+
 ``--window P`` also times every row with the exact window (``docs/window.md``: the last P
 pages of every sequence mapped to random bf16 slots), ``--rotate`` with the q rotation (with
 ``--window``: window + rotation), in the same run, on the same cache and q (the variants'
