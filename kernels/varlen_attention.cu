@@ -213,7 +213,7 @@ FP4C_DEVICE void varlen_item(u32 item, const void* __restrict__ q, const void* _
   __shared__ u32 s_nan, s_flag, s_vnan[D / 16];
   VlWork W;
   if (!find_work<ROWS, A::STEP>(P, item, qsl, seq_lens, W)) return;
-  const u32 lane = threadIdx.x & 31u, warp = threadIdx.x >> 5, g = lane >> 2;
+  const u32 lane = threadIdx.x & 31u, warp = threadIdx.x >> 5;
   const u32 mw = warp / A::KW, kw = warp - mw * A::KW;
   u8* s_kv = smem;                        // W decoded tiles [K 16 x LD | V 16 x LD] f16
   u8* s_sc = smem + A::KV;                // W x [2][16][D/16] scale rows
@@ -227,12 +227,7 @@ FP4C_DEVICE void varlen_item(u32 item, const void* __restrict__ q, const void* _
   // ---- this lane's rows: limits (split end included), score scales, q fragments ---------
   u32 lim[2];
   float rs[2];
-#pragma unroll
-  for (int r = 0; r < 2; ++r) {
-    const u32 row = 16u * mw + g + 8u * r;
-    lim[r] = min(s_lim[row], W.s1);
-    rs[r] = s_rsc[row];
-  }
+  vl_lane_rows(s_lim, s_rsc, mw, W.s1, lim, rs);
   u32 wmax = max(lim[0], lim[1]);
 #pragma unroll
   for (int o = 4; o <= 16; o <<= 1) wmax = max(wmax, __shfl_xor_sync(0xFFFFFFFFu, wmax, o));
@@ -252,10 +247,7 @@ FP4C_DEVICE void varlen_item(u32 item, const void* __restrict__ q, const void* _
                 ((P.side_bytes | P.data_bytes) & 15) == 0 ? 1u : 0u};
 
   VlRowState<D> st;
-  st.m[0] = st.m[1] = FP4C_NEG_INF;
-  st.l[0] = st.l[1] = 0.0f;
-#pragma unroll
-  for (int i = 0; i < A::NT; ++i) st.o[i][0] = st.o[i][1] = st.o[i][2] = st.o[i][3] = 0.0f;
+  st.reset();
   u32 nan_key = FP4C_VL_NOKEY;
 
   // ---- the steps: load (one step ahead), decode, scores / softmax / P.V -----------------
@@ -295,17 +287,9 @@ FP4C_DEVICE void varlen_item(u32 item, const void* __restrict__ q, const void* _
       if constexpr (MW == 1) __syncwarp(); else __syncthreads();
     }
   }
-#pragma unroll
-  for (int o = 1; o <= 16; o <<= 1) nan_key = min(nan_key, __shfl_xor_sync(0xFFFFFFFFu, nan_key, o));
-  if (lane == 0u && nan_key != FP4C_VL_NOKEY) atomicMin(&s_nan, nan_key);
-  __syncthreads();
-
-  float(*s_o)[D + 1] = reinterpret_cast<float(*)[D + 1]>(s_kv);
-  vl_merge_warps<D, MW>(st, s_o, s_m, s_l, s_lim, s_nan, s_vnan, s_M, s_L);
-  // the split weights take q's place (q is no longer read)
   static_assert(ROWS * FP4C_VARLEN_MAX_SPLITS * 4 <= A::QB, "split weights in q's place");
-  float(*s_w)[FP4C_VARLEN_MAX_SPLITS] = reinterpret_cast<float(*)[FP4C_VARLEN_MAX_SPLITS]>(sq);
-  vl_finish<T, D, ROWS, A::THREADS>(W, P, s_o, s_M, s_L, s_w, s_flag, out, lse);
+  vl_epilogue<T, D, MW>(W, P, st, nan_key, s_kv, sq, s_m, s_l, s_lim, s_nan, s_vnan, s_M, s_L,
+                        s_flag, out, lse);
 }
 
 // minimum resident CTAs per SM (register budget): 16-row kernels keep q in shared memory

@@ -2,7 +2,8 @@
 // sm_80+; varlen_wgmma.cu: wgmma, sm_90a): the work item of a CTA (find_work), q to f16 in
 // shared memory (load_q), one key row of the pages into registers (vl_load) and to f16 in
 // shared memory (vl_decode), the online softmax of a row pair (vl_weights, vl_rescale, vl_pack), the merge of the
-// warps of a row block (vl_merge_warps) and the split merge and write (vl_finish).  The
+// warps of a row block (vl_merge_warps), the split merge and write (vl_finish), both in
+// the item's end (vl_epilogue).  The
 // shared-memory layouts are the kernels': load_q and vl_decode write through a layout type
 // (PaddedRows / PaddedTile here, the 128-byte swizzle of the wgmma kernel).  Work items,
 // bad ids, NaN groups and the split plan: varlen_attention.cu's header.
@@ -294,7 +295,26 @@ template <int D>
 struct VlRowState {
   float m[2], l[2];
   float o[D / 8][4];
+  FP4C_DEVICE void reset() {  // no key yet
+    m[0] = m[1] = FP4C_NEG_INF;
+    l[0] = l[1] = 0.0f;
+#pragma unroll
+    for (int i = 0; i < D / 8; ++i) o[i][0] = o[i][1] = o[i][2] = o[i][3] = 0.0f;
+  }
 };
+
+// The lane's rows 16 m + g and 16 m + g + 8 of the CTA (m: its warp's row block): their key
+// limits (the split end s1 included) and score scales, from load_q's s_lim and s_rsc
+FP4C_DEVICE void vl_lane_rows(const u32* s_lim, const float* s_rsc, u32 m, u32 s1,
+                              u32 (&lim)[2], float (&rs)[2]) {
+  const u32 g = (threadIdx.x & 31u) >> 2;
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const u32 row = 16u * m + g + 8u * r;
+    lim[r] = min(s_lim[row], s1);
+    rs[r] = s_rsc[row];
+  }
+}
 
 // ---------------------------------------------------------------------------------------
 // softmax: NTL tiles of 16 keys (tile j: keys key0 + j * kstride ..) of the scores s (the
@@ -462,3 +482,25 @@ FP4C_DEVICE void vl_finish(const VlWork& W, const VarlenParams& P, float (*s_o)[
   write_rows<T, D, THREADS>(R, W.r0, W.rows_here, s_o, s_M, s_L, P.out_scale, out, lse);
 }
 
+// ---------------------------------------------------------------------------------------
+// The end of a work item: the CTA's smallest bad key (the warps' nan_key), the warps'
+// merge into s_o (over the decoded K/V at s_kv), then vl_finish with the split weights in
+// q's place (s_q: q is no longer read)
+// ---------------------------------------------------------------------------------------
+template <typename T, int D, int MW>
+FP4C_DEVICE void vl_epilogue(const VlWork& W, const VarlenParams& P, VlRowState<D>& st,
+                             u32 nan_key, u8* s_kv, void* s_q,
+                             float (*s_m)[FP4C_MMA_ROWS * MW], float (*s_l)[FP4C_MMA_ROWS * MW],
+                             const u32* s_lim, u32& s_nan, const u32* s_vnan, float* s_M,
+                             float* s_L, u32& s_flag, void* __restrict__ out,
+                             float* __restrict__ lse) {
+#pragma unroll
+  for (int o = 1; o <= 16; o <<= 1) nan_key = min(nan_key, __shfl_xor_sync(0xFFFFFFFFu, nan_key, o));
+  if ((threadIdx.x & 31u) == 0u && nan_key != FP4C_VL_NOKEY) atomicMin(&s_nan, nan_key);
+  __syncthreads();
+  float(*s_o)[D + 1] = reinterpret_cast<float(*)[D + 1]>(s_kv);
+  vl_merge_warps<D, MW>(st, s_o, s_m, s_l, s_lim, s_nan, s_vnan, s_M, s_L);
+  float(*s_w)[FP4C_VARLEN_MAX_SPLITS] = reinterpret_cast<float(*)[FP4C_VARLEN_MAX_SPLITS]>(s_q);
+  vl_finish<T, D, FP4C_MMA_ROWS * MW, FP4C_VL_THREADS(MW)>(W, P, s_o, s_M, s_L, s_w, s_flag,
+                                                           out, lse);
+}

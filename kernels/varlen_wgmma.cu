@@ -69,7 +69,8 @@ struct SwzRows {
            (col & 7u);
   }
 };
-// A stage's decoded K (side 0) and V (side 1) rows, key0 + t the lane's key of the step
+// A stage's decoded K (side 0) and V (side 1) rows, key0 + t the lane's key of the step:
+// SwzRows' layout for column 8 w, as offsets of the stage's pointer
 template <int STEP>
 struct SwzTile {
   u16* k;
@@ -134,7 +135,7 @@ FP4C_DEVICE void wg_item(u32 item, const void* __restrict__ q, const void* __res
   __shared__ u32 s_nan, s_flag, s_vnan[D / 16];
   VlWork W;
   if (!find_work<ROWS, STEP>(P, item, qsl, seq_lens, W)) return;
-  const u32 lane = threadIdx.x & 31u, warp = threadIdx.x >> 5, g = lane >> 2;
+  const u32 lane = threadIdx.x & 31u, warp = threadIdx.x >> 5;
   u8* s_q = smem + ((1024u - (smem_u32(smem) & 1023u)) & 1023u);  // 1024-byte aligned
   u8* s_kv = s_q + A::QT;  // K stages 0, 1, then V stages 0, 1, 2 (KT bytes each)
   u8* s_sc = s_kv + A::KV;
@@ -149,17 +150,9 @@ FP4C_DEVICE void wg_item(u32 item, const void* __restrict__ q, const void* __res
   // ---- this lane's rows: limits (split end included), score scales ----------------------
   u32 lim[2];
   float rs[2];
-#pragma unroll
-  for (int r = 0; r < 2; ++r) {
-    const u32 row = 16u * warp + g + 8u * r;
-    lim[r] = min(s_lim[row], W.s1);
-    rs[r] = s_rsc[row];
-  }
+  vl_lane_rows(s_lim, s_rsc, warp, W.s1, lim, rs);
   VlRowState<D> st;
-  st.m[0] = st.m[1] = FP4C_NEG_INF;
-  st.l[0] = st.l[1] = 0.0f;
-#pragma unroll
-  for (int i = 0; i < A::NT; ++i) st.o[i][0] = st.o[i][1] = st.o[i][2] = st.o[i][3] = 0.0f;
+  st.reset();
   u32 nan_key = FP4C_VL_NOKEY;
 
   // ---- the first step's decode, the second's load; the steps -------------------------
@@ -203,16 +196,9 @@ FP4C_DEVICE void wg_item(u32 item, const void* __restrict__ q, const void* __res
     vcur = vnext;
   }
   wg_wait<0>();
-#pragma unroll
-  for (int o = 1; o <= 16; o <<= 1) nan_key = min(nan_key, __shfl_xor_sync(0xFFFFFFFFu, nan_key, o));
-  if (lane == 0u && nan_key != FP4C_VL_NOKEY) atomicMin(&s_nan, nan_key);
-  __syncthreads();
-
   // ---- merge (one warp per row block) and write -----------------------------------------
-  float(*s_o)[D + 1] = reinterpret_cast<float(*)[D + 1]>(s_kv);
-  vl_merge_warps<D, A::MW>(st, s_o, s_m, s_l, s_lim, s_nan, s_vnan, s_M, s_L);
-  float(*s_w)[FP4C_VARLEN_MAX_SPLITS] = reinterpret_cast<float(*)[FP4C_VARLEN_MAX_SPLITS]>(s_q);
-  vl_finish<T, D, ROWS, A::THREADS>(W, P, s_o, s_M, s_L, s_w, s_flag, out, lse);
+  vl_epilogue<T, D, A::MW>(W, P, st, nan_key, s_kv, s_q, s_m, s_l, s_lim, s_nan, s_vnan, s_M,
+                           s_L, s_flag, out, lse);
 }
 
 // ---------------------------------------------------------------------------------------
