@@ -89,7 +89,7 @@ def dump(folder: Path, archs: list[str], jobs: int) -> None:
         specs.append(spec)
         labels.append(label)
     work = [(arch, specs, labels) for arch in archs for specs, labels in units.values()
-            if getattr(specs[0], "arch", None) in (None, arch + "a")]
+            if getattr(specs[0], "arch", None) is None or K.arch_family(specs[0].arch) == arch]
     n = 0
     with ProcessPoolExecutor(jobs) as ex:
         for arch, kernels in ex.map(_compile, work):

@@ -44,6 +44,7 @@ for _p in (str(_ROOT), str(_ROOT / "bench")):
 from attention_bench import AttnBench, log  # noqa: E402
 from timing import BF16  # noqa: E402
 
+from fp4cache import _kernels as K  # noqa: E402
 from fp4cache._cuda.decode import new_scratch  # noqa: E402
 
 #: the targets (printed, never asserted)
@@ -233,7 +234,7 @@ class VarlenBench(AttnBench):
         row = dict(case=f"prefill B=1, {n} after {cached}, D={D}", varlen_us=t * 1e6,
                    tflops=flops / t / 1e12, grid=plan.grid, regs=int(plan.fn.num_regs),
                    kernel=plan.name, max_row_rel_err=rel, check="ok" if rel <= 1e-2 else "FAIL")
-        if self.args.route == "auto":  # the mma.sync route on the same cache and q
+        if "_wgmma_" in plan.name:  # the mma.sync route on the same cache and q
             mcall = self.varlen(cache, q, qsl, tab, lensd, out, new_scratch(), sm_scale, n,
                                 route="mma")
             mcall()
@@ -395,7 +396,7 @@ def main(argv=None) -> int:
     ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("--only", nargs="*", default=None,
                     help="spec, prefill, prefill_shapes, mixed, host")
-    ap.add_argument("--route", default="auto", choices=("auto", "mma"),
+    ap.add_argument("--route", default="auto", choices=K.PREFILL_ROUTES,
                     help="the prefill route (fp4cache._kernels.PREFILL_ROUTES): auto (the "
                          "wgmma kernel on sm_90; the prefill rows time mma beside it) or mma")
     ap.add_argument("--window", type=int, default=0, metavar="P",

@@ -281,6 +281,8 @@ DECODE_ROUTES = ("auto", "bitmove")
 #: window or rotation), else the 128-row mma.sync kernel; "mma" the mma.sync kernel on every
 #: GPU (so that an sm_90 device can test and time the sm_80 route).
 PREFILL_ROUTES = ("auto", "mma")
+#: q/out value types of the wgmma kernel (16-bit: q converts to f16 exactly).
+VARLEN_WG_DTYPES = ("bf16", "f16")
 
 
 class DecodeAttnArgs(NamedTuple):
@@ -350,8 +352,8 @@ def varlen_wgmma_spec(dtype: str, head_dim: int) -> Spec:
     """The wgmma attention kernel (``kernels/varlen_wgmma.cu``, sm_90a only): the 128-row
     varlen kernel's work for ``dtype`` (bf16 / f16) q/out, ``head_dim`` in
     ``_abi.VARLEN_WG_HEAD_DIMS``, without the window and the rotation."""
-    if dtype not in ("bf16", "f16"):
-        raise ValueError(f"dtype must be bf16 or f16, got {dtype!r}")
+    if dtype not in VARLEN_WG_DTYPES:
+        raise ValueError(f"dtype must be one of {VARLEN_WG_DTYPES}, got {dtype!r}")
     if head_dim not in _abi.VARLEN_WG_HEAD_DIMS:
         raise ValueError(f"head_dim must be one of {_abi.VARLEN_WG_HEAD_DIMS}, got {head_dim}")
     return Spec("varlen_wgmma.cu", "FP4C_VARLEN_WG_KERNEL",
@@ -432,7 +434,8 @@ def all_specs() -> list[Spec]:
               for ix in INDEX_TYPES for vw in PAGE_VEC_BYTES]
     specs += [varlen_attention_spec(dt, d, mw, win) for dt in VALUE_TYPES
               for d in ATTN_HEAD_DIMS for mw in _abi.VARLEN_ROW_WARPS for win in bools]
-    specs += [varlen_wgmma_spec(dt, d) for dt in ("bf16", "f16") for d in _abi.VARLEN_WG_HEAD_DIMS]
+    specs += [varlen_wgmma_spec(dt, d) for dt in VARLEN_WG_DTYPES
+              for d in _abi.VARLEN_WG_HEAD_DIMS]
     return specs
 
 

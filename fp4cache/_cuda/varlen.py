@@ -175,7 +175,8 @@ def wgmma_applies(q, row_warps: int, extras: bool, smem_max: int, route: str = "
     shared memory on this device."""
     D = int(q.shape[2])
     return (route == "auto" and row_warps == _abi.VARLEN_WG_ROW_WARPS and not extras
-            and np.dtype(q.dtype).itemsize == 2 and D in _abi.VARLEN_WG_HEAD_DIMS
+            and K.DTYPE_NAMES.get(np.dtype(q.dtype)) in K.VARLEN_WG_DTYPES
+            and D in _abi.VARLEN_WG_HEAD_DIMS
             and cupy.cuda.Device().compute_capability == "90"
             and _abi.varlen_wg_smem_bytes(D) <= smem_max)
 
