@@ -22,7 +22,7 @@ __all__ = ["RULES", "LAYOUTS", "STAT_NAMES", "STAT", "STRUCTS", "struct_dtype", 
            "COPY_MIN_CTAS", "COPY_TABLES", "PAGE_MOVE_THREADS", "SCALE_SATURATES_ABOVE",
            "MMA_ROWS", "VARLEN_WARPS", "VARLEN_TILE_KEYS", "VARLEN_ROW_WARPS",
            "VARLEN_MAX_SPLITS", "VARLEN_MIN_SPLIT", "VARLEN_SMEM_PAD", "varlen_smem_bytes",
-           "VARLEN_WG_HEAD_DIMS", "VARLEN_WG_ROW_WARPS", "VARLEN_WG_STEP",
+           "VARLEN_WG_HEAD_DIMS", "VARLEN_WG_ROW_WARPS", "VARLEN_WG_DECODE_WARPS", "VARLEN_WG_STEP",
            "VARLEN_WG_K_STAGES", "VARLEN_WG_V_STAGES",
            "varlen_wg_smem_bytes",
            "varlen_warps"]
@@ -130,10 +130,12 @@ def varlen_smem_bytes(head_dim: int, row_warps: int, split_q: bool) -> int:
 
 
 #: The wgmma kernel (kernels/varlen_wgmma.cu, sm_90a): head dims, rows per CTA (two
-#: warpgroups of 64; the plan's row_warps is VARLEN_WG_ROW_WARPS), keys per step, shared
-#: stages of the decoded K and of the decoded V (one step each).
+#: warpgroups of 64; the plan's row_warps is VARLEN_WG_ROW_WARPS), the decode warps (one
+#: warpgroup beside them), keys per step, shared stages of the decoded K and of the
+#: decoded V (one step each).
 VARLEN_WG_HEAD_DIMS = (64, 128)
 VARLEN_WG_ROW_WARPS = 8
+VARLEN_WG_DECODE_WARPS = 4
 VARLEN_WG_STEP = 128
 VARLEN_WG_K_STAGES = 2
 VARLEN_WG_V_STAGES = 3
@@ -141,9 +143,10 @@ VARLEN_WG_V_STAGES = 3
 
 def varlen_wg_smem_bytes(head_dim: int) -> int:
     """Dynamic shared memory of the wgmma kernel (``WgDims::SMEM``, checked by the kernel):
-    1024 bytes to align the swizzled regions, q, the K and V stages, the scale staging."""
+    1024 bytes to align the swizzled regions, q, the K and V stages, the decode warps' scale
+    staging."""
     rows = MMA_ROWS * VARLEN_WG_ROW_WARPS
-    warps = VARLEN_WG_ROW_WARPS
+    warps = VARLEN_WG_DECODE_WARPS
     stages = VARLEN_WG_K_STAGES + VARLEN_WG_V_STAGES
     return (1024 + rows * head_dim * 2 + stages * VARLEN_WG_STEP * head_dim * 2
             + warps * 2 * VARLEN_TILE_KEYS * (head_dim // 16))
@@ -341,6 +344,7 @@ def header() -> str:
             f"#define FP4C_VARLEN_MIN_SPLIT {VARLEN_MIN_SPLIT}",
             f"#define FP4C_VARLEN_SMEM_PAD {VARLEN_SMEM_PAD}",
             f"#define FP4C_VARLEN_WG_ROW_WARPS {VARLEN_WG_ROW_WARPS}",
+            f"#define FP4C_VARLEN_WG_DECODE_WARPS {VARLEN_WG_DECODE_WARPS}",
             f"#define FP4C_VARLEN_WG_STEP {VARLEN_WG_STEP}",
             f"#define FP4C_VARLEN_WG_K_STAGES {VARLEN_WG_K_STAGES}",
             f"#define FP4C_VARLEN_WG_V_STAGES {VARLEN_WG_V_STAGES}"]

@@ -1,6 +1,7 @@
 // fp4cache: PTX wrappers of the attention kernels (decode_attention.cu, varlen_attention.cu):
 // float helpers without .ftz (CuPy compiles with -ftz=true), L2-only and read-only loads,
-// cp.async, mma.sync m16n8k16 f16 -> f32, movmatrix and ldmatrix.  sm_80+.
+// cp.async, mma.sync m16n8k16 f16 -> f32, movmatrix and ldmatrix, the barriers the shared
+// epilogue steps take (CtaBar, NamedBar).  sm_80+.
 #pragma once
 #include "fp4_common.cuh"
 
@@ -58,6 +59,22 @@ FP4C_DEVICE u32 ldg_u32(const u8* p) {
   asm("ld.global.nc.u32 %0, [%1];" : "=r"(r) : "l"(p));
   return r;
 }
+
+// The barrier of the threads that run a shared step (its `Bar` parameter): the whole CTA
+// (__syncthreads), or named barrier ID of the N threads (multiple of 32) of a warp-
+// specialized kernel's role; arrive: count this warp's threads without waiting (memory
+// accesses before it are performed for the threads the barrier releases)
+struct CtaBar {
+  static FP4C_DEVICE void sync() { __syncthreads(); }
+};
+template <int ID, int N>
+struct NamedBar {
+  static_assert(ID > 0 && ID < 16 && N % 32 == 0, "named barriers 1..15 of N = 32 k threads");
+  static FP4C_DEVICE void sync() { asm volatile("bar.sync %0, %1;" ::"n"(ID), "n"(N) : "memory"); }
+  static FP4C_DEVICE void arrive() {
+    asm volatile("bar.arrive %0, %1;" ::"n"(ID), "n"(N) : "memory");
+  }
+};
 
 // cp.async (sm_80+): global -> shared without registers; src_size 0 fills zeros and
 // reads nothing.

@@ -86,12 +86,13 @@ FP4C_DEVICE void write_partial(const SplitSet& W, u32 s, const float (*s_o)[D + 
 // merge: every CTA of the set takes a ticket; the last one (which resets the ticket, so
 // that CUDA-graph replays work) combines the partials into s_M, s_L (per row: M = the
 // splits' largest m, L = sum l_s 2^(m_s - M)) and s_o (sum O_s 2^(m_s - M)) and returns
-// true; the others return false.  Call after write_partial, from every thread.
+// true; the others return false.  Call after write_partial, from every thread of `Bar`
+// (CtaBar: the CTA).
 // Not inlined: kept out of the key loop's register allocation, the decode kernel's long rows
 // run 1-2 % faster (B=8 x 32768: 102.8 against 105.2 us on the H200); the
 // set is copied first so that its fields stay in registers (read through the reference,
 // the loops reloaded them from the stack: 1 x 16384 tokens 21 against 15 us).
-template <int D, int THREADS, int MAXS>
+template <int D, int THREADS, int MAXS, class Bar = CtaBar>
 __device__ __noinline__ bool merge_splits(const SplitSet& set, float (*s_o)[D + 1],
                                           float* s_M, float* s_L, float (*s_w)[MAXS],
                                           u32& s_flag) {
@@ -101,13 +102,13 @@ __device__ __noinline__ bool merge_splits(const SplitSet& set, float (*s_o)[D + 
   // makes them visible to the last CTA and whose acquire (in the last CTA, with the next
   // barrier) makes every split's partials visible to all its threads (CUTLASS's semaphore
   // pattern: no fence by every thread)
-  __syncthreads();
+  Bar::sync();
   if (tid == 0) {
     const u32 prev = atom_add_acq_rel_gpu(W.ticket, 1u);
     s_flag = prev == W.nsplit - 1u ? 1u : 0u;
     if (s_flag) *W.ticket = 0u;  // every CTA of this set has taken its ticket
   }
-  __syncthreads();
+  Bar::sync();
   if (!s_flag) return false;
   // few splits (a short sequence's plan): every split's O of this thread's first four
   // outputs loaded before (m, l), so that the two round trips overlap (with many, the
@@ -157,7 +158,7 @@ __device__ __noinline__ bool merge_splits(const SplitSet& set, float (*s_o)[D + 
       s_L[row] = L;
     }
   }
-  __syncthreads();
+  Bar::sync();
   // O = sum_s w_s O_s, four consecutive outputs per thread and step (16-byte loads, 16
   // splits in flight: with many splits this loop is the kernel's tail)
   for (u32 k = k0; k < W.rows * D; k += 4u * THREADS) {
@@ -189,6 +190,6 @@ __device__ __noinline__ bool merge_splits(const SplitSet& set, float (*s_o)[D + 
 #pragma unroll
     for (int e = 0; e < 4; ++e) s_o[row][k % D + e] = acc[e];
   }
-  __syncthreads();
+  Bar::sync();
   return true;
 }

@@ -407,7 +407,7 @@ FP4C_DEVICE void vl_softmax(float (&s)[NTL][2][4], u32 key0, u32 kstride, const 
 // float) and the rows' (M, L) into s_M, s_L; a row that sees the CTA's nan_key gets L = NaN,
 // one that sees s_vnan[grp] NaN in group grp's columns
 // ---------------------------------------------------------------------------------------
-template <int D, int MW>
+template <int D, int MW, class Bar = CtaBar>
 FP4C_DEVICE void vl_merge_warps(VlRowState<D>& st, float (*s_o)[D + 1],
                                 float (*s_m)[FP4C_MMA_ROWS * MW],
                                 float (*s_l)[FP4C_MMA_ROWS * MW], const u32* s_lim,
@@ -424,7 +424,7 @@ FP4C_DEVICE void vl_merge_warps(VlRowState<D>& st, float (*s_o)[D + 1],
       s_l[kw][16u * mw + g + 8u * r] = st.l[r];
     }
   }
-  __syncthreads();
+  Bar::sync();
   float f[2];
 #pragma unroll
   for (int r = 0; r < 2; ++r) f[r] = warp_merge_weight<KW>(s_m, 16u * mw + g + 8u * r, st.m[r]);
@@ -442,7 +442,7 @@ FP4C_DEVICE void vl_merge_warps(VlRowState<D>& st, float (*s_o)[D + 1],
         }
       }
     }
-    __syncthreads();
+    Bar::sync();
   }
   if (threadIdx.x < (u32)ROWS)
     merge_warp_row<KW>(s_m, s_l, threadIdx.x, nan_key < s_lim[threadIdx.x], s_M, s_L);
@@ -454,14 +454,14 @@ FP4C_DEVICE void vl_merge_warps(VlRowState<D>& st, float (*s_o)[D + 1],
       for (int e = 0; e < 16; ++e) s_o[row][16u * grp + e] = FP4C_NAN;
     }
   }
-  __syncthreads();
+  Bar::sync();
 }
 
 // ---------------------------------------------------------------------------------------
 // finish: with splits, write the partial and let the last CTA of the (sequence, KV head)
 // merge the partials (atomic ticket, reset by that CTA); then write out and lse
 // ---------------------------------------------------------------------------------------
-template <typename T, int D, int ROWS, int THREADS>
+template <typename T, int D, int ROWS, int THREADS, class Bar = CtaBar>
 FP4C_DEVICE void vl_finish(const VlWork& W, const VarlenParams& P, float (*s_o)[D + 1],
                            float* s_M, float* s_L,
                            float (*s_w)[FP4C_VARLEN_MAX_SPLITS],  // split weights per row
@@ -475,7 +475,7 @@ FP4C_DEVICE void vl_finish(const VlWork& W, const VarlenParams& P, float (*s_o)[
                      W.kv_end == 0u ? 0u : (W.kv_end + W.split_len - 1u) / W.split_len, ROWS,
                      W.rows_here};
     if (W.s0 < W.s1) write_partial<D, THREADS>(S, W.split, s_o, s_M, s_L);
-    if (!merge_splits<D, THREADS, FP4C_VARLEN_MAX_SPLITS>(S, s_o, s_M, s_L, s_w, s_flag))
+    if (!merge_splits<D, THREADS, FP4C_VARLEN_MAX_SPLITS, Bar>(S, s_o, s_M, s_L, s_w, s_flag))
       return;
   }
   const RowMap R = row_map(P, W.h, W.qs0, W.n);
@@ -485,9 +485,11 @@ FP4C_DEVICE void vl_finish(const VlWork& W, const VarlenParams& P, float (*s_o)[
 // ---------------------------------------------------------------------------------------
 // The end of a work item: the CTA's smallest bad key (the warps' nan_key), the warps'
 // merge into s_o (over the decoded K/V at s_kv), then vl_finish with the split weights in
-// q's place (s_q: q is no longer read)
+// q's place (s_q: q is no longer read).  Bar: the barrier of the threads that run it (the
+// row warps); EndBar: the one after the smallest bad key, of every thread that decodes
+// (a warp-specialized kernel's decode warps arrive at it)
 // ---------------------------------------------------------------------------------------
-template <typename T, int D, int MW>
+template <typename T, int D, int MW, class Bar = CtaBar, class EndBar = Bar>
 FP4C_DEVICE void vl_epilogue(const VlWork& W, const VarlenParams& P, VlRowState<D>& st,
                              u32 nan_key, u8* s_kv, void* s_q,
                              float (*s_m)[FP4C_MMA_ROWS * MW], float (*s_l)[FP4C_MMA_ROWS * MW],
@@ -497,10 +499,10 @@ FP4C_DEVICE void vl_epilogue(const VlWork& W, const VarlenParams& P, VlRowState<
 #pragma unroll
   for (int o = 1; o <= 16; o <<= 1) nan_key = min(nan_key, __shfl_xor_sync(0xFFFFFFFFu, nan_key, o));
   if ((threadIdx.x & 31u) == 0u && nan_key != FP4C_VL_NOKEY) atomicMin(&s_nan, nan_key);
-  __syncthreads();
+  EndBar::sync();
   float(*s_o)[D + 1] = reinterpret_cast<float(*)[D + 1]>(s_kv);
-  vl_merge_warps<D, MW>(st, s_o, s_m, s_l, s_lim, s_nan, s_vnan, s_M, s_L);
+  vl_merge_warps<D, MW, Bar>(st, s_o, s_m, s_l, s_lim, s_nan, s_vnan, s_M, s_L);
   float(*s_w)[FP4C_VARLEN_MAX_SPLITS] = reinterpret_cast<float(*)[FP4C_VARLEN_MAX_SPLITS]>(s_q);
-  vl_finish<T, D, FP4C_MMA_ROWS * MW, FP4C_VL_THREADS(MW)>(W, P, s_o, s_M, s_L, s_w, s_flag,
+  vl_finish<T, D, FP4C_MMA_ROWS * MW, FP4C_VL_THREADS(MW), Bar>(W, P, s_o, s_M, s_L, s_w, s_flag,
                                                            out, lse);
 }

@@ -7,29 +7,30 @@
 // 128-row mma.sync kernel (_r128) on an sm_90 device for bf16 / f16 q, head_dim 64 / 128,
 // without the window or the rotation.
 //
-// A CTA: two warpgroups (8 warps), 128 query rows (warpgroup w rows 64 w .. 64 w + 63; warp
-// k of the CTA rows 16 k .., as the _r128 kernel's), steps of 128 keys.  Shared memory
-// (the 128-byte swizzle of wgmma.cuh, one region per 64 columns): q [ROWS x D] f16, two K
-// stages and three V stages [128 keys x D] f16, the warps' scale staging.  Step i (its K
-// in K stage i % 2, its V in V stage i % 3):
-//   scores:  S = Q K^T, m64n128k16 per warpgroup, both operands in shared memory (async;
-//            behind step i - 1's P.V on the tensor cores);
-//   decode:  while they run, lane (token t, side) of warp k decodes key 16 k + t of step
-//            i + 1 from its registers into K stage (i + 1) % 2 and V stage (i + 1) % 3
-//            (their last readers, step i - 1's scores and step i - 2's P.V, were waited
-//            in step i - 1: vl_decode, every page byte once per CTA) and loads its key of
-//            step i + 2 (vl_load);
-//   softmax: after the one wait of the step (the scores and step i - 1's P.V), online, per
-//            row, with the row's own key limit (vl_softmax, the mma kernel's);
-//   P.V:     after a barrier (step i + 1 decoded), O += P V, m64nDk16, P from registers (S's
-//            accumulators are the A fragments), V MN-major from shared memory (async).
-// Measured and dropped (docs/kernels.md): FlashAttention-3's order (step i - 1's P.V issued
-// after step i's scores, the softmax weights taken while it runs): ptxas needs its first
-// step apart and spills more, 26 % slower here.
+// A CTA: three warpgroups, warp specialized (FlashAttention-3's structure).  Warpgroups 0
+// and 1 (the row warps, 64 query rows each: warp k of the CTA rows 16 k .., as the _r128
+// kernel's) run the MMAs and the softmax; warpgroup 2 (the decode warps) brings the NVFP4
+// page rows into registers and decodes them once per CTA into the shared K / V stages.
+// setmaxnreg moves registers from the decode warps to the row warps.  Shared memory (the
+// 128-byte swizzle of wgmma.cuh, one region per 64 columns): q [ROWS x D] f16, K stages
+// and V stages [128 keys x D] f16 (a ring each, with full / empty mbarriers), the decode
+// warps' scale staging.  Steps of 128 keys; step i:
+//   decode:  decode warp p decodes key blocks p and p + 4 (16 keys each: vl_decode, lane
+//            (token t, side)) of step i into the rings' next K and V stages once the row
+//            warps released them, and loads its rows of step i + 1 (vl_load);
+//   scores:  S = Q K^T, m64n128k16 per warpgroup, both operands in shared memory;
+//   softmax: online, per row, with the row's own key limit (vl_softmax, the mma
+//            kernel's); the K stage is released when S is in registers;
+//   P.V:     O += P V, m64nDk16, P from registers (S's accumulators are the A fragments),
+//            V MN-major from shared memory; issued with step i + 1's scores, the V stage
+//            released when both are done.
+// The two row warpgroups take turns at the tensor cores (named barriers, FlashAttention-3's
+// ping-pong): one issues its P.V and next scores while the other runs its softmax.
 // q is converted to f16 per row with a power-of-two scale and K / V decode exactly to f16,
 // as in the mma kernel: the products are the same, the f32 sums in another order.
 #include "varlen_steps.cuh"
 #include "wgmma.cuh"
+#include "pipeline.cuh"
 
 #if defined(__CUDA_ARCH__) && !defined(__CUDA_ARCH_FEAT_SM90_ALL)
 #error "varlen_wgmma.cu needs sm_90a (wgmma.mma_async)"
@@ -38,25 +39,64 @@
 template <int D>
 struct WgDims : HeadDims<D> {
   static_assert(D == 64 || D == 128, "the wgmma kernel: head_dim 64 or 128");
-  static constexpr int MW = FP4C_VARLEN_WG_ROW_WARPS;  // row warps (16 rows each)
-  static constexpr int W = MW;                         // warps: two warpgroups
+  static constexpr int MW = FP4C_VARLEN_WG_ROW_WARPS;     // row warps (16 rows each)
+  static constexpr int PW = FP4C_VARLEN_WG_DECODE_WARPS;  // decode warps
+  static constexpr int W = MW + PW;
   static constexpr int THREADS = 32 * W;
-  static constexpr int ROWS = FP4C_MMA_ROWS * MW;      // query rows of the CTA
-  static constexpr int STEP = FP4C_VARLEN_WG_STEP;     // keys per step
-  static constexpr int QT = ROWS * D * 2;              // q, swizzled
-  static constexpr int KT = STEP * D * 2;              // K (or V) of one stage
+  static constexpr int ROWS = FP4C_MMA_ROWS * MW;         // query rows of the CTA
+  static constexpr int STEP = FP4C_VARLEN_WG_STEP;        // keys per step
+  static constexpr int BLOCKS = STEP / FP4C_VARLEN_TILE_KEYS;  // key blocks of a step
+  static constexpr int UNITS = BLOCKS / PW;                // per decode warp and step
+  static constexpr int QT = ROWS * D * 2;                 // q, swizzled
+  static constexpr int KT = STEP * D * 2;                 // K (or V) of one stage
   static constexpr int KSTAGES = FP4C_VARLEN_WG_K_STAGES;
   static constexpr int VSTAGES = FP4C_VARLEN_WG_V_STAGES;
-  static constexpr int SC = W * 2 * FP4C_VARLEN_TILE_KEYS * HeadDims<D>::G;  // scale staging
+  static constexpr int SC = PW * 2 * FP4C_VARLEN_TILE_KEYS * HeadDims<D>::G;  // scale staging
   static constexpr int KV = (KSTAGES + VSTAGES) * KT;
   // = _abi.varlen_wg_smem_bytes (1024: the swizzle atoms' alignment, found at run time)
   static constexpr int SMEM = 1024 + QT + KV + SC;
-  static_assert(STEP == 128 && ROWS == 128 && STEP == FP4C_VARLEN_TILE_KEYS * W,
-                "m64n128 scores per warpgroup, 16 keys per warp and step");
-  static_assert(KSTAGES == 2 && VSTAGES == 3, "step i + 1 is decoded while step i's scores "
-                "and step i - 1's P.V read theirs");
+  // registers per thread after setmaxnreg (launched with 65536 / THREADS, rounded down to
+  // a multiple of 8): the decode warps give, the row warps take
+  static constexpr int START_REGS = (65536 / THREADS) & ~7;
+  static constexpr int DECODE_REGS = 72;
+  static constexpr int ROW_REGS = 216;
+  static_assert(MW == 8 && PW == 4, "two row warpgroups and one decode warpgroup");
+  static_assert(DECODE_REGS * 32 * PW + ROW_REGS * 32 * MW <= START_REGS * THREADS &&
+                    DECODE_REGS <= START_REGS && ROW_REGS >= START_REGS,
+                "setmaxnreg moves registers within the CTA's allocation");
+  static_assert(STEP == 128 && ROWS == 128 && BLOCKS % PW == 0,
+                "m64n128 scores per warpgroup, whole key blocks per decode warp");
+  static_assert(KSTAGES >= 2 && VSTAGES >= 2, "the decode of a step overlaps the MMAs of "
+                "the one before");
   static_assert(ROWS * (D + 1) * 4 <= KV, "the merged O reuses the stages");
   static_assert(ROWS * FP4C_VARLEN_MAX_SPLITS * 4 <= QT, "split weights in q's place");
+};
+
+// Named barriers (0: the CTA's): the row warps' epilogue, the item's end (the decode warps
+// arrive after their last bad key), the row warpgroups' turns at the tensor cores
+#define FP4C_WG_BAR_ROWS 1
+#define FP4C_WG_BAR_END 2
+#define FP4C_WG_BAR_TURN 3  // 3: warpgroup 0's turn, 4: warpgroup 1's
+
+// The rings' mbarriers (shared addresses): full (the decode warps' threads arrive) and
+// empty (the row warps' threads arrive) per K and per V stage
+template <int KS, int VS>
+struct WgBars {
+  u32 base;
+  FP4C_DEVICE u32 full_k(u32 s) const { return base + 8u * s; }
+  FP4C_DEVICE u32 full_v(u32 s) const { return base + 8u * (KS + s); }
+  FP4C_DEVICE u32 empty_k(u32 s) const { return base + 8u * (KS + VS + s); }
+  FP4C_DEVICE u32 empty_v(u32 s) const { return base + 8u * (2 * KS + VS + s); }
+};
+
+// The CTA's static shared memory
+template <int D>
+struct WgShared {
+  static constexpr int ROWS = WgDims<D>::ROWS, NB = 2 * (WgDims<D>::KSTAGES + WgDims<D>::VSTAGES);
+  u64 bars[NB];
+  float m[1][ROWS], l[1][ROWS], M[ROWS], L[ROWS], rsc[ROWS];
+  u32 lim[ROWS];
+  u32 nan, flag, vnan[D / 16];
 };
 
 // The 128-byte swizzle of rows of D f16: column col of row j in region col / 64 (`rows`
@@ -121,88 +161,165 @@ FP4C_DEVICE void wg_pv(VlRowState<D>& st, const u32 (&pa)[8][4], u32 v_s) {
 }
 
 // ---------------------------------------------------------------------------------------
-// One work item: a (sequence, KV head, query tile, split) unit
+// decode warps: every step's key blocks, through the rings (K stages rk, V stages rv);
+// at the end the CTA's smallest bad key and the item's end barrier
 // ---------------------------------------------------------------------------------------
-template <typename T, int D>
-FP4C_DEVICE void wg_item(u32 item, const void* __restrict__ q, const void* __restrict__ qsl,
-                         const void* __restrict__ tables, const void* __restrict__ seq_lens,
-                         void* __restrict__ out, float* __restrict__ lse, const VarlenParams& P) {
+template <int D>
+FP4C_DEVICE void wg_decode_item(const VlWork& W, const VarlenParams& P, const VlSeq& S,
+                                u8* s_kv, u8* s_sc, WgShared<D>& sh,
+                                const WgBars<WgDims<D>::KSTAGES, WgDims<D>::VSTAGES>& B,
+                                Ring<WgDims<D>::KSTAGES>& rk, Ring<WgDims<D>::VSTAGES>& rv,
+                                u32 nsteps) {
   using A = WgDims<D>;
-  constexpr int ROWS = A::ROWS, STEP = A::STEP;
-  extern __shared__ __align__(16) u8 smem[];
-  __shared__ float s_m[1][ROWS], s_l[1][ROWS], s_M[ROWS], s_L[ROWS], s_rsc[ROWS];
-  __shared__ u32 s_lim[ROWS];
-  __shared__ u32 s_nan, s_flag, s_vnan[D / 16];
-  VlWork W;
-  if (!find_work<ROWS, STEP>(P, item, qsl, seq_lens, W)) return;
-  const u32 lane = threadIdx.x & 31u, warp = threadIdx.x >> 5;
-  u8* s_q = smem + ((1024u - (smem_u32(smem) & 1023u)) & 1023u);  // 1024-byte aligned
-  u8* s_kv = s_q + A::QT;  // K stages 0, 1, then V stages 0, 1, 2 (KT bytes each)
-  u8* s_sc = s_kv + A::KV;
-  if (threadIdx.x == 0) s_nan = FP4C_VL_NOKEY;
-  if (threadIdx.x < (u32)A::G) s_vnan[threadIdx.x] = FP4C_VL_NOKEY;
-  load_q<T, D, ROWS, SwzRows<ROWS>, A::W, false, false>(q, W, P, (u16*)s_q, nullptr, s_rsc,
-                                                         s_lim);
-  const VlSeq S{attn_seq(P, tables, W.b, W.h, W.h == 0u && W.last_tile),
-                ((P.side_bytes | P.data_bytes) & 15) == 0 ? 1u : 0u};
-  __syncthreads();
-
-  // ---- this lane's rows: limits (split end included), score scales ----------------------
-  u32 lim[2];
-  float rs[2];
-  vl_lane_rows(s_lim, s_rsc, warp, W.s1, lim, rs);
-  VlRowState<D> st;
-  st.reset();
+  constexpr int STEP = A::STEP;
+  const u32 lane = threadIdx.x & 31u, p = (threadIdx.x >> 5) - (u32)A::MW;
+  u8* my_stage = s_sc + p * (2 * 16 * A::G);
   u32 nan_key = FP4C_VL_NOKEY;
-
-  // ---- the first step's decode, the second's load; the steps -------------------------
-  const u32 my_key = 16u * warp + (lane & 15u);
-  u8* my_stage = s_sc + warp * (2 * 16 * A::G);
-  const u32 q_s = smem_u32(s_q) + (warp >> 2) * (64u * 128u);  // the warpgroup's 64 rows
-  const u32 kv_s = smem_u32(s_kv);
-  const u32 nsteps = (W.s1 - W.s0 + STEP - 1u) / STEP;
-  VlRaw<D> R;
+  VlRaw<D> R[A::UNITS];
+  // the lane's key of block p + PW u, step i
+  const u32 key_in = 16u * p + (lane & 15u);
   if (nsteps > 0u) {
-    vl_load<D>(S, W.s0 + my_key, W.s1, R);
-    vl_decode<D>(R, W.s0 + my_key, P.swizzle, my_stage,
-                 SwzTile<STEP>{(u16*)s_kv, (u16*)(s_kv + 2 * A::KT), 16u * warp}, nan_key,
-                 s_vnan);
-    if (nsteps > 1u) vl_load<D>(S, W.s0 + STEP + my_key, W.s1, R);
+#pragma unroll
+    for (int u = 0; u < A::UNITS; ++u)
+      vl_load<D>(S, W.s0 + key_in + 16u * A::PW * u, W.s1, R[u]);
   }
-  fence_proxy_async();
-  __syncthreads();
-  // step i: K stage i % 2, V stage i % 3; the decode of step i + 1 writes K stage (i + 1) %
-  // 2 (last read by step i - 1's scores) and V stage (i + 1) % 3 (step i - 2's P.V): both
-  // waited by each warpgroup before step i - 1's P.V and the barrier there, so the decode
-  // overlaps step i - 1's P.V and step i's scores (the one wait of a step retires both)
-  u32 pa[8][4];
-  u32 vcur = 0u;  // i % 3
   for (u32 i = 0; i < nsteps; ++i) {
-    const u32 step = W.s0 + i * STEP, kcur = i & 1u, vnext = vcur == 2u ? 0u : vcur + 1u;
-    float s[8][2][4];
-    wg_scores<D, ROWS, STEP>(s, q_s, kv_s + kcur * A::KT);
-    if (i + 1u < nsteps) {
-      vl_decode<D>(R, step + STEP + my_key, P.swizzle, my_stage,
-                   SwzTile<STEP>{(u16*)(s_kv + (kcur ^ 1u) * A::KT),
-                                 (u16*)(s_kv + (2u + vnext) * A::KT), 16u * warp},
-                   nan_key, s_vnan);
-      if (i + 2u < nsteps) vl_load<D>(S, step + 2u * STEP + my_key, W.s1, R);
+    const u32 step = W.s0 + i * STEP;
+    mbar_wait(B.empty_k(rk.stage), rk.phase ^ 1u);
+    mbar_wait(B.empty_v(rv.stage), rv.phase ^ 1u);
+    u16* k = (u16*)(s_kv + rk.stage * A::KT);
+    u16* v = (u16*)(s_kv + (A::KSTAGES + rv.stage) * A::KT);
+#pragma unroll
+    for (int u = 0; u < A::UNITS; ++u) {
+      const u32 off = key_in + 16u * A::PW * u;
+#ifndef FP4C_EXP_NODECODE
+      vl_decode<D>(R[u], step + off, P.swizzle, my_stage,
+                   SwzTile<STEP>{k, v, off - (lane & 15u)}, nan_key, sh.vnan);
+#else
+      if (R[u].w[0] == 0x12345678u) *(u32*)k = R[u].w[1];
+#endif
+      if (i + 1u < nsteps) vl_load<D>(S, step + STEP + off, W.s1, R[u]);
     }
-    wg_wait<0>();  // the scores and step i - 1's P.V
-    vl_softmax<D, 8>(s, step, 16u, lim, rs, st, pa);
-    fence_proxy_async();
-    __syncthreads();  // step i + 1 is decoded
-    wg_pv<D, STEP>(st, pa, kv_s + (2u + vcur) * A::KT);
-    vcur = vnext;
+    fence_proxy_async();  // the stage's writes, for the wgmma reads (async proxy)
+    mbar_arrive(B.full_k(rk.stage));
+    mbar_arrive(B.full_v(rv.stage));
+    rk.next();
+    rv.next();
   }
-  wg_wait<0>();
-  // ---- merge (one warp per row block) and write -----------------------------------------
-  vl_epilogue<T, D, A::MW>(W, P, st, nan_key, s_kv, s_q, s_m, s_l, s_lim, s_nan, s_vnan, s_M,
-                           s_L, s_flag, out, lse);
+#pragma unroll
+  for (int o = 1; o <= 16; o <<= 1) nan_key = min(nan_key, __shfl_xor_sync(0xFFFFFFFFu, nan_key, o));
+  if (lane == 0u && nan_key != FP4C_VL_NOKEY) atomicMin(&sh.nan, nan_key);
+  NamedBar<FP4C_WG_BAR_END, A::THREADS>::arrive();
 }
 
 // ---------------------------------------------------------------------------------------
-// The kernel: a CTA takes the work items blockIdx.x, + gridDim.x, ... (varlen_attention.cu)
+// row warps: the steps' MMAs and softmax, taking turns with the other warpgroup (wg); at
+// the end the merge and write (vl_epilogue over the row warps)
+// ---------------------------------------------------------------------------------------
+FP4C_DEVICE void wg_turn_sync(u32 wg) {
+#ifdef FP4C_EXP_NOTURN
+  return;
+#endif
+  if (wg == 0u)
+    NamedBar<FP4C_WG_BAR_TURN, 256>::sync();
+  else
+    NamedBar<FP4C_WG_BAR_TURN + 1, 256>::sync();
+}
+FP4C_DEVICE void wg_turn_pass(u32 wg) {  // the other warpgroup's turn
+#ifdef FP4C_EXP_NOTURN
+  return;
+#endif
+  if (wg == 0u)
+    NamedBar<FP4C_WG_BAR_TURN + 1, 256>::arrive();
+  else
+    NamedBar<FP4C_WG_BAR_TURN, 256>::arrive();
+}
+
+// The row warps' state of an item's steps: scores / weights s, P fragments pa, O and the
+// row statistics st, the lane's rows (lim, rs), the rings
+template <int D>
+struct WgRowSteps {
+  using A = WgDims<D>;
+  float s[8][2][4];
+  u32 pa[8][4];
+  VlRowState<D> st;
+  u32 lim[2];
+  float rs[2];
+  u32 q_s, kv_s, wg, s0;
+  WgBars<A::KSTAGES, A::VSTAGES> B;
+  Ring<A::KSTAGES>& rk;
+  Ring<A::VSTAGES>& rv;
+
+  FP4C_DEVICE void first() {  // step 0's scores
+    mbar_wait(B.full_k(rk.stage), rk.phase);
+    wg_turn_sync(wg);
+    wg_scores<D, A::ROWS, A::STEP>(s, q_s, kv_s + rk.stage * A::KT);
+    wg_turn_pass(wg);
+  }
+  // step i: its softmax, then its P.V and (MORE) step i + 1's scores.  The last step is
+  // compiled apart: a wgmma under a condition makes ptxas serialize them (C7515).
+  template <bool MORE>
+  FP4C_DEVICE void step(u32 i) {
+    wg_wait<0>();  // step i's scores and step i - 1's P.V
+    wg_fence_regs<64>(&s[0][0][0]);
+    wg_fence_regs<D / 2>(&st.o[0][0]);
+    mbar_arrive(B.empty_k(rk.stage));
+    rk.next();
+    if (i > 0u) {
+      mbar_arrive(B.empty_v(rv.stage));
+      rv.next();
+    }
+#ifndef FP4C_EXP_NOSOFTMAX
+    vl_softmax<D, 8>(s, s0 + i * A::STEP, 16u, lim, rs, st, pa);
+#else
+    vl_pack<8>(s, pa);
+#endif
+    if constexpr (MORE) mbar_wait(B.full_k(rk.stage), rk.phase);
+    mbar_wait(B.full_v(rv.stage), rv.phase);
+    wg_turn_sync(wg);
+    wg_pv<D, A::STEP>(st, pa, kv_s + (A::KSTAGES + rv.stage) * A::KT);
+    if constexpr (MORE) wg_scores<D, A::ROWS, A::STEP>(s, q_s, kv_s + rk.stage * A::KT);
+    wg_turn_pass(wg);
+  }
+  FP4C_DEVICE void last() {  // the last P.V, its V stage released
+    wg_wait<0>();
+    wg_fence_regs<D / 2>(&st.o[0][0]);
+    mbar_arrive(B.empty_v(rv.stage));
+    rv.next();
+  }
+};
+
+template <typename T, int D>
+FP4C_DEVICE void wg_row_item(const VlWork& W, const VarlenParams& P, u8* s_q, u8* s_kv,
+                             WgShared<D>& sh,
+                             const WgBars<WgDims<D>::KSTAGES, WgDims<D>::VSTAGES>& B,
+                             Ring<WgDims<D>::KSTAGES>& rk, Ring<WgDims<D>::VSTAGES>& rv,
+                             u32 nsteps, void* __restrict__ out, float* __restrict__ lse) {
+  using A = WgDims<D>;
+  const u32 warp = threadIdx.x >> 5, wg = warp >> 2;
+  WgRowSteps<D> R{{}, {}, {}, {}, {}, smem_u32(s_q) + wg * (64u * 128u),  // the warpgroup's rows
+                  smem_u32(s_kv), wg, W.s0, B, rk, rv};
+  vl_lane_rows(sh.lim, sh.rsc, warp, W.s1, R.lim, R.rs);
+  R.st.reset();
+  // O's zeros written before the first wgmma (moved into its pipeline stage, they make
+  // ptxas serialize the wgmmas, C7515)
+  wg_fence_regs<D / 2>(&R.st.o[0][0]);
+  if (nsteps > 0u) {
+    R.first();
+    for (u32 i = 0; i + 1u < nsteps; ++i) R.template step<true>(i);
+    R.template step<false>(nsteps - 1u);
+    R.last();
+  }
+  // ---- merge (one warp per row block) and write -----------------------------------------
+  vl_epilogue<T, D, A::MW, NamedBar<FP4C_WG_BAR_ROWS, 32 * A::MW>,
+              NamedBar<FP4C_WG_BAR_END, A::THREADS>>(
+      W, P, R.st, FP4C_VL_NOKEY, s_kv, s_q, sh.m, sh.l, sh.lim, sh.nan, sh.vnan, sh.M, sh.L,
+      sh.flag, out, lse);
+}
+
+// ---------------------------------------------------------------------------------------
+// The kernel: a CTA takes the work items blockIdx.x, + gridDim.x, ... (varlen_attention.cu);
+// each role runs its own loop over them, with the CTA's barriers at the same places
 // ---------------------------------------------------------------------------------------
 template <typename T, int D>
 FP4C_DEVICE void varlen_wg_impl(const void* __restrict__ q, const void* __restrict__ qsl,
@@ -211,19 +328,68 @@ FP4C_DEVICE void varlen_wg_impl(const void* __restrict__ q, const void* __restri
                                 float* __restrict__ lse, const VarlenParams& P) {
   static_assert(T::kBytes == 2, "the wgmma kernel takes bf16 / f16 q");
   using A = WgDims<D>;
+  constexpr int ROWS = A::ROWS, STEP = A::STEP;
+  extern __shared__ __align__(16) u8 smem[];
+  __shared__ __align__(8) WgShared<D> sh;
   u32 dyn;
   asm("mov.u32 %0, %%dynamic_smem_size;" : "=r"(dyn));
   // the host sized it by _abi.varlen_wg_smem_bytes: it must be this layout
   if (dyn < (u32)A::SMEM || P.smem != (u32)A::SMEM) __trap();
-  for (u32 item = blockIdx.x; item < P.items; item += gridDim.x) {
-    wg_item<T, D>(item, q, qsl, tables, seq_lens, out, lse, P);
-    __syncthreads();  // the next item reuses the shared memory
+  u8* s_q = smem + ((1024u - (smem_u32(smem) & 1023u)) & 1023u);  // 1024-byte aligned
+  u8* s_kv = s_q + A::QT;  // K stages, then V stages (KT bytes each)
+  u8* s_sc = s_kv + A::KV;
+  const WgBars<A::KSTAGES, A::VSTAGES> B{smem_u32(&sh.bars[0])};
+  const u32 warp = threadIdx.x >> 5;
+  if (threadIdx.x == 0u) {
+#pragma unroll
+    for (int s = 0; s < A::KSTAGES; ++s) {
+      mbar_init(B.full_k(s), 32u * A::PW);
+      mbar_init(B.empty_k(s), 32u * A::MW);
+    }
+#pragma unroll
+    for (int s = 0; s < A::VSTAGES; ++s) {
+      mbar_init(B.full_v(s), 32u * A::PW);
+      mbar_init(B.empty_v(s), 32u * A::MW);
+    }
+  }
+  __syncthreads();
+  Ring<A::KSTAGES> rk;
+  Ring<A::VSTAGES> rv;
+  if (warp < (u32)A::MW) {  // the row warps
+    regs_inc<A::ROW_REGS>();
+    if (warp >= 4u) wg_turn_pass(1u);  // warpgroup 0 starts
+    for (u32 item = blockIdx.x; item < P.items; item += gridDim.x) {
+      VlWork W;
+      if (!find_work<ROWS, STEP>(P, item, qsl, seq_lens, W)) continue;
+      __syncthreads();  // the last item's shared memory is free
+      if (threadIdx.x == 0u) sh.nan = FP4C_VL_NOKEY;
+      if (threadIdx.x < (u32)A::G) sh.vnan[threadIdx.x] = FP4C_VL_NOKEY;
+      load_q<T, D, ROWS, SwzRows<ROWS>, A::MW, false, false>(q, W, P, (u16*)s_q, nullptr,
+                                                              sh.rsc, sh.lim);
+      fence_proxy_async();  // q, for the wgmma reads
+      __syncthreads();
+      wg_row_item<T, D>(W, P, s_q, s_kv, sh, B, rk, rv, (W.s1 - W.s0 + STEP - 1u) / STEP, out,
+                        lse);
+    }
+    if (warp < 4u) wg_turn_sync(0u);  // warpgroup 1's last pass
+  } else {  // the decode warps: the same items and CTA barriers
+    regs_dec<A::DECODE_REGS>();
+    for (u32 item = blockIdx.x; item < P.items; item += gridDim.x) {
+      VlWork W;
+      if (!find_work<ROWS, STEP>(P, item, qsl, seq_lens, W)) continue;
+      __syncthreads();
+      const VlSeq S{attn_seq(P, tables, W.b, W.h, W.h == 0u && W.last_tile),
+                    ((P.side_bytes | P.data_bytes) & 15) == 0 ? 1u : 0u};
+      __syncthreads();
+      wg_decode_item<D>(W, P, S, s_kv, s_sc, sh, B, rk, rv, (W.s1 - W.s0 + STEP - 1u) / STEP);
+    }
   }
 }
 
 // NAME, q/out value type (bf16 / f16), head_dim (64 / 128)
 #define FP4C_VARLEN_WG_KERNEL(NAME, T, D)                                                    \
-  extern "C" __global__ void __launch_bounds__(32 * FP4C_VARLEN_WG_ROW_WARPS, 1)            \
+  extern "C" __global__ void __launch_bounds__(                                              \
+      32 * (FP4C_VARLEN_WG_ROW_WARPS + FP4C_VARLEN_WG_DECODE_WARPS), 1)                      \
       NAME(const void* __restrict__ q, const void* __restrict__ qsl,                         \
            const void* __restrict__ tables, const void* __restrict__ seq_lens,               \
            void* __restrict__ out, float* __restrict__ lse, const VarlenParams params) {     \

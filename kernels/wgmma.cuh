@@ -34,6 +34,14 @@ FP4C_DEVICE void fence_proxy_async() {
   asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
 }
 
+// After a wait: the compiler's reads of the N accumulator registers at x stay after it
+// (the asynchronous MMAs write them behind the compiler's back)
+template <int N>
+FP4C_DEVICE void wg_fence_regs(float* x) {
+#pragma unroll
+  for (int i = 0; i < N; ++i) asm volatile("" : "+f"(x[i])::"memory");
+}
+
 // The accumulator operands of an m64n128 (64 f32 registers per thread) and an m64n64 (32)
 // wgmma: the register list of the instruction (operands %0 ..) and the constraint list
 // (K: "+f" to accumulate, "=f" to only write)

@@ -136,7 +136,8 @@ def _make_launch(buffer, q, query_start_loc, block_tables, seq_lens, geom: PageG
     fn = K.get_kernel(spec)
     if smem > _STATIC_SMEM_MAX:
         fn.max_dynamic_shared_size_bytes = smem
-    threads = 32 * _abi.varlen_warps(row_warps)
+    threads = 32 * (_abi.VARLEN_WG_ROW_WARPS + _abi.VARLEN_WG_DECODE_WARPS if wgmma
+                    else _abi.varlen_warps(row_warps))
     resident = resident_ctas(fn, threads, smem)
     ps = plan_shape(B, H, row_warps, rows, max_blocks * T, resident)
     # (the plan depends on shapes only; items past a sequence's work are skipped on the
