@@ -130,12 +130,12 @@ def varlen_smem_bytes(head_dim: int, row_warps: int, split_q: bool) -> int:
 
 
 #: The wgmma kernel (kernels/varlen_wgmma.cu, sm_90a): head dims, rows per CTA (two
-#: warpgroups of 64; the plan's row_warps is VARLEN_WG_ROW_WARPS), the decode warps (one
-#: warpgroup beside them), keys per step, shared stages of the decoded K and of the
+#: warpgroups of 64; the plan's row_warps is VARLEN_WG_ROW_WARPS), the decode warps (two
+#: warpgroups beside them), keys per step, shared stages of the decoded K and of the
 #: decoded V (one step each).
 VARLEN_WG_HEAD_DIMS = (64, 128)
 VARLEN_WG_ROW_WARPS = 8
-VARLEN_WG_DECODE_WARPS = 4
+VARLEN_WG_DECODE_WARPS = 8
 VARLEN_WG_STEP = 128
 VARLEN_WG_K_STAGES = 2
 VARLEN_WG_V_STAGES = 3

@@ -166,20 +166,28 @@ struct VlRaw {
   u32 state;      // 0: zeros, 1: read, 2: bad page, 3: read for its scales only
 };
 
+// Whether key's row is read: a key before end, or (swizzled V scales) in a 4-token block
+// that holds one: the 4 rows of a block hold the scales of all 4 tokens (and T % 4 == 0:
+// the block lies in one page)
+FP4C_DEVICE bool vl_wanted(const VlSeq& S, u32 key, u32 end) {
+  return key < end || (S.swizzle && (key & ~3u) < end);
+}
+// The block id of key's page (its block table entry; -1 when the row is not read)
+FP4C_DEVICE i64 vl_page(const VlSeq& S, u32 key, u32 end) {
+  return vl_wanted(S, key, end) ? load_id(S, fdiv(key, S.fT)) : (i64)-1;
+}
+
+// The row of key in page id (vl_page's) into R
 template <int D>
-FP4C_DEVICE void vl_load(const VlSeq& S, u32 key, u32 end, VlRaw<D>& R) {
+FP4C_DEVICE void vl_load_page(const VlSeq& S, u32 key, u32 end, i64 id, VlRaw<D>& R) {
   const u32 side = (threadIdx.x & 31u) >> 4;
 #pragma unroll
   for (int i = 0; i < D / 8; ++i) R.w[i] = 0u;
 #pragma unroll
   for (int i = 0; i < D / 64; ++i) R.sc[i] = 0u;
   R.state = 0u;
-  // swizzled V scales: the 4 rows of a 4-token block hold the scales of all 4 tokens (and
-  // T % 4 == 0: the block lies in one page)
-  const bool want = key < end || (S.swizzle && (key & ~3u) < end);
-  if (!want) return;
+  if (!vl_wanted(S, key, end)) return;
   const u32 pe = fdiv(key, S.fT), t = key - pe * S.fT.d;
-  const i64 id = load_id(S, pe);
   if (!page_ok(S, id)) {
     if (key < end) {
       R.state = 2u;
@@ -220,6 +228,11 @@ FP4C_DEVICE void vl_load(const VlSeq& S, u32 key, u32 end, VlRaw<D>& R) {
     R.sc[3] = a.w;
   }
   R.state = key < end ? 1u : 3u;
+}
+
+template <int D>
+FP4C_DEVICE void vl_load(const VlSeq& S, u32 key, u32 end, VlRaw<D>& R) {
+  vl_load_page<D>(S, key, end, vl_page(S, key, end), R);
 }
 
 // ---------------------------------------------------------------------------------------

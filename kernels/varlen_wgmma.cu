@@ -7,20 +7,21 @@
 // 128-row mma.sync kernel (_r128) on an sm_90 device for bf16 / f16 q, head_dim 64 / 128,
 // without the window or the rotation.
 //
-// A CTA: three warpgroups, warp specialized (FlashAttention-3's structure).  Warpgroups 0
+// A CTA: four warpgroups, warp specialized (FlashAttention-3's structure).  Warpgroups 0
 // and 1 (the row warps, 64 query rows each: warp k of the CTA rows 16 k .., as the _r128
-// kernel's) run the MMAs and the softmax; warpgroup 2 (the decode warps) brings the NVFP4
-// page rows into registers and decodes them once per CTA into the shared K / V stages.
-// setmaxnreg moves registers from the decode warps to the row warps.  Shared memory (the
-// 128-byte swizzle of wgmma.cuh, one region per 64 columns): q [ROWS x D] f16, K stages
-// and V stages [128 keys x D] f16 (a ring each, with full / empty mbarriers), the decode
-// warps' scale staging.  Steps of 128 keys; step i:
-//   decode:  decode warp p decodes key blocks p and p + 4 (16 keys each: vl_decode, lane
-//            (token t, side)) of step i into the rings' next K and V stages once the row
-//            warps released them, and loads its rows of step i + 1 (vl_load);
+// kernel's) run the MMAs and the softmax; warpgroups 2 and 3 (the decode warps) bring the
+// NVFP4 page rows into registers and decode them once per CTA into the shared K / V
+// stages.  setmaxnreg moves registers from the decode warps (72) to the row warps (184).
+// Shared memory (the 128-byte swizzle of wgmma.cuh, one region per 64 columns): q [ROWS x
+// D] f16, K stages and V stages [128 keys x D] f16 (a ring each, with full / empty
+// mbarriers), the decode warps' scale staging.  Steps of 128 keys; step i:
+//   decode:  decode warp p decodes key block p (16 keys: vl_decode, lane (token t, side))
+//            of step i into the rings' next K and V stages once the row warps released
+//            them; then it loads its rows of step i + 1 (vl_load_page) and the block
+//            table entry of step i + 2 (vl_page), so that a step waits for one load only;
 //   scores:  S = Q K^T, m64n128k16 per warpgroup, both operands in shared memory;
-//   softmax: online, per row, with the row's own key limit (vl_softmax, the mma
-//            kernel's); the K stage is released when S is in registers;
+//   softmax: online, per row (wg_weights: vl_weights' contract, FlashAttention-3's
+//            arithmetic); the K stage is released when S is in registers;
 //   P.V:     O += P V, m64nDk16, P from registers (S's accumulators are the A fragments),
 //            V MN-major from shared memory; issued with step i + 1's scores, the V stage
 //            released when both are done.
@@ -59,8 +60,8 @@ struct WgDims : HeadDims<D> {
   // a multiple of 8): the decode warps give, the row warps take
   static constexpr int START_REGS = (65536 / THREADS) & ~7;
   static constexpr int DECODE_REGS = 72;
-  static constexpr int ROW_REGS = 216;
-  static_assert(MW == 8 && PW == 4, "two row warpgroups and one decode warpgroup");
+  static constexpr int ROW_REGS = 184;
+  static_assert(MW == 8 && PW == 8, "two row warpgroups, two decode warpgroups");
   static_assert(DECODE_REGS * 32 * PW + ROW_REGS * 32 * MW <= START_REGS * THREADS &&
                     DECODE_REGS <= START_REGS && ROW_REGS >= START_REGS,
                 "setmaxnreg moves registers within the CTA's allocation");
@@ -128,6 +129,9 @@ struct SwzTile {
 // ---------------------------------------------------------------------------------------
 template <int D, int ROWS, int STEP>
 FP4C_DEVICE void wg_scores(float (&s)[8][2][4], u32 q_s, u32 k_s) {
+  // q's descriptors made here at each call: hoisted out of the step loop they take 16
+  // registers of the row warps (spilled)
+  asm volatile("" : "+r"(q_s));
   wg_fence();
 #pragma unroll
   for (int ks = 0; ks < D / 16; ++ks) {
@@ -176,12 +180,15 @@ FP4C_DEVICE void wg_decode_item(const VlWork& W, const VarlenParams& P, const Vl
   u8* my_stage = s_sc + p * (2 * 16 * A::G);
   u32 nan_key = FP4C_VL_NOKEY;
   VlRaw<D> R[A::UNITS];
+  i64 id[A::UNITS];  // the lane's pages of the next step (its rows are loaded a step ahead)
   // the lane's key of block p + PW u, step i
   const u32 key_in = 16u * p + (lane & 15u);
   if (nsteps > 0u) {
 #pragma unroll
-    for (int u = 0; u < A::UNITS; ++u)
+    for (int u = 0; u < A::UNITS; ++u) {
       vl_load<D>(S, W.s0 + key_in + 16u * A::PW * u, W.s1, R[u]);
+      id[u] = nsteps > 1u ? vl_page(S, W.s0 + STEP + key_in + 16u * A::PW * u, W.s1) : -1;
+    }
   }
   for (u32 i = 0; i < nsteps; ++i) {
     const u32 step = W.s0 + i * STEP;
@@ -192,13 +199,10 @@ FP4C_DEVICE void wg_decode_item(const VlWork& W, const VarlenParams& P, const Vl
 #pragma unroll
     for (int u = 0; u < A::UNITS; ++u) {
       const u32 off = key_in + 16u * A::PW * u;
-#ifndef FP4C_EXP_NODECODE
       vl_decode<D>(R[u], step + off, P.swizzle, my_stage,
                    SwzTile<STEP>{k, v, off - (lane & 15u)}, nan_key, sh.vnan);
-#else
-      if (R[u].w[0] == 0x12345678u) *(u32*)k = R[u].w[1];
-#endif
-      if (i + 1u < nsteps) vl_load<D>(S, step + STEP + off, W.s1, R[u]);
+      if (i + 1u < nsteps) vl_load_page<D>(S, step + STEP + off, W.s1, id[u], R[u]);
+      if (i + 2u < nsteps) id[u] = vl_page(S, step + 2u * STEP + off, W.s1);
     }
     fence_proxy_async();  // the stage's writes, for the wgmma reads (async proxy)
     mbar_arrive(B.full_k(rk.stage));
@@ -217,22 +221,69 @@ FP4C_DEVICE void wg_decode_item(const VlWork& W, const VarlenParams& P, const Vl
 // the end the merge and write (vl_epilogue over the row warps)
 // ---------------------------------------------------------------------------------------
 FP4C_DEVICE void wg_turn_sync(u32 wg) {
-#ifdef FP4C_EXP_NOTURN
-  return;
-#endif
   if (wg == 0u)
     NamedBar<FP4C_WG_BAR_TURN, 256>::sync();
   else
     NamedBar<FP4C_WG_BAR_TURN + 1, 256>::sync();
 }
 FP4C_DEVICE void wg_turn_pass(u32 wg) {  // the other warpgroup's turn
-#ifdef FP4C_EXP_NOTURN
-  return;
-#endif
   if (wg == 0u)
     NamedBar<FP4C_WG_BAR_TURN + 1, 256>::arrive();
   else
     NamedBar<FP4C_WG_BAR_TURN, 256>::arrive();
+}
+
+// ---------------------------------------------------------------------------------------
+// softmax weights (vl_weights' contract) for score scales rs > 0, FlashAttention-3's way:
+// the row maximum of the raw scores times rs (the same value: rounding is monotonic), the
+// weights 2^(s rs - m) from one fma, and the key limits applied only in the steps that
+// reach one of the rows' limits; other scales take vl_weights
+// ---------------------------------------------------------------------------------------
+template <int D>
+FP4C_DEVICE bool wg_weights(float (&s)[8][2][4], u32 key0, const u32 (&lim)[2],
+                            const float (&rs)[2], VlRowState<D>& st, float (&alpha)[2]) {
+  if (!(rs[0] > 0.0f && rs[1] > 0.0f)) return vl_weights<D, 8>(s, key0, 16u, lim, rs, st, alpha);
+  const u32 c = threadIdx.x & 3u;
+  bool moved = false;
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    if (key0 + (u32)FP4C_VARLEN_WG_STEP > lim[r]) {
+#pragma unroll
+      for (int j = 0; j < 8; ++j)
+#pragma unroll
+        for (int nt = 0; nt < 2; ++nt)
+#pragma unroll
+          for (int e = 0; e < 2; ++e)
+            if (key0 + 16u * j + 8u * nt + 2u * c + e >= lim[r]) s[j][nt][2 * r + e] = FP4C_NEG_INF;
+    }
+    float tmax = FP4C_NEG_INF;
+#pragma unroll
+    for (int j = 0; j < 8; ++j)
+#pragma unroll
+      for (int nt = 0; nt < 2; ++nt)
+        tmax = f_max(tmax, f_max(s[j][nt][2 * r], s[j][nt][2 * r + 1]));  // drops NaN
+    tmax = f_max(tmax, __shfl_xor_sync(0xFFFFFFFFu, tmax, 1));
+    tmax = f_max(tmax, __shfl_xor_sync(0xFFFFFFFFu, tmax, 2));
+    const float mn = f_max(st.m[r], f_mul(tmax, rs[r]));
+    const float ms = is_neg_inf(mn) ? 0.0f : mn;  // no key yet: weights 2^-inf = 0
+    alpha[r] = a_ex2(f_sub(st.m[r], ms));
+    moved |= __float_as_uint(mn) != __float_as_uint(st.m[r]);
+    st.m[r] = mn;
+    const float nms = -ms;
+    float sum = 0.0f;
+#pragma unroll
+    for (int j = 0; j < 8; ++j)
+#pragma unroll
+      for (int nt = 0; nt < 2; ++nt) {
+        const float p0 = a_ex2(f_fma(s[j][nt][2 * r], rs[r], nms));
+        const float p1 = a_ex2(f_fma(s[j][nt][2 * r + 1], rs[r], nms));
+        sum = f_add(sum, f_add(p0, p1));
+        s[j][nt][2 * r] = p0;
+        s[j][nt][2 * r + 1] = p1;
+      }
+    st.l[r] = f_fma(st.l[r], alpha[r], sum);
+  }
+  return __any_sync(0xFFFFFFFFu, moved);
 }
 
 // The row warps' state of an item's steps: scores / weights s, P fragments pa, O and the
@@ -269,11 +320,12 @@ struct WgRowSteps {
       mbar_arrive(B.empty_v(rv.stage));
       rv.next();
     }
-#ifndef FP4C_EXP_NOSOFTMAX
-    vl_softmax<D, 8>(s, s0 + i * A::STEP, 16u, lim, rs, st, pa);
-#else
-    vl_pack<8>(s, pa);
-#endif
+    {
+      float alpha[2];
+      const bool moved = wg_weights<D>(s, s0 + i * A::STEP, lim, rs, st, alpha);
+      vl_pack<8>(s, pa);
+      vl_rescale<D>(st, alpha, moved);
+    }
     if constexpr (MORE) mbar_wait(B.full_k(rk.stage), rk.phase);
     mbar_wait(B.full_v(rv.stage), rv.phase);
     wg_turn_sync(wg);
