@@ -177,17 +177,30 @@ FP4C_DEVICE i64 vl_page(const VlSeq& S, u32 key, u32 end) {
   return vl_wanted(S, key, end) ? load_id(S, fdiv(key, S.fT)) : (i64)-1;
 }
 
-// The row of key in page id (vl_page's) into R
-template <int D>
-FP4C_DEVICE void vl_load_page(const VlSeq& S, u32 key, u32 end, i64 id, VlRaw<D>& R) {
+// The row of key into R, its page's block id from page(pe) (pe: the page's index in the
+// sequence): the block table entry (vl_load) or one read before (vl_load_page)
+struct VlTableId {
+  const VlSeq& S;
+  FP4C_DEVICE i64 operator()(u32 pe) const { return load_id(S, pe); }
+};
+struct VlGivenId {
+  i64 id;
+  FP4C_DEVICE i64 operator()(u32) const { return id; }
+};
+template <int D, class Page>
+FP4C_DEVICE void vl_load_row(const VlSeq& S, u32 key, u32 end, const Page& page, VlRaw<D>& R) {
   const u32 side = (threadIdx.x & 31u) >> 4;
 #pragma unroll
   for (int i = 0; i < D / 8; ++i) R.w[i] = 0u;
 #pragma unroll
   for (int i = 0; i < D / 64; ++i) R.sc[i] = 0u;
   R.state = 0u;
-  if (!vl_wanted(S, key, end)) return;
+  // swizzled V scales: the 4 rows of a 4-token block hold the scales of all 4 tokens (and
+  // T % 4 == 0: the block lies in one page)
+  const bool want = key < end || (S.swizzle && (key & ~3u) < end);
+  if (!want) return;
   const u32 pe = fdiv(key, S.fT), t = key - pe * S.fT.d;
+  const i64 id = page(pe);
   if (!page_ok(S, id)) {
     if (key < end) {
       R.state = 2u;
@@ -232,7 +245,12 @@ FP4C_DEVICE void vl_load_page(const VlSeq& S, u32 key, u32 end, i64 id, VlRaw<D>
 
 template <int D>
 FP4C_DEVICE void vl_load(const VlSeq& S, u32 key, u32 end, VlRaw<D>& R) {
-  vl_load_page<D>(S, key, end, vl_page(S, key, end), R);
+  vl_load_row<D>(S, key, end, VlTableId{S}, R);
+}
+// id: vl_page(S, key, end), read before
+template <int D>
+FP4C_DEVICE void vl_load_page(const VlSeq& S, u32 key, u32 end, i64 id, VlRaw<D>& R) {
+  vl_load_row<D>(S, key, end, VlGivenId{id}, R);
 }
 
 // ---------------------------------------------------------------------------------------

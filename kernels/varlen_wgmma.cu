@@ -11,7 +11,7 @@
 // and 1 (the row warps, 64 query rows each: warp k of the CTA rows 16 k .., as the _r128
 // kernel's) run the MMAs and the softmax; warpgroups 2 and 3 (the decode warps) bring the
 // NVFP4 page rows into registers and decode them once per CTA into the shared K / V
-// stages.  setmaxnreg moves registers from the decode warps (72) to the row warps (184).
+// stages.  setmaxnreg moves registers from the decode warps (64) to the row warps (192).
 // Shared memory (the 128-byte swizzle of wgmma.cuh, one region per 64 columns): q [ROWS x
 // D] f16, K stages and V stages [128 keys x D] f16 (a ring each, with full / empty
 // mbarriers), the decode warps' scale staging.  Steps of 128 keys; step i:
@@ -59,8 +59,8 @@ struct WgDims : HeadDims<D> {
   // registers per thread after setmaxnreg (launched with 65536 / THREADS, rounded down to
   // a multiple of 8): the decode warps give, the row warps take
   static constexpr int START_REGS = (65536 / THREADS) & ~7;
-  static constexpr int DECODE_REGS = 72;
-  static constexpr int ROW_REGS = 184;
+  static constexpr int DECODE_REGS = 64;
+  static constexpr int ROW_REGS = 192;
   static_assert(MW == 8 && PW == 8, "two row warpgroups, two decode warpgroups");
   static_assert(DECODE_REGS * 32 * PW + ROW_REGS * 32 * MW <= START_REGS * THREADS &&
                     DECODE_REGS <= START_REGS && ROW_REGS >= START_REGS,
