@@ -186,7 +186,8 @@ FP4C_DEVICE void wg_decode_item(const VlWork& W, const VarlenParams& P, const Vl
   if (nsteps > 0u) {
 #pragma unroll
     for (int u = 0; u < A::UNITS; ++u) {
-      vl_load<D>(S, W.s0 + key_in + 16u * A::PW * u, W.s1, R[u]);
+      const u32 key = W.s0 + key_in + 16u * A::PW * u;
+      vl_load_page<D>(S, key, W.s1, vl_page(S, key, W.s1), R[u]);
       id[u] = nsteps > 1u ? vl_page(S, W.s0 + STEP + key_in + 16u * A::PW * u, W.s1) : -1;
     }
   }
