@@ -80,6 +80,11 @@ FP4C_DEVICE bool f_gt(float a, float b) {
       : "=r"(r) : "f"(a), "f"(b));
   return r != 0u;
 }
+FP4C_DEVICE float f_neg(float a) {
+  float r;
+  asm("neg.f32 %0, %1;" : "=f"(r) : "f"(a));
+  return r;
+}
 FP4C_DEVICE float f_abs(float a) {
   float r;
   asm("abs.f32 %0, %1;" : "=f"(r) : "f"(a));

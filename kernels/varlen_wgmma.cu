@@ -243,7 +243,8 @@ FP4C_DEVICE void wg_turn_pass(u32 wg) {  // the other warpgroup's turn
 template <int D>
 FP4C_DEVICE bool wg_weights(float (&s)[8][2][4], u32 key0, const u32 (&lim)[2],
                             const float (&rs)[2], VlRowState<D>& st, float (&alpha)[2]) {
-  if (!(rs[0] > 0.0f && rs[1] > 0.0f)) return vl_weights<D, 8>(s, key0, 16u, lim, rs, st, alpha);
+  if (!(f_gt(rs[0], 0.0f) && f_gt(rs[1], 0.0f)))
+    return vl_weights<D, 8>(s, key0, 16u, lim, rs, st, alpha);
   const u32 c = threadIdx.x & 3u;
   bool moved = false;
 #pragma unroll
@@ -270,7 +271,7 @@ FP4C_DEVICE bool wg_weights(float (&s)[8][2][4], u32 key0, const u32 (&lim)[2],
     alpha[r] = a_ex2(f_sub(st.m[r], ms));
     moved |= __float_as_uint(mn) != __float_as_uint(st.m[r]);
     st.m[r] = mn;
-    const float nms = -ms;
+    const float nms = f_neg(ms);
     float sum = 0.0f;
 #pragma unroll
     for (int j = 0; j < 8; ++j)
