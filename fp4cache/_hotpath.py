@@ -5,7 +5,7 @@ A checked call that may repeat (``store``, ``gather_dequant``, ``decode_attentio
 under the signature of its arguments: everything the checks and the launch depend on
 (kinds, shapes, dtypes, strides, pointer alignment, devices, scalars), never the values.
 The next unvalidated call with the same signature skips the checks and runs the launch:
-one lookup and one or two kernel launches of host time.  A signature is None for
+one lookup and its kernel launches (one to three) of host time.  A signature is None for
 arguments the hot path does not take (not all CuPy arrays, an unhashable scalar): those
 always take the checked path.
 

@@ -11,8 +11,9 @@
 // j / group, query head h * group + j % group.  Work item (taken by one CTA of
 // FP4C_VARLEN_WARPS warps) = (sequence, KV head, slot): B * H * slots of them, slots =
 // query tiles x splits sized on the host from max_query_len only; a CTA loops over the
-// items blockIdx.x, + gridDim.x, ... (the grid is a few waves of resident CTAs).  On the
-// device each CTA finds the work of its item:
+// items blockIdx.x, + gridDim.x, ... (the grid is a few waves of resident CTAs), numbered
+// from the last (find_work: a sequence's longest query tiles and a batch's last sequences
+// first).  On the device each CTA finds the work of its item:
 //   - a sequence whose rows fit one CTA (decode, speculative tokens with their group's
 //     heads) is one query tile whose keys are cut into up to
 //     min(slots, max_splits) splits (no fewer than FP4C_VARLEN_MIN_SPLIT keys each),
@@ -20,9 +21,8 @@
 //     that CTA: CUDA-graph safe), as in decode_attention.cu;
 //   - a longer sequence has one CTA per query tile of MMA_ROWS * MW rows (no split);
 //   - items past a sequence's work are skipped at once, and so are sequences outside the
-//     launch's
-//     rows_lo < rows <= rows_hi (a mixed batch takes two launches: the 16-row kernel for
-//     sequences of at most 16 rows, a larger one for the others).
+//     launch's rows_lo < rows <= rows_hi (a mixed batch's sequences of at most 16 rows are
+//     the few-row kernel's launches, decode_attention.cu; this kernel takes the others).
 // Kernels _r16, _r32, _r64, _r128 (MW = 1, 2, 4, 8 row warps; CTAs of max(4, MW) warps):
 // warp w owns rows 16 (w / KW) .. + 15 and the tiles w % KW, w % KW + KW, ... of each step
 // (KW = warps / MW; _r128: every tile of its 128-key step, in two calls of 4 tiles); the

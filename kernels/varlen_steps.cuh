@@ -43,11 +43,16 @@ FP4C_DEVICE u32 token_limit(const VlWork& W, u32 i, u32 causal) {
   return lim <= 0 ? 0u : (u32)lim;
 }
 
-// Work item `item` (= (b * H + h) * slots + slot); false when it has none.
+// The work of the CTA's k-th item, item = blockIdx.x + k * gridDim.x, taken from the last:
+// (b * H + h) * slots + slot = P.items - 1 - item, so that a sequence's query tiles run
+// longest first (causal: the last tile sees the most keys) and a batch's last sequences
+// (vLLM's order: decodes, then the prefill chunks) get the first CTAs; false when it has
+// none.
 template <int ROWS, int STEP>
 FP4C_DEVICE bool find_work(const VarlenParams& P, u32 item, const void* qsl,
                            const void* seq_lens, VlWork& W) {
-  const u32 bh = item / P.slots, slot = item - bh * P.slots;
+  const u32 rev = P.items - 1u - item;
+  const u32 bh = rev / P.slots, slot = rev - bh * P.slots;
   W.b = bh / P.H;
   W.h = bh - W.b * P.H;
   const QuerySpan Q = query_span(P, qsl, W.b);

@@ -12,14 +12,17 @@ tile, and items past a sequence's work are skipped. With ``max_query_len * group
 (decode, speculative verification) a call is one launch of the few-row kernel,
 ``kernels/decode_attention.cu`` with ``query_start_loc`` (a sequence's tokens x heads
 packed as the MMA rows, each page byte decoded once per (sequence, KV head), the decode
-attention's split plan); otherwise two launches, whatever the batch: the few-row kernel for
-the sequences of at most 16 rows, and the smallest varlen kernel that holds the longest
-sequence (32 or 64 rows per CTA, 16 where shared memory is short) for the others.
+attention's split plan); otherwise, whatever the batch, the few-row kernel for the
+sequences of at most 16 rows (two launches when ``group <= 8``: its one-n8-tile form for
+those of at most 8 rows, a mixed batch's decodes, and its two-tile form for 9 to 16) and
+the smallest varlen kernel that holds the longest sequence (32 to 128 rows per CTA, 16
+where shared memory is short; on sm_90 the wgmma kernel in place of the 128-row one) for
+the others.
 Everything that does not change from call to call (kernel, grid, packed ``VarlenParams`` /
 ``AttnParams``, workspace and merge tickets) is prepared once per signature in the owner's
 plan cache (``scratch.plans``); the split partials and merge tickets are views of the
 owner's one workspace (``scratch.workspace``, :class:`fp4cache._plans.Workspace`, shared
-with decode attention): a warm call is one or two launches, no allocation and no
+with decode attention): a warm call is one to three launches, no allocation and no
 synchronization (CUDA-graph safe).
 """
 
@@ -60,7 +63,7 @@ WORKSPACE_WAVES = 4
 #: A launch has at most this many waves of resident CTAs; each CTA loops over the work
 #: items ``blockIdx.x, + gridDim.x, ...`` (B * H * slots of them, most of them empty for
 #: a mixed batch: an empty item costs a loop turn instead of a CTA launch).
-GRID_WAVES = 8
+GRID_WAVES = 16
 _STATIC_SMEM_MAX = 48 * 1024
 
 
@@ -109,7 +112,8 @@ class _VarlenPlan(NamedTuple):
 
 
 class _VarlenCall(NamedTuple):
-    launches: tuple  # _VarlenPlan, one or two (sequences of <= 16 rows, then the others)
+    launches: tuple  # _VarlenPlan: the few-row kernel's (sequences of <= 8, <= 16 rows),
+    #                  then the others'
 
 
 def _make_launch(buffer, q, query_start_loc, block_tables, seq_lens, geom: PageGeometry,
@@ -209,11 +213,15 @@ def make_varlen_plan(buffer, q, query_start_loc, block_tables, seq_lens, geom: P
         raise ValueError(f"head_dim {D} with {q.dtype} q needs more shared memory per CTA "
                          f"than this device has ({smem_max + 4096} bytes)")
     wgmma = wgmma_applies(q, big, window is not None or bool(rotate), smem_max, route)
-    return _VarlenCall((
-        _few_rows_launch(*args, 0, small, small // group, causal, k_s, v_s, sm_scale, stats,
-                         workspace, window, rotate),
+    # the few-row kernel in two launches where a one-token sequence fits its one-n8-tile
+    # form (the decodes of a mixed batch: the two-tile form costs them 1.5x)
+    half = small // 2
+    bounds = ((0, half), (half, small)) if group <= half else ((0, small),)
+    few = tuple(_few_rows_launch(*args, lo, hi, hi // group, causal, k_s, v_s, sm_scale,
+                                 stats, workspace, window, rotate) for lo, hi in bounds)
+    return _VarlenCall(few + (
         _make_launch(*args, big, rows, small, 0xFFFFFFFF, causal, k_s, v_s, sm_scale,
-                     stats, workspace, window, rotate, wgmma)))
+                     stats, workspace, window, rotate, wgmma),))
 
 
 def _few_rows_launch(buffer, q, query_start_loc, block_tables, seq_lens, geom: PageGeometry,
@@ -252,7 +260,7 @@ def varlen_runner(buffer, q, query_start_loc, block_tables, seq_lens, *, max_que
                      causal: bool, geom: PageGeometry, k_s, v_s, sm_scale, stats,
                      scratch, window=None, rotate: bool = False, route: str = "auto"):
     """``run(q, query_start_loc, block_tables, seq_lens, out, lse)``: :func:`attention` for
-    arrays like these on the current stream, prepared once (one or two launches per call;
+    arrays like these on the current stream, prepared once (one to three launches per call;
     the front end keeps it for its hot path).  ``window = (slots, map, pages)``: the cache's
     exact window (keys from the window start on read from the bf16 slots,
     ``docs/window.md``); ``rotate``: K is stored rotated, q is rotated in the kernels;
