@@ -22,8 +22,9 @@ between events, median of reps; random page order, HND, block 16).  Every row is
 in the same run against a float32 torch reference over ``gather_dequant(...,
 dtype="float32")`` values with the bottom-right causal mask (max relative row error <=
 1e-2, printed).  Verification rows compare with SDPA *without* a mask on the same shapes
-(a lower bound of the bf16 cost, see the issue); the prefill row with SDPA and
-``causal_lower_right``.
+(a lower bound of the bf16 cost); the prefill rows with SDPA and ``causal_lower_right``;
+the mixed row with the best SDPA doing its work (the decodes as one padded batch with a key
+mask or one call per sequence, the chunk with ``causal_lower_right``).
 """
 
 from __future__ import annotations
@@ -319,11 +320,76 @@ class VarlenBench(AttnBench):
         log(f"   one call {t * 1e6:.1f} us; separately {ts * 1e6:.1f} us ({t / ts:.2f}x): "
             f"decode_attention {td * 1e6:.1f} us + chunk {tc * 1e6:.1f} us; the 32 decodes "
             f"through varlen {tv * 1e6:.1f} us; err {rel:.1e} ({row['check']})")
+        try:
+            sd, sc = self.sdpa_mixed(cache, tab, dec, at + chunk, q, chunk, sm_scale, Hq, H, D,
+                                     T)
+            row.update(sdpa_decodes_us=sd * 1e6, sdpa_chunk_us=sc * 1e6,
+                       sdpa_us=(sd + sc) * 1e6, speedup_vs_sdpa=(sd + sc) / t)
+            log(f"   SDPA: decodes {sd * 1e6:.1f} us + chunk {sc * 1e6:.1f} us = "
+                f"{(sd + sc) * 1e6:.1f} us; one call {(sd + sc) / t:.2f}x faster")
+        except Exception as e:
+            log(f"   SDPA for the mixed work failed ({type(e).__name__}: {e})")
         self.variants(row, cache, tab, lensd, lambda w, r: self.varlen(
             cache, q, qsl, tab, lensd, out, new_scratch(), sm_scale, chunk, window=w,
             rotate=r), 5)
         self.rows.append(row)
         self.write()
+
+    def sdpa_mixed(self, cache, tab, dec, chunk_len, q, chunk, sm_scale, Hq, H, D, T):
+        """(decodes, chunk) seconds of the best SDPA doing the mixed row's work over bf16
+        K/V: the decodes either as one padded batch with a key mask (K/V expanded to the
+        query heads) or one call per sequence (its exact length, GQA), whichever is faster;
+        the chunk with ``causal_lower_right`` (sdpa_causal)."""
+        torch, cp = self.torch, self.cp
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+        F = torch.nn.functional
+        tabh = cp.asnumpy(tab)
+        g = Hq // H
+        nd, Lmax = len(dec), max(dec)
+
+        def kv(b, L):  # (H, L, D) bf16 K and V of sequence b
+            kd, vd = cache.gather_dequant(cp.asarray(tabh[b, :-(-L // T)]))
+            kt = self.env.to_torch(kd)[:L].permute(1, 0, 2)
+            vt = self.env.to_torch(vd)[:L].permute(1, 0, 2)
+            return kt, vt
+
+        qt = self.env.to_torch(q)
+        k4 = torch.zeros((nd, H, Lmax, D), dtype=torch.bfloat16, device=qt.device)
+        v4 = torch.zeros_like(k4)
+        for b, L in enumerate(dec):
+            k4[b, :, :L], v4[b, :, :L] = kv(b, L)
+        qd = qt[:nd].unsqueeze(2)  # (nd, Hq, 1, D)
+        lens = torch.tensor(dec, device=qt.device)
+        mask = (torch.arange(Lmax, device=qt.device)[None, :] < lens[:, None])[:, None, None]
+        ke, ve = k4.repeat_interleave(g, dim=1), v4.repeat_interleave(g, dim=1)
+        cands = []
+        for be in (SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION,
+                   SDPBackend.EFFICIENT_ATTENTION):
+            def padded(be=be):
+                with sdpa_kernel([be]):
+                    F.scaled_dot_product_attention(qd, ke, ve, attn_mask=mask, scale=sm_scale)
+
+            def per_seq(be=be):
+                with sdpa_kernel([be]):
+                    for b, L in enumerate(dec):
+                        F.scaled_dot_product_attention(qd[b:b + 1], k4[b:b + 1, :, :L],
+                                                       v4[b:b + 1, :, :L], scale=sm_scale,
+                                                       enable_gqa=True)
+            for name, call in (("padded + mask", padded), ("per sequence", per_seq)):
+                try:
+                    call()
+                    torch.cuda.synchronize()
+                    tt = self.time([call], batch=3)
+                except Exception as e:
+                    log(f"   sdpa decodes {name} {be.name}: unavailable ({type(e).__name__})")
+                    continue
+                log(f"   sdpa decodes {name} {be.name}: {tt * 1e6:.1f} us")
+                cands.append(tt)
+        kc, vc = kv(nd, chunk_len)
+        q4 = qt[nd:nd + chunk].transpose(0, 1)[None].contiguous()  # (1, Hq, chunk, D)
+        best = self.sdpa_causal(q4, kc.repeat_interleave(g, dim=0)[None].contiguous(),
+                                vc.repeat_interleave(g, dim=0)[None].contiguous(), sm_scale)
+        return min(cands), best[0]
 
     def host(self, B=8, L=4096, n=4, Hq=32, H=8, D=128, T=16, seed=13):
         cp = self.cp
