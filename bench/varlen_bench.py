@@ -214,25 +214,27 @@ class VarlenBench(AttnBench):
                 best = (t, be)
         return best
 
-    def prefill(self, n=2048, cached=30720, Hq=32, H=8, D=128, T=16, seed=5):
-        cp, torch = self.cp, self.torch
+    def prefill(self, n=2048, cached=30720, Hq=32, H=8, D=128, T=16, seed=5, B=1):
+        """B sequences of cached + n tokens, each an n-token causal chunk after its cached
+        ones, in one call."""
+        cp = self.cp
         L = cached + n
-        log(f"\n== prefill chunk: B=1, n={n} after {cached} cached, Hq={Hq}, H={H}, D={D}")
-        cache, tab, lensd, _ = self.cache_for(1, [L], H, D, T, seed)
+        log(f"\n== prefill chunk: B={B}, n={n} after {cached} cached, Hq={Hq}, H={H}, D={D}")
+        cache, tab, lensd, _ = self.cache_for(B, [L] * B, H, D, T, seed)
         sm_scale = 1.0 / np.sqrt(D)
-        q = self.env.randn_bf16((n, Hq, D), seed + 1)
-        qsl = cp.asarray(np.array([0, n], np.int32))
-        out = cp.empty((n, Hq, D), dtype=BF16)
+        q = self.env.randn_bf16((B * n, Hq, D), seed + 1)
+        qsl = cp.arange(B + 1, dtype=cp.int32) * n
+        out = cp.empty((B * n, Hq, D), dtype=BF16)
         scratch = new_scratch()
         call = self.varlen(cache, q, qsl, tab, lensd, out, scratch, sm_scale, n)
         call()
         cp.cuda.Device().synchronize()
         t = self.time([call], batch=3)
-        pairs = n * (L - n) + n * (n + 1) // 2  # (query, key) pairs under the causal mask
+        pairs = B * (n * (L - n) + n * (n + 1) // 2)  # (query, key) pairs, causal mask
         flops = 4.0 * pairs * Hq * D
         rel = self.check(cache, tab, lensd, qsl, q, out, sm_scale, H, D, T)
         plan = next(iter(scratch.plans.values())).launches[-1]
-        row = dict(case=f"prefill B=1, {n} after {cached}, D={D}", varlen_us=t * 1e6,
+        row = dict(case=f"prefill B={B}, {n} after {cached}, D={D}", varlen_us=t * 1e6,
                    tflops=flops / t / 1e12, grid=plan.grid, regs=int(plan.fn.num_regs),
                    kernel=plan.name, max_row_rel_err=rel, check="ok" if rel <= 1e-2 else "FAIL")
         if "_wgmma_" in plan.name:  # the mma.sync route on the same cache and q
@@ -247,14 +249,15 @@ class VarlenBench(AttnBench):
                 f"{mrel:.1e}")
             call()  # out of the timed route again
             cp.cuda.Device().synchronize()
-        kd, vd = cache.gather_dequant(tab.reshape(-1))
-        kt = torch.from_dlpack(kd.view(cp.int16)).view(torch.bfloat16)[:L]
-        vt = torch.from_dlpack(vd.view(cp.int16)).view(torch.bfloat16)[:L]
+        kd, vd = cache.gather_dequant(tab.reshape(-1))  # B x (its pages) x T tokens
+        P = int(tab.shape[1])
+        kt = self.env.to_torch(kd).view(B, P * T, H, D)[:, :L]
+        vt = self.env.to_torch(vd).view(B, P * T, H, D)[:, :L]
         g = Hq // H
-        k4 = kt.permute(1, 0, 2).repeat_interleave(g, dim=0)[None].contiguous()
-        v4 = vt.permute(1, 0, 2).repeat_interleave(g, dim=0)[None].contiguous()
+        k4 = kt.transpose(1, 2).repeat_interleave(g, dim=1).contiguous()  # (B, Hq, L, D)
+        v4 = vt.transpose(1, 2).repeat_interleave(g, dim=1).contiguous()
         del kd, vd, kt, vt
-        q4 = torch.from_dlpack(q.view(cp.int16)).view(torch.bfloat16).transpose(0, 1)[None]
+        q4 = self.env.to_torch(q).view(B, n, Hq, D).transpose(1, 2)
         best = self.sdpa_causal(q4.contiguous(), k4, v4, sm_scale)
         if best is not None:
             row.update(sdpa_us=best[0] * 1e6, sdpa_backend=best[1].name,
@@ -270,8 +273,10 @@ class VarlenBench(AttnBench):
         del k4, v4
 
     def prefill_shapes(self):
-        """The prefill row at head_dim 64 and 256, and a plain 8,192-token prefill."""
-        for kw in (dict(D=64), dict(D=256), dict(n=8192, cached=0)):
+        """The prefill row at head_dim 64 and 256, a plain 8,192-token prefill, and four
+        sequences of 4,096 tokens with a 2,048-token chunk each."""
+        for kw in (dict(D=64), dict(D=256), dict(n=8192, cached=0),
+                   dict(B=4, n=2048, cached=2048)):
             self.prefill(**kw)
             self.release()
 
