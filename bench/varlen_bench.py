@@ -202,17 +202,23 @@ class VarlenBench(AttnBench):
             def call(be=be):
                 with sdpa_kernel([be]):
                     F.scaled_dot_product_attention(q4, k4, v4, attn_mask=mask, scale=sm_scale)
-            try:
-                call()
-                torch.cuda.synchronize()
-                t = self.time([call], batch=3)
-            except Exception as e:
-                log(f"   sdpa causal {be.name}: unavailable ({type(e).__name__})")
-                continue
-            log(f"   sdpa causal_lower_right {be.name}: {t * 1e6:.1f} us")
-            if best is None or t < best[0]:
+            t = self.try_time(call, f"sdpa causal_lower_right {be.name}")
+            if t is not None and (best is None or t < best[0]):
                 best = (t, be)
         return best
+
+    def try_time(self, call, label):
+        """Seconds of ``call`` (torch work, batches of 3), or None (logged) where it raises,
+        e.g. an SDPA backend that refuses the shape."""
+        try:
+            call()
+            self.torch.cuda.synchronize()
+            t = self.time([call], batch=3)
+        except Exception as e:
+            log(f"   {label}: unavailable ({type(e).__name__})")
+            return None
+        log(f"   {label}: {t * 1e6:.1f} us")
+        return t
 
     def prefill(self, n=2048, cached=30720, Hq=32, H=8, D=128, T=16, seed=5, B=1):
         """B sequences of cached + n tokens, each an n-token causal chunk after its cached
@@ -381,15 +387,9 @@ class VarlenBench(AttnBench):
                                                        v4[b:b + 1, :, :L], scale=sm_scale,
                                                        enable_gqa=True)
             for name, call in (("padded + mask", padded), ("per sequence", per_seq)):
-                try:
-                    call()
-                    torch.cuda.synchronize()
-                    tt = self.time([call], batch=3)
-                except Exception as e:
-                    log(f"   sdpa decodes {name} {be.name}: unavailable ({type(e).__name__})")
-                    continue
-                log(f"   sdpa decodes {name} {be.name}: {tt * 1e6:.1f} us")
-                cands.append(tt)
+                tt = self.try_time(call, f"sdpa decodes {name} {be.name}")
+                if tt is not None:
+                    cands.append(tt)
         kc, vc = kv(nd, chunk_len)
         q4 = qt[nd:nd + chunk].transpose(0, 1)[None].contiguous()  # (1, Hq, chunk, D)
         best = self.sdpa_causal(q4, kc.repeat_interleave(g, dim=0)[None].contiguous(),
