@@ -1,0 +1,117 @@
+"""Probe of where the wgmma prefill kernel's time goes: the same call on the same cache with
+parts of ``kernels/varlen_wgmma.cu`` switched off in a patched copy of the source (the
+values of a patched variant are wrong; only its time counts).
+
+Variants (``PATCHES``): ``base`` (the shipped source), ``noload`` (the decode warps decode
+the first step's rows again instead of loading each step's), ``nodecode`` (rows loaded,
+not decoded: the stages keep what they hold), ``idle`` (the decode warps only pass the
+rings' barriers), ``nomma`` (the row warps issue no MMAs: softmax on stale scores).
+
+Run on an sm_90 GPU (from the repository root)::
+
+    PYTHONPATH=. python3 bench/wgmma_decode_probe.py
+"""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+import sys
+import tempfile
+from pathlib import Path
+
+import numpy as np
+
+_ROOT = Path(__file__).resolve().parents[1]
+for _p in (str(_ROOT), str(_ROOT / "bench")):
+    if _p not in sys.path:
+        sys.path.insert(0, _p)
+
+from attention_bench import log  # noqa: E402
+from timing import BF16  # noqa: E402
+from varlen_bench import VarlenBench  # noqa: E402
+
+from fp4cache import _kernels as K  # noqa: E402
+from fp4cache._cuda.decode import new_scratch  # noqa: E402
+
+_LOAD = "if (i + 1u < nsteps) vl_load_page<D>(S, step + STEP + off, W.s1, id[u], R[u]);"
+_DECODE = """      vl_decode<D>(R[u], step + off, P.swizzle, my_stage,
+                   SwzTile<STEP>{k, v, off - (lane & 15u)}, nan_key, sh.vnan);"""
+_KEEP = """      { u32 x = R[u].sc[0];
+        for (int w = 0; w < D / 8; ++w) x ^= R[u].w[w];
+        if (x == 0x9E3779B9u) nan_key = 0u; }"""
+_MMA = """    wg_pv<D, A::STEP>(st, pa, kv_s + (A::KSTAGES + rv.stage) * A::KT);
+    if constexpr (MORE) wg_scores<D, A::ROWS, A::STEP>(s, q_s, kv_s + rk.stage * A::KT);"""
+_FIRST = "    wg_scores<D, A::ROWS, A::STEP>(s, q_s, kv_s + rk.stage * A::KT);\n    wg_turn_pass"
+
+PATCHES: dict[str, list[tuple[str, str]]] = {
+    "base": [],
+    "noload": [(_LOAD, "")],
+    "nodecode": [(_DECODE, _KEEP)],
+    "idle": [(_LOAD, ""), (_DECODE, "")],
+    "nomma": [(_MMA, "    asm volatile(\"\" ::: \"memory\");"),
+              (_FIRST, "    wg_turn_pass")],
+}
+
+
+def patched_folder(name: str, root: Path) -> str | None:
+    if not PATCHES[name]:
+        return None
+    d = root / name
+    d.mkdir(parents=True)
+    src = (K.kernel_dir() / "varlen_wgmma.cu").read_text()
+    for old, new in PATCHES[name]:
+        if src.count(old) != 1:
+            raise RuntimeError(f"patch {name}: {old[:60]!r} found {src.count(old)} times")
+        src = src.replace(old, new)
+    (d / "varlen_wgmma.cu").write_text(src)
+    return str(d)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--variants", nargs="*", default=list(PATCHES))
+    args = ap.parse_args(argv)
+    vb = VarlenBench(argparse.Namespace(reps=args.reps, out=None, only=None, route="auto",
+                                        window=0, rotate=False))
+    cp = vb.cp
+    shipped = K.varlen_wgmma_spec
+    root = Path(tempfile.mkdtemp())
+    folders = {name: patched_folder(name, root) for name in args.variants}
+    rows = [("chunk 2,048 after 30,720", 1, 2048, 30720), ("prefill 8,192", 1, 8192, 0)]
+    try:
+        for case, B, n, cached in rows:
+            L = cached + n
+            cache, tab, lens, _ = vb.cache_for(B, [L] * B, 8, 128, 16, 5)
+            q = vb.env.randn_bf16((B * n, 32, 128), 6)
+            qsl = cp.arange(B + 1, dtype=cp.int32) * n
+            out = cp.empty((B * n, 32, 128), dtype=BF16)
+            log(f"== {case}")
+            for name in args.variants:
+                folder = folders[name]
+                if folder is None:
+                    K.varlen_wgmma_spec = shipped
+                else:
+                    def spec(dtype, head_dim, folder=folder):
+                        s = shipped(dtype, head_dim)
+                        return K.Spec(s.file, s.macro, s.name, s.args, s.defines, s.params,
+                                      folder, s.arch)
+                    K.varlen_wgmma_spec = spec
+                call = vb.varlen(cache, q, qsl, tab, lens, out, new_scratch(),
+                                 1.0 / np.sqrt(128), n)
+                call()
+                cp.cuda.Device().synchronize()
+                t = vb.time([call], batch=3)
+                log(f"   {name:9s} {t * 1e6:9.1f} us")
+            K.varlen_wgmma_spec = shipped
+            del cache
+            vb.release()
+    finally:
+        K.varlen_wgmma_spec = shipped
+        shutil.rmtree(root, ignore_errors=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
