@@ -188,9 +188,10 @@ class VarlenBench(AttnBench):
             self.write()
         del k4, v4
 
-    def sdpa_causal(self, q4, k4, v4, sm_scale):
+    def sdpa_causal(self, q4, k4, v4, sm_scale, every=None):
         """(time, backend) of SDPA with a bottom-right causal mask (K/V expanded to the
-        query heads: not every backend takes GQA with a mask)."""
+        query heads: not every backend takes GQA with a mask); ``every`` (a dict) gets each
+        backend's time in us."""
         torch = self.torch
         from torch.nn.attention import SDPBackend, sdpa_kernel
         from torch.nn.attention.bias import causal_lower_right
@@ -203,6 +204,8 @@ class VarlenBench(AttnBench):
                 with sdpa_kernel([be]):
                     F.scaled_dot_product_attention(q4, k4, v4, attn_mask=mask, scale=sm_scale)
             t = self.try_time(call, f"sdpa causal_lower_right {be.name}")
+            if t is not None and every is not None:
+                every[be.name] = t * 1e6
             if t is not None and (best is None or t < best[0]):
                 best = (t, be)
         return best
@@ -264,7 +267,9 @@ class VarlenBench(AttnBench):
         v4 = vt.transpose(1, 2).repeat_interleave(g, dim=1).contiguous()
         del kd, vd, kt, vt
         q4 = self.env.to_torch(q).view(B, n, Hq, D).transpose(1, 2)
-        best = self.sdpa_causal(q4.contiguous(), k4, v4, sm_scale)
+        every: dict = {}
+        best = self.sdpa_causal(q4.contiguous(), k4, v4, sm_scale, every)
+        row.update(sdpa_backends_us=every)
         if best is not None:
             row.update(sdpa_us=best[0] * 1e6, sdpa_backend=best[1].name,
                        sdpa_tflops=flops / best[0] / 1e12, speedup_vs_sdpa=best[0] / t)

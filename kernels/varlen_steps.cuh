@@ -155,6 +155,58 @@ FP4C_DEVICE void load_q(const void* q, const VlWork& W, const VarlenParams& P, u
   }
 }
 
+// load_q's values and shared-memory layout from 16-byte vectors (2-byte q whose rows start
+// 16-byte aligned; neither the window nor the rotation): a lane loads 8 columns of a row,
+// D / 8 lanes a row, all of the warp's rows in flight before the first is converted
+template <typename T, int D, int ROWS, class QL, int NW>
+FP4C_DEVICE void load_q16(const void* q, const VlWork& W, const VarlenParams& P, u16* sq,
+                          float* s_rsc, u32* s_lim) {
+  static_assert(T::kBytes == 2, "16-byte vectors of 8 bf16 / f16 values");
+  constexpr int CH = D / 8;          // lanes per row
+  constexpr int RPI = 32 / CH;       // rows per load
+  constexpr int N = ROWS / NW / RPI;  // loads per lane
+  static_assert(ROWS % (NW * RPI) == 0, "whole loads of rows per warp");
+  const u32 lane = threadIdx.x & 31u, warp = threadIdx.x >> 5, ch = lane % (u32)CH;
+  const u32 Hq = P.H * P.group;
+  U32x4 raw[N];
+#pragma unroll
+  for (int i = 0; i < N; ++i) {
+    const u32 j = warp + (u32)NW * ((u32)(i * RPI) + lane / (u32)CH);
+    raw[i] = U32x4{0u, 0u, 0u, 0u};
+    if (j < W.rows_here) {
+      const u32 jj = W.r0 + j, tok = jj / P.group;
+      const u64 qrow = (u64)(W.qs0 + tok) * Hq + W.h * P.group + (jj - tok * P.group);
+      raw[i] = ldg16((const char*)q + (qrow * D + 8u * ch) * 2u);
+    }
+  }
+#pragma unroll
+  for (int i = 0; i < N; ++i) {
+    const u32 j = warp + (u32)NW * ((u32)(i * RPI) + lane / (u32)CH);
+    const u32 w[4] = {raw[i].x, raw[i].y, raw[i].z, raw[i].w};
+    float v[8];
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      v[2 * e] = lo_of(T(), w[e]);
+      v[2 * e + 1] = hi_of(T(), w[e]);
+    }
+    float mx = 0.0f;
+#pragma unroll
+    for (int e = 0; e < 8; ++e) mx = f_max(mx, f_abs(v[e]));
+#pragma unroll
+    for (int o = CH / 2; o >= 1; o >>= 1) mx = f_max(mx, __shfl_xor_sync(0xFFFFFFFFu, mx, o));
+    const QRowScale rs = q_row_scale(mx, P.qk_scale);
+    u32 h[4];  // decode column order: word p holds d-nibbles pair_nibble(p, 0), (p, 1)
+#pragma unroll
+    for (int p = 0; p < 4; ++p)
+      h[p] = pack2(f16_t(), f_mul(v[pair_nibble(p, 0)], rs.q), f_mul(v[pair_nibble(p, 1)], rs.q));
+    *(U32x4*)&sq[QL::at(j, 8u * ch)] = U32x4{h[0], h[1], h[2], h[3]};
+    if (ch == 0u) {
+      s_rsc[j] = rs.score;
+      s_lim[j] = j < W.rows_here ? token_limit(W, (W.r0 + j) / P.group, P.causal) : 0u;
+    }
+  }
+}
+
 // ---------------------------------------------------------------------------------------
 // load: one key row (codes and scales) of K (lanes 0..15) or V (16..31) into registers
 // ---------------------------------------------------------------------------------------

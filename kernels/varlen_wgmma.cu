@@ -73,11 +73,13 @@ struct WgDims : HeadDims<D> {
   static_assert(ROWS * FP4C_VARLEN_MAX_SPLITS * 4 <= QT, "split weights in q's place");
 };
 
-// Named barriers (0: the CTA's): the row warps' epilogue, the item's end (the decode warps
-// arrive after their last bad key), the row warpgroups' turns at the tensor cores
+// Named barriers (0: the CTA's): the row warps' q and epilogue, the item's end (the decode
+// warps arrive after their last bad key), the row warpgroups' turns at the tensor cores,
+// the decode warps' item start
 #define FP4C_WG_BAR_ROWS 1
 #define FP4C_WG_BAR_END 2
 #define FP4C_WG_BAR_TURN 3  // 3: warpgroup 0's turn, 4: warpgroup 1's
+#define FP4C_WG_BAR_DECODE 5
 
 // The rings' mbarriers (shared addresses): full (the decode warps' threads arrive) and
 // empty (the row warps' threads arrive) per K and per V stage
@@ -416,25 +418,30 @@ FP4C_DEVICE void varlen_wg_impl(const void* __restrict__ q, const void* __restri
       VlWork W;
       if (!find_work<ROWS, STEP>(P, item, qsl, seq_lens, W)) continue;
       __syncthreads();  // the last item's shared memory is free
-      if (threadIdx.x == 0u) sh.nan = FP4C_VL_NOKEY;
-      if (threadIdx.x < (u32)A::G) sh.vnan[threadIdx.x] = FP4C_VL_NOKEY;
-      load_q<T, D, ROWS, SwzRows<ROWS>, A::MW, false, false>(q, W, P, (u16*)s_q, nullptr,
-                                                              sh.rsc, sh.lim);
+      if (((u64)q & 15u) == 0u)
+        load_q16<T, D, ROWS, SwzRows<ROWS>, A::MW>(q, W, P, (u16*)s_q, sh.rsc, sh.lim);
+      else
+        load_q<T, D, ROWS, SwzRows<ROWS>, A::MW, false, false>(q, W, P, (u16*)s_q, nullptr,
+                                                                sh.rsc, sh.lim);
       fence_proxy_async();  // q, for the wgmma reads
-      __syncthreads();
+      NamedBar<FP4C_WG_BAR_ROWS, 32 * A::MW>::sync();
       wg_row_item<T, D>(W, P, s_q, s_kv, sh, B, rk, rv, (W.s1 - W.s0 + STEP - 1u) / STEP, out,
                         lse);
     }
     if (warp < 4u) wg_turn_sync(0u);  // warpgroup 1's last pass
   } else {  // the decode warps: the same items and CTA barriers
     regs_dec<A::DECODE_REGS>();
+    // the item's decode starts while the row warps convert q: the stages and the NaN
+    // reports (reset here) are free once the CTA barrier has seen the last item's end
     for (u32 item = blockIdx.x; item < P.items; item += gridDim.x) {
       VlWork W;
       if (!find_work<ROWS, STEP>(P, item, qsl, seq_lens, W)) continue;
       __syncthreads();
+      if (threadIdx.x == 32u * A::MW) sh.nan = FP4C_VL_NOKEY;
+      if (threadIdx.x - 32u * A::MW < (u32)A::G) sh.vnan[threadIdx.x - 32u * A::MW] = FP4C_VL_NOKEY;
       const VlSeq S{attn_seq(P, tables, W.b, W.h, W.h == 0u && W.last_tile),
                     ((P.side_bytes | P.data_bytes) & 15) == 0 ? 1u : 0u};
-      __syncthreads();
+      NamedBar<FP4C_WG_BAR_DECODE, 32 * A::PW>::sync();
       wg_decode_item<D>(W, P, S, s_kv, s_sc, sh, B, rk, rv, (W.s1 - W.s0 + STEP - 1u) / STEP);
     }
   }
