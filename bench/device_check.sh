@@ -3,6 +3,12 @@
 #   bash bench/device_check.sh tests   # test suite (GPU tests must run), notebooks' code on
 #                                      # the GPU, the demo, compute-sanitizer memcheck/racecheck
 #   bash bench/device_check.sh bench   # bench/bench.py (copy ceiling, kernels, PyTorch)
+#   bash bench/device_check.sh varlen  # attention for any query length: its GPU tests (both
+#                                      # prefill routes), compute-sanitizer memcheck and
+#                                      # racecheck over the wgmma kernel's cases (~6 min)
+#   bash bench/device_check.sh varlen-bench  # the wgmma kernel's probe with its candidate
+#                                      # variants (checked byte for byte), then the
+#                                      # varlen_bench table beside SDPA (JSON in $OUT)
 # Logs go to $OUT (default /tmp/fp4cache-device).
 set -u
 export PYTHONUNBUFFERED=1 PYTHONPATH=.
@@ -48,5 +54,27 @@ tests)
   ;;
 bench)
   timeout 540 python3 bench/bench.py --out "$OUT/bench.json" 2>&1 | tee "$OUT/bench.log" | tail -70
+  ;;
+varlen)
+  timeout 330 python3 -m pytest -q -n 16 -p no:cacheprovider -W ignore::FutureWarning \
+      tests/test_attention_varlen.py tests/test_hf.py tests/test_window.py tests/test_plans.py \
+      2>&1 | tee "$OUT/varlen-tests.log" | tail -15
+  # the wgmma kernel (route auto on sm_90): head_dim 128 / 64, GQA 1 / 4 / 16, a CTA that
+  # takes every item, mixed batches, bad ids and NaN groups
+  wg='TestKernel and auto and ((many_rows and causal and (128-4 or 64-16 or 128-1)) or one_cta or mixed_batch or bad_ids or nan_groups)'
+  for tool in memcheck racecheck; do
+    timeout 120 compute-sanitizer --tool "$tool" --error-exitcode 9 \
+        python3 -m pytest -q -p no:cacheprovider tests/test_attention_varlen.py -k "$wg" \
+        > "$OUT/varlen-sanitizer-$tool.log" 2>&1
+    echo "compute-sanitizer $tool exit=$? $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY|passed|failed' \
+        "$OUT/varlen-sanitizer-$tool.log" | tr '\n' ' ')"
+  done
+  ;;
+varlen-bench)
+  timeout 150 python3 bench/wgmma_decode_probe.py --variants base teams2 2>&1 \
+      | tee "$OUT/wgmma-probe.log"
+  echo "wgmma_decode_probe exit=${PIPESTATUS[0]}"
+  timeout 400 python3 bench/varlen_bench.py --only spec prefill prefill_shapes mixed --reps 5 \
+      --out "$OUT/varlen.json" 2>&1 | tee "$OUT/varlen-bench.log" | tail -40
   ;;
 esac

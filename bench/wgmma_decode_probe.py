@@ -5,16 +5,24 @@ values of a patched variant are wrong; only its time counts).
 Variants (``PATCHES``): ``base`` (the shipped source), ``noload`` (the decode warps decode
 the first step's rows again instead of loading each step's), ``nodecode`` (rows loaded,
 not decoded: the stages keep what they hold), ``idle`` (the decode warps only pass the
-rings' barriers), ``nomma`` (the row warps issue no MMAs: softmax on stale scores).
+rings' barriers), ``nomma`` (the row warps issue no MMAs: softmax on stale scores), and
+one candidate whose values must be right: ``teams2`` (the decode warps in two teams of
+four that take turns at the steps, each warp two key blocks of its team's steps, so that a
+team's next rows load while the other team decodes; the full barriers count one team's
+threads).  A variant of ``EXACT`` is checked against ``base`` on the same call: its output
+must be the same bytes (``exact``; otherwise ``DIFFERS`` and exit status 1).
 
-Run on an sm_90 GPU (from the repository root)::
+Run on an sm_90 GPU (from the repository root), under a time limit (a wrong barrier count
+hangs the kernel)::
 
-    PYTHONPATH=. python3 bench/wgmma_decode_probe.py
+    PYTHONPATH=. timeout 300 python3 bench/wgmma_decode_probe.py
+    PYTHONPATH=. timeout 120 python3 bench/wgmma_decode_probe.py --variants base teams2
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import shutil
 import sys
 import tempfile
@@ -28,11 +36,10 @@ for _p in (str(_ROOT), str(_ROOT / "bench")):
         sys.path.insert(0, _p)
 
 from attention_bench import log  # noqa: E402
+from kernel_patch import Patch, write_folder  # noqa: E402
 from timing import BF16  # noqa: E402
-from varlen_bench import VarlenBench  # noqa: E402
 
 from fp4cache import _kernels as K  # noqa: E402
-from fp4cache._cuda.decode import new_scratch  # noqa: E402
 
 _LOAD = "if (i + 1u < nsteps) vl_load_page<D>(S, step + STEP + off, W.s1, id[u], R[u]);"
 _DECODE = """      vl_decode<D>(R[u], step + off, P.swizzle, my_stage,
@@ -44,28 +51,73 @@ _MMA = """    wg_pv<D, A::STEP>(st, pa, kv_s + (A::KSTAGES + rv.stage) * A::KT);
     if constexpr (MORE) wg_scores<D, A::ROWS, A::STEP>(s, q_s, kv_s + rk.stage * A::KT);"""
 _FIRST = "    wg_scores<D, A::ROWS, A::STEP>(s, q_s, kv_s + rk.stage * A::KT);\n    wg_turn_pass"
 
-PATCHES: dict[str, list[tuple[str, str]]] = {
+# teams2: wg_decode_item's body from its signature's end to the bad-key reduction, and the
+# full barriers' counts
+_ITEM = ("                                u32 nsteps) {\n",
+         "#pragma unroll\n  for (int o = 1; o <= 16; o <<= 1) nan_key")
+_TEAMS_ITEM = """  using A = WgDims<D>;
+  constexpr int STEP = A::STEP, TEAMS = 2, TW = A::PW / TEAMS;
+  constexpr int UN = A::BLOCKS / TW;        // key blocks per warp and step of its team
+  constexpr u32 AHEAD = (u32)TEAMS * STEP;  // keys from one of the team's steps to the next
+  static_assert(A::PW % TEAMS == 0 && A::BLOCKS % TW == 0, "whole blocks per warp");
+  const u32 lane = threadIdx.x & 31u, p = (threadIdx.x >> 5) - (u32)A::MW;
+  const u32 team = p / (u32)TW;  // its steps: i % TEAMS == team
+  u8* my_stage = s_sc + p * (2 * 16 * A::G);
+  u32 nan_key = FP4C_VL_NOKEY;
+  VlRaw<D> R[UN];
+  i64 id[UN];  // the lane's pages of the team's next step (its rows are loaded one ahead)
+  const u32 key_in = 16u * (p % (u32)TW) + (lane & 15u);  // block p % TW + TW u
+  if (team < nsteps) {
+#pragma unroll
+    for (int u = 0; u < UN; ++u) {
+      const u32 key = W.s0 + team * STEP + key_in + 16u * TW * u;
+      vl_load_page<D>(S, key, W.s1, vl_page(S, key, W.s1), R[u]);
+      id[u] = team + TEAMS < nsteps ? vl_page(S, key + AHEAD, W.s1) : -1;
+    }
+  }
+  for (u32 i = 0; i < nsteps; ++i) {
+    if (i % (u32)TEAMS == team) {
+      const u32 step = W.s0 + i * STEP;
+      mbar_wait(B.empty_k(rk.stage), rk.phase ^ 1u);
+      mbar_wait(B.empty_v(rv.stage), rv.phase ^ 1u);
+      u16* k = (u16*)(s_kv + rk.stage * A::KT);
+      u16* v = (u16*)(s_kv + (A::KSTAGES + rv.stage) * A::KT);
+#pragma unroll
+      for (int u = 0; u < UN; ++u) {
+        const u32 off = key_in + 16u * TW * u;
+        vl_decode<D>(R[u], step + off, P.swizzle, my_stage,
+                     SwzTile<STEP>{k, v, off - (lane & 15u)}, nan_key, sh.vnan);
+        if (i + TEAMS < nsteps) vl_load_page<D>(S, step + AHEAD + off, W.s1, id[u], R[u]);
+        if (i + 2u * TEAMS < nsteps) id[u] = vl_page(S, step + 2u * AHEAD + off, W.s1);
+      }
+      fence_proxy_async();  // the stage's writes, for the wgmma reads (async proxy)
+      mbar_arrive(B.full_k(rk.stage));
+      mbar_arrive(B.full_v(rv.stage));
+    }
+    rk.next();  // every thread follows every step's stages
+    rv.next();
+  }
+"""
+_FULL_K = "mbar_init(B.full_k(s), 32u * A::PW);"
+_FULL_V = "mbar_init(B.full_v(s), 32u * A::PW);"
+
+# kernel_patch's patches of kernels/varlen_wgmma.cu per variant
+PATCHES: dict[str, list[Patch]] = {
     "base": [],
     "noload": [(_LOAD, "")],
     "nodecode": [(_DECODE, _KEEP)],
     "idle": [(_LOAD, ""), (_DECODE, "")],
     "nomma": [(_MMA, "    asm volatile(\"\" ::: \"memory\");"),
               (_FIRST, "    wg_turn_pass")],
+    "teams2": [(_ITEM, _TEAMS_ITEM), (_FULL_K, _FULL_K.replace("A::PW", "A::PW / 2")),
+               (_FULL_V, _FULL_V.replace("A::PW", "A::PW / 2"))],
 }
+EXACT = {"teams2"}  # variants whose output must be base's, byte for byte
 
 
-def patched_folder(name: str, root: Path) -> str | None:
-    if not PATCHES[name]:
-        return None
-    d = root / name
-    d.mkdir(parents=True)
-    src = (K.kernel_dir() / "varlen_wgmma.cu").read_text()
-    for old, new in PATCHES[name]:
-        if src.count(old) != 1:
-            raise RuntimeError(f"patch {name}: {old[:60]!r} found {src.count(old)} times")
-        src = src.replace(old, new)
-    (d / "varlen_wgmma.cu").write_text(src)
-    return str(d)
+#: the patched files of each variant's folder (tests/test_kernels_compile.py compiles them)
+FOLDERS: dict[str, dict[str, list[Patch]]] = {
+    name: {"varlen_wgmma.cu": patches} for name, patches in PATCHES.items() if patches}
 
 
 def main(argv=None) -> int:
@@ -73,13 +125,20 @@ def main(argv=None) -> int:
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--variants", nargs="*", default=list(PATCHES))
     args = ap.parse_args(argv)
+    from varlen_bench import VarlenBench
+
+    from fp4cache._cuda.decode import new_scratch
+
     vb = VarlenBench(argparse.Namespace(reps=args.reps, out=None, only=None, route="auto",
                                         window=0, rotate=False))
     cp = vb.cp
     shipped = K.varlen_wgmma_spec
     root = Path(tempfile.mkdtemp())
-    folders = {name: patched_folder(name, root) for name in args.variants}
-    rows = [("chunk 2,048 after 30,720", 1, 2048, 30720), ("prefill 8,192", 1, 8192, 0)]
+    folders = {name: write_folder(root / name, FOLDERS[name]) if name in FOLDERS else None
+               for name in args.variants}
+    rows = [("chunk 2,048 after 30,720", 1, 2048, 30720), ("prefill 8,192", 1, 8192, 0),
+            ("prefill 4 x 4,096", 4, 4096, 0)]
+    differs = 0
     try:
         for case, B, n, cached in rows:
             L = cached + n
@@ -88,29 +147,39 @@ def main(argv=None) -> int:
             qsl = cp.arange(B + 1, dtype=cp.int32) * n
             out = cp.empty((B * n, 32, 128), dtype=BF16)
             log(f"== {case}")
+            ref = None
+            if EXACT.intersection(args.variants):  # the shipped kernel's bytes
+                K.varlen_wgmma_spec = shipped
+                vb.varlen(cache, q, qsl, tab, lens, out, new_scratch(), 1.0 / np.sqrt(128),
+                          n)()
+                ref = out.view(cp.uint16).copy()
             for name in args.variants:
                 folder = folders[name]
                 if folder is None:
                     K.varlen_wgmma_spec = shipped
                 else:
                     def spec(dtype, head_dim, folder=folder):
-                        s = shipped(dtype, head_dim)
-                        return K.Spec(s.file, s.macro, s.name, s.args, s.defines, s.params,
-                                      folder, s.arch)
+                        return dataclasses.replace(shipped(dtype, head_dim), folder=folder)
                     K.varlen_wgmma_spec = spec
                 call = vb.varlen(cache, q, qsl, tab, lens, out, new_scratch(),
                                  1.0 / np.sqrt(128), n)
+                out.fill(0)
                 call()
                 cp.cuda.Device().synchronize()
+                check = ""
+                if name in EXACT:
+                    same = bool(cp.array_equal(out.view(cp.uint16), ref))
+                    differs += not same
+                    check = "  exact" if same else "  DIFFERS from base"
                 t = vb.time([call], batch=3)
-                log(f"   {name:9s} {t * 1e6:9.1f} us")
+                log(f"   {name:9s} {t * 1e6:9.1f} us{check}")
             K.varlen_wgmma_spec = shipped
             del cache
             vb.release()
     finally:
         K.varlen_wgmma_spec = shipped
         shutil.rmtree(root, ignore_errors=True)
-    return 0
+    return 1 if differs else 0
 
 
 if __name__ == "__main__":

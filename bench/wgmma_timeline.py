@@ -19,6 +19,7 @@ Run on an sm_90 GPU (from the repository root)::
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import shutil
 import sys
 import tempfile
@@ -32,11 +33,10 @@ for _p in (str(_ROOT), str(_ROOT / "bench")):
         sys.path.insert(0, _p)
 
 from attention_bench import log  # noqa: E402
+from kernel_patch import Patch, write_folder  # noqa: E402
 from timing import BF16  # noqa: E402
-from varlen_bench import VarlenBench  # noqa: E402
 
 from fp4cache import _kernels as K  # noqa: E402
-from fp4cache._cuda.decode import new_scratch  # noqa: E402
 
 SLOTS, FIELDS = 8192, 16
 _HEAD = f"""#include "pipeline.cuh"
@@ -55,11 +55,10 @@ __shared__ unsigned fp4c_tl_item;  // the CTA's current item
 #define TL(f, v) do {{ if (fp4c_tl_item < {SLOTS}u) fp4c_tl[fp4c_tl_item][f] = (v); }} while (0)
 """
 
-# (old, new) text replacements, each found exactly once
 _FW = "      if (!find_work<ROWS, STEP>(P, item, qsl, seq_lens, W)) continue;\n"
 _SYNC = "      __syncthreads();  // the last item's shared memory is free\n"
-# (file, old, new) text replacements, each found exactly once
-STEPS_PATCHES: list[tuple[str, str]] = [
+# kernel_patch's patches of kernels/varlen_steps.cuh and kernels/varlen_wgmma.cu
+STEPS_PATCHES: list[Patch] = [
     ('#include "hadamard.cuh"\n', '#include "hadamard.cuh"\n' + _HEAD),
     ("  EndBar::sync();\n  float(*s_o)[D + 1] = reinterpret_cast<float(*)[D + 1]>(s_kv);\n"
      "  vl_merge_warps<D, MW, Bar>(st, s_o, s_m, s_l, s_lim, s_nan, s_vnan, s_M, s_L);\n",
@@ -68,7 +67,7 @@ STEPS_PATCHES: list[tuple[str, str]] = [
      "  vl_merge_warps<D, MW, Bar>(st, s_o, s_m, s_l, s_lim, s_nan, s_vnan, s_M, s_L);\n"
      "  if (threadIdx.x == 0u) TL(13, tl_clock());\n"),
 ]
-PATCHES: list[tuple[str, str]] = [
+PATCHES: list[Patch] = [
     ("      if (((u64)q & 15u) == 0u)\n",
      "      if (threadIdx.x == 0u) TL(14, tl_clock());\n      if (((u64)q & 15u) == 0u)\n"),
     ("      fence_proxy_async();  // q, for the wgmma reads\n",
@@ -100,13 +99,10 @@ PATCHES: list[tuple[str, str]] = [
 ]
 
 
-def patched_source(name: str, patches: list[tuple[str, str]]) -> str:
-    src = (K.kernel_dir() / name).read_text()
-    for old, new in patches:
-        if src.count(old) != 1:
-            raise RuntimeError(f"patch {old[:60]!r} found {src.count(old)} times")
-        src = src.replace(old, new)
-    return src
+#: the patched files of the stamped kernel's folder (tests/test_kernels_compile.py compiles
+#: them)
+FOLDERS: dict[str, dict[str, list[Patch]]] = {
+    "timeline": {"varlen_wgmma.cu": PATCHES, "varlen_steps.cuh": STEPS_PATCHES}}
 
 
 def report(tl: np.ndarray, items: int, kernel_us: float) -> None:
@@ -144,6 +140,9 @@ def report(tl: np.ndarray, items: int, kernel_us: float) -> None:
 
 def main(argv=None) -> int:
     import cupy
+    from varlen_bench import VarlenBench
+
+    from fp4cache._cuda.decode import new_scratch
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--reps", type=int, default=5)
@@ -153,13 +152,12 @@ def main(argv=None) -> int:
     cp = vb.cp
     shipped = K.varlen_wgmma_spec
     root = Path(tempfile.mkdtemp())
-    (root / "varlen_wgmma.cu").write_text(patched_source("varlen_wgmma.cu", PATCHES))
-    (root / "varlen_steps.cuh").write_text(patched_source("varlen_steps.cuh", STEPS_PATCHES))
+    write_folder(root, FOLDERS["timeline"])
     mods: dict = {}
 
     def spec(dtype, head_dim):
         s = shipped(dtype, head_dim)
-        s = K.Spec(s.file, s.macro, s.name, s.args, s.defines, s.params, str(root), s.arch)
+        s = dataclasses.replace(s, folder=str(root))
         key = (cupy.cuda.runtime.getDevice(), s)
         if key not in K._FUNCS:
             opts = K.NVRTC_OPTIONS + (f"--gpu-architecture={s.arch}",)

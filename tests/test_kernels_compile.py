@@ -59,6 +59,30 @@ def test_all_specializations_compile(arch):
 
 
 @needs_nvrtc
+@pytest.mark.parametrize("probe", ["wgmma_decode_probe", "wgmma_timeline"])
+def test_probe_copies_of_the_wgmma_kernel_compile(probe, tmp_path, monkeypatch):
+    """The probes in bench/ time patched copies of kernels/varlen_wgmma.cu on a GPU; every
+    copy (each variant's folder) still applies to the sources here and compiles for sm_90a
+    at both head dims, so that a kernel change that breaks a probe fails on the CPU."""
+    import dataclasses
+    import importlib
+    from pathlib import Path
+
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "bench"))
+    mod = importlib.import_module(probe)
+    from kernel_patch import write_folder
+
+    assert mod.FOLDERS
+    for name, files in mod.FOLDERS.items():
+        folder = write_folder(tmp_path / name, files)
+        specs = [dataclasses.replace(K.varlen_wgmma_spec("bf16", d), folder=folder)
+                 for d in (64, 128)]
+        ptx = K.compile_all("sm_90", specs)["varlen_wgmma.cu"]
+        for spec in specs:
+            assert f".entry {spec.name}(" in ptx, (name, spec.name)
+
+
+@needs_nvrtc
 def test_page_copy_streams_through_l2_without_shared_staging():
     """copy_blocks' copy kernel reads the pool and the staging rows from L2 (other CTAs of
     the launch write them: never through the non-coherent read-only path) and holds no
