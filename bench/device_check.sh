@@ -71,7 +71,7 @@ varlen)
   done
   ;;
 varlen-bench)
-  timeout 150 python3 bench/wgmma_decode_probe.py --variants base teams2 2>&1 \
+  timeout 200 python3 bench/wgmma_decode_probe.py --variants base order teams2 2>&1 \
       | tee "$OUT/wgmma-probe.log"
   echo "wgmma_decode_probe exit=${PIPESTATUS[0]}"
   timeout 400 python3 bench/varlen_bench.py --only spec prefill prefill_shapes mixed --reps 5 \

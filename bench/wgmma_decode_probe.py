@@ -6,17 +6,20 @@ Variants (``PATCHES``): ``base`` (the shipped source), ``noload`` (the decode wa
 the first step's rows again instead of loading each step's), ``nodecode`` (rows loaded,
 not decoded: the stages keep what they hold), ``idle`` (the decode warps only pass the
 rings' barriers), ``nomma`` (the row warps issue no MMAs: softmax on stale scores), and
-one candidate whose values must be right: ``teams2`` (the decode warps in two teams of
-four that take turns at the steps, each warp two key blocks of its team's steps, so that a
-team's next rows load while the other team decodes; the full barriers count one team's
-threads).  A variant of ``EXACT`` is checked against ``base`` on the same call: its output
-must be the same bytes (``exact``; otherwise ``DIFFERS`` and exit status 1).
+two candidates whose values must be right: ``order`` (a step's stages handed over, fence and
+full barriers, before the next step's rows are loaded instead of after: the fence compiles
+to a ``MEMBAR.ALL.CTA`` (``cuobjdump -sass``), which may wait for the thread's loads in
+flight, the next step's rows) and ``teams2`` (the same order, and the decode warps in
+two teams of four that take turns at the steps, each warp two key blocks of its team's
+steps, so that a team's next rows load while the other team decodes; the full barriers
+count one team's threads).  A variant of ``EXACT`` is checked against ``base`` on the same
+call: its output must be the same bytes (``exact``; otherwise ``DIFFERS`` and exit status 1).
 
 Run on an sm_90 GPU (from the repository root), under a time limit (a wrong barrier count
 hangs the kernel)::
 
     PYTHONPATH=. timeout 300 python3 bench/wgmma_decode_probe.py
-    PYTHONPATH=. timeout 120 python3 bench/wgmma_decode_probe.py --variants base teams2
+    PYTHONPATH=. timeout 150 python3 bench/wgmma_decode_probe.py --variants base order teams2
 """
 
 from __future__ import annotations
@@ -50,6 +53,32 @@ _KEEP = """      { u32 x = R[u].sc[0];
 _MMA = """    wg_pv<D, A::STEP>(st, pa, kv_s + (A::KSTAGES + rv.stage) * A::KT);
     if constexpr (MORE) wg_scores<D, A::ROWS, A::STEP>(s, q_s, kv_s + rk.stage * A::KT);"""
 _FIRST = "    wg_scores<D, A::ROWS, A::STEP>(s, q_s, kv_s + rk.stage * A::KT);\n    wg_turn_pass"
+
+# order: the stage handed over (fence, full barriers) before the next step's rows are
+# loaded, not after: the fence is a MEMBAR.ALL.CTA in SASS, which may wait for the loads in
+# flight
+_STEP_END = """      if (i + 1u < nsteps) vl_load_page<D>(S, step + STEP + off, W.s1, id[u], R[u]);
+      if (i + 2u < nsteps) id[u] = vl_page(S, step + 2u * STEP + off, W.s1);
+    }
+    fence_proxy_async();  // the stage's writes, for the wgmma reads (async proxy)
+    mbar_arrive(B.full_k(rk.stage));
+    mbar_arrive(B.full_v(rv.stage));
+    rk.next();
+    rv.next();
+"""
+_ORDER_END = """    }
+    fence_proxy_async();  // the stage's writes, for the wgmma reads (async proxy)
+    mbar_arrive(B.full_k(rk.stage));
+    mbar_arrive(B.full_v(rv.stage));
+    rk.next();
+    rv.next();
+#pragma unroll
+    for (int u = 0; u < A::UNITS; ++u) {
+      const u32 off = key_in + 16u * A::PW * u;
+      if (i + 1u < nsteps) vl_load_page<D>(S, step + STEP + off, W.s1, id[u], R[u]);
+      if (i + 2u < nsteps) id[u] = vl_page(S, step + 2u * STEP + off, W.s1);
+    }
+"""
 
 # teams2: wg_decode_item's body from its signature's end to the bad-key reduction, and the
 # full barriers' counts
@@ -87,12 +116,16 @@ _TEAMS_ITEM = """  using A = WgDims<D>;
         const u32 off = key_in + 16u * TW * u;
         vl_decode<D>(R[u], step + off, P.swizzle, my_stage,
                      SwzTile<STEP>{k, v, off - (lane & 15u)}, nan_key, sh.vnan);
-        if (i + TEAMS < nsteps) vl_load_page<D>(S, step + AHEAD + off, W.s1, id[u], R[u]);
-        if (i + 2u * TEAMS < nsteps) id[u] = vl_page(S, step + 2u * AHEAD + off, W.s1);
       }
       fence_proxy_async();  // the stage's writes, for the wgmma reads (async proxy)
       mbar_arrive(B.full_k(rk.stage));
       mbar_arrive(B.full_v(rv.stage));
+#pragma unroll
+      for (int u = 0; u < UN; ++u) {  // loaded after the hand-over, as in "order"
+        const u32 off = key_in + 16u * TW * u;
+        if (i + TEAMS < nsteps) vl_load_page<D>(S, step + AHEAD + off, W.s1, id[u], R[u]);
+        if (i + 2u * TEAMS < nsteps) id[u] = vl_page(S, step + 2u * AHEAD + off, W.s1);
+      }
     }
     rk.next();  // every thread follows every step's stages
     rv.next();
@@ -109,10 +142,11 @@ PATCHES: dict[str, list[Patch]] = {
     "idle": [(_LOAD, ""), (_DECODE, "")],
     "nomma": [(_MMA, "    asm volatile(\"\" ::: \"memory\");"),
               (_FIRST, "    wg_turn_pass")],
+    "order": [(_STEP_END, _ORDER_END)],
     "teams2": [(_ITEM, _TEAMS_ITEM), (_FULL_K, _FULL_K.replace("A::PW", "A::PW / 2")),
                (_FULL_V, _FULL_V.replace("A::PW", "A::PW / 2"))],
 }
-EXACT = {"teams2"}  # variants whose output must be base's, byte for byte
+EXACT = {"order", "teams2"}  # variants whose output must be base's, byte for byte
 
 
 #: the patched files of each variant's folder (tests/test_kernels_compile.py compiles them)
