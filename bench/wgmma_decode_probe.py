@@ -1,6 +1,6 @@
 """Probe of where the wgmma prefill kernel's time goes: the same call on the same cache with
 parts of ``kernels/varlen_wgmma.cu`` switched off in a patched copy of the source (the
-values of a patched variant are wrong; only its time counts).
+values of such a variant are wrong; only its time counts), or changed.
 
 Variants (``PATCHES``): ``base`` (the shipped source), ``noload`` (the decode warps decode
 the first step's rows again instead of loading each step's), ``nodecode`` (rows loaded,
