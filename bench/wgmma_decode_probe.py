@@ -57,28 +57,13 @@ _FIRST = "    wg_scores<D, A::ROWS, A::STEP>(s, q_s, kv_s + rk.stage * A::KT);\n
 # order: the stage handed over (fence, full barriers) before the next step's rows are
 # loaded, not after: the fence is a MEMBAR.ALL.CTA in SASS, which may wait for the loads in
 # flight
-_STEP_END = """      if (i + 1u < nsteps) vl_load_page<D>(S, step + STEP + off, W.s1, id[u], R[u]);
+_LOADS = """      if (i + 1u < nsteps) vl_load_page<D>(S, step + STEP + off, W.s1, id[u], R[u]);
       if (i + 2u < nsteps) id[u] = vl_page(S, step + 2u * STEP + off, W.s1);
-    }
-    fence_proxy_async();  // the stage's writes, for the wgmma reads (async proxy)
-    mbar_arrive(B.full_k(rk.stage));
-    mbar_arrive(B.full_v(rv.stage));
-    rk.next();
-    rv.next();
 """
-_ORDER_END = """    }
-    fence_proxy_async();  // the stage's writes, for the wgmma reads (async proxy)
-    mbar_arrive(B.full_k(rk.stage));
-    mbar_arrive(B.full_v(rv.stage));
-    rk.next();
-    rv.next();
-#pragma unroll
-    for (int u = 0; u < A::UNITS; ++u) {
-      const u32 off = key_in + 16u * A::PW * u;
-      if (i + 1u < nsteps) vl_load_page<D>(S, step + STEP + off, W.s1, id[u], R[u]);
-      if (i + 2u < nsteps) id[u] = vl_page(S, step + 2u * STEP + off, W.s1);
-    }
-"""
+_NEXT = "    rk.next();\n    rv.next();\n  }\n"
+_LOADS_AFTER = ("    rk.next();\n    rv.next();\n#pragma unroll\n"
+                "    for (int u = 0; u < A::UNITS; ++u) {\n"
+                "      const u32 off = key_in + 16u * A::PW * u;\n" + _LOADS + "    }\n  }\n")
 
 # teams2: wg_decode_item's body from its signature's end to the bad-key reduction, and the
 # full barriers' counts
@@ -142,7 +127,7 @@ PATCHES: dict[str, list[Patch]] = {
     "idle": [(_LOAD, ""), (_DECODE, "")],
     "nomma": [(_MMA, "    asm volatile(\"\" ::: \"memory\");"),
               (_FIRST, "    wg_turn_pass")],
-    "order": [(_STEP_END, _ORDER_END)],
+    "order": [(_LOADS, ""), (_NEXT, _LOADS_AFTER)],
     "teams2": [(_ITEM, _TEAMS_ITEM), (_FULL_K, _FULL_K.replace("A::PW", "A::PW / 2")),
                (_FULL_V, _FULL_V.replace("A::PW", "A::PW / 2"))],
 }
