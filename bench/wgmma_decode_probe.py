@@ -15,6 +15,12 @@ steps, so that a team's next rows load while the other team decodes; the full ba
 count one team's threads).  A variant of ``EXACT`` is checked against ``base`` on the same
 call: its output must be the same bytes (``exact``; otherwise ``DIFFERS`` and exit status 1).
 
+Rows (Hq 32, H 8, D 128, block 16, bf16): a 2,048-token chunk after 30,720 cached, a plain
+8,192-token prefill, four plain 4,096-token prefills, and 8 speculative tokens on each of
+8 sequences of 32,768 through the 128-row kernel (the wgmma one; the default route takes
+the 32-row mma.sync kernel), beside the decode step and the default route on the same
+cache, with its largest difference from the default route's values.
+
 Run on an sm_90 GPU (from the repository root), under a time limit (a wrong barrier count
 hangs the kernel)::
 
