@@ -71,8 +71,8 @@ varlen)
   done
   ;;
 varlen-bench)
-  timeout 200 python3 bench/wgmma_decode_probe.py --variants base order teams2 2>&1 \
-      | tee "$OUT/wgmma-probe.log"
+  timeout 240 python3 bench/wgmma_decode_probe.py --variants base order teams2 cpasync2 \
+      2>&1 | tee "$OUT/wgmma-probe.log"
   echo "wgmma_decode_probe exit=${PIPESTATUS[0]}"
   timeout 400 python3 bench/varlen_bench.py --only spec prefill prefill_shapes mixed --reps 5 \
       --out "$OUT/varlen.json" 2>&1 | tee "$OUT/varlen-bench.log" | tail -40

@@ -6,13 +6,16 @@ Variants (``PATCHES``): ``base`` (the shipped source), ``noload`` (the decode wa
 the first step's rows again instead of loading each step's), ``nodecode`` (rows loaded,
 not decoded: the stages keep what they hold), ``idle`` (the decode warps only pass the
 rings' barriers), ``nomma`` (the row warps issue no MMAs: softmax on stale scores), and
-two candidates whose values must be right: ``order`` (a step's stages handed over, fence and
+three candidates whose values must be right: ``order`` (a step's stages handed over, fence and
 full barriers, before the next step's rows are loaded instead of after: the fence compiles
 to a ``MEMBAR.ALL.CTA`` (``cuobjdump -sass``), which may wait for the thread's loads in
 flight, the next step's rows) and ``teams2`` (the same order, and the decode warps in
 two teams of four that take turns at the steps, each warp two key blocks of its team's
 steps, so that a team's next rows load while the other team decodes; the full barriers
-count one team's threads).  A variant of ``EXACT`` is checked against ``base`` on the same
+count one team's threads) and ``cpasync2`` (the same order, and each lane's row of step
+i + 2 copied by ``cp.async`` into a slot of static shared memory at the end of step i, read
+into registers at the end of step i + 1: a step's rows have a whole step to arrive; 20 KB
+of slots at head_dim 128).  A variant of ``EXACT`` is checked against ``base`` on the same
 call: its output must be the same bytes (``exact``; otherwise ``DIFFERS`` and exit status 1).
 
 Rows (Hq 32, H 8, D 128, block 16, bf16): a 2,048-token chunk after 30,720 cached, a plain
@@ -25,7 +28,8 @@ Run on an sm_90 GPU (from the repository root), under a time limit (a wrong barr
 hangs the kernel)::
 
     PYTHONPATH=. timeout 300 python3 bench/wgmma_decode_probe.py
-    PYTHONPATH=. timeout 150 python3 bench/wgmma_decode_probe.py --variants base order teams2
+    PYTHONPATH=. timeout 240 python3 bench/wgmma_decode_probe.py \
+        --variants base order teams2 cpasync2
 """
 
 from __future__ import annotations
@@ -123,6 +127,129 @@ _TEAMS_ITEM = """  using A = WgDims<D>;
     rv.next();
   }
 """
+# cpasync2: the same order, and each lane's row of step i + 2 brought into a row slot of
+# static shared memory by cp.async at the end of step i (after the hand-over), read into the
+# registers at the end of step i + 1: a step's loads have a whole step to arrive (the block
+# table entries a step before that)
+_DECODE_ITEM = "template <int D>\nFP4C_DEVICE void wg_decode_item("
+_RAW_HELPERS = """// a lane's row in a slot of shared memory: its codes, then its scale row
+template <int D>
+struct WgRawSlot {
+  static constexpr int BYTES = (D / 2 + D / 16 + 15) / 16 * 16;
+};
+// cp.async of key's row (block id `id`, read before) into the slot at `dst`: vl_load_row's
+// cases, its state returned (the bad block counted here)
+template <int D>
+FP4C_DEVICE u32 wg_raw_issue(const VlSeq& S, u32 key, u32 end, i64 id, u32 dst) {
+  const u32 side = (threadIdx.x & 31u) >> 4;
+  if (!vl_wanted(S, key, end)) return 0u;
+  const u32 pe = fdiv(key, S.fT), t = key - pe * S.fT.d;
+  if (!page_ok(S, id)) {
+    if (key >= end) return 0u;
+    if (t == 0u && side == 0u) count_bad_block(S);
+    return 2u;
+  }
+  const u8* base = S.buffer + id * S.page_bytes + side * S.side_bytes;
+  const u32 row = S.h * S.row_h + t * S.row_t;
+  const u8* p = base + (u64)row * (D / 2);
+  if (key < end) {
+    if (S.vec16) {
+#pragma unroll
+      for (int i = 0; i < D / 32; ++i) cp_async<16>(dst + 16u * i, p + 16 * i, 16u);
+    } else {
+#pragma unroll
+      for (int i = 0; i < D / 8; ++i) cp_async<4>(dst + 4u * i, p + 4 * i, 4u);
+    }
+  }
+  cp_async<D / 16>(dst + D / 2, base + S.data_bytes + (u64)row * (D / 16), D / 16);
+  return key < end ? 1u : 3u;
+}
+// the slot's row (state as wg_raw_issue returned it) into R
+template <int D>
+FP4C_DEVICE void wg_raw_read(const u8* slot, u32 state, VlRaw<D>& R) {
+#pragma unroll
+  for (int i = 0; i < D / 8; ++i) R.w[i] = 0u;
+#pragma unroll
+  for (int i = 0; i < D / 64; ++i) R.sc[i] = 0u;
+  R.state = state;
+  if (state == 1u) {
+#pragma unroll
+    for (int i = 0; i < D / 32; ++i) {
+      const U32x4 a = *(const U32x4*)(slot + 16 * i);
+      R.w[4 * i] = a.x;
+      R.w[4 * i + 1] = a.y;
+      R.w[4 * i + 2] = a.z;
+      R.w[4 * i + 3] = a.w;
+    }
+  }
+  if (state == 1u || state == 3u) {
+#pragma unroll
+    for (int i = 0; i < D / 64; ++i) R.sc[i] = *(const u32*)(slot + D / 2 + 4 * i);
+  }
+}
+
+"""
+_CPASYNC_ITEM = """  using A = WgDims<D>;
+  constexpr int STEP = A::STEP, RB = WgRawSlot<D>::BYTES;
+  __shared__ __align__(16) u8 s_raw[A::PW * A::UNITS * 32 * RB];
+  const u32 lane = threadIdx.x & 31u, p = (threadIdx.x >> 5) - (u32)A::MW;
+  u8* my_stage = s_sc + p * (2 * 16 * A::G);
+  u32 nan_key = FP4C_VL_NOKEY;
+  VlRaw<D> R[A::UNITS];
+  u32 st[A::UNITS];  // the state of the row in flight to the lane's slot
+  i64 id[A::UNITS];  // the lane's pages two steps ahead of R's
+  const u32 key_in = 16u * p + (lane & 15u);
+  u8* slot_p = s_raw + (p * A::UNITS * 32u + lane) * RB;  // unit u's: + 32 RB u
+  const u32 slot0 = smem_u32(slot_p);
+  if (nsteps > 0u) {
+#pragma unroll
+    for (int u = 0; u < A::UNITS; ++u) {
+      const u32 key = W.s0 + key_in + 16u * A::PW * u;
+      vl_load_page<D>(S, key, W.s1, vl_page(S, key, W.s1), R[u]);
+      st[u] = nsteps > 1u ? wg_raw_issue<D>(S, key + STEP, W.s1, vl_page(S, key + STEP, W.s1),
+                                            slot0 + 32u * RB * u) : 0u;
+      id[u] = nsteps > 2u ? vl_page(S, key + 2u * STEP, W.s1) : -1;
+    }
+    cp_async_commit();
+  }
+  for (u32 i = 0; i < nsteps; ++i) {
+    const u32 step = W.s0 + i * STEP;
+    mbar_wait(B.empty_k(rk.stage), rk.phase ^ 1u);
+    mbar_wait(B.empty_v(rv.stage), rv.phase ^ 1u);
+    u16* k = (u16*)(s_kv + rk.stage * A::KT);
+    u16* v = (u16*)(s_kv + (A::KSTAGES + rv.stage) * A::KT);
+#pragma unroll
+    for (int u = 0; u < A::UNITS; ++u) {
+      const u32 off = key_in + 16u * A::PW * u;
+      vl_decode<D>(R[u], step + off, P.swizzle, my_stage,
+                   SwzTile<STEP>{k, v, off - (lane & 15u)}, nan_key, sh.vnan);
+    }
+    fence_proxy_async();  // the stage's writes, for the wgmma reads (async proxy)
+    mbar_arrive(B.full_k(rk.stage));
+    mbar_arrive(B.full_v(rv.stage));
+    rk.next();
+    rv.next();
+    if (i + 1u < nsteps) {
+      cp_async_wait<0>();  // step i + 1's rows, issued a step ago
+#pragma unroll
+      for (int u = 0; u < A::UNITS; ++u) {
+        const u32 off = key_in + 16u * A::PW * u, slot = slot0 + 32u * RB * u;
+        wg_raw_read<D>(slot_p + 32u * RB * u, st[u], R[u]);
+        // the slot is read before the next row is copied into it: a zero from every word
+        u32 z = R[u].state;
+#pragma unroll
+        for (int w = 0; w < D / 8; ++w) z |= R[u].w[w];
+#pragma unroll
+        for (int w = 0; w < D / 64; ++w) z |= R[u].sc[w];
+        asm volatile("and.b32 %0, %0, 0;" : "+r"(z));
+        if (i + 2u < nsteps)
+          st[u] = wg_raw_issue<D>(S, step + 2u * STEP + off, W.s1, id[u], slot + z);
+        if (i + 3u < nsteps) id[u] = vl_page(S, step + 3u * STEP + off, W.s1);
+      }
+      cp_async_commit();
+    }
+  }
+"""
 _FULL_K = "mbar_init(B.full_k(s), 32u * A::PW);"
 _FULL_V = "mbar_init(B.full_v(s), 32u * A::PW);"
 
@@ -137,8 +264,9 @@ PATCHES: dict[str, list[Patch]] = {
     "order": [(_LOADS, ""), (_NEXT, _LOADS_AFTER)],
     "teams2": [(_ITEM, _TEAMS_ITEM), (_FULL_K, _FULL_K.replace("A::PW", "A::PW / 2")),
                (_FULL_V, _FULL_V.replace("A::PW", "A::PW / 2"))],
+    "cpasync2": [(_DECODE_ITEM, _RAW_HELPERS + _DECODE_ITEM), (_ITEM, _CPASYNC_ITEM)],
 }
-EXACT = {"order", "teams2"}  # variants whose output must be base's, byte for byte
+EXACT = {"order", "teams2", "cpasync2"}  # variants whose output must be base's, byte for byte
 
 
 #: the patched files of each variant's folder (tests/test_kernels_compile.py compiles them)
