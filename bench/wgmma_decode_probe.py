@@ -28,8 +28,8 @@ Run on an sm_90 GPU (from the repository root), under a time limit (a wrong barr
 hangs the kernel)::
 
     PYTHONPATH=. timeout 300 python3 bench/wgmma_decode_probe.py
-    PYTHONPATH=. timeout 240 python3 bench/wgmma_decode_probe.py \
-        --variants base order teams2 cpasync2
+    PYTHONPATH=. timeout 240 python3 bench/wgmma_decode_probe.py --variants base order \\
+        teams2 cpasync2
 """
 
 from __future__ import annotations
