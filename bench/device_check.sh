@@ -6,9 +6,10 @@
 #   bash bench/device_check.sh varlen  # attention for any query length: its GPU tests (both
 #                                      # prefill routes), compute-sanitizer memcheck and
 #                                      # racecheck over the wgmma kernel's cases (~6 min)
-#   bash bench/device_check.sh varlen-bench  # the wgmma kernel's probe with its candidate
-#                                      # variants (checked byte for byte), then the
-#                                      # varlen_bench table beside SDPA (JSON in $OUT)
+#   bash bench/device_check.sh varlen-probe  # the wgmma kernel's candidate changes, each
+#                                      # beside the shipped kernel in a process of its own
+#                                      # (a hang loses one), checked byte for byte
+#   bash bench/device_check.sh varlen-bench  # the varlen_bench table beside SDPA (JSON in $OUT)
 # Logs go to $OUT (default /tmp/fp4cache-device).
 set -u
 export PYTHONUNBUFFERED=1 PYTHONPATH=.
@@ -70,11 +71,15 @@ varlen)
         "$OUT/varlen-sanitizer-$tool.log" | tr '\n' ' ')"
   done
   ;;
+varlen-probe)
+  for v in order cpasync2 teams2; do
+    timeout 150 python3 bench/wgmma_decode_probe.py --variants base "$v" 2>&1 \
+        | tee "$OUT/wgmma-probe-$v.log"
+    echo "wgmma_decode_probe $v exit=${PIPESTATUS[0]}"
+  done
+  ;;
 varlen-bench)
-  timeout 240 python3 bench/wgmma_decode_probe.py --variants base order teams2 cpasync2 \
-      2>&1 | tee "$OUT/wgmma-probe.log"
-  echo "wgmma_decode_probe exit=${PIPESTATUS[0]}"
-  timeout 400 python3 bench/varlen_bench.py --only spec prefill prefill_shapes mixed --reps 5 \
+  timeout 540 python3 bench/varlen_bench.py --only spec prefill prefill_shapes mixed --reps 5 \
       --out "$OUT/varlen.json" 2>&1 | tee "$OUT/varlen-bench.log" | tail -40
   ;;
 esac
