@@ -15,7 +15,7 @@ from pathlib import Path
 
 from fp4cache import _kernels as K
 
-Patch = tuple["str | tuple[str, str]", str]
+Patch = tuple[str | tuple[str, str], str]
 
 
 def patch_text(src: str, patches: list[Patch], what: str) -> str:
