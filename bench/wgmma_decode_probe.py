@@ -189,51 +189,31 @@ FP4C_DEVICE void wg_raw_read(const u8* slot, u32 state, VlRaw<D>& R) {
 }
 
 """
-_CPASYNC_ITEM = """  using A = WgDims<D>;
-  constexpr int STEP = A::STEP, RB = WgRawSlot<D>::BYTES;
-  __shared__ __align__(16) u8 s_raw[A::PW * A::UNITS * 32 * RB];
-  const u32 lane = threadIdx.x & 31u, p = (threadIdx.x >> 5) - (u32)A::MW;
-  u8* my_stage = s_sc + p * (2 * 16 * A::G);
-  u32 nan_key = FP4C_VL_NOKEY;
-  VlRaw<D> R[A::UNITS];
+_ID = ("  i64 id[A::UNITS];  // the lane's pages of the next step (its rows are loaded a step"
+       " ahead)\n")
+_RAW_SLOTS = """  i64 id[A::UNITS];  // the lane's pages two steps ahead of R's
   u32 st[A::UNITS];  // the state of the row in flight to the lane's slot
-  i64 id[A::UNITS];  // the lane's pages two steps ahead of R's
-  const u32 key_in = 16u * p + (lane & 15u);
+  constexpr int RB = WgRawSlot<D>::BYTES;
+  __shared__ __align__(16) u8 s_raw[A::PW * A::UNITS * 32 * RB];
   u8* slot_p = s_raw + (p * A::UNITS * 32u + lane) * RB;  // unit u's: + 32 RB u
-  const u32 slot0 = smem_u32(slot_p);
-  if (nsteps > 0u) {
-#pragma unroll
-    for (int u = 0; u < A::UNITS; ++u) {
-      const u32 key = W.s0 + key_in + 16u * A::PW * u;
-      vl_load_page<D>(S, key, W.s1, vl_page(S, key, W.s1), R[u]);
-      st[u] = nsteps > 1u ? wg_raw_issue<D>(S, key + STEP, W.s1, vl_page(S, key + STEP, W.s1),
-                                            slot0 + 32u * RB * u) : 0u;
+"""
+_FIRST_IDS = ("      id[u] = nsteps > 1u ? vl_page(S, W.s0 + STEP + key_in + 16u * A::PW * u,"
+              " W.s1) : -1;\n    }\n  }\n")
+_FIRST_RAW = """      const u32 dst = smem_u32(slot_p + 32u * RB * u);
+      st[u] = nsteps > 1u ? wg_raw_issue<D>(S, key + STEP, W.s1,
+                                            vl_page(S, key + STEP, W.s1), dst) : 0u;
       id[u] = nsteps > 2u ? vl_page(S, key + 2u * STEP, W.s1) : -1;
     }
     cp_async_commit();
   }
-  for (u32 i = 0; i < nsteps; ++i) {
-    const u32 step = W.s0 + i * STEP;
-    mbar_wait(B.empty_k(rk.stage), rk.phase ^ 1u);
-    mbar_wait(B.empty_v(rv.stage), rv.phase ^ 1u);
-    u16* k = (u16*)(s_kv + rk.stage * A::KT);
-    u16* v = (u16*)(s_kv + (A::KSTAGES + rv.stage) * A::KT);
-#pragma unroll
-    for (int u = 0; u < A::UNITS; ++u) {
-      const u32 off = key_in + 16u * A::PW * u;
-      vl_decode<D>(R[u], step + off, P.swizzle, my_stage,
-                   SwzTile<STEP>{k, v, off - (lane & 15u)}, nan_key, sh.vnan);
-    }
-    fence_proxy_async();  // the stage's writes, for the wgmma reads (async proxy)
-    mbar_arrive(B.full_k(rk.stage));
-    mbar_arrive(B.full_v(rv.stage));
-    rk.next();
+"""
+_RAW_AFTER = """    rk.next();
     rv.next();
     if (i + 1u < nsteps) {
       cp_async_wait<0>();  // step i + 1's rows, issued a step ago
 #pragma unroll
       for (int u = 0; u < A::UNITS; ++u) {
-        const u32 off = key_in + 16u * A::PW * u, slot = slot0 + 32u * RB * u;
+        const u32 off = key_in + 16u * A::PW * u;
         wg_raw_read<D>(slot_p + 32u * RB * u, st[u], R[u]);
         // the slot is read before the next row is copied into it: a zero from every word
         u32 z = R[u].state;
@@ -243,7 +223,8 @@ _CPASYNC_ITEM = """  using A = WgDims<D>;
         for (int w = 0; w < D / 64; ++w) z |= R[u].sc[w];
         asm volatile("and.b32 %0, %0, 0;" : "+r"(z));
         if (i + 2u < nsteps)
-          st[u] = wg_raw_issue<D>(S, step + 2u * STEP + off, W.s1, id[u], slot + z);
+          st[u] = wg_raw_issue<D>(S, step + 2u * STEP + off, W.s1, id[u],
+                                  smem_u32(slot_p + 32u * RB * u) + z);
         if (i + 3u < nsteps) id[u] = vl_page(S, step + 3u * STEP + off, W.s1);
       }
       cp_async_commit();
@@ -264,7 +245,8 @@ PATCHES: dict[str, list[Patch]] = {
     "order": [(_LOADS, ""), (_NEXT, _LOADS_AFTER)],
     "teams2": [(_ITEM, _TEAMS_ITEM), (_FULL_K, _FULL_K.replace("A::PW", "A::PW / 2")),
                (_FULL_V, _FULL_V.replace("A::PW", "A::PW / 2"))],
-    "cpasync2": [(_DECODE_ITEM, _RAW_HELPERS + _DECODE_ITEM), (_ITEM, _CPASYNC_ITEM)],
+    "cpasync2": [(_DECODE_ITEM, _RAW_HELPERS + _DECODE_ITEM), (_ID, _RAW_SLOTS),
+                 (_FIRST_IDS, _FIRST_RAW), (_LOADS, ""), (_NEXT, _RAW_AFTER)],
 }
 EXACT = {"order", "teams2", "cpasync2"}  # variants whose output must be base's, byte for byte
 
