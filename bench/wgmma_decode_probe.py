@@ -68,9 +68,8 @@ _FIRST = "    wg_scores<D, A::ROWS, A::STEP>(s, q_s, kv_s + rk.stage * A::KT);\n
 # order: the stage handed over (fence, full barriers) before the next step's rows are
 # loaded, not after: the fence is a MEMBAR.ALL.CTA in SASS, which may wait for the loads in
 # flight
-_LOADS = """      if (i + 1u < nsteps) vl_load_page<D>(S, step + STEP + off, W.s1, id[u], R[u]);
-      if (i + 2u < nsteps) id[u] = vl_page(S, step + 2u * STEP + off, W.s1);
-"""
+_LOADS = ("      " + _LOAD + "\n"
+          "      if (i + 2u < nsteps) id[u] = vl_page(S, step + 2u * STEP + off, W.s1);\n")
 _NEXT = "    rk.next();\n    rv.next();\n  }\n"
 _LOADS_AFTER = ("    rk.next();\n    rv.next();\n#pragma unroll\n"
                 "    for (int u = 0; u < A::UNITS; ++u) {\n"
@@ -280,6 +279,7 @@ def main(argv=None) -> int:
             ("prefill 8,192", 1, 8192, 0, False), ("prefill 4 x 4,096", 4, 4096, 0, False),
             ("verification n=8, B=8 x 32,768, through the 128-row kernel", 8, 8, 32760, True)]
     row_warps = _abi.VARLEN_ROW_WARPS
+    sm_scale = 1.0 / np.sqrt(128)
     differs = 0
 
     def f32(a):  # bf16 values as float32
@@ -298,11 +298,11 @@ def main(argv=None) -> int:
                 q1 = q.view(cp.uint16).reshape(B, n, 32, 128)[:, -1].copy().view(BF16)
                 out1 = cp.empty_like(q1)
                 step = vb.varlen(cache, q1, cp.arange(B + 1, dtype=cp.int32), tab, lens,
-                                 out1, new_scratch(), 1.0 / np.sqrt(128), 1)
+                                 out1, new_scratch(), sm_scale, 1)
                 step()
                 t_step = vb.time([step], batch=3)
                 default = vb.varlen(cache, q, qsl, tab, lens, out, new_scratch(),
-                                    1.0 / np.sqrt(128), n)
+                                    sm_scale, n)
                 default()
                 t_default = vb.time([default], batch=3)
                 dflt = f32(out)
@@ -312,7 +312,7 @@ def main(argv=None) -> int:
             ref = None
             if EXACT.intersection(args.variants):  # the shipped kernel's bytes
                 K.varlen_wgmma_spec = shipped
-                vb.varlen(cache, q, qsl, tab, lens, out, new_scratch(), 1.0 / np.sqrt(128),
+                vb.varlen(cache, q, qsl, tab, lens, out, new_scratch(), sm_scale,
                           n)()
                 ref = out.view(cp.uint16).copy()
             for name in args.variants:
@@ -324,7 +324,7 @@ def main(argv=None) -> int:
                         return dataclasses.replace(shipped(dtype, head_dim), folder=folder)
                     K.varlen_wgmma_spec = spec
                 call = vb.varlen(cache, q, qsl, tab, lens, out, new_scratch(),
-                                 1.0 / np.sqrt(128), n)
+                                 sm_scale, n)
                 out.view(cp.uint16).fill(0)
                 call()
                 cp.cuda.Device().synchronize()
