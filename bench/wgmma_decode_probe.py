@@ -55,11 +55,11 @@ from timing import BF16  # noqa: E402
 from fp4cache import _abi  # noqa: E402
 from fp4cache import _kernels as K  # noqa: E402
 
-_LOAD = "if (i + 1u < nsteps) vl_load_page<D>(S, step + STEP + off, W.s1, id[u], R[u]);"
+_LOAD = "if (i + 1u < nsteps) vl_load_page<D>(S, step + STEP + off, W.s1, id[u], R[u], c0);"
 _DECODE = """      vl_decode<D>(R[u], step + off, P.swizzle, my_stage,
-                   SwzTile<STEP>{k, v, off - (lane & 15u)}, nan_key, sh.vnan);"""
+                   SwzTile<STEP>{k, v, off - (lane & 15u)}, nan_key, sh.vnan, c0 / 16u);"""
 _KEEP = """      { u32 x = R[u].sc[0];
-        for (int w = 0; w < D / 8; ++w) x ^= R[u].w[w];
+        for (int w = 0; w < A::DC / 8; ++w) x ^= R[u].w[w];
         if (x == 0x9E3779B9u) nan_key = 0u; }"""
 _MMA = """    wg_pv<D, A::STEP>(st, pa, kv_s + (A::KSTAGES + rv.stage) * A::KT);
     if constexpr (MORE) wg_scores<D, A::ROWS, A::STEP>(s, q_s, kv_s + rk.stage * A::KT);"""

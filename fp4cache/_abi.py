@@ -22,9 +22,8 @@ __all__ = ["RULES", "LAYOUTS", "STAT_NAMES", "STAT", "STRUCTS", "struct_dtype", 
            "COPY_MIN_CTAS", "COPY_TABLES", "PAGE_MOVE_THREADS", "SCALE_SATURATES_ABOVE",
            "MMA_ROWS", "VARLEN_WARPS", "VARLEN_TILE_KEYS", "VARLEN_ROW_WARPS",
            "VARLEN_MAX_SPLITS", "VARLEN_MIN_SPLIT", "VARLEN_SMEM_PAD", "varlen_smem_bytes",
-           "VARLEN_WG_HEAD_DIMS", "VARLEN_WG_ROW_WARPS", "VARLEN_WG_DECODE_WARPS", "VARLEN_WG_STEP",
-           "VARLEN_WG_K_STAGES", "VARLEN_WG_V_STAGES",
-           "varlen_wg_smem_bytes",
+           "VARLEN_WG_HEAD_DIMS", "VARLEN_WG_ROW_WARPS", "VARLEN_WG_DECODE_WARPS",
+           "VARLEN_WG_GEOMETRY", "varlen_wg_smem_bytes",
            "varlen_warps"]
 
 #: Scale rules: name -> value of the kernels' ``RULE`` template parameter.
@@ -129,26 +128,27 @@ def varlen_smem_bytes(head_dim: int, row_warps: int, split_q: bool) -> int:
     return kv + sc + q
 
 
-#: The wgmma kernel (kernels/varlen_wgmma.cu, sm_90a): head dims, rows per CTA (two
-#: warpgroups of 64; the plan's row_warps is VARLEN_WG_ROW_WARPS), the decode warps (two
-#: warpgroups beside them), keys per step, shared stages of the decoded K and of the
-#: decoded V (one step each).
+#: The wgmma kernel (kernels/varlen_wgmma.cu, sm_90a): the head dims the host routes to it,
+#: rows per CTA (two warpgroups of 64; the plan's row_warps is VARLEN_WG_ROW_WARPS), the
+#: decode warps (two warpgroups beside them).
 VARLEN_WG_HEAD_DIMS = (64, 128)
 VARLEN_WG_ROW_WARPS = 8
 VARLEN_WG_DECODE_WARPS = 8
-VARLEN_WG_STEP = 128
-VARLEN_WG_K_STAGES = 2
-VARLEN_WG_V_STAGES = 3
+#: Per head dim the kernel compiles for: keys per step, shared stages of the decoded K and
+#: of the decoded V (one step each).  Head_dim 256 takes steps of 64 keys and two V stages,
+#: so that q and four stages fit the SM's 227 KB; it compiles, but is not in
+#: VARLEN_WG_HEAD_DIMS until it has run on a GPU.
+VARLEN_WG_GEOMETRY = {64: (128, 2, 3), 128: (128, 2, 3), 256: (64, 2, 2)}
 
 
 def varlen_wg_smem_bytes(head_dim: int) -> int:
     """Dynamic shared memory of the wgmma kernel (``WgDims::SMEM``, checked by the kernel):
     1024 bytes to align the swizzled regions, q, the K and V stages, the decode warps' scale
     staging."""
+    step, k_stages, v_stages = VARLEN_WG_GEOMETRY[head_dim]
     rows = MMA_ROWS * VARLEN_WG_ROW_WARPS
     warps = VARLEN_WG_DECODE_WARPS
-    stages = VARLEN_WG_K_STAGES + VARLEN_WG_V_STAGES
-    return (1024 + rows * head_dim * 2 + stages * VARLEN_WG_STEP * head_dim * 2
+    return (1024 + rows * head_dim * 2 + (k_stages + v_stages) * step * head_dim * 2
             + warps * 2 * VARLEN_TILE_KEYS * (head_dim // 16))
 
 
@@ -345,9 +345,9 @@ def header() -> str:
             f"#define FP4C_VARLEN_SMEM_PAD {VARLEN_SMEM_PAD}",
             f"#define FP4C_VARLEN_WG_ROW_WARPS {VARLEN_WG_ROW_WARPS}",
             f"#define FP4C_VARLEN_WG_DECODE_WARPS {VARLEN_WG_DECODE_WARPS}",
-            f"#define FP4C_VARLEN_WG_STEP {VARLEN_WG_STEP}",
-            f"#define FP4C_VARLEN_WG_K_STAGES {VARLEN_WG_K_STAGES}",
-            f"#define FP4C_VARLEN_WG_V_STAGES {VARLEN_WG_V_STAGES}"]
+            "#define FP4C_VARLEN_WG_GEOMETRY(X) " + " ".join(
+                f"X({d}, {step}, {ks}, {vs})"
+                for d, (step, ks, vs) in VARLEN_WG_GEOMETRY.items())]
     fd = _CTYPES["FastDiv"]
     out.append("struct FastDiv {")
     out += [f"  {t} {n};" for n, t in FASTDIV_FIELDS]

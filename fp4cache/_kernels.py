@@ -350,12 +350,14 @@ def varlen_attention_spec(dtype: str, head_dim: int, row_warps: int,
 
 def varlen_wgmma_spec(dtype: str, head_dim: int) -> Spec:
     """The wgmma attention kernel (``kernels/varlen_wgmma.cu``, sm_90a only): the 128-row
-    varlen kernel's work for ``dtype`` (bf16 / f16) q/out, ``head_dim`` in
-    ``_abi.VARLEN_WG_HEAD_DIMS``, without the window and the rotation."""
+    varlen kernel's work for ``dtype`` (bf16 / f16) q/out, ``head_dim`` a key of
+    ``_abi.VARLEN_WG_GEOMETRY`` (the host routes those of ``_abi.VARLEN_WG_HEAD_DIMS``),
+    without the window and the rotation."""
     if dtype not in VARLEN_WG_DTYPES:
         raise ValueError(f"dtype must be one of {VARLEN_WG_DTYPES}, got {dtype!r}")
-    if head_dim not in _abi.VARLEN_WG_HEAD_DIMS:
-        raise ValueError(f"head_dim must be one of {_abi.VARLEN_WG_HEAD_DIMS}, got {head_dim}")
+    if head_dim not in _abi.VARLEN_WG_GEOMETRY:
+        raise ValueError(f"head_dim must be one of {tuple(_abi.VARLEN_WG_GEOMETRY)}, "
+                         f"got {head_dim}")
     return Spec("varlen_wgmma.cu", "FP4C_VARLEN_WG_KERNEL",
                 f"fp4cache_varlen_wgmma_{dtype}_d{head_dim}",
                 (VALUE_TYPES[dtype], str(head_dim)), arch="sm_90a")

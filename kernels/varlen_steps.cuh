@@ -216,10 +216,13 @@ struct VlSeq : AttnSeq {
   u32 vec16;
 };
 
-template <int D>
+// The lane's row: the codes of its DC columns (DC < D: a column slice, the wgmma kernel's
+// head_dim 256) and the whole scale row
+template <int D, int DC = D>
 struct VlRaw {
-  u32 w[D / 8];   // the row's codes (0 unless state 1)
-  u32 sc[D / 64];  // its scale row (D/16 bytes)
+  static_assert(DC % 64 == 0 && D % DC == 0, "whole 64-column slices of the row");
+  u32 w[DC / 8];  // the slice's codes (0 unless state 1)
+  u32 sc[D / 64];  // the row's scales (D/16 bytes)
   u32 state;      // 0: zeros, 1: read, 2: bad page, 3: read for its scales only
 };
 
@@ -235,7 +238,8 @@ FP4C_DEVICE i64 vl_page(const VlSeq& S, u32 key, u32 end) {
 }
 
 // The row of key into R, its page's block id from page(pe) (pe: the page's index in the
-// sequence): the block table entry (vl_load) or one read before (vl_load_page)
+// sequence): the block table entry (vl_load) or one read before (vl_load_page); c0: the
+// first column of R's slice
 struct VlTableId {
   const VlSeq& S;
   FP4C_DEVICE i64 operator()(u32 pe) const { return load_id(S, pe); }
@@ -244,11 +248,12 @@ struct VlGivenId {
   i64 id;
   FP4C_DEVICE i64 operator()(u32) const { return id; }
 };
-template <int D, class Page>
-FP4C_DEVICE void vl_load_row(const VlSeq& S, u32 key, u32 end, const Page& page, VlRaw<D>& R) {
+template <int D, int DC, class Page>
+FP4C_DEVICE void vl_load_row(const VlSeq& S, u32 key, u32 end, const Page& page,
+                             VlRaw<D, DC>& R, u32 c0 = 0u) {
   const u32 side = (threadIdx.x & 31u) >> 4;
 #pragma unroll
-  for (int i = 0; i < D / 8; ++i) R.w[i] = 0u;
+  for (int i = 0; i < DC / 8; ++i) R.w[i] = 0u;
 #pragma unroll
   for (int i = 0; i < D / 64; ++i) R.sc[i] = 0u;
   R.state = 0u;
@@ -261,18 +266,18 @@ FP4C_DEVICE void vl_load_row(const VlSeq& S, u32 key, u32 end, const Page& page,
   if (!page_ok(S, id)) {
     if (key < end) {
       R.state = 2u;
-      if (t == 0u && side == 0u) count_bad_block(S);
+      if (t == 0u && side == 0u && c0 == 0u) count_bad_block(S);  // once per page
     }
     return;
   }
   const u8* base = S.buffer + id * S.page_bytes + side * S.side_bytes;
   const u32 row = S.h * S.row_h + t * S.row_t;
-  const u8* p = base + (u64)row * (D / 2);
+  const u8* p = base + (u64)row * (D / 2) + c0 / 2u;
   if (key >= end) {
     // read for its scales only (other lanes' swizzled V scales): codes stay 0
   } else if (S.vec16) {
 #pragma unroll
-    for (int i = 0; i < D / 32; ++i) {
+    for (int i = 0; i < DC / 32; ++i) {
       const U32x4 a = ldg16(p + 16 * i);
       R.w[4 * i] = a.x;
       R.w[4 * i + 1] = a.y;
@@ -281,7 +286,7 @@ FP4C_DEVICE void vl_load_row(const VlSeq& S, u32 key, u32 end, const Page& page,
     }
   } else {
 #pragma unroll
-    for (int i = 0; i < D / 8; ++i) R.w[i] = ldg_u32(p + 4 * i);
+    for (int i = 0; i < DC / 8; ++i) R.w[i] = ldg_u32(p + 4 * i);
   }
   const u8* sp = base + S.data_bytes + (u64)row * (D / 16);  // D/16-byte aligned
   if constexpr (D == 64) {
@@ -305,48 +310,50 @@ FP4C_DEVICE void vl_load(const VlSeq& S, u32 key, u32 end, VlRaw<D>& R) {
   vl_load_row<D>(S, key, end, VlTableId{S}, R);
 }
 // id: vl_page(S, key, end), read before
-template <int D>
-FP4C_DEVICE void vl_load_page(const VlSeq& S, u32 key, u32 end, i64 id, VlRaw<D>& R) {
-  vl_load_row<D>(S, key, end, VlGivenId{id}, R);
+template <int D, int DC>
+FP4C_DEVICE void vl_load_page(const VlSeq& S, u32 key, u32 end, i64 id, VlRaw<D, DC>& R,
+                              u32 c0 = 0u) {
+  vl_load_row<D>(S, key, end, VlGivenId{id}, R, c0);
 }
 
 // ---------------------------------------------------------------------------------------
-// decode: the lane's row to f16 in the warp's tile (K rows 0..15, V rows 16..31); `stage`
-// is the warp's [2][16][D/16] scale staging.  nan_key: smallest key of a bad page (its K
-// and V decode to 0); s_vnan[grp]: smallest key whose V group grp is stored as NaN (it
-// decodes to 0; the rows that see that key get NaN in the group's 16 columns at the end).
+// decode: the lane's row (its DC-column slice from group g0) to f16 in the warp's tile (K
+// rows 0..15, V rows 16..31); `stage` is the warp's [2][16][D/16] scale staging (whole
+// rows).  nan_key: smallest key of a bad page (its K and V decode to 0); s_vnan[grp]:
+// smallest key whose V group grp is stored as NaN (it decodes to 0; the rows that see that
+// key get NaN in the group's 16 columns at the end).
 // ---------------------------------------------------------------------------------------
-template <int D, class TR>
-FP4C_DEVICE void vl_decode(const VlRaw<D>& R, u32 key, u32 swizzle, u8* stage, const TR& tile,
-                           u32& nan_key, u32* s_vnan) {
-  constexpr int G = D / 16, SW = D / 64;
+template <int D, int DC, class TR>
+FP4C_DEVICE void vl_decode(const VlRaw<D, DC>& R, u32 key, u32 swizzle, u8* stage,
+                           const TR& tile, u32& nan_key, u32* s_vnan, u32 g0 = 0u) {
+  constexpr int G = D / 16, SW = D / 64, GC = DC / 16, SWC = DC / 64;
   const u32 lane = threadIdx.x & 31u, t = lane & 15u, side = lane >> 4;
   u32* mine = (u32*)(stage + (side * 16u + t) * G);
 #pragma unroll
   for (int i = 0; i < SW; ++i) mine[i] = R.sc[i];
   __syncwarp();
-  u32 sb[SW];  // this key's scale bytes, group order
+  u32 sb[SWC];  // this key's scale bytes of the slice, group order
   if (side == 1u && swizzle) {
 #pragma unroll
-    for (int i = 0; i < SW; ++i) sb[i] = 0u;
+    for (int i = 0; i < SWC; ++i) sb[i] = 0u;
 #pragma unroll
-    for (int grp = 0; grp < G; ++grp) {
+    for (int grp = 0; grp < GC; ++grp) {
       u32 ts, gs;
-      v_scale_swizzle(t, grp, grp / (G / 4), G / 4, ts, gs);
+      v_scale_swizzle(t, g0 + grp, (g0 + grp) / (G / 4), G / 4, ts, gs);
       sb[grp >> 2] |= (u32)stage[(16u + ts) * G + gs] << (8 * (grp & 3));
     }
   } else {
 #pragma unroll
-    for (int i = 0; i < SW; ++i) sb[i] = mine[i];
+    for (int i = 0; i < SWC; ++i) sb[i] = mine[g0 / 4u + i];
   }
   __syncwarp();  // the staging is read before the next step writes it
   const bool live = R.state == 1u;
   if (R.state == 2u) nan_key = min(nan_key, key);
 #pragma unroll
-  for (int grp = 0; grp < G; ++grp) {
+  for (int grp = 0; grp < GC; ++grp) {
     u32 sbyte = live ? (sb[grp >> 2] >> (8 * (grp & 3))) & 0xFFu : 0u;
     if (side == 1u && (sbyte & 0x7Fu) == 0x7Fu) {
-      atomicMin(&s_vnan[grp], key);
+      atomicMin(&s_vnan[g0 + grp], key);
       sbyte = 0u;
     }
     const u32 sf = pair_scale(sbyte * 0x0101u);
@@ -360,7 +367,7 @@ FP4C_DEVICE void vl_decode(const VlRaw<D>& R, u32 key, u32 swizzle, u8* stage, c
       o.y = hmul2(r[1], sf);
       o.z = hmul2(r[2], sf);
       o.w = hmul2(r[3], sf);
-      *(U32x4*)tile.chunk(side, t, w) = o;
+      *(U32x4*)tile.chunk(side, t, 2u * g0 + w) = o;
     }
   }
 }

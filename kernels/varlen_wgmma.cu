@@ -4,27 +4,31 @@
 // (find_work: a CTA per query tile, splits when every sequence fits one tile), bad ids,
 // NaN groups, the counters and the split merge are varlen_attention.cu's, through the
 // steps both kernels share (varlen_steps.cuh); the host takes this kernel in place of the
-// 128-row mma.sync kernel (_r128) on an sm_90 device for bf16 / f16 q, head_dim 64 / 128,
-// without the window or the rotation.
+// 128-row mma.sync kernel (_r128) on an sm_90 device for bf16 / f16 q, the head dims of
+// _abi.VARLEN_WG_HEAD_DIMS (64 / 128; 256 compiles, _abi.VARLEN_WG_GEOMETRY), without the
+// window or the rotation.
 //
 // A CTA: four warpgroups, warp specialized (FlashAttention-3's structure).  Warpgroups 0
 // and 1 (the row warps, 64 query rows each: warp k of the CTA rows 16 k .., as the _r128
 // kernel's) run the MMAs and the softmax; warpgroups 2 and 3 (the decode warps) bring the
 // NVFP4 page rows into registers and decode them once per CTA into the shared K / V
-// stages.  setmaxnreg moves registers from the decode warps (64) to the row warps (192).
+// stages.  setmaxnreg moves registers from the decode warps (64; 48 at head_dim 256) to
+// the row warps (192; 208).
 // Shared memory (the 128-byte swizzle of wgmma.cuh, one region per 64 columns): q [ROWS x
-// D] f16, K stages and V stages [128 keys x D] f16 (a ring each, with full / empty
-// mbarriers), the decode warps' scale staging.  Steps of 128 keys; step i:
+// D] f16, K stages and V stages [STEP keys x D] f16 (a ring each, with full / empty
+// mbarriers), the decode warps' scale staging.  Steps of STEP keys (128; 64 at head_dim
+// 256, where q and four stages fill the SM); step i:
 //   decode:  decode warp p decodes key block p (16 keys: vl_decode, lane (token t, side))
 //            of step i into the rings' next K and V stages once the row warps released
-//            them; then it loads its rows of step i + 1 (vl_load_page) and the block
-//            table entry of step i + 2 (vl_page), so that a step waits for one load only;
-//   scores:  S = Q K^T, m64n128k16 per warpgroup, both operands in shared memory;
+//            them (head_dim 256: block p % 4, columns 128 (p / 4) ..); then it loads its
+//            rows of step i + 1 (vl_load_page) and the block table entry of step i + 2
+//            (vl_page), so that a step waits for one load only;
+//   scores:  S = Q K^T, m64nSTEPk16 per warpgroup, both operands in shared memory;
 //   softmax: online, per row (wg_weights: vl_weights' contract, FlashAttention-3's
 //            arithmetic); the K stage is released when S is in registers;
-//   P.V:     O += P V, m64nDk16, P from registers (S's accumulators are the A fragments),
-//            V MN-major from shared memory; issued with step i + 1's scores, the V stage
-//            released when both are done.
+//   P.V:     O += P V, m64nDk16 (two m64n128k16 at head_dim 256), P from registers (S's
+//            accumulators are the A fragments), V MN-major from shared memory; issued
+//            with step i + 1's scores, the V stage released when both are done.
 // The two row warpgroups take turns at the tensor cores (named barriers, FlashAttention-3's
 // ping-pong): one issues its P.V and next scores while the other runs its softmax.
 // q is converted to f16 per row with a power-of-two scale and K / V decode exactly to f16,
@@ -37,39 +41,62 @@
 #error "varlen_wgmma.cu needs sm_90a (wgmma.mma_async)"
 #endif
 
+// The per-head-dim geometry (_abi.VARLEN_WG_GEOMETRY): keys per step, K and V stages
+template <int D>
+struct WgGeometry;
+#define FP4C_WG_GEOMETRY_OF(d, step, k_stages, v_stages) \
+  template <>                                             \
+  struct WgGeometry<d> {                                  \
+    static constexpr int STEP = step, KSTAGES = k_stages, VSTAGES = v_stages; \
+  };
+FP4C_VARLEN_WG_GEOMETRY(FP4C_WG_GEOMETRY_OF)
+#undef FP4C_WG_GEOMETRY_OF
+
 template <int D>
 struct WgDims : HeadDims<D> {
-  static_assert(D == 64 || D == 128, "the wgmma kernel: head_dim 64 or 128");
+  static_assert(D == 64 || D == 128 || D == 256, "the wgmma kernel: head_dim 64, 128 or 256");
   static constexpr int MW = FP4C_VARLEN_WG_ROW_WARPS;     // row warps (16 rows each)
   static constexpr int PW = FP4C_VARLEN_WG_DECODE_WARPS;  // decode warps
   static constexpr int W = MW + PW;
   static constexpr int THREADS = 32 * W;
   static constexpr int ROWS = FP4C_MMA_ROWS * MW;         // query rows of the CTA
-  static constexpr int STEP = FP4C_VARLEN_WG_STEP;        // keys per step
+  static constexpr int STEP = WgGeometry<D>::STEP;        // keys per step
+  static constexpr int NT = STEP / 16;                    // k16 (n16) tiles of a step
   static constexpr int BLOCKS = STEP / FP4C_VARLEN_TILE_KEYS;  // key blocks of a step
-  static constexpr int UNITS = BLOCKS / PW;                // per decode warp and step
+  // a decode warp's unit: a key block's rows, or (fewer blocks than warps) a slice of
+  // their columns; UNITS per decode warp and step, DC columns each
+  static constexpr int PARTS = BLOCKS >= PW ? 1 : PW / BLOCKS;
+  static constexpr int UNITS = BLOCKS * PARTS / PW;
+  static constexpr int DC = D / PARTS;
   static constexpr int QT = ROWS * D * 2;                 // q, swizzled
   static constexpr int KT = STEP * D * 2;                 // K (or V) of one stage
-  static constexpr int KSTAGES = FP4C_VARLEN_WG_K_STAGES;
-  static constexpr int VSTAGES = FP4C_VARLEN_WG_V_STAGES;
+  static constexpr int KSTAGES = WgGeometry<D>::KSTAGES;
+  static constexpr int VSTAGES = WgGeometry<D>::VSTAGES;
   static constexpr int SC = PW * 2 * FP4C_VARLEN_TILE_KEYS * HeadDims<D>::G;  // scale staging
   static constexpr int KV = (KSTAGES + VSTAGES) * KT;
   // = _abi.varlen_wg_smem_bytes (1024: the swizzle atoms' alignment, found at run time)
   static constexpr int SMEM = 1024 + QT + KV + SC;
   // registers per thread after setmaxnreg (launched with 65536 / THREADS, rounded down to
-  // a multiple of 8): the decode warps give, the row warps take
+  // a multiple of 8): the decode warps give, the row warps take.  Head_dim 256: O alone is
+  // 128 registers of a row thread; with 200 ptxas serializes the MMAs (C7512), with 208
+  // the row warps' step loop has 3 spill accesses and the decode warps' 39 (ptxas 12.9)
   static constexpr int START_REGS = (65536 / THREADS) & ~7;
-  static constexpr int DECODE_REGS = 64;
-  static constexpr int ROW_REGS = 192;
+  static constexpr int DECODE_REGS = D == 256 ? 48 : 64;
+  static constexpr int ROW_REGS = D == 256 ? 208 : 192;
   static_assert(MW == 8 && PW == 8, "two row warpgroups, two decode warpgroups");
   static_assert(DECODE_REGS * 32 * PW + ROW_REGS * 32 * MW <= START_REGS * THREADS &&
                     DECODE_REGS <= START_REGS && ROW_REGS >= START_REGS,
                 "setmaxnreg moves registers within the CTA's allocation");
-  static_assert(STEP == 128 && ROWS == 128 && BLOCKS % PW == 0,
-                "m64n128 scores per warpgroup, whole key blocks per decode warp");
+  static_assert((STEP == 128 || STEP == 64) && ROWS == 128,
+                "m64n128 or m64n64 scores per warpgroup");
+  static_assert(UNITS >= 1 && BLOCKS * PARTS == UNITS * PW && (PARTS == 1 || UNITS == 1) &&
+                    DC % 64 == 0,
+                "whole units per decode warp, slices of whole 64-column regions");
   static_assert(KSTAGES >= 2 && VSTAGES >= 2, "the decode of a step overlaps the MMAs of "
                 "the one before");
-  static_assert(ROWS * (D + 1) * 4 <= KV, "the merged O reuses the stages");
+  // the merged O reuses the stages and the scale staging after them (free: the decode
+  // warps have reached the item's end barrier)
+  static_assert(ROWS * (D + 1) * 4 <= KV + SC, "the merged O reuses the stages");
   static_assert(ROWS * FP4C_VARLEN_MAX_SPLITS * 4 <= QT, "split weights in q's place");
 };
 
@@ -126,11 +153,11 @@ struct SwzTile {
 };
 
 // ---------------------------------------------------------------------------------------
-// scores: S = Q K^T for the warpgroup's 64 rows and the stage's 128 keys (committed, not
+// scores: S = Q K^T for the warpgroup's 64 rows and the stage's STEP keys (committed, not
 // waited); q_s / k_s: shared addresses of the warpgroup's q rows and of the stage's K
 // ---------------------------------------------------------------------------------------
 template <int D, int ROWS, int STEP>
-FP4C_DEVICE void wg_scores(float (&s)[8][2][4], u32 q_s, u32 k_s) {
+FP4C_DEVICE void wg_scores(float (&s)[STEP / 16][2][4], u32 q_s, u32 k_s) {
   // q's descriptors made here at each call: hoisted out of the step loop they take 16
   // registers of the row warps (spilled)
   asm volatile("" : "+r"(q_s));
@@ -140,10 +167,17 @@ FP4C_DEVICE void wg_scores(float (&s)[8][2][4], u32 q_s, u32 k_s) {
     const u32 off = (u32)(ks & 3) * 32u;  // k16 step inside the 128-byte row
     const u64 da = wg_desc(q_s + (u32)(ks >> 2) * (ROWS * 128u) + off, 16u, 1024u);
     const u64 db = wg_desc(k_s + (u32)(ks >> 2) * (STEP * 128u) + off, 16u, 1024u);
-    if (ks == 0)
-      wg_ss_n128_init(&s[0][0][0], da, db);
-    else
-      wg_ss_n128(&s[0][0][0], da, db);
+    if constexpr (STEP == 128) {
+      if (ks == 0)
+        wg_ss_n128_init(&s[0][0][0], da, db);
+      else
+        wg_ss_n128(&s[0][0][0], da, db);
+    } else {
+      if (ks == 0)
+        wg_ss_n64_init(&s[0][0][0], da, db);
+      else
+        wg_ss_n64(&s[0][0][0], da, db);
+    }
   }
   wg_commit();
 }
@@ -153,15 +187,22 @@ FP4C_DEVICE void wg_scores(float (&s)[8][2][4], u32 q_s, u32 k_s) {
 // keys 16 j .. 16 j + 15 (A fragments); v_s: shared address of the stage's V
 // ---------------------------------------------------------------------------------------
 template <int D, int STEP>
-FP4C_DEVICE void wg_pv(VlRowState<D>& st, const u32 (&pa)[8][4], u32 v_s) {
+FP4C_DEVICE void wg_pv(VlRowState<D>& st, const u32 (&pa)[STEP / 16][4], u32 v_s) {
   wg_fence();
 #pragma unroll
-  for (int j = 0; j < 8; ++j) {
+  for (int j = 0; j < STEP / 16; ++j) {
     const u64 db = wg_desc(v_s + (u32)j * 2048u, STEP * 128u, 1024u);
-    if constexpr (D == 128)
+    if constexpr (D == 256) {
+      // two m64n128 halves (columns 128.. from region 2): ptxas checks every instruction
+      // against the launch's 128 registers, and an m64n256 wants 158
       wg_rs_n128(&st.o[0][0], pa[j], db);
-    else
+      wg_rs_n128(&st.o[16][0], pa[j],
+                 wg_desc(v_s + 2u * (STEP * 128u) + (u32)j * 2048u, STEP * 128u, 1024u));
+    } else if constexpr (D == 128) {
+      wg_rs_n128(&st.o[0][0], pa[j], db);
+    } else {
       wg_rs_n64(&st.o[0][0], pa[j], db);
+    }
   }
   wg_commit();
 }
@@ -181,15 +222,17 @@ FP4C_DEVICE void wg_decode_item(const VlWork& W, const VarlenParams& P, const Vl
   const u32 lane = threadIdx.x & 31u, p = (threadIdx.x >> 5) - (u32)A::MW;
   u8* my_stage = s_sc + p * (2 * 16 * A::G);
   u32 nan_key = FP4C_VL_NOKEY;
-  VlRaw<D> R[A::UNITS];
+  VlRaw<D, A::DC> R[A::UNITS];
   i64 id[A::UNITS];  // the lane's pages of the next step (its rows are loaded a step ahead)
-  // the lane's key of block p + PW u, step i
-  const u32 key_in = 16u * p + (lane & 15u);
+  // the lane's key of block p + PW u, step i, or (column slices) of block p % BLOCKS, its
+  // slice's first column c0
+  const u32 key_in = 16u * (A::PARTS == 1 ? p : p % (u32)A::BLOCKS) + (lane & 15u);
+  const u32 c0 = A::PARTS == 1 ? 0u : p / (u32)A::BLOCKS * (u32)A::DC;
   if (nsteps > 0u) {
 #pragma unroll
     for (int u = 0; u < A::UNITS; ++u) {
       const u32 key = W.s0 + key_in + 16u * A::PW * u;
-      vl_load_page<D>(S, key, W.s1, vl_page(S, key, W.s1), R[u]);
+      vl_load_page<D>(S, key, W.s1, vl_page(S, key, W.s1), R[u], c0);
       id[u] = nsteps > 1u ? vl_page(S, W.s0 + STEP + key_in + 16u * A::PW * u, W.s1) : -1;
     }
   }
@@ -203,8 +246,8 @@ FP4C_DEVICE void wg_decode_item(const VlWork& W, const VarlenParams& P, const Vl
     for (int u = 0; u < A::UNITS; ++u) {
       const u32 off = key_in + 16u * A::PW * u;
       vl_decode<D>(R[u], step + off, P.swizzle, my_stage,
-                   SwzTile<STEP>{k, v, off - (lane & 15u)}, nan_key, sh.vnan);
-      if (i + 1u < nsteps) vl_load_page<D>(S, step + STEP + off, W.s1, id[u], R[u]);
+                   SwzTile<STEP>{k, v, off - (lane & 15u)}, nan_key, sh.vnan, c0 / 16u);
+      if (i + 1u < nsteps) vl_load_page<D>(S, step + STEP + off, W.s1, id[u], R[u], c0);
       if (i + 2u < nsteps) id[u] = vl_page(S, step + 2u * STEP + off, W.s1);
     }
     fence_proxy_async();  // the stage's writes, for the wgmma reads (async proxy)
@@ -242,18 +285,18 @@ FP4C_DEVICE void wg_turn_pass(u32 wg) {  // the other warpgroup's turn
 // weights 2^(s rs - m) from one fma, and the key limits applied only in the steps that
 // reach one of the rows' limits; other scales take vl_weights
 // ---------------------------------------------------------------------------------------
-template <int D>
-FP4C_DEVICE bool wg_weights(float (&s)[8][2][4], u32 key0, const u32 (&lim)[2],
+template <int D, int NT>
+FP4C_DEVICE bool wg_weights(float (&s)[NT][2][4], u32 key0, const u32 (&lim)[2],
                             const float (&rs)[2], VlRowState<D>& st, float (&alpha)[2]) {
   if (!(f_gt(rs[0], 0.0f) && f_gt(rs[1], 0.0f)))
-    return vl_weights<D, 8>(s, key0, 16u, lim, rs, st, alpha);
+    return vl_weights<D, NT>(s, key0, 16u, lim, rs, st, alpha);
   const u32 c = threadIdx.x & 3u;
   bool moved = false;
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
-    if (key0 + (u32)FP4C_VARLEN_WG_STEP > lim[r]) {
+    if (key0 + (u32)(16 * NT) > lim[r]) {
 #pragma unroll
-      for (int j = 0; j < 8; ++j)
+      for (int j = 0; j < NT; ++j)
 #pragma unroll
         for (int nt = 0; nt < 2; ++nt)
 #pragma unroll
@@ -262,7 +305,7 @@ FP4C_DEVICE bool wg_weights(float (&s)[8][2][4], u32 key0, const u32 (&lim)[2],
     }
     float tmax = FP4C_NEG_INF;
 #pragma unroll
-    for (int j = 0; j < 8; ++j)
+    for (int j = 0; j < NT; ++j)
 #pragma unroll
       for (int nt = 0; nt < 2; ++nt)
         tmax = f_max(tmax, f_max(s[j][nt][2 * r], s[j][nt][2 * r + 1]));  // drops NaN
@@ -276,7 +319,7 @@ FP4C_DEVICE bool wg_weights(float (&s)[8][2][4], u32 key0, const u32 (&lim)[2],
     const float nms = f_neg(ms);
     float sum = 0.0f;
 #pragma unroll
-    for (int j = 0; j < 8; ++j)
+    for (int j = 0; j < NT; ++j)
 #pragma unroll
       for (int nt = 0; nt < 2; ++nt) {
         const float p0 = a_ex2(f_fma(s[j][nt][2 * r], rs[r], nms));
@@ -295,8 +338,8 @@ FP4C_DEVICE bool wg_weights(float (&s)[8][2][4], u32 key0, const u32 (&lim)[2],
 template <int D>
 struct WgRowSteps {
   using A = WgDims<D>;
-  float s[8][2][4];
-  u32 pa[8][4];
+  float s[A::NT][2][4];
+  u32 pa[A::NT][4];
   VlRowState<D> st;
   u32 lim[2];
   float rs[2];
@@ -316,7 +359,7 @@ struct WgRowSteps {
   template <bool MORE>
   FP4C_DEVICE void step(u32 i) {
     wg_wait<0>();  // step i's scores and step i - 1's P.V
-    wg_fence_regs<64>(&s[0][0][0]);
+    wg_fence_regs<8 * A::NT>(&s[0][0][0]);
     wg_fence_regs<D / 2>(&st.o[0][0]);
     mbar_arrive(B.empty_k(rk.stage));
     rk.next();
@@ -326,8 +369,8 @@ struct WgRowSteps {
     }
     {
       float alpha[2];
-      const bool moved = wg_weights<D>(s, s0 + i * A::STEP, lim, rs, st, alpha);
-      vl_pack<8>(s, pa);
+      const bool moved = wg_weights<D, A::NT>(s, s0 + i * A::STEP, lim, rs, st, alpha);
+      vl_pack<A::NT>(s, pa);
       vl_rescale<D>(st, alpha, moved);
     }
     if constexpr (MORE) mbar_wait(B.full_k(rk.stage), rk.phase);
@@ -447,7 +490,7 @@ FP4C_DEVICE void varlen_wg_impl(const void* __restrict__ q, const void* __restri
   }
 }
 
-// NAME, q/out value type (bf16 / f16), head_dim (64 / 128)
+// NAME, q/out value type (bf16 / f16), head_dim (64 / 128 / 256)
 #define FP4C_VARLEN_WG_KERNEL(NAME, T, D)                                                    \
   extern "C" __global__ void __launch_bounds__(                                              \
       32 * (FP4C_VARLEN_WG_ROW_WARPS + FP4C_VARLEN_WG_DECODE_WARPS), 1)                      \

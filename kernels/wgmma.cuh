@@ -87,6 +87,28 @@ FP4C_DEVICE void wg_ss_n128(float* d, u64 da, u64 db) {
       : "l"(da), "l"(db));
 }
 
+// d (m64n64 f32) = A B (the first k16 step: d is only written); A (64 x 16) and B (64 x 16),
+// K-major in shared memory (descriptors da, db)
+FP4C_DEVICE void wg_ss_n64_init(float* d, u64 da, u64 db) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, 0, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16 " FP4C_WG_D32
+      ", %32, %33, p, 1, 1, 0, 0;\n}\n"
+      : FP4C_WG_ACC32("=f", d)
+      : "l"(da), "l"(db));
+}
+
+// d (m64n64 f32) += A B; A (64 x 16) and B (64 x 16), K-major in shared memory
+// (descriptors da, db)
+FP4C_DEVICE void wg_ss_n64(float* d, u64 da, u64 db) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, 1, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16 " FP4C_WG_D32
+      ", %32, %33, p, 1, 1, 0, 0;\n}\n"
+      : FP4C_WG_ACC32("+f", d)
+      : "l"(da), "l"(db));
+}
+
 // d (m64n128 f32) += A B; A (64 x 16) from registers (per warp the m16n8k16 A fragment of
 // its 16 rows), B (16 x 128) MN-major in shared memory (descriptor db, tnspB)
 FP4C_DEVICE void wg_rs_n128(float* d, const u32 (&a)[4], u64 db) {

@@ -1069,9 +1069,9 @@ class TestKernel:
         (128, 8, "float16", "HND"), (128, 16, "bfloat16", "HND"), (64, 1, "bfloat16", "NHD"),
         (64, 4, "float16", "HND"), (64, 16, "bfloat16", "HND"), (256, 4, "bfloat16", "HND")])
     def test_many_rows_every_geometry(self, D, group, dtname, layout, causal, route):
-        """Sequences of more than 64 rows (the wgmma kernel on sm_90 with route "auto":
-        head_dim 64 / 128, GQA 1-16, both layouts; head_dim 256 stays on the mma.sync
-        kernel) beside a few-row one: chunks after cached keys, one that starts at key 0,
+        """Sequences of more than 64 rows (the wgmma kernel on sm_90 with route "auto" for
+        the head dims of ``_abi.VARLEN_WG_HEAD_DIMS``, else the mma.sync kernel; GQA 1-16,
+        both layouts) beside a few-row one: chunks after cached keys, one that starts at key 0,
         a 100-token chunk that fits one 128-row tile with group 1 (split keys), step
         edges of 128 keys."""
         rng = np.random.default_rng(zlib_seed("many", D, group, dtname, layout, causal))
@@ -1082,7 +1082,7 @@ class TestKernel:
                                             causal=causal)
         check(out, lse, ro, rl, dtname, f"many rows D={D} g={group} {route}")
         (call,) = scratch.plans.values()
-        wg = route == "auto" and wgmma_device() and D in (64, 128)
+        wg = route == "auto" and wgmma_device() and D in _abi.VARLEN_WG_HEAD_DIMS
         assert ("_varlen_wgmma_" in call.launches[-1].name) == wg, call.launches[-1].name
 
     @pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
@@ -1232,6 +1232,45 @@ class TestKernel:
         assert np.isnan(ro[16:20, :group]).all()
         assert np.isnan(ro[20:, :group, 0:16]).all() and not np.isnan(ro[20:, group:]).any()
         check(out, lse, ro, rl, "bfloat16", "nan groups")
+
+    @pytest.mark.parametrize("layout", ["HND", "NHD"])
+    def test_head_dim_256_column_slices(self, layout, route):
+        """head_dim 256 in sequences of many rows (the wgmma kernel on sm_90 with route
+        "auto" where ``_abi.VARLEN_WG_HEAD_DIMS`` has 256: a decode warp takes half of a
+        key block's columns): NaN K and V groups in the second half reach exactly the rows
+        that see them, a bad page gives NaN to exactly the rows that see it and is counted
+        once (not once per half), swizzled V scales."""
+        rng = np.random.default_rng(zlib_seed("d256", layout))
+        H, T, D, group = 2, 16, 256, 4
+        ns = [40, 30, 3]
+        lens = [300, 500, 3000]
+        num_blocks = sum(-(-L // T) for L in lens) + 2
+        tab = tables_for(np.random.default_rng(21), lens, T, num_blocks, -(-max(lens) // T))
+        pool_row = lambda b, key: int(tab[b, key // T]) * T + key % T  # noqa: E731
+        # sequence 0 (token i sees keys 0 .. 260 + i): key 270's V group 12 NaN in KV head
+        # 1 (rows 10..39), key 290's K group 8 NaN in KV head 0 (rows 30..39)
+        cache, kd, vd = make_gpu_cache(rng, H=H, T=T, D=D, layout=layout, num_blocks=num_blocks,
+                                       nan_v=[(pool_row(0, 270), 1, 200)],
+                                       nan_k=[(pool_row(0, 290), 0, 140)])
+        tab[1, 30] = num_blocks + 3  # sequence 1 (keys 0 .. 470 + i): keys 480.. rows 10..29
+        qsl = starts_of(ns)
+        q = rand_q(rng, int(qsl[-1]), H * group, D, "bfloat16")
+        cache.reset_counters()
+        out, lse, scratch = run(cache, cp.asarray(q), cp.asarray(qsl), cp.asarray(tab),
+                                cp.asarray(np.array(lens, np.int32)), max_query_len=max(ns),
+                                causal=True)
+        ro, rl = paged_attention_f64(kd, vd, q, qsl, tab, lens, T, 1 / np.sqrt(D), num_blocks,
+                                     True)
+        nan = np.isnan(ro)
+        assert nan[10:40, group:, 192:208].all() and not nan[:10].any()
+        assert not nan[10:40, group:, :192].any() and not nan[10:40, group:, 208:].any()
+        assert nan[30:40, :group].all() and not nan[10:30, :group].any()
+        assert nan[40 + 10:70].all() and not nan[40:40 + 10].any() and not nan[70:].any()
+        check(out, lse, ro, rl, "bfloat16", f"head_dim 256 {layout} {route}")
+        assert int(cp.asnumpy(cache.pool.stats)[_abi.STAT["bad_block_ids"]]) == 1
+        (call,) = scratch.plans.values()
+        wg = route == "auto" and wgmma_device() and D in _abi.VARLEN_WG_HEAD_DIMS
+        assert ("_varlen_wgmma_" in call.launches[-1].name) == wg, call.launches[-1].name
 
     def test_query_start_loc_clamped_to_q(self):
         """Unvalidated query_start_loc past q's rows (or decreasing): the kernel clamps it to

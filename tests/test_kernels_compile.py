@@ -59,6 +59,27 @@ def test_all_specializations_compile(arch):
 
 
 @needs_nvrtc
+def test_wgmma_kernel_assembles_for_every_head_dim_it_compiles_for():
+    """The wgmma kernel for every head dim of ``_abi.VARLEN_WG_GEOMETRY``, head_dim 256
+    included (steps of 64 keys; each decode warp takes half of a key block's columns; the
+    P V of 256 columns as two m64n128 MMAs), which the host routes only once it is in
+    ``_abi.VARLEN_WG_HEAD_DIMS``: NVRTC's PTX has no stack but the split set, and ptxas
+    assembles it for sm_90a (it refuses an instruction whose operands exceed the launch's
+    128 registers per thread, as an m64n256 MMA's 128 accumulators would)."""
+    from fp4cache import _abi
+
+    assert set(_abi.VARLEN_WG_HEAD_DIMS) <= set(_abi.VARLEN_WG_GEOMETRY)
+    for d in _abi.VARLEN_WG_GEOMETRY:
+        specs = [K.varlen_wgmma_spec(dt, d) for dt in K.VARLEN_WG_DTYPES]
+        ptx = K.compile_all("sm_90", specs)["varlen_wgmma.cu"]
+        assert all(f".entry {s.name}(" in ptx for s in specs), d
+        assert max(local_depots(ptx)) == SPLIT_SET_BYTES, d
+        log = K.compile_log(K.build_source("varlen_wgmma.cu", specs[:1]), "varlen_wgmma.cu",
+                            "sm_90a", K.CUPY_IMPLICIT_OPTIONS)
+        assert "error" not in log.lower(), log
+
+
+@needs_nvrtc
 @pytest.mark.parametrize("probe", ["wgmma_decode_probe", "wgmma_timeline"])
 def test_probe_copies_of_the_wgmma_kernel_compile(probe, tmp_path, monkeypatch):
     """The probes in bench/ time patched copies of kernels/varlen_wgmma.cu on a GPU; every
