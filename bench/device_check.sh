@@ -9,10 +9,10 @@
 #   bash bench/device_check.sh varlen-probe  # the wgmma kernel's candidate changes, each
 #                                      # beside the shipped kernel in a process of its own
 #                                      # (a hang loses one), checked byte for byte
-#   bash bench/device_check.sh varlen-bench  # the varlen_bench table beside SDPA (JSON in $OUT)
 #   bash bench/device_check.sh varlen-d256  # head_dim 256 through the wgmma kernel (compiled,
-#                                      # not routed by the library yet): its tests, sanitizer,
-#                                      # the prefill shapes beside the mma route and SDPA
+#                                      # not routed by the library yet): its tests, sanitizer
+#   bash bench/device_check.sh varlen-bench  # the varlen_bench table beside SDPA (JSON in $OUT;
+#                                      # head_dim 256's prefill row through the wgmma kernel)
 # Logs go to $OUT (default /tmp/fp4cache-device).
 set -u
 export PYTHONUNBUFFERED=1 PYTHONPATH=.
@@ -82,27 +82,25 @@ varlen-probe)
   done
   ;;
 varlen-bench)
+  # head_dim 256's prefill row through the wgmma kernel too (the mma.sync route beside it)
   timeout 540 python3 bench/varlen_bench.py --only spec prefill prefill_shapes mixed --reps 5 \
-      --out "$OUT/varlen.json" 2>&1 | tee "$OUT/varlen-bench.log" | tail -40
+      --wgmma-head-dims 64 128 256 --out "$OUT/varlen.json" 2>&1 \
+      | tee "$OUT/varlen-bench.log" | tail -40
   ;;
 varlen-d256)
-  # the tests of head_dim 256 with the wgmma_head_dims plugin (no -n: it patches this
-  # process; its header names the routed head dims), then the sanitizers over the wgmma
-  # kernel's head_dim 256 cases, then the prefill shapes (mma route and SDPA beside)
+  # head_dim 256 through the wgmma kernel, which the library does not route yet: the
+  # wgmma_head_dims plugin routes it (its first line names the routed head dims); the tests
+  # of head_dim 256, then the sanitizers over the wgmma kernel's head_dim 256 cases
   export PYTHONPATH=.:bench
-  timeout 200 python3 -m pytest -q -p no:cacheprovider -p wgmma_head_dims \
+  timeout 150 python3 -m pytest -q -n 16 -p no:cacheprovider -p wgmma_head_dims \
       tests/test_attention_varlen.py -k 256 2>&1 | tee "$OUT/d256-tests.log" | tail -12
-  grep -m1 "wgmma head dims" "$OUT/d256-tests.log"
   wg='TestKernel and auto and 256 and (many_rows or column_slices)'
   for tool in memcheck racecheck; do
-    timeout 90 compute-sanitizer --tool "$tool" --error-exitcode 9 \
+    timeout 150 compute-sanitizer --tool "$tool" --error-exitcode 9 \
         python3 -m pytest -q -p no:cacheprovider -p wgmma_head_dims \
         tests/test_attention_varlen.py -k "$wg" > "$OUT/d256-sanitizer-$tool.log" 2>&1
     echo "compute-sanitizer $tool exit=$? $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY|passed|failed' \
         "$OUT/d256-sanitizer-$tool.log" | tr '\n' ' ')"
   done
-  timeout 180 python3 bench/varlen_bench.py --only prefill_shapes --reps 5 \
-      --wgmma-head-dims 64 128 256 --out "$OUT/d256.json" 2>&1 | tee "$OUT/d256-bench.log" \
-      | tail -30
   ;;
 esac
