@@ -2,7 +2,7 @@
 (``fp4cache._abi.VARLEN_WG_GEOMETRY``) routed to it, ahead of the library, which routes
 only ``_abi.VARLEN_WG_HEAD_DIMS`` (a head dim joins those once it has run on a GPU).
 
-From the repository root (no ``-n``: the plugin patches this process)::
+From the repository root (pytest-xdist's workers load it too)::
 
     PYTHONPATH=.:bench python3 -m pytest -p wgmma_head_dims tests/test_attention_varlen.py -k 256
 """

@@ -61,7 +61,7 @@ struct WgDims : HeadDims<D> {
   static constexpr int THREADS = 32 * W;
   static constexpr int ROWS = FP4C_MMA_ROWS * MW;         // query rows of the CTA
   static constexpr int STEP = WgGeometry<D>::STEP;        // keys per step
-  static constexpr int NT = STEP / 16;                    // k16 (n16) tiles of a step
+  static constexpr int KTILES = STEP / 16;                // 16-key tiles of a step
   static constexpr int BLOCKS = STEP / FP4C_VARLEN_TILE_KEYS;  // key blocks of a step
   // a decode warp's unit: a key block's rows, or (fewer blocks than warps) a slice of
   // their columns; UNITS per decode warp and step, DC columns each
@@ -338,8 +338,8 @@ FP4C_DEVICE bool wg_weights(float (&s)[NT][2][4], u32 key0, const u32 (&lim)[2],
 template <int D>
 struct WgRowSteps {
   using A = WgDims<D>;
-  float s[A::NT][2][4];
-  u32 pa[A::NT][4];
+  float s[A::KTILES][2][4];
+  u32 pa[A::KTILES][4];
   VlRowState<D> st;
   u32 lim[2];
   float rs[2];
@@ -359,7 +359,7 @@ struct WgRowSteps {
   template <bool MORE>
   FP4C_DEVICE void step(u32 i) {
     wg_wait<0>();  // step i's scores and step i - 1's P.V
-    wg_fence_regs<8 * A::NT>(&s[0][0][0]);
+    wg_fence_regs<8 * A::KTILES>(&s[0][0][0]);
     wg_fence_regs<D / 2>(&st.o[0][0]);
     mbar_arrive(B.empty_k(rk.stage));
     rk.next();
@@ -369,8 +369,8 @@ struct WgRowSteps {
     }
     {
       float alpha[2];
-      const bool moved = wg_weights<D, A::NT>(s, s0 + i * A::STEP, lim, rs, st, alpha);
-      vl_pack<A::NT>(s, pa);
+      const bool moved = wg_weights<D, A::KTILES>(s, s0 + i * A::STEP, lim, rs, st, alpha);
+      vl_pack<A::KTILES>(s, pa);
       vl_rescale<D>(st, alpha, moved);
     }
     if constexpr (MORE) mbar_wait(B.full_k(rk.stage), rk.phase);

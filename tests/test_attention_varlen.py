@@ -1072,8 +1072,8 @@ class TestKernel:
         """Sequences of more than 64 rows (the wgmma kernel on sm_90 with route "auto" for
         the head dims of ``_abi.VARLEN_WG_HEAD_DIMS``, else the mma.sync kernel; GQA 1-16,
         both layouts) beside a few-row one: chunks after cached keys, one that starts at key 0,
-        a 100-token chunk that fits one 128-row tile with group 1 (split keys), step
-        edges of 128 keys."""
+        a 100-token chunk that fits one 128-row tile with group 1 (split keys), the
+        kernels' step edges (128 keys; 64 for the wgmma kernel at head_dim 256)."""
         rng = np.random.default_rng(zlib_seed("many", D, group, dtname, layout, causal))
         ns = [300, 100, 1, 129, 65]
         lens = [1000, 100, 700, 129 + 256, 3000]
@@ -1233,14 +1233,14 @@ class TestKernel:
         assert np.isnan(ro[20:, :group, 0:16]).all() and not np.isnan(ro[20:, group:]).any()
         check(out, lse, ro, rl, "bfloat16", "nan groups")
 
-    @pytest.mark.parametrize("layout", ["HND", "NHD"])
-    def test_head_dim_256_column_slices(self, layout, route):
+    @pytest.mark.parametrize("layout,swizzle", [("HND", True), ("NHD", False)])
+    def test_head_dim_256_column_slices(self, layout, swizzle, route):
         """head_dim 256 in sequences of many rows (the wgmma kernel on sm_90 with route
         "auto" where ``_abi.VARLEN_WG_HEAD_DIMS`` has 256: a decode warp takes half of a
         key block's columns): NaN K and V groups in the second half reach exactly the rows
         that see them, a bad page gives NaN to exactly the rows that see it and is counted
-        once (not once per half), swizzled V scales."""
-        rng = np.random.default_rng(zlib_seed("d256", layout))
+        once (not once per half), V scales swizzled or not."""
+        rng = np.random.default_rng(zlib_seed("d256", layout, swizzle))
         H, T, D, group = 2, 16, 256, 4
         ns = [40, 30, 3]
         lens = [300, 500, 3000]
@@ -1249,7 +1249,8 @@ class TestKernel:
         pool_row = lambda b, key: int(tab[b, key // T]) * T + key % T  # noqa: E731
         # sequence 0 (token i sees keys 0 .. 260 + i): key 270's V group 12 NaN in KV head
         # 1 (rows 10..39), key 290's K group 8 NaN in KV head 0 (rows 30..39)
-        cache, kd, vd = make_gpu_cache(rng, H=H, T=T, D=D, layout=layout, num_blocks=num_blocks,
+        cache, kd, vd = make_gpu_cache(rng, H=H, T=T, D=D, layout=layout, swizzle=swizzle,
+                                       num_blocks=num_blocks,
                                        nan_v=[(pool_row(0, 270), 1, 200)],
                                        nan_k=[(pool_row(0, 290), 0, 140)])
         tab[1, 30] = num_blocks + 3  # sequence 1 (keys 0 .. 470 + i): keys 480.. rows 10..29
@@ -1266,7 +1267,7 @@ class TestKernel:
         assert not nan[10:40, group:, :192].any() and not nan[10:40, group:, 208:].any()
         assert nan[30:40, :group].all() and not nan[10:30, :group].any()
         assert nan[40 + 10:70].all() and not nan[40:40 + 10].any() and not nan[70:].any()
-        check(out, lse, ro, rl, "bfloat16", f"head_dim 256 {layout} {route}")
+        check(out, lse, ro, rl, "bfloat16", f"head_dim 256 {layout} {swizzle} {route}")
         assert int(cp.asnumpy(cache.pool.stats)[_abi.STAT["bad_block_ids"]]) == 1
         (call,) = scratch.plans.values()
         wg = route == "auto" and wgmma_device() and D in _abi.VARLEN_WG_HEAD_DIMS
