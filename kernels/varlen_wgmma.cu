@@ -167,17 +167,10 @@ FP4C_DEVICE void wg_scores(float (&s)[STEP / 16][2][4], u32 q_s, u32 k_s) {
     const u32 off = (u32)(ks & 3) * 32u;  // k16 step inside the 128-byte row
     const u64 da = wg_desc(q_s + (u32)(ks >> 2) * (ROWS * 128u) + off, 16u, 1024u);
     const u64 db = wg_desc(k_s + (u32)(ks >> 2) * (STEP * 128u) + off, 16u, 1024u);
-    if constexpr (STEP == 128) {
-      if (ks == 0)
-        wg_ss_n128_init(&s[0][0][0], da, db);
-      else
-        wg_ss_n128(&s[0][0][0], da, db);
-    } else {
-      if (ks == 0)
-        wg_ss_n64_init(&s[0][0][0], da, db);
-      else
-        wg_ss_n64(&s[0][0][0], da, db);
-    }
+    if (ks == 0)
+      wg_ss<STEP, true>(&s[0][0][0], da, db);
+    else
+      wg_ss<STEP, false>(&s[0][0][0], da, db);
   }
   wg_commit();
 }
@@ -195,13 +188,11 @@ FP4C_DEVICE void wg_pv(VlRowState<D>& st, const u32 (&pa)[STEP / 16][4], u32 v_s
     if constexpr (D == 256) {
       // two m64n128 halves (columns 128.. from region 2): ptxas checks every instruction
       // against the launch's 128 registers, and an m64n256 wants 158
-      wg_rs_n128(&st.o[0][0], pa[j], db);
-      wg_rs_n128(&st.o[16][0], pa[j],
+      wg_rs<128>(&st.o[0][0], pa[j], db);
+      wg_rs<128>(&st.o[16][0], pa[j],
                  wg_desc(v_s + 2u * (STEP * 128u) + (u32)j * 2048u, STEP * 128u, 1024u));
-    } else if constexpr (D == 128) {
-      wg_rs_n128(&st.o[0][0], pa[j], db);
     } else {
-      wg_rs_n64(&st.o[0][0], pa[j], db);
+      wg_rs<D>(&st.o[0][0], pa[j], db);
     }
   }
   wg_commit();

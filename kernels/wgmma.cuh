@@ -65,68 +65,47 @@ FP4C_DEVICE void wg_fence_regs(float* x) {
   FP4C_WG_ACC32(K, d), FP4C_WG_ACC8(K, d, 32), FP4C_WG_ACC8(K, d, 40), FP4C_WG_ACC8(K, d, 48), \
       FP4C_WG_ACC8(K, d, 56)
 
-// d (m64n128 f32) = A B (the first k16 step: d is only written); A (64 x 16) and B (128 x 16),
-// K-major in shared memory (descriptors da, db)
-FP4C_DEVICE void wg_ss_n128_init(float* d, u64 da, u64 db) {
-  asm volatile(
-      "{\n.reg .pred p;\nsetp.ne.b32 p, 0, 0;\n"
-      "wgmma.mma_async.sync.aligned.m64n128k16.f32.f16.f16 " FP4C_WG_D64
-      ", %64, %65, p, 1, 1, 0, 0;\n}\n"
-      : FP4C_WG_ACC64("=f", d)
-      : "l"(da), "l"(db));
+// One m64nNk16 f32 += f16 x f16 (an asm statement): SS with A (64 x 16) and B (N x 16)
+// K-major in shared memory (descriptors da, db; AB: their operands), SCALE_D 0 for the
+// first k16 step (d only written, K "=f") or 1 to accumulate ("+f"); RS with A from
+// registers a[4] (per warp the m16n8k16 A fragment of its 16 rows) and B (16 x N) MN-major
+// in shared memory (descriptor db, tnspB; AB: their operands).  REGS / ACC: N's
+// accumulator list (FP4C_WG_D64 / FP4C_WG_ACC64 for N = 128); the operands after it are
+// numbered from there (NVRTC takes no named asm operands)
+#define FP4C_WG_SS(N, REGS, ACC, K, SCALE_D, AB)                                       \
+  asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, " #SCALE_D ", 0;\n"                  \
+               "wgmma.mma_async.sync.aligned.m64n" #N "k16.f32.f16.f16 " REGS ", " AB \
+               ", p, 1, 1, 0, 0;\n}\n"                                                 \
+               : ACC(K, d)                                                             \
+               : "l"(da), "l"(db))
+#define FP4C_WG_RS(N, REGS, ACC, AB)                                                   \
+  asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, 1, 0;\n"                              \
+               "wgmma.mma_async.sync.aligned.m64n" #N "k16.f32.f16.f16 " REGS ", " AB \
+               ", p, 1, 1, 1;\n}\n"                                                    \
+               : ACC("+f", d)                                                          \
+               : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db))
+
+// d (m64nN f32) = A B (INIT: the first k16 step) or += A B, A and B in shared memory
+// (FP4C_WG_SS); N 64 or 128
+template <int N, bool INIT>
+FP4C_DEVICE void wg_ss(float* d, u64 da, u64 db) {
+  static_assert(N == 64 || N == 128, "m64n64 or m64n128");
+  if constexpr (N == 128 && INIT)
+    FP4C_WG_SS(128, FP4C_WG_D64, FP4C_WG_ACC64, "=f", 0, "%64, %65");
+  else if constexpr (N == 128)
+    FP4C_WG_SS(128, FP4C_WG_D64, FP4C_WG_ACC64, "+f", 1, "%64, %65");
+  else if constexpr (INIT)
+    FP4C_WG_SS(64, FP4C_WG_D32, FP4C_WG_ACC32, "=f", 0, "%32, %33");
+  else
+    FP4C_WG_SS(64, FP4C_WG_D32, FP4C_WG_ACC32, "+f", 1, "%32, %33");
 }
 
-// d (m64n128 f32) += A B; A (64 x 16) and B (128 x 16), K-major in shared memory
-// (descriptors da, db)
-FP4C_DEVICE void wg_ss_n128(float* d, u64 da, u64 db) {
-  asm volatile(
-      "{\n.reg .pred p;\nsetp.ne.b32 p, 1, 0;\n"
-      "wgmma.mma_async.sync.aligned.m64n128k16.f32.f16.f16 " FP4C_WG_D64
-      ", %64, %65, p, 1, 1, 0, 0;\n}\n"
-      : FP4C_WG_ACC64("+f", d)
-      : "l"(da), "l"(db));
-}
-
-// d (m64n64 f32) = A B (the first k16 step: d is only written); A (64 x 16) and B (64 x 16),
-// K-major in shared memory (descriptors da, db)
-FP4C_DEVICE void wg_ss_n64_init(float* d, u64 da, u64 db) {
-  asm volatile(
-      "{\n.reg .pred p;\nsetp.ne.b32 p, 0, 0;\n"
-      "wgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16 " FP4C_WG_D32
-      ", %32, %33, p, 1, 1, 0, 0;\n}\n"
-      : FP4C_WG_ACC32("=f", d)
-      : "l"(da), "l"(db));
-}
-
-// d (m64n64 f32) += A B; A (64 x 16) and B (64 x 16), K-major in shared memory
-// (descriptors da, db)
-FP4C_DEVICE void wg_ss_n64(float* d, u64 da, u64 db) {
-  asm volatile(
-      "{\n.reg .pred p;\nsetp.ne.b32 p, 1, 0;\n"
-      "wgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16 " FP4C_WG_D32
-      ", %32, %33, p, 1, 1, 0, 0;\n}\n"
-      : FP4C_WG_ACC32("+f", d)
-      : "l"(da), "l"(db));
-}
-
-// d (m64n128 f32) += A B; A (64 x 16) from registers (per warp the m16n8k16 A fragment of
-// its 16 rows), B (16 x 128) MN-major in shared memory (descriptor db, tnspB)
-FP4C_DEVICE void wg_rs_n128(float* d, const u32 (&a)[4], u64 db) {
-  asm volatile(
-      "{\n.reg .pred p;\nsetp.ne.b32 p, 1, 0;\n"
-      "wgmma.mma_async.sync.aligned.m64n128k16.f32.f16.f16 " FP4C_WG_D64
-      ", {%64, %65, %66, %67}, %68, p, 1, 1, 1;\n}\n"
-      : FP4C_WG_ACC64("+f", d)
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db));
-}
-
-// d (m64n64 f32) += A B; A (64 x 16) from registers (per warp the m16n8k16 A fragment of
-// its 16 rows), B (16 x 64) MN-major in shared memory (descriptor db, tnspB)
-FP4C_DEVICE void wg_rs_n64(float* d, const u32 (&a)[4], u64 db) {
-  asm volatile(
-      "{\n.reg .pred p;\nsetp.ne.b32 p, 1, 0;\n"
-      "wgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16 " FP4C_WG_D32
-      ", {%32, %33, %34, %35}, %36, p, 1, 1, 1;\n}\n"
-      : FP4C_WG_ACC32("+f", d)
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db));
+// d (m64nN f32) += A B, A from registers (FP4C_WG_RS); N 64 or 128
+template <int N>
+FP4C_DEVICE void wg_rs(float* d, const u32 (&a)[4], u64 db) {
+  static_assert(N == 64 || N == 128, "m64n64 or m64n128");
+  if constexpr (N == 128)
+    FP4C_WG_RS(128, FP4C_WG_D64, FP4C_WG_ACC64, "{%64, %65, %66, %67}, %68");
+  else
+    FP4C_WG_RS(64, FP4C_WG_D32, FP4C_WG_ACC32, "{%32, %33, %34, %35}, %36");
 }
