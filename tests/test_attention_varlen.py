@@ -1233,26 +1233,30 @@ class TestKernel:
         assert np.isnan(ro[20:, :group, 0:16]).all() and not np.isnan(ro[20:, group:]).any()
         check(out, lse, ro, rl, "bfloat16", "nan groups")
 
-    @pytest.mark.parametrize("layout,swizzle", [("HND", True), ("NHD", False)])
-    def test_head_dim_256_column_slices(self, layout, swizzle, route):
-        """head_dim 256 in sequences of many rows (the wgmma kernel on sm_90 with route
-        "auto" where ``_abi.VARLEN_WG_HEAD_DIMS`` has 256: a decode warp takes half of a
-        key block's columns): NaN K and V groups in the second half reach exactly the rows
-        that see them, a bad page gives NaN to exactly the rows that see it and is counted
-        once (not once per half), V scales swizzled or not."""
-        rng = np.random.default_rng(zlib_seed("d256", layout, swizzle))
-        H, T, D, group = 2, 16, 256, 4
+    @pytest.mark.parametrize("D,layout,swizzle", [(128, "NHD", True), (256, "HND", True),
+                                                  (256, "NHD", False)])
+    def test_many_rows_nan_groups_and_bad_pages(self, D, layout, swizzle, route):
+        """NaN groups and a bad page in sequences of many rows (the wgmma kernel on sm_90
+        with route "auto" for the head dims of ``_abi.VARLEN_WG_HEAD_DIMS``; at head_dim
+        256 a decode warp takes half of a key block's columns): a V group and a K group
+        stored as NaN (in the second half at head_dim 256) reach exactly the rows that see
+        them, a bad page gives NaN to exactly the rows that see it and is counted once (not
+        once per column half), V scales swizzled or not."""
+        rng = np.random.default_rng(zlib_seed("nan-many", D, layout, swizzle))
+        H, T, group = 2, 16, 4
         ns = [40, 30, 3]
         lens = [300, 500, 3000]
         num_blocks = sum(-(-L // T) for L in lens) + 2
         tab = tables_for(np.random.default_rng(21), lens, T, num_blocks, -(-max(lens) // T))
         pool_row = lambda b, key: int(tab[b, key // T]) * T + key % T  # noqa: E731
-        # sequence 0 (token i sees keys 0 .. 260 + i): key 270's V group 12 NaN in KV head
-        # 1 (rows 10..39), key 290's K group 8 NaN in KV head 0 (rows 30..39)
+        # sequence 0 (token i sees keys 0 .. 260 + i): key 270's V group at column D - 56
+        # NaN in KV head 1 (rows 10..39), key 290's K group at column D / 2 + 12 in KV
+        # head 0 (rows 30..39)
+        v0 = (D - 56) // 16 * 16
         cache, kd, vd = make_gpu_cache(rng, H=H, T=T, D=D, layout=layout, swizzle=swizzle,
                                        num_blocks=num_blocks,
-                                       nan_v=[(pool_row(0, 270), 1, 200)],
-                                       nan_k=[(pool_row(0, 290), 0, 140)])
+                                       nan_v=[(pool_row(0, 270), 1, D - 56)],
+                                       nan_k=[(pool_row(0, 290), 0, D // 2 + 12)])
         tab[1, 30] = num_blocks + 3  # sequence 1 (keys 0 .. 470 + i): keys 480.. rows 10..29
         qsl = starts_of(ns)
         q = rand_q(rng, int(qsl[-1]), H * group, D, "bfloat16")
@@ -1263,11 +1267,11 @@ class TestKernel:
         ro, rl = paged_attention_f64(kd, vd, q, qsl, tab, lens, T, 1 / np.sqrt(D), num_blocks,
                                      True)
         nan = np.isnan(ro)
-        assert nan[10:40, group:, 192:208].all() and not nan[:10].any()
-        assert not nan[10:40, group:, :192].any() and not nan[10:40, group:, 208:].any()
+        assert nan[10:40, group:, v0:v0 + 16].all() and not nan[:10].any()
+        assert not nan[10:40, group:, :v0].any() and not nan[10:40, group:, v0 + 16:].any()
         assert nan[30:40, :group].all() and not nan[10:30, :group].any()
         assert nan[40 + 10:70].all() and not nan[40:40 + 10].any() and not nan[70:].any()
-        check(out, lse, ro, rl, "bfloat16", f"head_dim 256 {layout} {swizzle} {route}")
+        check(out, lse, ro, rl, "bfloat16", f"D={D} {layout} {swizzle} {route}")
         assert int(cp.asnumpy(cache.pool.stats)[_abi.STAT["bad_block_ids"]]) == 1
         (call,) = scratch.plans.values()
         wg = route == "auto" and wgmma_device() and D in _abi.VARLEN_WG_HEAD_DIMS
