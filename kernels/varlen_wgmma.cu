@@ -181,20 +181,17 @@ FP4C_DEVICE void wg_scores(float (&s)[STEP / 16][2][4], u32 q_s, u32 k_s) {
 // ---------------------------------------------------------------------------------------
 template <int D, int STEP>
 FP4C_DEVICE void wg_pv(VlRowState<D>& st, const u32 (&pa)[STEP / 16][4], u32 v_s) {
+  // at most 128 columns per MMA (head_dim 256: two, the second from region 2): ptxas
+  // checks every instruction against the launch's 128 registers, and an m64n256 wants 158
+  constexpr int N = D < 128 ? D : 128;
   wg_fence();
 #pragma unroll
-  for (int j = 0; j < STEP / 16; ++j) {
-    const u64 db = wg_desc(v_s + (u32)j * 2048u, STEP * 128u, 1024u);
-    if constexpr (D == 256) {
-      // two m64n128 halves (columns 128.. from region 2): ptxas checks every instruction
-      // against the launch's 128 registers, and an m64n256 wants 158
-      wg_rs<128>(&st.o[0][0], pa[j], db);
-      wg_rs<128>(&st.o[16][0], pa[j],
-                 wg_desc(v_s + 2u * (STEP * 128u) + (u32)j * 2048u, STEP * 128u, 1024u));
-    } else {
-      wg_rs<D>(&st.o[0][0], pa[j], db);
-    }
-  }
+  for (int j = 0; j < STEP / 16; ++j)
+#pragma unroll
+    for (int h = 0; h < D / N; ++h)
+      wg_rs<N>(&st.o[h * (N / 8)][0], pa[j],
+               wg_desc(v_s + (u32)(h * (N / 64)) * (STEP * 128u) + (u32)j * 2048u,
+                       STEP * 128u, 1024u));
   wg_commit();
 }
 
