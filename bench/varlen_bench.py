@@ -488,13 +488,12 @@ def main(argv=None) -> int:
                          "(e.g. 4: the 64-row kernel for long sequences instead of _r128)")
     args = ap.parse_args(argv)
     if args.wgmma_head_dims is not None:
-        from fp4cache import _abi
+        from wgmma_head_dims import route
 
-        bad = sorted(set(args.wgmma_head_dims) - set(_abi.VARLEN_WG_GEOMETRY))
-        if bad:
-            ap.error(f"--wgmma-head-dims: the wgmma kernel compiles for "
-                     f"{tuple(_abi.VARLEN_WG_GEOMETRY)}, not {bad}")
-        _abi.VARLEN_WG_HEAD_DIMS = tuple(args.wgmma_head_dims)
+        try:
+            route(args.wgmma_head_dims)
+        except ValueError as exc:
+            ap.error(f"--wgmma-head-dims: {exc}")
     if args.max_row_warps is not None:
         from fp4cache import _abi
 

@@ -12,11 +12,17 @@ from __future__ import annotations
 from fp4cache import _abi
 
 
-def route_all() -> None:
-    """Route every head dim of ``_abi.VARLEN_WG_GEOMETRY`` to the wgmma kernel."""
-    _abi.VARLEN_WG_HEAD_DIMS = tuple(_abi.VARLEN_WG_GEOMETRY)
+def route(head_dims=None) -> None:
+    """Route ``head_dims`` (default: every head dim of ``_abi.VARLEN_WG_GEOMETRY``) to the
+    wgmma kernel; ``ValueError`` for one it does not compile for."""
+    dims = tuple(_abi.VARLEN_WG_GEOMETRY) if head_dims is None else tuple(head_dims)
+    bad = sorted(set(dims) - set(_abi.VARLEN_WG_GEOMETRY))
+    if bad:
+        raise ValueError(f"the wgmma kernel compiles for head dims "
+                         f"{tuple(_abi.VARLEN_WG_GEOMETRY)}, not {bad}")
+    _abi.VARLEN_WG_HEAD_DIMS = dims
 
 
 def pytest_configure(config) -> None:
-    route_all()
+    route()
     print(f"wgmma head dims: {_abi.VARLEN_WG_HEAD_DIMS}", flush=True)
