@@ -6,9 +6,8 @@
 #   bash bench/device_check.sh varlen  # attention for any query length: its GPU tests (both
 #                                      # prefill routes), compute-sanitizer memcheck and
 #                                      # racecheck over the wgmma kernel's cases (~6 min)
-#   bash bench/device_check.sh varlen-probe  # the wgmma kernel's candidate changes, each
-#                                      # beside the shipped kernel in a process of its own
-#                                      # (a hang loses one), checked byte for byte
+#   bash bench/device_check.sh varlen-probe  # the wgmma kernel with its loads, decode or
+#                                      # MMAs switched off (bench/wgmma_decode_probe.py)
 #   bash bench/device_check.sh varlen-d256  # head_dim 256 through the wgmma kernel (compiled,
 #                                      # not routed by the library yet): its tests, sanitizer
 #   bash bench/device_check.sh varlen-bench  # the varlen_bench table beside SDPA (JSON in $OUT;
@@ -75,11 +74,7 @@ varlen)
   done
   ;;
 varlen-probe)
-  for v in order cpasync2 teams2; do
-    timeout 150 python3 bench/wgmma_decode_probe.py --variants base "$v" 2>&1 \
-        | tee "$OUT/wgmma-probe-$v.log"
-    echo "wgmma_decode_probe $v exit=${PIPESTATUS[0]}"
-  done
+  timeout 300 python3 bench/wgmma_decode_probe.py 2>&1 | tee "$OUT/wgmma-probe.log"
   ;;
 varlen-bench)
   # head_dim 256's prefill row through the wgmma kernel too (the mma.sync route beside it)
