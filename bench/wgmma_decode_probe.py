@@ -5,7 +5,9 @@ values of such a variant are wrong; only its time counts), or changed.
 Variants (``PATCHES``): ``base`` (the shipped source), ``noload`` (the decode warps decode
 the first step's rows again instead of loading each step's), ``nodecode`` (rows loaded,
 not decoded: the stages keep what they hold), ``idle`` (the decode warps only pass the
-rings' barriers), ``nomma`` (the row warps issue no MMAs: softmax on stale scores).  The
+rings' barriers), ``nomma`` (the row warps issue no MMAs: softmax on stale scores); the
+candidates ``byside`` (head_dim 128's decode warps split by side, as head_dim 256's) and
+``byside32`` (the same with three K stages and two V stages): exact, byte for byte.  The
 candidate changes measured with it and dropped are in ``docs/kernels.md`` ("What was
 tried").
 
@@ -40,17 +42,30 @@ from attention_bench import log  # noqa: E402
 from kernel_patch import Patch, write_folder  # noqa: E402
 from timing import BF16  # noqa: E402
 
+from fp4cache import _abi  # noqa: E402
 from fp4cache import _kernels as K  # noqa: E402
 
-_LOAD = "if (i + 1u < nsteps) vl_load_page<D>(S, step + STEP + off, W.s1, id[u], R[u], c0);"
+_LOAD = ("if (i + 1u < nsteps) vl_load_page<D>(S, step + STEP + off, W.s1, id[u], R[u], c0, "
+         "side);")
 _DECODE = """      vl_decode<D>(R[u], step + off, P.swizzle, my_stage,
-                   SwzTile<STEP>{k, v, off - (lane & 15u)}, nan_key, sh.vnan, c0 / 16u);"""
+                   SwzTile<STEP>{k, v, off - (lane & 15u)}, nan_key, sh.vnan, c0 / 16u, side);"""
 _KEEP = """      { u32 x = R[u].sc[0];
         for (int w = 0; w < A::DC / 8; ++w) x ^= R[u].w[w];
         if (x == 0x9E3779B9u) nan_key = 0u; }"""
 _MMA = """    wg_pv<D, A::STEP>(st, pa, kv_s + (A::KSTAGES + rv.stage) * A::KT);
     if constexpr (MORE) wg_scores<D, A::ROWS, A::STEP>(s, q_s, kv_s + rk.stage * A::KT);"""
 _FIRST = "    wg_scores<D, A::ROWS, A::STEP>(s, q_s, kv_s + rk.stage * A::KT);\n    wg_turn_pass"
+
+
+def _geometry(**changed: tuple[int, int, int, int]) -> Patch:
+    """The kernel's geometry (``_abi.VARLEN_WG_GEOMETRY``) with ``changed`` head dims
+    (``d128=(step, k_stages, v_stages, by_side)``) in place of the generated one."""
+    geometry = dict(_abi.VARLEN_WG_GEOMETRY)
+    geometry.update({int(k[1:]): v for k, v in changed.items()})
+    return ("FP4C_VARLEN_WG_GEOMETRY(FP4C_WG_GEOMETRY_OF)",
+            " ".join(f"FP4C_WG_GEOMETRY_OF({d}, {', '.join(map(str, g))})"
+                     for d, g in geometry.items()))
+
 
 # kernel_patch's patches of kernels/varlen_wgmma.cu per variant
 PATCHES: dict[str, list[Patch]] = {
@@ -60,6 +75,10 @@ PATCHES: dict[str, list[Patch]] = {
     "idle": [(_LOAD, ""), (_DECODE, "")],
     "nomma": [(_MMA, "    asm volatile(\"\" ::: \"memory\");"),
               (_FIRST, "    wg_turn_pass")],
+    # candidates: head_dim 128's decode warps by side (half K, half V), K and V stages 2 / 3
+    # or 3 / 2
+    "byside": [_geometry(d128=(128, 2, 3, 1))],
+    "byside32": [_geometry(d128=(128, 3, 2, 1))],
 }
 
 
