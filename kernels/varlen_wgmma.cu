@@ -20,9 +20,11 @@
 // 256, where q and four stages fill the SM); step i:
 //   decode:  decode warp p decodes key block p (16 keys: vl_decode, lane (token t, side))
 //            of step i into the rings' next K and V stages once the row warps released
-//            them (head_dim 256: block p % 4, columns 128 (p / 4) ..); then it loads its
-//            rows of step i + 1 (vl_load_page) and the block table entry of step i + 2
-//            (vl_page), so that a step waits for one load only;
+//            them; then it loads its rows of step i + 1 (vl_load_page) and the block table
+//            entry of step i + 2 (vl_page), so that a step waits for one load only.  By
+//            side (head_dim 256: two V stages): decode warps 0..3 take K through the K
+//            ring only, 4..7 V through the V ring, warp p block p % 4, lane (token t,
+//            column half), so that K runs a step ahead of V;
 //   scores:  S = Q K^T, m64nSTEPk16 per warpgroup, both operands in shared memory;
 //   softmax: online, per row (wg_weights: vl_weights' contract, FlashAttention-3's
 //            arithmetic); the K stage is released when S is in registers;
