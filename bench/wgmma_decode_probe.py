@@ -7,7 +7,7 @@ the first step's rows again instead of loading each step's), ``nodecode`` (rows 
 not decoded: the stages keep what they hold), ``idle`` (the decode warps only pass the
 rings' barriers), ``nomma`` (the row warps issue no MMAs: softmax on stale scores); the
 candidates ``byside`` (head_dim 128's decode warps split by side, as head_dim 256's) and
-``byside32`` (the same with three K stages and two V stages): exact, byte for byte.  The
+``byside32`` (the same with three K stages and two V stages), not measured yet.  The
 candidate changes measured with it and dropped are in ``docs/kernels.md`` ("What was
 tried").
 
