@@ -6,20 +6,24 @@ Variants (``PATCHES``): ``base`` (the shipped source), ``noload`` (the decode wa
 the first step's rows again instead of loading each step's), ``nodecode`` (rows loaded,
 not decoded: the stages keep what they hold), ``idle`` (the decode warps only pass the
 rings' barriers), ``nomma`` (the row warps issue no MMAs: softmax on stale scores); the
-candidates ``byside`` (head_dim 128's decode warps split by side, as head_dim 256's) and
-``byside32`` (the same with three K stages and two V stages), not measured yet.  The
-candidate changes measured with it and dropped are in ``docs/kernels.md`` ("What was
-tried").
+head_dim 256 candidates ``regs40`` (registers decode / rows 40 / 216 instead of 48 / 208),
+``step32`` and ``step32b`` (steps of 32 keys, m64n32 scores, with three K and five V
+stages or four of each: the same shared memory, each decode lane a quarter of a key's
+columns) and ``step32r`` (``step32`` with ``regs40``'s registers), whose values are
+compared with ``base``'s.  The candidate changes measured with it and dropped are in
+``docs/kernels.md`` ("What was tried").
 
-Rows (Hq 32, H 8, D 128, block 16, bf16): a 2,048-token chunk after 30,720 cached, a plain
-8,192-token prefill, four plain 4,096-token prefills.
+Rows (Hq 32, H 8, D ``--head-dim``, block 16, bf16): a 2,048-token chunk after 30,720
+cached, a plain 8,192-token prefill, four plain 4,096-token prefills (``--rows``).  Head
+dims the library does not route to the wgmma kernel are routed for the run
+(``wgmma_head_dims.route``).
 
 Run on an sm_90 GPU (from the repository root), under a time limit (a wrong barrier count
 hangs the kernel)::
 
     PYTHONPATH=. timeout 300 python3 bench/wgmma_decode_probe.py
-    PYTHONPATH=. timeout 240 python3 bench/wgmma_decode_probe.py --variants base order \\
-        teams2 cpasync2
+    PYTHONPATH=. timeout 240 python3 bench/wgmma_decode_probe.py --head-dim 256 \\
+        --rows chunk --variants base idle nomma regs40 step32
 """
 
 from __future__ import annotations
@@ -45,10 +49,9 @@ from timing import BF16  # noqa: E402
 from fp4cache import _abi  # noqa: E402
 from fp4cache import _kernels as K  # noqa: E402
 
-_LOAD = ("if (i + 1u < nsteps) vl_load_page<D>(S, step + STEP + off, W.s1, id[u], R[u], c0, "
-         "side);")
+_LOAD = "if (i + 1u < nsteps) vl_load_page<D>(S, step + STEP + off, W.s1, id[u], R[u], c0);"
 _DECODE = """      vl_decode<D>(R[u], step + off, P.swizzle, my_stage,
-                   SwzTile<STEP>{k, v, off - (lane & 15u)}, nan_key, sh.vnan, c0 / 16u, side);"""
+                   SwzTile<STEP>{k, v, off - (lane & 15u)}, nan_key, sh.vnan, c0 / 16u);"""
 _KEEP = """      { u32 x = R[u].sc[0];
         for (int w = 0; w < A::DC / 8; ++w) x ^= R[u].w[w];
         if (x == 0x9E3779B9u) nan_key = 0u; }"""
@@ -57,15 +60,28 @@ _MMA = """    wg_pv<D, A::STEP>(st, pa, kv_s + (A::KSTAGES + rv.stage) * A::KT);
 _FIRST = "    wg_scores<D, A::ROWS, A::STEP>(s, q_s, kv_s + rk.stage * A::KT);\n    wg_turn_pass"
 
 
-def _geometry(**changed: tuple[int, int, int, int]) -> Patch:
+def _geometry(**changed: tuple[int, int, int]) -> Patch:
     """The kernel's geometry (``_abi.VARLEN_WG_GEOMETRY``) with ``changed`` head dims
-    (``d128=(step, k_stages, v_stages, by_side)``) in place of the generated one."""
+    (``d256=(step, k_stages, v_stages)``) in place of the generated one."""
     geometry = dict(_abi.VARLEN_WG_GEOMETRY)
     geometry.update({int(k[1:]): v for k, v in changed.items()})
     return ("FP4C_VARLEN_WG_GEOMETRY(FP4C_WG_GEOMETRY_OF)",
             " ".join(f"FP4C_WG_GEOMETRY_OF({d}, {', '.join(map(str, g))})"
                      for d, g in geometry.items()))
 
+
+# m64n32 scores (steps of 32 keys): wgmma.cuh's SS form for N = 32, the kernel's step check
+_N32 = [("#define FP4C_WG_ACC8(K, d, i)", """#define FP4C_WG_D16 \\
+  "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}"
+#define FP4C_WG_ACC16(K, d) FP4C_WG_ACC8(K, d, 0), FP4C_WG_ACC8(K, d, 8)
+#define FP4C_WG_ACC8(K, d, i)"""),
+        ("""  static_assert(N == 64 || N == 128, "m64n64 or m64n128");
+  if constexpr (N == 128 && INIT)""", """  if constexpr (N == 32 && INIT)
+    FP4C_WG_SS(32, FP4C_WG_D16, FP4C_WG_ACC16, "=f", 0, "%16, %17");
+  else if constexpr (N == 32)
+    FP4C_WG_SS(32, FP4C_WG_D16, FP4C_WG_ACC16, "+f", 1, "%16, %17");
+  else if constexpr (N == 128 && INIT)""")]
+_STEP32 = ("(STEP == 128 || STEP == 64) && ROWS == 128", "STEP >= 32 && ROWS == 128")
 
 # kernel_patch's patches of kernels/varlen_wgmma.cu per variant
 PATCHES: dict[str, list[Patch]] = {
@@ -75,24 +91,43 @@ PATCHES: dict[str, list[Patch]] = {
     "idle": [(_LOAD, ""), (_DECODE, "")],
     "nomma": [(_MMA, "    asm volatile(\"\" ::: \"memory\");"),
               (_FIRST, "    wg_turn_pass")],
-    # candidates: head_dim 128's decode warps by side (half K, half V), K and V stages 2 / 3
-    # or 3 / 2
-    "byside": [_geometry(d128=(128, 2, 3, 1))],
-    "byside32": [_geometry(d128=(128, 3, 2, 1))],
+    # head_dim 256 candidates
+    "regs40": [("DECODE_REGS = D == 256 ? 48 : 64", "DECODE_REGS = D == 256 ? 40 : 64"),
+               ("ROW_REGS = D == 256 ? 208 : 192", "ROW_REGS = D == 256 ? 216 : 192")],
+    "step32": [_geometry(d256=(32, 3, 5)), _STEP32],
+    "step32b": [_geometry(d256=(32, 4, 4)), _STEP32],
 }
+PATCHES["step32r"] = PATCHES["step32"] + PATCHES["regs40"]
 
+
+#: the variants that change the kernel without switching work off (their values are checked
+#: against base's when base runs first)
+CANDIDATES = ("regs40", "step32", "step32b", "step32r")
 
 #: the patched files of each variant's folder (tests/test_kernels_compile.py compiles them)
 FOLDERS: dict[str, dict[str, list[Patch]]] = {
     name: {"varlen_wgmma.cu": patches} for name, patches in PATCHES.items() if patches}
+for _name in ("step32", "step32b", "step32r"):
+    FOLDERS[_name]["wgmma.cuh"] = _N32
+
+#: the probe's rows: name -> (label, sequences, query tokens, cached tokens)
+ROWS = {"chunk": ("chunk 2,048 after 30,720", 1, 2048, 30720),
+        "prefill": ("prefill 8,192", 1, 8192, 0),
+        "batch": ("prefill 4 x 4,096", 4, 4096, 0)}
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--reps", type=int, default=5)
-    ap.add_argument("--variants", nargs="*", default=list(PATCHES))
+    ap.add_argument("--variants", nargs="*", default=list(PATCHES), choices=list(PATCHES))
+    ap.add_argument("--head-dim", type=int, default=128, choices=sorted(_abi.VARLEN_WG_GEOMETRY))
+    ap.add_argument("--rows", nargs="*", default=list(ROWS), choices=list(ROWS))
     args = ap.parse_args(argv)
     from varlen_bench import VarlenBench
+    from wgmma_head_dims import route
+
+    if args.head_dim not in _abi.VARLEN_WG_HEAD_DIMS:
+        route(_abi.VARLEN_WG_HEAD_DIMS + (args.head_dim,))
 
     from fp4cache._cuda.decode import new_scratch
 
@@ -103,17 +138,17 @@ def main(argv=None) -> int:
     root = Path(tempfile.mkdtemp())
     folders = {name: write_folder(root / name, FOLDERS[name]) if name in FOLDERS else None
                for name in args.variants}
-    rows = [("chunk 2,048 after 30,720", 1, 2048, 30720),
-            ("prefill 8,192", 1, 8192, 0), ("prefill 4 x 4,096", 4, 4096, 0)]
-    sm_scale = 1.0 / np.sqrt(128)
+    D = args.head_dim
+    sm_scale = 1.0 / np.sqrt(D)
     try:
-        for case, B, n, cached in rows:
+        for case, B, n, cached in (ROWS[r] for r in args.rows):
             L = cached + n
-            cache, tab, lens, _ = vb.cache_for(B, [L] * B, 8, 128, 16, 5)
-            q = vb.env.randn_bf16((B * n, 32, 128), 6)
+            cache, tab, lens, _ = vb.cache_for(B, [L] * B, 8, D, 16, 5)
+            q = vb.env.randn_bf16((B * n, 32, D), 6)
             qsl = cp.arange(B + 1, dtype=cp.int32) * n
-            out = cp.empty((B * n, 32, 128), dtype=BF16)
-            log(f"== {case}")
+            out = cp.empty((B * n, 32, D), dtype=BF16)
+            log(f"== {case}, head_dim {D}")
+            ref = None
             for name in args.variants:
                 folder = folders[name]
                 if folder is None:
@@ -127,7 +162,17 @@ def main(argv=None) -> int:
                 call()
                 cp.cuda.Device().synchronize()
                 t = vb.time([call], batch=3)
-                log(f"   {name:9s} {t * 1e6:9.1f} us")
+                # the candidates' values against the shipped kernel's (the switched-off
+                # variants' are wrong by design)
+                if name == "base":
+                    ref = out.astype(cp.float32)
+                    diff = ""
+                elif name in CANDIDATES and ref is not None:
+                    err = float(cp.abs(out.astype(cp.float32) - ref).max())
+                    diff = f"  max |out - base| {err:.2e}"
+                else:
+                    diff = ""
+                log(f"   {name:9s} {t * 1e6:9.1f} us{diff}")
             K.varlen_wgmma_spec = shipped
             del cache
             vb.release()

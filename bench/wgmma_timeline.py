@@ -93,8 +93,8 @@ PATCHES: list[Patch] = [
     ("    R.last();\n", "    R.last();\n    if (threadIdx.x == 0u) TL(4, tl_clock());\n"),
     ("      wg_decode_item<D>(W, P, S,",
      "      if (threadIdx.x == 256u) TL(10, tl_clock());\n      wg_decode_item<D>(W, P, S,"),
-    ("    if (dv) mbar_arrive(B.full_v(rv.stage));\n",
-     "    if (dv) mbar_arrive(B.full_v(rv.stage));\n"
+    ("    mbar_arrive(B.full_v(rv.stage));\n",
+     "    mbar_arrive(B.full_v(rv.stage));\n"
      "    if (i == 0u && threadIdx.x == 256u) TL(8, tl_clock());\n"),
 ]
 

@@ -135,19 +135,17 @@ VARLEN_WG_HEAD_DIMS = (64, 128)
 VARLEN_WG_ROW_WARPS = 8
 VARLEN_WG_DECODE_WARPS = 8
 #: Per head dim the kernel compiles for: keys per step, shared stages of the decoded K and
-#: of the decoded V (one step each), and whether the decode warps are split by side (1: half
-#: of them decode K, half V, each half through its own ring, so that K can run a step ahead
-#: of V; 0: every decode warp decodes both).  Head_dim 256 takes steps of 64 keys and two V
-#: stages, so that q and four stages fit the SM's 227 KB, and decode warps by side: with
-#: two V stages, warps that decode both sides wait for V's ring before decoding the next K.
-VARLEN_WG_GEOMETRY = {64: (128, 2, 3, 0), 128: (128, 2, 3, 0), 256: (64, 2, 2, 1)}
+#: of the decoded V (one step each).  Head_dim 256 takes steps of 64 keys and two V stages,
+#: so that q and four stages fit the SM's 227 KB; it compiles, but is not in
+#: VARLEN_WG_HEAD_DIMS until it has run on a GPU.
+VARLEN_WG_GEOMETRY = {64: (128, 2, 3), 128: (128, 2, 3), 256: (64, 2, 2)}
 
 
 def varlen_wg_smem_bytes(head_dim: int) -> int:
     """Dynamic shared memory of the wgmma kernel (``WgDims::SMEM``, checked by the kernel):
     1024 bytes to align the swizzled regions, q, the K and V stages, the decode warps' scale
     staging."""
-    step, k_stages, v_stages, _ = VARLEN_WG_GEOMETRY[head_dim]
+    step, k_stages, v_stages = VARLEN_WG_GEOMETRY[head_dim]
     rows = MMA_ROWS * VARLEN_WG_ROW_WARPS
     warps = VARLEN_WG_DECODE_WARPS
     return (1024 + rows * head_dim * 2 + (k_stages + v_stages) * step * head_dim * 2
@@ -348,8 +346,8 @@ def header() -> str:
             f"#define FP4C_VARLEN_WG_ROW_WARPS {VARLEN_WG_ROW_WARPS}",
             f"#define FP4C_VARLEN_WG_DECODE_WARPS {VARLEN_WG_DECODE_WARPS}",
             "#define FP4C_VARLEN_WG_GEOMETRY(X) " + " ".join(
-                f"X({d}, {step}, {ks}, {vs}, {by_side})"
-                for d, (step, ks, vs, by_side) in VARLEN_WG_GEOMETRY.items())]
+                f"X({d}, {step}, {ks}, {vs})"
+                for d, (step, ks, vs) in VARLEN_WG_GEOMETRY.items())]
     fd = _CTYPES["FastDiv"]
     out.append("struct FastDiv {")
     out += [f"  {t} {n};" for n, t in FASTDIV_FIELDS]

@@ -237,13 +237,9 @@ FP4C_DEVICE i64 vl_page(const VlSeq& S, u32 key, u32 end) {
   return vl_wanted(S, key, end) ? load_id(S, fdiv(key, S.fT)) : (i64)-1;
 }
 
-// A lane's side (0: K, 1: V) where a warp decodes both: lanes 0..15 K, 16..31 V.  The
-// steps below take the side as an argument, VL_LANE_SIDE for that one.
-constexpr u32 VL_LANE_SIDE = 2u;
-
 // The row of key into R, its page's block id from page(pe) (pe: the page's index in the
 // sequence): the block table entry (vl_load) or one read before (vl_load_page); c0: the
-// first column of R's slice; side: K (0), V (1) or the lane's (VL_LANE_SIDE)
+// first column of R's slice
 struct VlTableId {
   const VlSeq& S;
   FP4C_DEVICE i64 operator()(u32 pe) const { return load_id(S, pe); }
@@ -254,8 +250,8 @@ struct VlGivenId {
 };
 template <int D, int DC, class Page>
 FP4C_DEVICE void vl_load_row(const VlSeq& S, u32 key, u32 end, const Page& page,
-                             VlRaw<D, DC>& R, u32 c0 = 0u, u32 side_of = VL_LANE_SIDE) {
-  const u32 side = side_of == VL_LANE_SIDE ? (threadIdx.x & 31u) >> 4 : side_of;
+                             VlRaw<D, DC>& R, u32 c0 = 0u) {
+  const u32 side = (threadIdx.x & 31u) >> 4;
 #pragma unroll
   for (int i = 0; i < DC / 8; ++i) R.w[i] = 0u;
 #pragma unroll
@@ -316,29 +312,23 @@ FP4C_DEVICE void vl_load(const VlSeq& S, u32 key, u32 end, VlRaw<D>& R) {
 // id: vl_page(S, key, end), read before
 template <int D, int DC>
 FP4C_DEVICE void vl_load_page(const VlSeq& S, u32 key, u32 end, i64 id, VlRaw<D, DC>& R,
-                              u32 c0 = 0u, u32 side = VL_LANE_SIDE) {
-  vl_load_row<D>(S, key, end, VlGivenId{id}, R, c0, side);
+                              u32 c0 = 0u) {
+  vl_load_row<D>(S, key, end, VlGivenId{id}, R, c0);
 }
 
 // ---------------------------------------------------------------------------------------
-// decode: the lane's row (its DC-column slice from group g0) of side side_of (as load's)
-// to f16 in the warp's tile (K rows 0..15, V rows 16..31); `stage` is the warp's
-// [2][16][D/16] scale staging (whole rows), row (lane / 16, t) the lane's (by side, the two
-// lanes of a token stage the same row).  nan_key: smallest key of a bad page (its K and V
-// decode to 0); s_vnan[grp]: smallest key whose V group grp is stored as NaN (it decodes to
-// 0; the rows that see that key get NaN in the group's 16 columns at the end).
+// decode: the lane's row (its DC-column slice from group g0) to f16 in the warp's tile (K
+// rows 0..15, V rows 16..31); `stage` is the warp's [2][16][D/16] scale staging (whole
+// rows).  nan_key: smallest key of a bad page (its K and V decode to 0); s_vnan[grp]:
+// smallest key whose V group grp is stored as NaN (it decodes to 0; the rows that see that
+// key get NaN in the group's 16 columns at the end).
 // ---------------------------------------------------------------------------------------
 template <int D, int DC, class TR>
 FP4C_DEVICE void vl_decode(const VlRaw<D, DC>& R, u32 key, u32 swizzle, u8* stage,
-                           const TR& tile, u32& nan_key, u32* s_vnan, u32 g0 = 0u,
-                           u32 side_of = VL_LANE_SIDE) {
+                           const TR& tile, u32& nan_key, u32* s_vnan, u32 g0 = 0u) {
   constexpr int G = D / 16, SW = D / 64, GC = DC / 16, SWC = DC / 64;
-  const u32 lane = threadIdx.x & 31u, t = lane & 15u;
-  const u32 side = side_of == VL_LANE_SIDE ? lane >> 4 : side_of;
-  const u32 half = side_of == VL_LANE_SIDE ? side : lane >> 4;
-  // V's staging rows: 16..31 where the lane's side is its half
-  const u32 vrow = side_of == VL_LANE_SIDE ? 16u : half * 16u;
-  u32* mine = (u32*)(stage + (half * 16u + t) * G);
+  const u32 lane = threadIdx.x & 31u, t = lane & 15u, side = lane >> 4;
+  u32* mine = (u32*)(stage + (side * 16u + t) * G);
 #pragma unroll
   for (int i = 0; i < SW; ++i) mine[i] = R.sc[i];
   __syncwarp();
@@ -350,7 +340,7 @@ FP4C_DEVICE void vl_decode(const VlRaw<D, DC>& R, u32 key, u32 swizzle, u8* stag
     for (int grp = 0; grp < GC; ++grp) {
       u32 ts, gs;
       v_scale_swizzle(t, g0 + grp, (g0 + grp) / (G / 4), G / 4, ts, gs);
-      sb[grp >> 2] |= (u32)stage[(vrow + ts) * G + gs] << (8 * (grp & 3));
+      sb[grp >> 2] |= (u32)stage[(16u + ts) * G + gs] << (8 * (grp & 3));
     }
   } else {
 #pragma unroll

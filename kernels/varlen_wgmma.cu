@@ -20,11 +20,9 @@
 // 256, where q and four stages fill the SM); step i:
 //   decode:  decode warp p decodes key block p (16 keys: vl_decode, lane (token t, side))
 //            of step i into the rings' next K and V stages once the row warps released
-//            them; then it loads its rows of step i + 1 (vl_load_page) and the block table
-//            entry of step i + 2 (vl_page), so that a step waits for one load only.  By
-//            side (head_dim 256: two V stages): decode warps 0..3 take K through the K
-//            ring only, 4..7 V through the V ring, warp p block p % 4, lane (token t,
-//            column half), so that K runs a step ahead of V;
+//            them (head_dim 256: block p % 4, columns 128 (p / 4) ..); then it loads its
+//            rows of step i + 1 (vl_load_page) and the block table entry of step i + 2
+//            (vl_page), so that a step waits for one load only;
 //   scores:  S = Q K^T, m64nSTEPk16 per warpgroup, both operands in shared memory;
 //   softmax: online, per row (wg_weights: vl_weights' contract, FlashAttention-3's
 //            arithmetic); the K stage is released when S is in registers;
@@ -43,15 +41,13 @@
 #error "varlen_wgmma.cu needs sm_90a (wgmma.mma_async)"
 #endif
 
-// The per-head-dim geometry (_abi.VARLEN_WG_GEOMETRY): keys per step, K and V stages,
-// decode warps by side
+// The per-head-dim geometry (_abi.VARLEN_WG_GEOMETRY): keys per step, K and V stages
 template <int D>
 struct WgGeometry;
-#define FP4C_WG_GEOMETRY_OF(d, step, k_stages, v_stages, by_side)                \
-  template <>                                                                     \
-  struct WgGeometry<d> {                                                          \
-    static constexpr int STEP = step, KSTAGES = k_stages, VSTAGES = v_stages;     \
-    static constexpr bool BY_SIDE = by_side != 0;                                 \
+#define FP4C_WG_GEOMETRY_OF(d, step, k_stages, v_stages) \
+  template <>                                             \
+  struct WgGeometry<d> {                                  \
+    static constexpr int STEP = step, KSTAGES = k_stages, VSTAGES = v_stages; \
   };
 FP4C_VARLEN_WG_GEOMETRY(FP4C_WG_GEOMETRY_OF)
 #undef FP4C_WG_GEOMETRY_OF
@@ -67,16 +63,11 @@ struct WgDims : HeadDims<D> {
   static constexpr int STEP = WgGeometry<D>::STEP;        // keys per step
   static constexpr int KTILES = STEP / 16;                // 16-key tiles of a step
   static constexpr int BLOCKS = STEP / FP4C_VARLEN_TILE_KEYS;  // key blocks of a step
-  // decode warps by side: warps 0 .. PWS - 1 of them decode K, the others V, a lane
-  // (token t, column half); else every decode warp decodes both, a lane (token t, side)
-  static constexpr bool BY_SIDE = WgGeometry<D>::BY_SIDE;
-  static constexpr int PWS = BY_SIDE ? PW / 2 : PW;  // decode warps per side
-  static constexpr int HALVES = BY_SIDE ? 2 : 1;     // a lane's share of a key's columns
   // a decode warp's unit: a key block's rows, or (fewer blocks than warps) a slice of
-  // their columns; UNITS per decode warp and step, DC columns of each per lane
-  static constexpr int PARTS = BLOCKS >= PWS ? 1 : PWS / BLOCKS;
-  static constexpr int UNITS = BLOCKS * PARTS / PWS;
-  static constexpr int DC = D / PARTS / HALVES;
+  // their columns; UNITS per decode warp and step, DC columns each
+  static constexpr int PARTS = BLOCKS >= PW ? 1 : PW / BLOCKS;
+  static constexpr int UNITS = BLOCKS * PARTS / PW;
+  static constexpr int DC = D / PARTS;
   static constexpr int QT = ROWS * D * 2;                 // q, swizzled
   static constexpr int KT = STEP * D * 2;                 // K (or V) of one stage
   static constexpr int KSTAGES = WgGeometry<D>::KSTAGES;
@@ -98,8 +89,8 @@ struct WgDims : HeadDims<D> {
                 "setmaxnreg moves registers within the CTA's allocation");
   static_assert((STEP == 128 || STEP == 64) && ROWS == 128,
                 "m64n128 or m64n64 scores per warpgroup");
-  static_assert(UNITS >= 1 && BLOCKS * PARTS == UNITS * PWS && (PARTS == 1 || UNITS == 1) &&
-                    DC % 64 == 0 && (!BY_SIDE || PARTS == 1),
+  static_assert(UNITS >= 1 && BLOCKS * PARTS == UNITS * PW && (PARTS == 1 || UNITS == 1) &&
+                    DC % 64 == 0,
                 "whole units per decode warp, slices of whole 64-column regions");
   static_assert(KSTAGES >= 2 && VSTAGES >= 2, "the decode of a step overlaps the MMAs of "
                 "the one before");
@@ -221,42 +212,35 @@ FP4C_DEVICE void wg_decode_item(const VlWork& W, const VarlenParams& P, const Vl
   u32 nan_key = FP4C_VL_NOKEY;
   VlRaw<D, A::DC> R[A::UNITS];
   i64 id[A::UNITS];  // the lane's pages of the next step (its rows are loaded a step ahead)
-  // by side: the warp's side and its place among the side's warps; else the lane's side
-  // (VL_LANE_SIDE: lane / 16) and the warp's place
-  const u32 side = A::BY_SIDE ? p / (u32)A::PWS : VL_LANE_SIDE;
-  const u32 pw = A::BY_SIDE ? p % (u32)A::PWS : p;
-  // the lane's key of block pw + PWS u, step i, or (column slices) of block pw % BLOCKS,
-  // its slice's first column c0
-  const u32 key_in = 16u * (A::PARTS == 1 ? pw : pw % (u32)A::BLOCKS) + (lane & 15u);
-  const u32 c0 = A::BY_SIDE ? (lane >> 4) * (u32)A::DC
-                 : A::PARTS == 1 ? 0u : pw / (u32)A::BLOCKS * (u32)A::DC;
-  const bool dk = !A::BY_SIDE || side == 0u, dv = !A::BY_SIDE || side == 1u;
+  // the lane's key of block p + PW u, step i, or (column slices) of block p % BLOCKS, its
+  // slice's first column c0
+  const u32 key_in = 16u * (A::PARTS == 1 ? p : p % (u32)A::BLOCKS) + (lane & 15u);
+  const u32 c0 = A::PARTS == 1 ? 0u : p / (u32)A::BLOCKS * (u32)A::DC;
   if (nsteps > 0u) {
 #pragma unroll
     for (int u = 0; u < A::UNITS; ++u) {
-      const u32 key = W.s0 + key_in + 16u * A::PWS * u;
-      vl_load_page<D>(S, key, W.s1, vl_page(S, key, W.s1), R[u], c0, side);
-      id[u] = nsteps > 1u ? vl_page(S, W.s0 + STEP + key_in + 16u * A::PWS * u, W.s1) : -1;
+      const u32 key = W.s0 + key_in + 16u * A::PW * u;
+      vl_load_page<D>(S, key, W.s1, vl_page(S, key, W.s1), R[u], c0);
+      id[u] = nsteps > 1u ? vl_page(S, W.s0 + STEP + key_in + 16u * A::PW * u, W.s1) : -1;
     }
   }
-  // both rings' positions advance every step; a warp waits for and fills only its sides'
   for (u32 i = 0; i < nsteps; ++i) {
     const u32 step = W.s0 + i * STEP;
-    if (dk) mbar_wait(B.empty_k(rk.stage), rk.phase ^ 1u);
-    if (dv) mbar_wait(B.empty_v(rv.stage), rv.phase ^ 1u);
+    mbar_wait(B.empty_k(rk.stage), rk.phase ^ 1u);
+    mbar_wait(B.empty_v(rv.stage), rv.phase ^ 1u);
     u16* k = (u16*)(s_kv + rk.stage * A::KT);
     u16* v = (u16*)(s_kv + (A::KSTAGES + rv.stage) * A::KT);
 #pragma unroll
     for (int u = 0; u < A::UNITS; ++u) {
-      const u32 off = key_in + 16u * A::PWS * u;
+      const u32 off = key_in + 16u * A::PW * u;
       vl_decode<D>(R[u], step + off, P.swizzle, my_stage,
-                   SwzTile<STEP>{k, v, off - (lane & 15u)}, nan_key, sh.vnan, c0 / 16u, side);
-      if (i + 1u < nsteps) vl_load_page<D>(S, step + STEP + off, W.s1, id[u], R[u], c0, side);
+                   SwzTile<STEP>{k, v, off - (lane & 15u)}, nan_key, sh.vnan, c0 / 16u);
+      if (i + 1u < nsteps) vl_load_page<D>(S, step + STEP + off, W.s1, id[u], R[u], c0);
       if (i + 2u < nsteps) id[u] = vl_page(S, step + 2u * STEP + off, W.s1);
     }
     fence_proxy_async();  // the stage's writes, for the wgmma reads (async proxy)
-    if (dk) mbar_arrive(B.full_k(rk.stage));
-    if (dv) mbar_arrive(B.full_v(rv.stage));
+    mbar_arrive(B.full_k(rk.stage));
+    mbar_arrive(B.full_v(rv.stage));
     rk.next();
     rv.next();
   }
@@ -446,12 +430,12 @@ FP4C_DEVICE void varlen_wg_impl(const void* __restrict__ q, const void* __restri
   if (threadIdx.x == 0u) {
 #pragma unroll
     for (int s = 0; s < A::KSTAGES; ++s) {
-      mbar_init(B.full_k(s), 32u * A::PWS);
+      mbar_init(B.full_k(s), 32u * A::PW);
       mbar_init(B.empty_k(s), 32u * A::MW);
     }
 #pragma unroll
     for (int s = 0; s < A::VSTAGES; ++s) {
-      mbar_init(B.full_v(s), 32u * A::PWS);
+      mbar_init(B.full_v(s), 32u * A::PW);
       mbar_init(B.empty_v(s), 32u * A::MW);
     }
   }
