@@ -7,10 +7,9 @@ the first step's rows again instead of loading each step's), ``nodecode`` (rows 
 not decoded: the stages keep what they hold), ``idle`` (the decode warps only pass the
 rings' barriers), ``nomma`` (the row warps issue no MMAs: softmax on stale scores); the
 head_dim 256 candidates ``regs40`` (registers decode / rows 40 / 216 instead of 48 / 208),
-``step32`` and ``step32b`` (steps of 32 keys, m64n32 scores, with three K and five V
-stages or four of each: the same shared memory, each decode lane a quarter of a key's
-columns) and ``step32r`` (``step32`` with ``regs40``'s registers), whose values are
-compared with ``base``'s.  The candidate changes measured with it and dropped are in
+``step64`` (steps of 64 keys, two K and two V stages, in place of 32 keys and three / five)
+and ``stages44`` (four K and four V stages), whose values are compared with ``base``'s.
+The candidate changes measured with it and dropped are in
 ``docs/kernels.md`` ("What was tried").
 
 Rows (Hq 32, H 8, D ``--head-dim``, block 16, bf16): a 2,048-token chunk after 30,720
@@ -23,7 +22,7 @@ hangs the kernel)::
 
     PYTHONPATH=. timeout 300 python3 bench/wgmma_decode_probe.py
     PYTHONPATH=. timeout 240 python3 bench/wgmma_decode_probe.py --head-dim 256 \\
-        --rows chunk --variants base idle nomma regs40 step32
+        --rows chunk --variants base idle nomma step64
 """
 
 from __future__ import annotations
@@ -70,19 +69,6 @@ def _geometry(**changed: tuple[int, int, int]) -> Patch:
                      for d, g in geometry.items()))
 
 
-# m64n32 scores (steps of 32 keys): wgmma.cuh's SS form for N = 32, the kernel's step check
-_N32 = [("#define FP4C_WG_ACC8(K, d, i)", """#define FP4C_WG_D16 \\
-  "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}"
-#define FP4C_WG_ACC16(K, d) FP4C_WG_ACC8(K, d, 0), FP4C_WG_ACC8(K, d, 8)
-#define FP4C_WG_ACC8(K, d, i)"""),
-        ("""  static_assert(N == 64 || N == 128, "m64n64 or m64n128");
-  if constexpr (N == 128 && INIT)""", """  if constexpr (N == 32 && INIT)
-    FP4C_WG_SS(32, FP4C_WG_D16, FP4C_WG_ACC16, "=f", 0, "%16, %17");
-  else if constexpr (N == 32)
-    FP4C_WG_SS(32, FP4C_WG_D16, FP4C_WG_ACC16, "+f", 1, "%16, %17");
-  else if constexpr (N == 128 && INIT)""")]
-_STEP32 = ("(STEP == 128 || STEP == 64) && ROWS == 128", "STEP >= 32 && ROWS == 128")
-
 # kernel_patch's patches of kernels/varlen_wgmma.cu per variant
 PATCHES: dict[str, list[Patch]] = {
     "base": [],
@@ -94,21 +80,18 @@ PATCHES: dict[str, list[Patch]] = {
     # head_dim 256 candidates
     "regs40": [("DECODE_REGS = D == 256 ? 48 : 64", "DECODE_REGS = D == 256 ? 40 : 64"),
                ("ROW_REGS = D == 256 ? 208 : 192", "ROW_REGS = D == 256 ? 216 : 192")],
-    "step32": [_geometry(d256=(32, 3, 5)), _STEP32],
-    "step32b": [_geometry(d256=(32, 4, 4)), _STEP32],
+    "step64": [_geometry(d256=(64, 2, 2))],
+    "stages44": [_geometry(d256=(32, 4, 4))],
 }
-PATCHES["step32r"] = PATCHES["step32"] + PATCHES["regs40"]
 
 
 #: the variants that change the kernel without switching work off (their values are checked
 #: against base's when base runs first)
-CANDIDATES = ("regs40", "step32", "step32b", "step32r")
+CANDIDATES = ("regs40", "step64", "stages44")
 
 #: the patched files of each variant's folder (tests/test_kernels_compile.py compiles them)
 FOLDERS: dict[str, dict[str, list[Patch]]] = {
     name: {"varlen_wgmma.cu": patches} for name, patches in PATCHES.items() if patches}
-for _name in ("step32", "step32b", "step32r"):
-    FOLDERS[_name]["wgmma.cuh"] = _N32
 
 #: the probe's rows: name -> (label, sequences, query tokens, cached tokens)
 ROWS = {"chunk": ("chunk 2,048 after 30,720", 1, 2048, 30720),

@@ -135,10 +135,11 @@ VARLEN_WG_HEAD_DIMS = (64, 128)
 VARLEN_WG_ROW_WARPS = 8
 VARLEN_WG_DECODE_WARPS = 8
 #: Per head dim the kernel compiles for: keys per step, shared stages of the decoded K and
-#: of the decoded V (one step each).  Head_dim 256 takes steps of 64 keys and two V stages,
-#: so that q and four stages fit the SM's 227 KB; it compiles, but is not in
-#: VARLEN_WG_HEAD_DIMS until it has run on a GPU.
-VARLEN_WG_GEOMETRY = {64: (128, 2, 3), 128: (128, 2, 3), 256: (64, 2, 2)}
+#: of the decoded V (one step each).  Head_dim 256 takes steps of 32 keys (q is 64 KB, and
+#: eight stages of 16 KB fit beside it in the SM's 227 KB; a decode lane holds a quarter
+#: of a key's columns, and the row warps' scores take 16 registers); it compiles, but is
+#: not in VARLEN_WG_HEAD_DIMS until it is faster than the mma.sync kernel on a GPU.
+VARLEN_WG_GEOMETRY = {64: (128, 2, 3), 128: (128, 2, 3), 256: (32, 3, 5)}
 
 
 def varlen_wg_smem_bytes(head_dim: int) -> int:

@@ -16,11 +16,11 @@
 // the row warps (192; 208).
 // Shared memory (the 128-byte swizzle of wgmma.cuh, one region per 64 columns): q [ROWS x
 // D] f16, K stages and V stages [STEP keys x D] f16 (a ring each, with full / empty
-// mbarriers), the decode warps' scale staging.  Steps of STEP keys (128; 64 at head_dim
-// 256, where q and four stages fill the SM); step i:
+// mbarriers), the decode warps' scale staging.  Steps of STEP keys (128; 32 at head_dim
+// 256, where q and eight stages fill the SM); step i:
 //   decode:  decode warp p decodes key block p (16 keys: vl_decode, lane (token t, side))
 //            of step i into the rings' next K and V stages once the row warps released
-//            them (head_dim 256: block p % 4, columns 128 (p / 4) ..); then it loads its
+//            them (head_dim 256: block p % 2, columns 64 (p / 2) ..); then it loads its
 //            rows of step i + 1 (vl_load_page) and the block table entry of step i + 2
 //            (vl_page), so that a step waits for one load only;
 //   scores:  S = Q K^T, m64nSTEPk16 per warpgroup, both operands in shared memory;
@@ -87,8 +87,8 @@ struct WgDims : HeadDims<D> {
   static_assert(DECODE_REGS * 32 * PW + ROW_REGS * 32 * MW <= START_REGS * THREADS &&
                     DECODE_REGS <= START_REGS && ROW_REGS >= START_REGS,
                 "setmaxnreg moves registers within the CTA's allocation");
-  static_assert((STEP == 128 || STEP == 64) && ROWS == 128,
-                "m64n128 or m64n64 scores per warpgroup");
+  static_assert((STEP == 128 || STEP == 64 || STEP == 32) && ROWS == 128,
+                "m64n128, m64n64 or m64n32 scores per warpgroup");
   static_assert(UNITS >= 1 && BLOCKS * PARTS == UNITS * PW && (PARTS == 1 || UNITS == 1) &&
                     DC % 64 == 0,
                 "whole units per decode warp, slices of whole 64-column regions");

@@ -42,8 +42,8 @@ FP4C_DEVICE void wg_fence_regs(float* x) {
   for (int i = 0; i < N; ++i) asm volatile("" : "+f"(x[i])::"memory");
 }
 
-// The accumulator operands of an m64n128 (64 f32 registers per thread) and an m64n64 (32)
-// wgmma: the register list of the instruction (operands %0 ..) and the constraint list
+// The accumulator operands of an m64n128 (64 f32 registers per thread), an m64n64 (32) and
+// an m64n32 (16) wgmma: the register list of the instruction (operands %0 ..) and the constraint list
 // (K: "+f" to accumulate, "=f" to only write)
 #define FP4C_WG_D64 \
   "{" \
@@ -57,8 +57,11 @@ FP4C_DEVICE void wg_fence_regs(float* x) {
   "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, " \
   "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31" \
   "}"
+#define FP4C_WG_D16 \
+  "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}"
 #define FP4C_WG_ACC8(K, d, i) \
   K(d[i]), K(d[i + 1]), K(d[i + 2]), K(d[i + 3]), K(d[i + 4]), K(d[i + 5]), K(d[i + 6]), K(d[i + 7])
+#define FP4C_WG_ACC16(K, d) FP4C_WG_ACC8(K, d, 0), FP4C_WG_ACC8(K, d, 8)
 #define FP4C_WG_ACC32(K, d) \
   FP4C_WG_ACC8(K, d, 0), FP4C_WG_ACC8(K, d, 8), FP4C_WG_ACC8(K, d, 16), FP4C_WG_ACC8(K, d, 24)
 #define FP4C_WG_ACC64(K, d) \
@@ -86,11 +89,15 @@ FP4C_DEVICE void wg_fence_regs(float* x) {
                : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db))
 
 // d (m64nN f32) = A B (INIT: the first k16 step) or += A B, A and B in shared memory
-// (FP4C_WG_SS); N 64 or 128
+// (FP4C_WG_SS); N 32, 64 or 128
 template <int N, bool INIT>
 FP4C_DEVICE void wg_ss(float* d, u64 da, u64 db) {
-  static_assert(N == 64 || N == 128, "m64n64 or m64n128");
-  if constexpr (N == 128 && INIT)
+  static_assert(N == 32 || N == 64 || N == 128, "m64n32, m64n64 or m64n128");
+  if constexpr (N == 32 && INIT)
+    FP4C_WG_SS(32, FP4C_WG_D16, FP4C_WG_ACC16, "=f", 0, "%16, %17");
+  else if constexpr (N == 32)
+    FP4C_WG_SS(32, FP4C_WG_D16, FP4C_WG_ACC16, "+f", 1, "%16, %17");
+  else if constexpr (N == 128 && INIT)
     FP4C_WG_SS(128, FP4C_WG_D64, FP4C_WG_ACC64, "=f", 0, "%64, %65");
   else if constexpr (N == 128)
     FP4C_WG_SS(128, FP4C_WG_D64, FP4C_WG_ACC64, "+f", 1, "%64, %65");
