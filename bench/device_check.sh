@@ -8,10 +8,7 @@
 #                                      # racecheck over the wgmma kernel's cases (~6 min)
 #   bash bench/device_check.sh varlen-probe  # the wgmma kernel with its loads, decode or
 #                                      # MMAs switched off (bench/wgmma_decode_probe.py)
-#   bash bench/device_check.sh varlen-d256  # head_dim 256 through the wgmma kernel (compiled,
-#                                      # not routed by the library yet): its tests, sanitizer
-#   bash bench/device_check.sh varlen-bench  # the varlen_bench table beside SDPA (JSON in $OUT;
-#                                      # head_dim 256's prefill row through the wgmma kernel)
+#   bash bench/device_check.sh varlen-bench  # the varlen_bench table beside SDPA (JSON in $OUT)
 # Logs go to $OUT (default /tmp/fp4cache-device).
 set -u
 export PYTHONUNBUFFERED=1 PYTHONPATH=.
@@ -62,9 +59,9 @@ varlen)
   timeout 330 python3 -m pytest -q -n 16 -p no:cacheprovider -W ignore::FutureWarning \
       tests/test_attention_varlen.py tests/test_hf.py tests/test_window.py tests/test_plans.py \
       2>&1 | tee "$OUT/varlen-tests.log" | tail -15
-  # the wgmma kernel (route auto on sm_90): head_dim 128 / 64, GQA 1 / 4 / 16, a CTA that
-  # takes every item, mixed batches, bad ids and NaN groups
-  wg='TestKernel and auto and ((many_rows and causal and (128-4 or 64-16 or 128-1)) or one_cta or mixed_batch or bad_ids or nan_groups)'
+  # the wgmma kernel (route auto on sm_90): head_dim 128 / 64 / 256, GQA 1 / 4 / 16, a CTA
+  # that takes every item, mixed batches, bad ids and NaN groups
+  wg='TestKernel and auto and ((many_rows and (causal and (128-4 or 64-16 or 128-1) or 256)) or one_cta or mixed_batch or bad_ids or nan_groups)'
   for tool in memcheck racecheck; do
     timeout 120 compute-sanitizer --tool "$tool" --error-exitcode 9 \
         python3 -m pytest -q -p no:cacheprovider tests/test_attention_varlen.py -k "$wg" \
@@ -77,25 +74,8 @@ varlen-probe)
   timeout 300 python3 bench/wgmma_decode_probe.py 2>&1 | tee "$OUT/wgmma-probe.log"
   ;;
 varlen-bench)
-  # head_dim 256's prefill row through the wgmma kernel too (the mma.sync route beside it)
   timeout 540 python3 bench/varlen_bench.py --only spec prefill prefill_shapes mixed --reps 5 \
-      --wgmma-head-dims 64 128 256 --out "$OUT/varlen.json" 2>&1 \
+      --out "$OUT/varlen.json" 2>&1 \
       | tee "$OUT/varlen-bench.log" | tail -40
-  ;;
-varlen-d256)
-  # head_dim 256 through the wgmma kernel, which the library does not route yet: the
-  # wgmma_head_dims plugin routes it (its first line names the routed head dims); the tests
-  # of head_dim 256, then the sanitizers over the wgmma kernel's head_dim 256 cases
-  export PYTHONPATH=.:bench
-  timeout 150 python3 -m pytest -q -n 16 -p no:cacheprovider -p wgmma_head_dims \
-      tests/test_attention_varlen.py -k 256 2>&1 | tee "$OUT/d256-tests.log" | tail -12
-  wg='TestKernel and auto and 256 and many_rows'
-  for tool in memcheck racecheck; do
-    timeout 150 compute-sanitizer --tool "$tool" --error-exitcode 9 \
-        python3 -m pytest -q -p no:cacheprovider -p wgmma_head_dims \
-        tests/test_attention_varlen.py -k "$wg" > "$OUT/d256-sanitizer-$tool.log" 2>&1
-    echo "compute-sanitizer $tool exit=$? $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY|passed|failed' \
-        "$OUT/d256-sanitizer-$tool.log" | tr '\n' ' ')"
-  done
   ;;
 esac

@@ -479,21 +479,10 @@ def main(argv=None) -> int:
                     help="also time each row with the last P pages in the exact window")
     ap.add_argument("--rotate", action="store_true",
                     help="also time each row with the q rotation (with --window: both)")
-    ap.add_argument("--wgmma-head-dims", type=int, nargs="+", default=None, metavar="D",
-                    help="route these head dims (keys of fp4cache._abi.VARLEN_WG_GEOMETRY) "
-                         "to the wgmma kernel, e.g. 64 128 256 for one it compiles for but "
-                         "the library does not route yet")
     ap.add_argument("--max-row-warps", type=int, default=None, metavar="MW",
                     help="experiment: launch no varlen kernel of more row warps than MW "
                          "(e.g. 4: the 64-row kernel for long sequences instead of _r128)")
     args = ap.parse_args(argv)
-    if args.wgmma_head_dims is not None:
-        from wgmma_head_dims import route
-
-        try:
-            route(args.wgmma_head_dims)
-        except ValueError as exc:
-            ap.error(f"--wgmma-head-dims: {exc}")
     if args.max_row_warps is not None:
         from fp4cache import _abi
 

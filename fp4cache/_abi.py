@@ -131,14 +131,13 @@ def varlen_smem_bytes(head_dim: int, row_warps: int, split_q: bool) -> int:
 #: The wgmma kernel (kernels/varlen_wgmma.cu, sm_90a): the head dims the host routes to it,
 #: rows per CTA (two warpgroups of 64; the plan's row_warps is VARLEN_WG_ROW_WARPS), the
 #: decode warps (two warpgroups beside them).
-VARLEN_WG_HEAD_DIMS = (64, 128)
+VARLEN_WG_HEAD_DIMS = (64, 128, 256)
 VARLEN_WG_ROW_WARPS = 8
 VARLEN_WG_DECODE_WARPS = 8
 #: Per head dim the kernel compiles for: keys per step, shared stages of the decoded K and
-#: of the decoded V (one step each).  Head_dim 256 takes steps of 32 keys (q is 64 KB, and
+#: of the decoded V (one step each).  Head_dim 256 takes steps of 32 keys: q is 64 KB, and
 #: eight stages of 16 KB fit beside it in the SM's 227 KB; a decode lane holds a quarter
-#: of a key's columns, and the row warps' scores take 16 registers); it compiles, but is
-#: not in VARLEN_WG_HEAD_DIMS until it is faster than the mma.sync kernel on a GPU.
+#: of a key's columns, and the row warps' scores take 16 registers.
 VARLEN_WG_GEOMETRY = {64: (128, 2, 3), 128: (128, 2, 3), 256: (32, 3, 5)}
 
 

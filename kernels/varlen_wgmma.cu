@@ -5,8 +5,7 @@
 // NaN groups, the counters and the split merge are varlen_attention.cu's, through the
 // steps both kernels share (varlen_steps.cuh); the host takes this kernel in place of the
 // 128-row mma.sync kernel (_r128) on an sm_90 device for bf16 / f16 q, the head dims of
-// _abi.VARLEN_WG_HEAD_DIMS (64 / 128; 256 compiles, _abi.VARLEN_WG_GEOMETRY), without the
-// window or the rotation.
+// _abi.VARLEN_WG_HEAD_DIMS (64 / 128 / 256), without the window or the rotation.
 //
 // A CTA: four warpgroups, warp specialized (FlashAttention-3's structure).  Warpgroups 0
 // and 1 (the row warps, 64 query rows each: warp k of the CTA rows 16 k .., as the _r128
