@@ -1073,7 +1073,7 @@ class TestKernel:
         the head dims of ``_abi.VARLEN_WG_HEAD_DIMS``, else the mma.sync kernel; GQA 1-16,
         both layouts) beside a few-row one: chunks after cached keys, one that starts at key 0,
         a 100-token chunk that fits one 128-row tile with group 1 (split keys), the
-        kernels' step edges (128 keys; 64 for the wgmma kernel at head_dim 256)."""
+        kernels' step edges (128 keys; 32 for the wgmma kernel at head_dim 256)."""
         rng = np.random.default_rng(zlib_seed("many", D, group, dtname, layout, causal))
         ns = [300, 100, 1, 129, 65]
         lens = [1000, 100, 700, 129 + 256, 3000]
@@ -1238,10 +1238,10 @@ class TestKernel:
     def test_many_rows_nan_groups_and_bad_pages(self, D, layout, swizzle, route):
         """NaN groups and a bad page in sequences of many rows (the wgmma kernel on sm_90
         with route "auto" for the head dims of ``_abi.VARLEN_WG_HEAD_DIMS``; at head_dim
-        256 a decode warp takes half of a key block's columns): a V group and a K group
-        stored as NaN (in the second half at head_dim 256) reach exactly the rows that see
-        them, a bad page gives NaN to exactly the rows that see it and is counted once (not
-        once per column half), V scales swizzled or not."""
+        256 a decode warp takes a quarter of a key block's columns): a V group and a K group
+        stored as NaN (past the first quarter at head_dim 256) reach exactly the rows that
+        see them, a bad page gives NaN to exactly the rows that see it and is counted once
+        (not once per column slice), V scales swizzled or not."""
         rng = np.random.default_rng(zlib_seed("nan-many", D, layout, swizzle))
         H, T, group = 2, 16, 4
         ns = [40, 30, 3]

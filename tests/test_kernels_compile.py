@@ -60,10 +60,10 @@ def test_all_specializations_compile(arch):
 
 @needs_nvrtc
 def test_wgmma_kernel_assembles_for_every_head_dim_it_compiles_for():
-    """The wgmma kernel for every head dim of ``_abi.VARLEN_WG_GEOMETRY``, head_dim 256
-    included (steps of 32 keys, m64n32 scores; each decode warp takes a quarter of a key
-    block's columns; the P V of 256 columns as two m64n128 MMAs), which the host routes only
-    once it is in ``_abi.VARLEN_WG_HEAD_DIMS``: NVRTC's PTX has no stack but the split set, and ptxas
+    """The wgmma kernel for every head dim of ``_abi.VARLEN_WG_GEOMETRY`` (the host routes
+    those of ``_abi.VARLEN_WG_HEAD_DIMS``), head_dim 256 included (steps of 32 keys, m64n32
+    scores; each decode warp takes a quarter of a key block's columns; the P V of 256
+    columns as two m64n128 MMAs): NVRTC's PTX has no stack but the split set, and ptxas
     assembles it for sm_90a (it refuses an instruction whose operands exceed the launch's
     128 registers per thread, as an m64n256 MMA's 128 accumulators would) without
     serializing the MMAs (C7512 / C7515, where NVRTC prints ptxas' report: 12.x)."""
