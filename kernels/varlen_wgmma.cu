@@ -77,8 +77,8 @@ struct WgDims : HeadDims<D> {
   static constexpr int SMEM = 1024 + QT + KV + SC;
   // registers per thread after setmaxnreg (launched with 65536 / THREADS, rounded down to
   // a multiple of 8): the decode warps give, the row warps take.  Head_dim 256: O alone is
-  // 128 registers of a row thread; with 200 ptxas serializes the MMAs (C7512), with 208
-  // the row warps' step loop has 3 spill accesses and the decode warps' 39 (ptxas 12.9)
+  // 128 registers of a row thread; with 200 ptxas serializes the MMAs (C7512), with 208 it
+  // spills 452 / 684 bytes (stores / loads; ptxas 12.9)
   static constexpr int START_REGS = (65536 / THREADS) & ~7;
   static constexpr int DECODE_REGS = D == 256 ? 48 : 64;
   static constexpr int ROW_REGS = D == 256 ? 208 : 192;

@@ -43,8 +43,8 @@ FP4C_DEVICE void wg_fence_regs(float* x) {
 }
 
 // The accumulator operands of an m64n128 (64 f32 registers per thread), an m64n64 (32) and
-// an m64n32 (16) wgmma: the register list of the instruction (operands %0 ..) and the constraint list
-// (K: "+f" to accumulate, "=f" to only write)
+// an m64n32 (16) wgmma: the register list of the instruction (operands %0 ..) and the
+// constraint list (K: "+f" to accumulate, "=f" to only write)
 #define FP4C_WG_D64 \
   "{" \
   "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, " \
@@ -62,8 +62,7 @@ FP4C_DEVICE void wg_fence_regs(float* x) {
 #define FP4C_WG_ACC8(K, d, i) \
   K(d[i]), K(d[i + 1]), K(d[i + 2]), K(d[i + 3]), K(d[i + 4]), K(d[i + 5]), K(d[i + 6]), K(d[i + 7])
 #define FP4C_WG_ACC16(K, d) FP4C_WG_ACC8(K, d, 0), FP4C_WG_ACC8(K, d, 8)
-#define FP4C_WG_ACC32(K, d) \
-  FP4C_WG_ACC8(K, d, 0), FP4C_WG_ACC8(K, d, 8), FP4C_WG_ACC8(K, d, 16), FP4C_WG_ACC8(K, d, 24)
+#define FP4C_WG_ACC32(K, d) FP4C_WG_ACC16(K, d), FP4C_WG_ACC8(K, d, 16), FP4C_WG_ACC8(K, d, 24)
 #define FP4C_WG_ACC64(K, d) \
   FP4C_WG_ACC32(K, d), FP4C_WG_ACC8(K, d, 32), FP4C_WG_ACC8(K, d, 40), FP4C_WG_ACC8(K, d, 48), \
       FP4C_WG_ACC8(K, d, 56)
