@@ -7,7 +7,11 @@ the first step's rows again instead of loading each step's), ``nodecode`` (rows 
 not decoded: the stages keep what they hold), ``idle`` (the decode warps only pass the
 rings' barriers), ``nomma`` (the row warps issue no MMAs: softmax on stale scores).  The
 candidate changes measured with it and dropped are in ``docs/kernels.md`` ("What was
-tried").
+tried").  ``--baseline DIR`` adds the variant ``baseline``: the kernel built from DIR's
+copies of kernel files (an older ``varlen_wgmma.cu`` and the headers it changed with; the
+rest from ``kernels/``), for an A/B of a kernel change in one process.  Each variant's
+output bytes are compared with the first variant's (equal where a change only reorders
+work whose values it does not touch).
 
 Rows (Hq 32, H 8, D ``--head-dim``, block 16, bf16): a 2,048-token chunk after 30,720
 cached, a plain 8,192-token prefill, four plain 4,096-token prefills (``--rows``).
@@ -18,6 +22,9 @@ hangs the kernel)::
     PYTHONPATH=. timeout 300 python3 bench/wgmma_decode_probe.py
     PYTHONPATH=. timeout 240 python3 bench/wgmma_decode_probe.py --head-dim 256 \\
         --rows chunk --variants base idle nomma
+    git show HEAD~1:kernels/varlen_wgmma.cu > /tmp/old/varlen_wgmma.cu  # (and its headers)
+    PYTHONPATH=. timeout 240 python3 bench/wgmma_decode_probe.py --variants base \\
+        --baseline /tmp/old
 """
 
 from __future__ import annotations
@@ -80,6 +87,8 @@ def main(argv=None) -> int:
     ap.add_argument("--variants", nargs="*", default=list(PATCHES), choices=list(PATCHES))
     ap.add_argument("--head-dim", type=int, default=128, choices=_abi.VARLEN_WG_HEAD_DIMS)
     ap.add_argument("--rows", nargs="*", default=list(ROWS), choices=list(ROWS))
+    ap.add_argument("--baseline", type=Path, default=None,
+                    help="a folder of older kernel files: timed as the variant 'baseline'")
     args = ap.parse_args(argv)
     from varlen_bench import VarlenBench
 
@@ -92,6 +101,10 @@ def main(argv=None) -> int:
     root = Path(tempfile.mkdtemp())
     folders = {name: write_folder(root / name, FOLDERS[name]) if name in FOLDERS else None
                for name in args.variants}
+    if args.baseline is not None:
+        if not (args.baseline / "varlen_wgmma.cu").is_file():
+            ap.error(f"--baseline: {args.baseline} holds no varlen_wgmma.cu")
+        folders = {"baseline": str(args.baseline.resolve()), **folders}
     D = args.head_dim
     sm_scale = 1.0 / np.sqrt(D)
     try:
@@ -102,8 +115,8 @@ def main(argv=None) -> int:
             qsl = cp.arange(B + 1, dtype=cp.int32) * n
             out = cp.empty((B * n, 32, D), dtype=BF16)
             log(f"== {case}, head_dim {D}")
-            for name in args.variants:
-                folder = folders[name]
+            first = None  # the first variant's output bytes
+            for name, folder in folders.items():
                 if folder is None:
                     K.varlen_wgmma_spec = shipped
                 else:
@@ -114,8 +127,14 @@ def main(argv=None) -> int:
                                  sm_scale, n)
                 call()
                 cp.cuda.Device().synchronize()
+                got = out.view(cp.uint16).get()
+                if first is None:
+                    first, same = (name, got), ""
+                else:
+                    same = (f"  bytes {'equal to' if np.array_equal(got, first[1]) else 'unlike'}"
+                            f" {first[0]}'s")
                 t = vb.time([call], batch=3)
-                log(f"   {name:9s} {t * 1e6:9.1f} us")
+                log(f"   {name:9s} {t * 1e6:9.1f} us{same}")
             K.varlen_wgmma_spec = shipped
             del cache
             vb.release()

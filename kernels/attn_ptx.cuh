@@ -1,7 +1,7 @@
 // fp4cache: PTX wrappers of the attention kernels (decode_attention.cu, varlen_attention.cu):
 // float helpers without .ftz (CuPy compiles with -ftz=true), L2-only and read-only loads,
-// cp.async, mma.sync m16n8k16 f16 -> f32, movmatrix and ldmatrix, the barriers the shared
-// epilogue steps take (CtaBar, NamedBar).  sm_80+.
+// cp.async, mma.sync m16n8k16 f16 -> f32, movmatrix and ldmatrix, a warp's minimum (redux),
+// the barriers the shared epilogue steps take (CtaBar, NamedBar).  sm_80+.
 #pragma once
 #include "fp4_common.cuh"
 
@@ -24,6 +24,11 @@ FP4C_DEVICE float a_lg2(float x) {
 FP4C_DEVICE u32 hmul2(u32 a, u32 b) {
   u32 r;
   asm("mul.rn.f16x2 %0, %1, %2;" : "=r"(r) : "r"(a), "r"(b));
+  return r;
+}
+FP4C_DEVICE u32 redux_min(u32 x) {  // the minimum over the warp's lanes (sm_80+)
+  u32 r;
+  asm volatile("redux.sync.min.u32 %0, %1, 0xffffffff;" : "=r"(r) : "r"(x));
   return r;
 }
 FP4C_DEVICE float ldcg_f32(const float* p) {  // L2 only: data other CTAs of this grid wrote

@@ -252,29 +252,33 @@ template <int D, int DC, class Page>
 FP4C_DEVICE void vl_load_row(const VlSeq& S, u32 key, u32 end, const Page& page,
                              VlRaw<D, DC>& R, u32 c0 = 0u) {
   const u32 side = (threadIdx.x & 31u) >> 4;
+  // zeros where the row is not read (only those paths write them: a read row's codes come
+  // from its loads)
+  auto no_codes = [&R]() {
 #pragma unroll
-  for (int i = 0; i < DC / 8; ++i) R.w[i] = 0u;
+    for (int i = 0; i < DC / 8; ++i) R.w[i] = 0u;
+  };
+  auto no_row = [&](u32 state) {
+    no_codes();
 #pragma unroll
-  for (int i = 0; i < D / 64; ++i) R.sc[i] = 0u;
-  R.state = 0u;
+    for (int i = 0; i < D / 64; ++i) R.sc[i] = 0u;
+    R.state = state;
+  };
   // swizzled V scales: the 4 rows of a 4-token block hold the scales of all 4 tokens (and
   // T % 4 == 0: the block lies in one page)
   const bool want = key < end || (S.swizzle && (key & ~3u) < end);
-  if (!want) return;
+  if (!want) return no_row(0u);
   const u32 pe = fdiv(key, S.fT), t = key - pe * S.fT.d;
   const i64 id = page(pe);
   if (!page_ok(S, id)) {
-    if (key < end) {
-      R.state = 2u;
-      if (t == 0u && side == 0u && c0 == 0u) count_bad_block(S);  // once per page
-    }
-    return;
+    if (key < end && t == 0u && side == 0u && c0 == 0u) count_bad_block(S);  // once per page
+    return no_row(key < end ? 2u : 0u);
   }
   const u8* base = S.buffer + id * S.page_bytes + side * S.side_bytes;
   const u32 row = S.h * S.row_h + t * S.row_t;
   const u8* p = base + (u64)row * (D / 2) + c0 / 2u;
   if (key >= end) {
-    // read for its scales only (other lanes' swizzled V scales): codes stay 0
+    no_codes();  // read for its scales only (other lanes' swizzled V scales)
   } else if (S.vec16) {
 #pragma unroll
     for (int i = 0; i < DC / 32; ++i) {
@@ -350,13 +354,22 @@ FP4C_DEVICE void vl_decode(const VlRaw<D, DC>& R, u32 key, u32 swizzle, u8* stag
   const bool live = R.state == 1u;
   if (R.state == 2u) nan_key = min(nan_key, key);
 #pragma unroll
-  for (int grp = 0; grp < GC; ++grp) {
-    u32 sbyte = live ? (sb[grp >> 2] >> (8 * (grp & 3))) & 0xFFu : 0u;
-    if (side == 1u && (sbyte & 0x7Fu) == 0x7Fu) {
-      atomicMin(&s_vnan[g0 + grp], key);
-      sbyte = 0u;
+  for (int i = 0; i < SWC; ++i) {  // four groups' scale bytes at a time
+    u32 w = live ? sb[i] : 0u;
+    // V groups stored as NaN (magnitude 0x7F): reported, decoded as 0
+    const u32 nan = side == 1u ? ((w & 0x7F7F7F7Fu) + 0x01010101u) & 0x80808080u : 0u;
+    if (nan != 0u) {
+#pragma unroll
+      for (int b = 0; b < 4; ++b)
+        if (nan & (0x80u << (8 * b))) atomicMin(&s_vnan[g0 + 4 * i + b], key);
+      w &= ~((nan >> 7) * 0xFFu);
     }
-    const u32 sf = pair_scale(sbyte * 0x0101u);
+    sb[i] = w;
+  }
+#pragma unroll
+  for (int grp = 0; grp < GC; ++grp) {
+    // the group's scale byte in both bytes of the pair
+    const u32 sf = pair_scale(__byte_perm(sb[grp >> 2], 0u, 0x11u * (u32)(grp & 3)));
 #pragma unroll
     for (int hw = 0; hw < 2; ++hw) {
       const int w = 2 * grp + hw;

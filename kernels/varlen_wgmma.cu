@@ -160,12 +160,13 @@ FP4C_DEVICE void wg_scores(float (&s)[STEP / 16][2][4], u32 q_s, u32 k_s) {
   // q's descriptors made here at each call: hoisted out of the step loop they take 16
   // registers of the row warps (spilled)
   asm volatile("" : "+r"(q_s));
+  const u64 qa = wg_desc(q_s, 16u, 1024u), kb = wg_desc(k_s, 16u, 1024u);
   wg_fence();
 #pragma unroll
   for (int ks = 0; ks < D / 16; ++ks) {
     const u32 off = (u32)(ks & 3) * 32u;  // k16 step inside the 128-byte row
-    const u64 da = wg_desc(q_s + (u32)(ks >> 2) * (ROWS * 128u) + off, 16u, 1024u);
-    const u64 db = wg_desc(k_s + (u32)(ks >> 2) * (STEP * 128u) + off, 16u, 1024u);
+    const u64 da = wg_desc_at(qa, (u32)(ks >> 2) * (ROWS * 128u) + off);
+    const u64 db = wg_desc_at(kb, (u32)(ks >> 2) * (STEP * 128u) + off);
     if (ks == 0)
       wg_ss<STEP, true>(&s[0][0][0], da, db);
     else
@@ -183,14 +184,14 @@ FP4C_DEVICE void wg_pv(VlRowState<D>& st, const u32 (&pa)[STEP / 16][4], u32 v_s
   // at most 128 columns per MMA (head_dim 256: two, the second from region 2): ptxas
   // checks every instruction against the launch's 128 registers, and an m64n256 wants 158
   constexpr int N = D < 128 ? D : 128;
+  const u64 vb = wg_desc(v_s, STEP * 128u, 1024u);
   wg_fence();
 #pragma unroll
   for (int j = 0; j < STEP / 16; ++j)
 #pragma unroll
     for (int h = 0; h < D / N; ++h)
       wg_rs<N>(&st.o[h * (N / 8)][0], pa[j],
-               wg_desc(v_s + (u32)(h * (N / 64)) * (STEP * 128u) + (u32)j * 2048u,
-                       STEP * 128u, 1024u));
+               wg_desc_at(vb, (u32)(h * (N / 64)) * (STEP * 128u) + (u32)j * 2048u));
   wg_commit();
 }
 
@@ -269,10 +270,10 @@ FP4C_DEVICE void wg_turn_pass(u32 wg) {  // the other warpgroup's turn
 // ---------------------------------------------------------------------------------------
 // softmax weights (vl_weights' contract) for score scales rs > 0, FlashAttention-3's way:
 // the row maximum of the raw scores times rs (the same value: rounding is monotonic), the
-// weights 2^(s rs - m) from one fma, and the key limits applied only in the steps that
-// reach one of the rows' limits; other scales take vl_weights
+// weights 2^(s rs - m) from one fma, and the key limits applied (MASK) only in the steps
+// that reach one of the rows' limits; other scales take vl_weights
 // ---------------------------------------------------------------------------------------
-template <int D, int NT>
+template <int D, int NT, bool MASK>
 FP4C_DEVICE bool wg_weights(float (&s)[NT][2][4], u32 key0, const u32 (&lim)[2],
                             const float (&rs)[2], VlRowState<D>& st, float (&alpha)[2]) {
   if (!(f_gt(rs[0], 0.0f) && f_gt(rs[1], 0.0f)))
@@ -281,7 +282,7 @@ FP4C_DEVICE bool wg_weights(float (&s)[NT][2][4], u32 key0, const u32 (&lim)[2],
   bool moved = false;
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
-    if (key0 + (u32)(16 * NT) > lim[r]) {
+    if (MASK && key0 + (u32)(16 * NT) > lim[r]) {
 #pragma unroll
       for (int j = 0; j < NT; ++j)
 #pragma unroll
@@ -290,12 +291,16 @@ FP4C_DEVICE bool wg_weights(float (&s)[NT][2][4], u32 key0, const u32 (&lim)[2],
           for (int e = 0; e < 2; ++e)
             if (key0 + 16u * j + 8u * nt + 2u * c + e >= lim[r]) s[j][nt][2 * r + e] = FP4C_NEG_INF;
     }
-    float tmax = FP4C_NEG_INF;
+    // the row's maximum in four independent chains (the same value: max.f32 is exact and
+    // drops NaN in any order)
+    float tm[4] = {FP4C_NEG_INF, FP4C_NEG_INF, FP4C_NEG_INF, FP4C_NEG_INF};
 #pragma unroll
     for (int j = 0; j < NT; ++j)
 #pragma unroll
       for (int nt = 0; nt < 2; ++nt)
-        tmax = f_max(tmax, f_max(s[j][nt][2 * r], s[j][nt][2 * r + 1]));  // drops NaN
+        tm[(2 * j + nt) & 3] = f_max(tm[(2 * j + nt) & 3],
+                                     f_max(s[j][nt][2 * r], s[j][nt][2 * r + 1]));
+    float tmax = f_max(f_max(tm[0], tm[1]), f_max(tm[2], tm[3]));
     tmax = f_max(tmax, __shfl_xor_sync(0xFFFFFFFFu, tmax, 1));
     tmax = f_max(tmax, __shfl_xor_sync(0xFFFFFFFFu, tmax, 2));
     const float mn = f_max(st.m[r], f_mul(tmax, rs[r]));
@@ -341,9 +346,10 @@ struct WgRowSteps {
     wg_scores<D, A::ROWS, A::STEP>(s, q_s, kv_s + rk.stage * A::KT);
     wg_turn_pass(wg);
   }
-  // step i: its softmax, then its P.V and (MORE) step i + 1's scores.  The last step is
-  // compiled apart: a wgmma under a condition makes ptxas serialize them (C7515).
-  template <bool MORE>
+  // step i: its softmax (MASK: with the rows' key limits), then its P.V and (MORE) step
+  // i + 1's scores.  The last step is compiled apart: a wgmma under a condition makes
+  // ptxas serialize them (C7515).
+  template <bool MORE, bool MASK>
   FP4C_DEVICE void step(u32 i) {
     wg_wait<0>();  // step i's scores and step i - 1's P.V
     wg_fence_regs<8 * A::KTILES>(&s[0][0][0]);
@@ -356,7 +362,8 @@ struct WgRowSteps {
     }
     {
       float alpha[2];
-      const bool moved = wg_weights<D, A::KTILES>(s, s0 + i * A::STEP, lim, rs, st, alpha);
+      const bool moved =
+          wg_weights<D, A::KTILES, MASK>(s, s0 + i * A::STEP, lim, rs, st, alpha);
       vl_pack<A::KTILES>(s, pa);
       vl_rescale<D>(st, alpha, moved);
     }
@@ -391,9 +398,21 @@ FP4C_DEVICE void wg_row_item(const VlWork& W, const VarlenParams& P, u8* s_q, u8
   // ptxas serialize the wgmmas, C7515)
   wg_fence_regs<D / 2>(&R.st.o[0][0]);
   if (nsteps > 0u) {
+    // the steps before `whole` reach no key limit of the warpgroup's rows (those of its
+    // item: padding rows are never written): their softmax compares no key (a loop of
+    // its own, since ptxas would turn a branch on it into predicated compares)
+    u32 lo = W.s1;
+    const u32 r0 = wg * 64u + (threadIdx.x & 31u);
+#pragma unroll
+    for (u32 h = 0; h < 2u; ++h)
+      if (r0 + 32u * h < W.rows_here) lo = min(lo, sh.lim[r0 + 32u * h]);
+    lo = redux_min(lo);
+    const u32 whole = min(lo > W.s0 ? (lo - W.s0) / (u32)A::STEP : 0u, nsteps - 1u);
     R.first();
-    for (u32 i = 0; i + 1u < nsteps; ++i) R.template step<true>(i);
-    R.template step<false>(nsteps - 1u);
+    u32 i = 0;
+    for (; i < whole; ++i) R.template step<true, false>(i);
+    for (; i + 1u < nsteps; ++i) R.template step<true, true>(i);
+    R.template step<false, true>(nsteps - 1u);
     R.last();
   }
   // ---- merge (one warp per row block) and write -----------------------------------------

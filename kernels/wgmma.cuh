@@ -20,6 +20,11 @@ FP4C_DEVICE u64 wg_desc(u32 addr, u32 lbo, u32 sbo) {
   return (u64)((addr & 0x3FFFFu) >> 4) | ((u64)(lbo >> 4) << 16) | ((u64)(sbo >> 4) << 32) |
          (1ull << 62);
 }
+// The descriptor of the operand `bytes` further than desc's (both inside shared memory:
+// the start address field, bits 0..13, does not carry into the rest; a 32-bit add)
+FP4C_DEVICE u64 wg_desc_at(u64 desc, u32 bytes) {
+  return (desc & ~0xFFFFFFFFull) | (u64)((u32)desc + (bytes >> 4));
+}
 // Before a warpgroup's first wgmma after its registers (accumulators, A) were written
 FP4C_DEVICE void wg_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
 FP4C_DEVICE void wg_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
