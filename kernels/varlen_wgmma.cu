@@ -11,8 +11,8 @@
 // and 1 (the row warps, 64 query rows each: warp k of the CTA rows 16 k .., as the _r128
 // kernel's) run the MMAs and the softmax; warpgroups 2 and 3 (the decode warps) bring the
 // NVFP4 page rows into registers and decode them once per CTA into the shared K / V
-// stages.  setmaxnreg moves registers from the decode warps (64; 48 at head_dim 256) to
-// the row warps (192; 208).
+// stages.  setmaxnreg moves registers from the decode warps (64; 56 at head_dim 256) to
+// the row warps (192; 200).
 // Shared memory (the 128-byte swizzle of wgmma.cuh, one region per 64 columns): q [ROWS x
 // D] f16, K stages and V stages [STEP keys x D] f16 (a ring each, with full / empty
 // mbarriers), the decode warps' scale staging.  Steps of STEP keys (128; 32 at head_dim
@@ -77,11 +77,11 @@ struct WgDims : HeadDims<D> {
   static constexpr int SMEM = 1024 + QT + KV + SC;
   // registers per thread after setmaxnreg (launched with 65536 / THREADS, rounded down to
   // a multiple of 8): the decode warps give, the row warps take.  Head_dim 256: O alone is
-  // 128 registers of a row thread; with 200 ptxas serializes the MMAs (C7512), with 208 it
-  // spills 452 / 684 bytes (stores / loads; ptxas 12.9)
+  // 128 registers of a row thread; at 56 / 200 ptxas spills 248 / 424 bytes (stores /
+  // loads, ptxas 13.0), almost none in the decode loop; 48 / 208 ran 12 % slower
   static constexpr int START_REGS = (65536 / THREADS) & ~7;
-  static constexpr int DECODE_REGS = D == 256 ? 48 : 64;
-  static constexpr int ROW_REGS = D == 256 ? 208 : 192;
+  static constexpr int DECODE_REGS = D == 256 ? 56 : 64;
+  static constexpr int ROW_REGS = D == 256 ? 200 : 192;
   static_assert(MW == 8 && PW == 8, "two row warpgroups, two decode warpgroups");
   static_assert(DECODE_REGS * 32 * PW + ROW_REGS * 32 * MW <= START_REGS * THREADS &&
                     DECODE_REGS <= START_REGS && ROW_REGS >= START_REGS,
