@@ -1085,6 +1085,24 @@ class TestKernel:
         wg = route == "auto" and wgmma_device() and D in _abi.VARLEN_WG_HEAD_DIMS
         assert ("_varlen_wgmma_" in call.launches[-1].name) == wg, call.launches[-1].name
 
+    @pytest.mark.parametrize("T,H,itype", [(5, 3, np.int64), (5, 3, np.int32),
+                                            (16, 2, np.int64)])
+    def test_many_rows_unaligned_pages_and_int64_tables(self, T, H, itype, route):
+        """Sequences of more than 64 rows over page sides that are not 16-byte multiples
+        (T = 5, 3 heads: 120 scale bytes per side, so the codes come in 4-byte loads) and
+        over int64 block tables: the wgmma kernel's decode loop is compiled for each load
+        width and table type and picked per item."""
+        rng = np.random.default_rng(zlib_seed("unaligned", T, H, itype().dtype.str))
+        ns, lens = [300, 129], [1000, 129 + 2 * T + 300]
+        cache, out, lse, ro, rl, scratch = case(rng, ns=ns, lens=lens, H=H, T=T, D=128,
+                                                group=4, itype=itype, swizzle=T % 4 == 0)
+        check(out, lse, ro, rl, "bfloat16", f"unaligned T={T} H={H} {itype.__name__}")
+        geom = cache.geometry
+        assert ((geom.side_bytes | geom.data_bytes) % 16 == 0) == (T == 16)
+        (call,) = scratch.plans.values()
+        wg = route == "auto" and wgmma_device()
+        assert ("_varlen_wgmma_" in call.launches[-1].name) == wg, call.launches[-1].name
+
     @pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
     @pytest.mark.parametrize("D,group,dtname,layout", [
         (128, 4, "bfloat16", "HND"), (64, 1, "float16", "NHD"), (256, 8, "bfloat16", "HND"),
