@@ -60,8 +60,9 @@ varlen)
       tests/test_attention_varlen.py tests/test_hf.py tests/test_window.py tests/test_plans.py \
       2>&1 | tee "$OUT/varlen-tests.log" | tail -15
   # the wgmma kernel (route auto on sm_90): head_dim 128 / 64 / 256, GQA 1 / 4 / 16, a CTA
-  # that takes every item, mixed batches, bad ids and NaN groups
-  wg='TestKernel and auto and ((many_rows and (causal and (128-4 or 64-16 or 128-1) or 256)) or one_cta or mixed_batch or bad_ids or nan_groups)'
+  # that takes every item, mixed batches, bad ids and NaN groups, unaligned page sides and
+  # int64 block tables
+  wg='TestKernel and auto and ((many_rows and (causal and (128-4 or 64-16 or 128-1) or 256)) or one_cta or mixed_batch or bad_ids or nan_groups or unaligned)'
   for tool in memcheck racecheck; do
     timeout 120 compute-sanitizer --tool "$tool" --error-exitcode 9 \
         python3 -m pytest -q -p no:cacheprovider tests/test_attention_varlen.py -k "$wg" \
