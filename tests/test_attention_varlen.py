@@ -1090,8 +1090,8 @@ class TestKernel:
     def test_many_rows_unaligned_pages_and_int64_tables(self, T, H, itype, route):
         """Sequences of more than 64 rows over page sides that are not 16-byte multiples
         (T = 5, 3 heads: 120 scale bytes per side, so the codes come in 4-byte loads) and
-        over int64 block tables: the wgmma kernel's decode loop is compiled for each load
-        width and table type and picked per item."""
+        over int64 block tables, both prefill routes (on sm_90 "auto" is the wgmma kernel,
+        whose decode warps pick the load width and the table type per item)."""
         rng = np.random.default_rng(zlib_seed("unaligned", T, H, itype().dtype.str))
         ns, lens = [300, 129], [1000, 129 + 2 * T + 300]
         cache, out, lse, ro, rl, scratch = case(rng, ns=ns, lens=lens, H=H, T=T, D=128,
