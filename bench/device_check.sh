@@ -5,7 +5,8 @@
 #   bash bench/device_check.sh bench   # bench/bench.py (copy ceiling, kernels, PyTorch)
 #   bash bench/device_check.sh varlen  # attention for any query length: its GPU tests (both
 #                                      # prefill routes), compute-sanitizer memcheck and
-#                                      # racecheck over the wgmma kernel's cases (~6 min)
+#                                      # racecheck over the wgmma and few-row kernels' cases
+#                                      # (~7 min)
 #   bash bench/device_check.sh varlen-probe  # the wgmma kernel with its loads, decode or
 #                                      # MMAs switched off (bench/wgmma_decode_probe.py)
 #   bash bench/device_check.sh varlen-bench  # the varlen_bench table beside SDPA (JSON in $OUT)
@@ -57,15 +58,19 @@ bench)
   ;;
 varlen)
   timeout 330 python3 -m pytest -q -n 16 -p no:cacheprovider -W ignore::FutureWarning \
-      tests/test_attention_varlen.py tests/test_hf.py tests/test_window.py tests/test_plans.py \
+      tests/test_attention_varlen.py tests/test_attention_decode.py tests/test_hf.py \
+      tests/test_window.py tests/test_plans.py \
       2>&1 | tee "$OUT/varlen-tests.log" | tail -15
   # the wgmma kernel (route auto on sm_90): head_dim 128 / 64 / 256, GQA 1 / 4 / 16, a CTA
   # that takes every item, mixed batches, bad ids and NaN groups, unaligned page sides and
   # int64 block tables
   wg='TestKernel and auto and ((many_rows and (causal and (128-4 or 64-16 or 128-1) or 256)) or one_cta or mixed_batch or bad_ids or nan_groups or unaligned)'
+  # and the few-row kernel's forms (one, two, four n8 tiles of rows)
+  few='TestKernel and auto and (four_tile or speculative_split_kv)'
   for tool in memcheck racecheck; do
-    timeout 120 compute-sanitizer --tool "$tool" --error-exitcode 9 \
-        python3 -m pytest -q -p no:cacheprovider tests/test_attention_varlen.py -k "$wg" \
+    timeout 180 compute-sanitizer --tool "$tool" --error-exitcode 9 \
+        python3 -m pytest -q -p no:cacheprovider tests/test_attention_varlen.py \
+        -k "($wg) or ($few)" \
         > "$OUT/varlen-sanitizer-$tool.log" 2>&1
     echo "compute-sanitizer $tool exit=$? $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY|passed|failed' \
         "$OUT/varlen-sanitizer-$tool.log" | tr '\n' ' ')"

@@ -68,6 +68,9 @@ __all__ = [
     "ll_decode_spec",
     "ll_decode_wide_spec",
     "decode_attention_spec",
+    "ATTN_ROW_TILES",
+    "attn_row_tiles",
+    "attn_max_rows",
     "DecodeAttnArgs",
     "decode_attention_args",
     "attention_head_dim",
@@ -290,7 +293,7 @@ class DecodeAttnArgs(NamedTuple):
 
     dtype: str
     head_dim: int
-    wide: bool
+    tiles: int
     paged16: bool
     decode_route: str
 
@@ -302,26 +305,57 @@ def route_defines(decode_route: str) -> tuple[tuple[str, int], ...]:
     return (("FP4C_ATTN_BITMOVE", 1),) if decode_route == "bitmove" else ()
 
 
-def decode_attention_spec(dtype: str, head_dim: int, wide: bool, paged16: bool = True,
+#: n8 MMA tiles of query rows of the few-row attention kernel (``decode_attention.cu``):
+#: up to 8, 16 or 32 rows per (sequence, KV head); kernel name suffix of each.
+ATTN_ROW_TILES: dict[int, str] = {1: "", 2: "_wide", 4: "_wide4"}
+#: q / out value types and head dims of the four-tile form (q's fragments in shared
+#: memory: 16-bit q; its O accumulators, 128 registers at head_dim 128: not 256).
+ATTN_WIDE4_DTYPES = ("bf16", "f16")
+ATTN_WIDE4_HEAD_DIMS = (64, 128)
+
+
+def attn_max_rows(dtype: str, head_dim: int) -> int:
+    """Most query rows per (sequence, KV head) of the few-row attention kernel for ``dtype``
+    q and ``head_dim``: 32 where its four-tile form applies, else 16."""
+    wide4 = dtype in ATTN_WIDE4_DTYPES and head_dim in ATTN_WIDE4_HEAD_DIMS
+    return 8 * (4 if wide4 else 2)
+
+
+def attn_row_tiles(rows: int) -> int:
+    """The fewest n8 tiles of :data:`ATTN_ROW_TILES` that hold ``rows`` query rows."""
+    for tiles in ATTN_ROW_TILES:
+        if rows <= 8 * tiles:
+            return tiles
+    raise ValueError(f"rows must be at most {8 * max(ATTN_ROW_TILES)}, got {rows}")
+
+
+def decode_attention_spec(dtype: str, head_dim: int, tiles: int, paged16: bool = True,
                           decode_route: str = "auto") -> Spec:
     """Fused paged decode attention over NVFP4 pages, ``dtype`` q/out (bf16/f16/f32).
 
-    ``wide``: 9..16 query rows per (sequence, KV head), two n8 MMA tiles (else 1..8 rows;
-    ``_wide`` in the kernel name, ``WIDE`` in the kernel's code); rows are query heads of
-    the group for decode and (query token, head) pairs for ``PagedKVCache.attention`` with
-    few tokens per sequence; ``paged16``: the block size is a multiple of 16,
+    ``tiles``: n8 MMA tiles of query rows per (sequence, KV head), a key of
+    :data:`ATTN_ROW_TILES`: 1 (1..8 rows), 2 (9..16, ``_wide`` in the kernel name) or 4
+    (17..32, ``_wide4``; bf16 / f16 q, head_dim 64 / 128: :func:`attn_max_rows`); rows are
+    query heads of the group for decode and (query token, head) pairs for
+    ``PagedKVCache.attention`` with few tokens per sequence; ``paged16``: the block size
+    is a multiple of 16,
     so every 16-token tile lies in one page (``_paged16``, ``PAGED16``; else the kernel
     finds each token's page);
     ``decode_route``: one of :data:`DECODE_ROUTES` (``_bitmove`` in the kernel name)."""
     if head_dim not in ATTN_HEAD_DIMS:
         raise ValueError(f"head_dim must be one of {ATTN_HEAD_DIMS}, got {head_dim}")
+    if tiles not in ATTN_ROW_TILES or isinstance(tiles, bool):
+        raise ValueError(f"tiles must be one of {tuple(ATTN_ROW_TILES)}, got {tiles!r}")
+    if 8 * tiles > attn_max_rows(dtype, head_dim):
+        raise ValueError(f"tiles {tiles} needs q of {ATTN_WIDE4_DTYPES} and head_dim in "
+                         f"{ATTN_WIDE4_HEAD_DIMS}, got {dtype}, {head_dim}")
     defines = route_defines(decode_route)
-    name = (f"fp4cache_decode_attn_{dtype}_d{head_dim}{'_wide' if wide else ''}"
+    name = (f"fp4cache_decode_attn_{dtype}_d{head_dim}{ATTN_ROW_TILES[tiles]}"
             f"{'_paged16' if paged16 else ''}{'_bitmove' if defines else ''}")
     return Spec("decode_attention.cu", "FP4C_ATTN_KERNEL", name,
-                (VALUE_TYPES[dtype], str(head_dim), "true" if wide else "false",
+                (VALUE_TYPES[dtype], str(head_dim), str(tiles),
                  "true" if paged16 else "false"), defines,
-                DecodeAttnArgs(dtype, head_dim, wide, paged16, decode_route))
+                DecodeAttnArgs(dtype, head_dim, tiles, paged16, decode_route))
 
 
 def decode_attention_args(spec: Spec) -> DecodeAttnArgs:
@@ -426,8 +460,8 @@ def all_specs() -> list[Spec]:
     specs += [claim_spec(ix) for ix in INDEX_TYPES]
     specs += [clear_spec(ix) for ix in INDEX_TYPES]
     specs += [ll_decode_wide_spec(dt) for dt in ("bf16", "f16")]
-    specs += [decode_attention_spec(dt, d, w, p) for dt in VALUE_TYPES for d in ATTN_HEAD_DIMS
-              for w in (False, True) for p in (True, False)]
+    specs += [decode_attention_spec(dt, d, t, p) for dt in VALUE_TYPES for d in ATTN_HEAD_DIMS
+              for t in ATTN_ROW_TILES if 8 * t <= attn_max_rows(dt, d) for p in (True, False)]
     specs += [page_mark_spec(ix) for ix in INDEX_TYPES]
     specs += [f(ix, a) for f in (window_fill_spec, window_write_spec) for ix in INDEX_TYPES
               for a in bools]

@@ -816,9 +816,10 @@ class PagedKVCache:
             captured in a CUDA graph.  Omitted, it is computed from
             ``query_start_loc``, which on the GPU is one host synchronization (a
             device-to-host copy of one integer).  With ``max_query_len * group <= 16``
-            the call is one launch of the decode-attention kernel (each page decoded
-            once for all of a sequence's rows); a larger bound adds a second launch for
-            the sequences of more rows.
+            (32 for bf16 / float16 q and ``head_dim`` 64 or 128) the call is one launch
+            of the decode-attention kernel (each page decoded once for all of a
+            sequence's rows); a larger bound adds a second launch for the sequences of
+            more rows.
         causal : bool, default True
             Query ``i`` of sequence ``b`` (``0 <= i < n_b``) sees the keys ``0 ..
             seq_lens[b] - n_b + i``: the query tokens are the last ``n_b`` cached tokens

@@ -7,9 +7,10 @@
 // A CTA's rows are (query token, query head) pairs of one sequence and KV head (RowMap in
 // attn_seq.cuh): decode has the group's query heads of one token; with query_start_loc
 // (PagedKVCache.attention: speculative verification, the few-row sequences of a mixed
-// batch) the n tokens x group heads of a sequence, n * group <= 8 (kernels without _wide)
-// or 16 (_wide), each row with its bottom-right causal key limit.  Each page byte is read
-// and decoded once per (sequence, KV head) whatever the number of rows.
+// batch) the n tokens x group heads of a sequence, n * group <= 8 (kernels without _wide),
+// 16 (_wide) or 32 (_wide4: 16-bit q, D <= 128), each row with its bottom-right causal key
+// limit.  Each page byte is read and decoded once per (sequence, KV head) whatever the
+// number of rows.
 //
 // Steps (each a function below): load q (load_q, rotated by the Hadamard transform when
 // the cache rotates K: hadamard_quarter_rows); per chunk of keys (walk_chunks: a cp.async ring;
@@ -38,7 +39,7 @@
 //
 // Tensor cores: mma.sync.m16n8k16 with f16 inputs and f32 accumulation, transposed so that
 // the rows are the MMAs' n side (nothing padded to 16): S^T = K Q^T (A = a 16-token K tile,
-// m16 = tokens, decoded once; B = q, n8 = rows, loaded once; NC = 1 or 2 n8 tiles) and
+// m16 = tokens, decoded once; B = q, n8 = rows, loaded once; NC = 1, 2 or 4 n8 tiles) and
 // O^T += V^T P^T (A = the V tile, m16 = 16 d values; B = P^T, taken from S^T's accumulator
 // registers by movmatrix.trans).
 // A dot product over d does not change when d is permuted in both q and K, the token
@@ -79,12 +80,16 @@
 #include "hadamard.cuh"
 
 #define FP4C_ATTN_THREADS (32 * FP4C_ATTN_WARPS)
-// minimum resident CTAs per SM (register budget) by head_dim, loader and row tiles (one n8
-// tile: D = 128 with 3 and 5 CTAs, D = 64 with 5, D = 256 with 3 measured and dropped:
-// docs/kernels.md, "What was tried"; two n8 tiles: the accumulators double)
-#define FP4C_ATTN_MINB(D, PAGED16, WIDE)                  \
-  ((WIDE) ? ((D) == 64 ? 3 : (D) == 128 ? 2 : 1)          \
-          : (D) == 64 ? 4 : (D) == 128 ? ((PAGED16) ? 4 : 3) : 1)
+// minimum resident CTAs per SM (register budget) by head_dim, loader, n8 tiles of rows and
+// float32 q (one tile: D = 128 with 3 and 5 CTAs, D = 64 with 5, D = 256 with 3 measured
+// and dropped; two: the accumulators double, D = 128 with 3 and 4 measured and dropped,
+// D = 64 with 4 against 3 measured faster for 16-bit q (float32 q's second MMA spills
+// there); four: q's fragments in shared memory, the O accumulators alone 128 registers at
+// D = 128; see docs/kernels.md, "What was tried")
+#define FP4C_ATTN_MINB(D, PAGED16, TILES, SPLIT)                             \
+  ((TILES) == 4   ? ((D) == 64 ? 2 : 1)                                      \
+   : (TILES) == 2 ? ((D) == 64 ? ((SPLIT) ? 3 : 4) : (D) == 128 ? 2 : 1)     \
+                  : (D) == 64 ? 4 : (D) == 128 ? ((PAGED16) ? 4 : 3) : 1)
 // lazy softmax maximum: the slack in log2 units (weights up to 2^8, see trans_softmax)
 #define FP4C_ATTN_SLACK 8.0f
 // the running maximum of a column before its first key: finite, so that the weights of
@@ -480,11 +485,27 @@ FP4C_DEVICE u32 k_pair_d(u32 c, int w, int p, int half) {
 // ---------------------------------------------------------------------------------------
 // q as the B operand of S^T = K Q^T: per k-step j and n8 tile nc, the two registers of row
 // g + 8 nc (the d permutation of K: k_pair_d); float32 q: the lo parts of a second MMA.
+// Four n8 tiles (16-bit q only) keep them in shared memory, one copy per CTA (every warp
+// has the same rows): pair (j, nc) of lane l at sh[(j NC + nc) 32 + l], read where used
+// (in registers, 64 at D = 128, they would spill beside the 128 O accumulators).
 template <int D, int NC, bool SPLIT>
 struct QFrag {
-  u32 hi[AttnDims<D>::KS][NC][2];
+  static constexpr bool kShared = NC == 4;
+  static_assert(!(kShared && SPLIT), "four n8 tiles: 16-bit q only");
+  u32 hi[kShared ? 1 : AttnDims<D>::KS][kShared ? 1 : NC][2];
   u32 lo[SPLIT ? AttnDims<D>::KS : 1][NC][2];
+  const U32x2* sh;  // kShared: this lane's pair (0, 0)
+  // the hi registers of k-step j, n8 tile nc
+  FP4C_DEVICE U32x2 b(int j, int nc) const {
+    if constexpr (kShared) return sh[(j * NC + nc) * 32];
+    else return U32x2{hi[j][nc][0], hi[j][nc][1]};
+  }
 };
+// Shared memory of QFrag::kShared, in 32-bit words (one word for the other forms)
+template <int D, int NC>
+FP4C_DEVICE constexpr int q_shared_words() {
+  return NC == 4 ? AttnDims<D>::KS * NC * 64 : 1;
+}
 
 // The warp's online-softmax state of its columns.
 template <int D, int NC>
@@ -536,11 +557,15 @@ FP4C_DEVICE void load_q_slice(const char* src, bool use, bool vec, float (&x)[N]
 // St.rsc.  Lane (g, c) needs exactly the D/4 values d = c D/4 .. (c+1) D/4 - 1 of its rows
 // (k_pair_d), loaded once, all at once (one round trip: the loads of a short sequence's CTA
 // are its latency, docs/kernels.md).
+// Four n8 tiles: warp 0 writes the fragments to s_q (q_shared_words); the caller's
+// barrier orders them before any warp's first read.
 template <typename T, int D, int NC, bool SPLIT>
 FP4C_DEVICE void load_q(const void* __restrict__ q, const RowMap& R, float qk_scale, u32 rotate,
-                        QFrag<D, NC, SPLIT>& Q, RowState<D, NC>& St) {
+                        u32* s_q, QFrag<D, NC, SPLIT>& Q, RowState<D, NC>& St) {
   using A = AttnDims<D>;
+  using QF = QFrag<D, NC, SPLIT>;
   const u32 lane = threadIdx.x & 31u, g = lane >> 2, c = lane & 3u;
+  Q.sh = reinterpret_cast<const U32x2*>(s_q) + lane;
   float x[NC][D / 4], rsc[NC];
   const bool vec = ((u64)q & 15u) == 0u;  // q's rows and slices are 16-byte multiples
 #pragma unroll
@@ -573,7 +598,11 @@ FP4C_DEVICE void load_q(const void* __restrict__ q, const RowMap& R, float qk_sc
         const float lo = f_mul(x[nc][k_pair_d<D>(0u, w, p0 + pp, 0)], qscale);
         const float hi = f_mul(x[nc][k_pair_d<D>(0u, w, p0 + pp, 1)], qscale);
         const u32 h2 = pack2(f16_t(), lo, hi);
-        Q.hi[j][nc][pp] = h2;
+        if constexpr (QF::kShared) {
+          if (threadIdx.x < 32u) s_q[((j * NC + nc) * 32 + lane) * 2 + pp] = h2;
+        } else {
+          Q.hi[j][nc][pp] = h2;
+        }
         if constexpr (SPLIT)
           Q.lo[j][nc][pp] = pack2(f16_t(), f_sub(lo, lo_of(f16_t(), h2)),
                                   f_sub(hi, hi_of(f16_t(), h2)));
@@ -624,7 +653,8 @@ FP4C_DEVICE void trans_scores(const u32 (&kw)[2][AttnDims<D>::KW], const u32 (&k
       const u32 a2 = hmul2(e0[p0 + 1], sf0), a3 = hmul2(e1[p0 + 1], sf1);
 #pragma unroll
       for (int nc = 0; nc < NC; ++nc) {
-        mma_f16(sT[nc], a0, a1, a2, a3, Q.hi[j][nc][0], Q.hi[j][nc][1]);
+        const U32x2 b = Q.b(j, nc);
+        mma_f16(sT[nc], a0, a1, a2, a3, b.x, b.y);
         if constexpr (SPLIT) mma_f16(sT[nc], a0, a1, a2, a3, Q.lo[j][nc][0], Q.lo[j][nc][1]);
       }
     }
@@ -990,8 +1020,8 @@ FP4C_DEVICE void exact_scores(const u32 (&k)[2][D / 8], float kmul, const QFrag<
       const int j = 2 * w + h2, p0 = 2 * h2;
 #pragma unroll
       for (int nc = 0; nc < NC; ++nc) {
-        mma_f16(sT[nc], a[0][p0], a[1][p0], a[0][p0 + 1], a[1][p0 + 1], Q.hi[j][nc][0],
-                Q.hi[j][nc][1]);
+        const U32x2 b = Q.b(j, nc);
+        mma_f16(sT[nc], a[0][p0], a[1][p0], a[0][p0 + 1], a[1][p0 + 1], b.x, b.y);
         if constexpr (SPLIT)
           mma_f16(sT[nc], a[0][p0], a[1][p0], a[0][p0 + 1], a[1][p0 + 1], Q.lo[j][nc][0],
                   Q.lo[j][nc][1]);
@@ -1188,7 +1218,7 @@ struct MergeDims {
 
 template <int D, int NC>
 FP4C_DEVICE void merge_warps(RowState<D, NC>& St, u32 rows, u8* s_raw,
-                             float (*s_m)[FP4C_MMA_ROWS], float (*s_l)[FP4C_MMA_ROWS],
+                             float (*s_m)[8 * NC], float (*s_l)[8 * NC],
                              float* s_M, float* s_L, u32& s_flag) {
   using MD = MergeDims<D, NC>;
   const u32 lane = threadIdx.x & 31u, warp = threadIdx.x >> 5, g = lane >> 2, c = lane & 3u;
@@ -1280,7 +1310,8 @@ FP4C_DEVICE void key_limits(const RowMap& R, u32 s1, u32 len, RowState<D, NC>& S
     St.lim[k] = min(s1, row_limit(R, 8u * (k >> 1) + 2u * c + (k & 1), len));
 }
 
-// NC: n8 tiles of rows (1: up to 8 rows, 2: up to 16); PAGED16: block_size % 16 == 0.
+// NC: n8 tiles of rows (1: up to 8 rows, 2: up to 16, 4: up to 32); PAGED16: block_size
+// % 16 == 0.
 // float32 q (SPLIT) runs a second MMA per k-step with q's lo parts.
 template <typename T, int D, int NC, bool PAGED16>
 FP4C_DEVICE void decode_attn_impl(const void* __restrict__ q, const void* __restrict__ qsl,
@@ -1288,22 +1319,24 @@ FP4C_DEVICE void decode_attn_impl(const void* __restrict__ q, const void* __rest
                                   const void* __restrict__ seq_lens, void* __restrict__ out,
                                   float* __restrict__ lse, const AttnParams& P) {
   constexpr bool SPLIT = T::kBytes == 4;
+  constexpr int kRows = 8 * NC;  // the CTA's rows (padding past R.rows)
   constexpr int kRing = PAGED16 ? FP4C_ATTN_WARPS * FP4C_ATTN_CHUNK_STAGES * ChunkDims<D>::kBytes
                                 : 0;
-  constexpr int kEpi = FP4C_MMA_ROWS * (D + 1) * 4 + FP4C_MMA_ROWS * FP4C_ATTN_MAX_SPLITS * 4;
+  constexpr int kEpi = kRows * (D + 1) * 4 + kRows * FP4C_ATTN_MAX_SPLITS * 4;
   constexpr int kMerge = MergeDims<D, NC>::kBytes;
   constexpr int kBuf = kRing > kEpi ? (kRing > kMerge ? kRing : kMerge)
                                     : (kEpi > kMerge ? kEpi : kMerge);
   // the chunk ring (during the key loop), then the merge slabs, then s_o (slab 0) and s_w
   // share one buffer
   __shared__ __align__(16) u8 s_raw[kBuf];
-  static_assert(FP4C_MMA_ROWS == 16, "rows: two n8 tiles");
+  static_assert(kRows <= FP4C_ATTN_THREADS, "a thread per row");
   float(*s_o)[D + 1] = reinterpret_cast<float(*)[D + 1]>(s_raw);  // rows padded by one
   float(*s_w)[FP4C_ATTN_MAX_SPLITS] =
-      reinterpret_cast<float(*)[FP4C_ATTN_MAX_SPLITS]>(s_raw + FP4C_MMA_ROWS * (D + 1) * 4);
-  __shared__ float s_m[FP4C_ATTN_WARPS][FP4C_MMA_ROWS], s_l[FP4C_ATTN_WARPS][FP4C_MMA_ROWS];
-  __shared__ float s_M[FP4C_MMA_ROWS], s_L[FP4C_MMA_ROWS];
+      reinterpret_cast<float(*)[FP4C_ATTN_MAX_SPLITS]>(s_raw + kRows * (D + 1) * 4);
+  __shared__ float s_m[FP4C_ATTN_WARPS][kRows], s_l[FP4C_ATTN_WARPS][kRows];
+  __shared__ float s_M[kRows], s_L[kRows];
   __shared__ u32 s_flag;
+  __shared__ __align__(16) u32 s_q[q_shared_words<D, NC>()];  // QFrag::kShared
 
   // one-dimensional grid of nsplit * H * B CTAs, split fastest
   const u32 H = P.H, nsplit = P.nsplit;
@@ -1332,7 +1365,8 @@ FP4C_DEVICE void decode_attn_impl(const void* __restrict__ q, const void* __rest
   if constexpr (PAGED16) first = first_chunk<D>(S, s0, cap < 0xFFFFFFFFll ? (u32)cap : ~0u);
   QFrag<D, NC, SPLIT> Q;
   RowState<D, NC> St;
-  load_q<T, D, NC, SPLIT>(q, R, P.qk_scale, P.rotate, Q, St);
+  load_q<T, D, NC, SPLIT>(q, R, P.qk_scale, P.rotate, s_q, Q, St);
+  if constexpr (QFrag<D, NC, SPLIT>::kShared) __syncthreads();  // s_q written
   // the window (exact keys [ws, len)); the NVFP4 keys of this split end at sw
   WinSeq W;
   u32 sw = s1;
@@ -1374,7 +1408,7 @@ FP4C_DEVICE void decode_attn_impl(const void* __restrict__ q, const void* __rest
       return;
   } else if (s0 >= len) {
     // len == 0 with one split: nothing was computed
-    if (threadIdx.x < FP4C_MMA_ROWS) {
+    if (threadIdx.x < kRows) {
       s_M[threadIdx.x] = FP4C_NEG_INF;
       s_L[threadIdx.x] = 0.0f;
     }
@@ -1388,14 +1422,14 @@ FP4C_DEVICE void decode_attn_impl(const void* __restrict__ q, const void* __rest
       const void *__restrict__ tables, const void *__restrict__ seq_lens,                 \
       void *__restrict__ out, float *__restrict__ lse, const AttnParams params
 
-// NAME, q/out value type, head_dim, WIDE (two n8 tiles of rows: up to 16 query rows, else
-// 8), PAGED16 (block_size a multiple of 16: every tile lies in one page)
-#define FP4C_ATTN_KERNEL(NAME, T, D, WIDE, PAGED16)                                          \
+// NAME, q/out value type, head_dim, TILES (n8 tiles of rows: 1, 2 or 4, up to 8, 16 or 32
+// query rows), PAGED16 (block_size a multiple of 16: every tile lies in one page)
+#define FP4C_ATTN_KERNEL(NAME, T, D, TILES, PAGED16)                                         \
   extern "C" __global__ void __launch_bounds__(FP4C_ATTN_THREADS,                           \
-                                               FP4C_ATTN_MINB(D, PAGED16, WIDE))            \
+                                               FP4C_ATTN_MINB(D, PAGED16, TILES,            \
+                                                              T::kBytes == 4))              \
       NAME(FP4C_ATTN_PARAMS) {                                                               \
-    decode_attn_impl<T, D, (WIDE) ? 2 : 1, PAGED16>(q, qsl, tables, seq_lens, out, lse,     \
-                                                    params);                                 \
+    decode_attn_impl<T, D, TILES, PAGED16>(q, qsl, tables, seq_lens, out, lse, params);     \
   }
 
 #ifdef FP4C_INSTANTIATIONS

@@ -59,20 +59,47 @@ def test_a_struct_field_changed_on_one_side_fails_to_compile(monkeypatch):
 
 
 def test_variant_is_part_of_the_spec():
-    spec = K.decode_attention_spec("bf16", 128, False)
-    other = K.decode_attention_spec("bf16", 128, False, decode_route="bitmove")
+    spec = K.decode_attention_spec("bf16", 128, 1)
+    other = K.decode_attention_spec("bf16", 128, 1, decode_route="bitmove")
     assert other != spec and hash(other) != hash(spec)
     assert other.name == spec.name + "_bitmove"
     assert "#define FP4C_ATTN_BITMOVE 1\n" in K.build_source(other.file, [other])
     assert "FP4C_ATTN_BITMOVE 1" not in K.build_source(spec.file, [spec])
-    assert K.decode_attention_args(other) == ("bf16", 128, False, True, "bitmove")
+    assert K.decode_attention_args(other) == ("bf16", 128, 1, True, "bitmove")
     assert K.attention_head_dim(other) == 128
     with pytest.raises(ValueError, match="decode_route"):
-        K.decode_attention_spec("bf16", 128, False, decode_route="fast")
+        K.decode_attention_spec("bf16", 128, 1, decode_route="fast")
     with pytest.raises(ValueError, match="share their defines"):
         K.build_source(spec.file, [spec, other])
     with pytest.raises(ValueError, match="not a decode_attention_spec"):
         K.decode_attention_args(K.claim_spec("i32"))
+
+
+def test_few_row_kernel_forms():
+    """The few-row attention kernel's n8 tiles of rows: 1, 2 or 4 (up to 8, 16, 32 rows);
+    four only for 16-bit q at head_dim 64 / 128 (q's fragments in shared memory, O's
+    accumulators in registers), so other q and head dims stop at 16 rows."""
+    assert [K.attn_row_tiles(r) for r in (1, 8, 9, 16, 17, 32)] == [1, 1, 2, 2, 4, 4]
+    with pytest.raises(ValueError, match="rows must be at most 32"):
+        K.attn_row_tiles(33)
+    for dt in K.VALUE_TYPES:
+        for d in K.ATTN_HEAD_DIMS:
+            four = dt in ("bf16", "f16") and d in (64, 128)
+            assert K.attn_max_rows(dt, d) == (32 if four else 16), (dt, d)
+    names = [K.decode_attention_spec("f16", 64, t).name for t in K.ATTN_ROW_TILES]
+    assert names == ["fp4cache_decode_attn_f16_d64_paged16",
+                     "fp4cache_decode_attn_f16_d64_wide_paged16",
+                     "fp4cache_decode_attn_f16_d64_wide4_paged16"]
+    assert K.decode_attention_spec("bf16", 128, 4, False).args[2] == "4"
+    for dt, d in (("f32", 128), ("bf16", 256)):
+        with pytest.raises(ValueError, match="tiles 4 needs"):
+            K.decode_attention_spec(dt, d, 4)
+    for bad in (3, True, 0):
+        with pytest.raises(ValueError, match="tiles must be one of"):
+            K.decode_attention_spec("bf16", 128, bad)
+    spec_names = {s.name for s in K.all_specs()}
+    assert "fp4cache_decode_attn_bf16_d128_wide4" in spec_names
+    assert not any("wide4" in n and ("_f32_" in n or "_d256" in n) for n in spec_names)
 
 
 def test_shared_sizes_come_from_abi():

@@ -847,7 +847,7 @@ class TestKernel:
         # head_dim 64 takes 4-tile chunks: split lengths are whole 64-token chunks per warp
         from fp4cache import _kernels as K
 
-        spec = K.decode_attention_spec("bf16", 64, False)
+        spec = K.decode_attention_spec("bf16", 64, 1)
         for B, H, cap in [(8, 8, 32768), (1, 8, 1000), (32, 8, 640), (3, 2, 17)]:
             n, L = ca.split_plan(B, H, cap, 528, spec)
             assert L % 256 == 0 and n * L >= cap and (n - 1) * L < max(cap, 1), (B, H, cap)

@@ -1130,25 +1130,49 @@ class TestKernel:
     @pytest.mark.parametrize("n,group", [(1, 4), (2, 4), (4, 4), (8, 2), (2, 8), (1, 16),
                                          (8, 4), (5, 5), (3, 16)])
     def test_speculative_split_kv(self, n, group):
-        """n * group <= 16 rows: one launch of the few-row (decode) kernel, its two-n8-tile
-        form above 8 rows; <= 32 (<= 64): the 32-row (64-row) varlen kernel.  One query tile
-        per (sequence, KV head), keys split over CTAs and merged through the workspace (long
-        sequences, different lengths)."""
+        """n * group <= 32 rows (bf16 q, head_dim 128): one launch of the few-row (decode)
+        kernel, its two-n8-tile form above 8 rows, four tiles above 16; more: the 64-row
+        varlen kernel.  One query tile per (sequence, KV head), keys split over CTAs and
+        merged through the workspace (long sequences, different lengths)."""
         rng = np.random.default_rng(100 + n * group)
         lens = [9000, 4099, 300, n]
         _, out, lse, ro, rl, scratch = case(rng, ns=[n] * 4, lens=lens, H=2, T=16, D=128,
                                             group=group)
         check(out, lse, ro, rl, "bfloat16", f"spec n={n}")
         (call,) = scratch.plans.values()
-        if n * group <= 16:
+        if n * group <= 32:
             (lp,) = call.launches
             (plan,) = lp.keep
-            assert plan.spec.name.endswith("_wide_paged16" if n * group > 8 else "d128_paged16")
+            form = "_wide4" if n * group > 16 else "_wide" if n * group > 8 else ""
+            assert plan.spec.name.endswith(f"d128{form}_paged16")
             assert plan.grid[0] > 1 and lp.grid == plan.grid[0] * 2 * 4  # splits x H x B
         else:  # the few-row kernel's launches (two where one token fits 8 rows), then it
             assert len(call.launches) == (3 if group <= 8 else 2)
             ps = call.launches[-1].keep[-1]
             assert ps.row_warps == cv.row_warps_for(n * group) and ps.slots > 1
+
+    @pytest.mark.parametrize("D,group,n,dtname,layout,T", [
+        (128, 4, 8, "bfloat16", "HND", 16), (128, 2, 9, "float16", "NHD", 16),
+        (64, 8, 4, "bfloat16", "NHD", 16), (64, 16, 2, "float16", "HND", 32),
+        (128, 4, 5, "bfloat16", "HND", 12), (64, 3, 7, "bfloat16", "NHD", 6)])
+    def test_four_tile_few_rows(self, D, group, n, dtname, layout, T):
+        """17 to 32 rows per (sequence, KV head), 16-bit q, head_dim 64 / 128: one launch of
+        the few-row kernel's four-n8-tile form (q's fragments in shared memory), over pages
+        of 16-token multiples and of other sizes, causal and not, beside sequences of fewer
+        tokens (one, none) and one with fewer keys than query tokens (rows without keys)."""
+        rng = np.random.default_rng(zlib_seed("wide4", D, group, n, dtname, layout, T))
+        ns = [n, 1, n, 0, n - 1, n]
+        lens = [9000, 700, 300, 50, 4099, n - 1]
+        for causal in (True, False):
+            _, out, lse, ro, rl, scratch = case(rng, ns=ns, lens=lens, H=2, T=T, D=D,
+                                                group=group, dtname=dtname, layout=layout,
+                                                swizzle=T % 4 == 0, causal=causal)
+            check(out, lse, ro, rl, dtname, f"wide4 D={D} g={group} n={n} causal={causal}")
+            (call,) = scratch.plans.values()
+            (lp,) = call.launches
+            (plan,) = lp.keep
+            assert f"_d{D}_wide4" in plan.spec.name and plan.grid[0] > 1
+            assert plan.spec.name.endswith("_paged16") == (T % 16 == 0)
 
     def test_more_sequences_than_a_grid_dimension(self):
         """65,540 sequences of 0-2 query tokens: more than a CUDA grid's y / z limit (65,535);
@@ -1565,9 +1589,11 @@ def few_rows_window():
 
 @pytest.mark.gpu
 class TestWindow:
-    """The exact window and the q rotation in ``fp4cache._cuda.varlen``'s kernel (every
-    sequence of more than 16 rows: the varlen kernel; the few-row ones in TestWindow's mixed
-    cases) against the float64 reference over the decoded pages and the window slots."""
+    """The exact window and the q rotation in ``fp4cache._cuda.varlen``'s kernels (the
+    sequences of more than 32 rows, 16 for float32 q or head_dim 256: the varlen kernel; the
+    few-row kernel's four-tile form in ``test_four_tile_few_rows``, its other forms in the
+    mixed cases) against the float64 reference over the decoded pages and the window
+    slots."""
 
     @pytest.mark.parametrize("window,rotate", [(True, False), (False, True), (True, True)],
                              ids=["window", "rotate", "both"])
@@ -1598,6 +1624,24 @@ class TestWindow:
                                                  itype=np.int64)
             check(out, lse, ro, rl, "bfloat16", f"T={T} P={P}", lse_tol=WIN_LSE_TOL)
 
+    @pytest.mark.parametrize("D,group,n,dtname", [(128, 4, 8, "bfloat16"),
+                                                  (64, 2, 11, "float16")])
+    def test_four_tile_few_rows(self, D, group, n, dtname):
+        """17 to 32 rows per (sequence, KV head): one launch of the few-row kernel's
+        four-n8-tile form, with the window and the rotation."""
+        rng = np.random.default_rng(zlib_seed("win-wide4", D, group, n))
+        ns = [n, n, 1, n]
+        lens = [n, 40 + 5 * 16 + 7, 300, 64 + 32]  # the first one shorter than the window
+        for causal in (True, False):
+            _, out, lse, ro, rl, scratch = window_case(rng, ns=ns, lens=lens, H=2, T=16, D=D,
+                                                       group=group, dtname=dtname,
+                                                       causal=causal)
+            check(out, lse, ro, rl, dtname, f"wide4 window D={D} causal={causal}",
+                  lse_tol=WIN_LSE_TOL)
+            (call,) = scratch.plans.values()
+            (lp,) = call.launches
+            assert "_wide4" in lp.name
+
     @pytest.mark.parametrize("group", [1, 2, 8])
     def test_chunk_rows_around_the_window_start(self, group):
         """Chunk rows whose causal limit ends before, at and past ws, query tiles whose
@@ -1617,7 +1661,7 @@ class TestWindow:
         id); a suffix cut by an unmapped page; a bad id before the window (NaN rows for the
         rows that see it)."""
         rng = np.random.default_rng(31)
-        ns = [20, 20, 20, 20, 20, 20, 20]
+        ns = [40] * 7  # more rows than the few-row kernel's (its bad-id rule: every row NaN)
         lens = [200, 200, 200, 200, 200, 200, 300]
 
         def tab_edit(tab, nb):
@@ -1636,22 +1680,27 @@ class TestWindow:
                                                  group=1, P=4, tab_edit=tab_edit,
                                                  map_edit=map_edit)
         check(out, lse, ro, rl, "bfloat16", "partial maps", lse_tol=WIN_LSE_TOL)
-        assert np.isnan(ro[20 * 4:20 * 5]).any() and np.isnan(ro[20 * 5:20 * 6]).all()
+        assert np.isnan(ro[40 * 4:40 * 5]).any() and np.isnan(ro[40 * 5:40 * 6]).all()
 
     @pytest.mark.parametrize("n,group,P", [(9, 2, 3), (17, 1, 3), (8, 4, 40), (4, 16, 2),
                                            (6, 8, 33)])
     def test_splits(self, n, group, P):
-        """17..64 rows per sequence: one query tile, keys split over CTAs and merged; P up
-        to 40 pages (more than one ballot of the window start); a sequence shorter than
-        its window."""
+        """17..64 rows per sequence (up to 32: the few-row kernel's four-tile form, more:
+        the varlen kernel's one query tile), keys split over CTAs and merged; P up to 40
+        pages (more than one ballot of the window start); a sequence shorter than its
+        window."""
         rng = np.random.default_rng(zlib_seed("win-split", n, group, P))
         lens = [9000, 4099, 300, n]
         _, out, lse, ro, rl, scratch = window_case(rng, ns=[n] * 4, lens=lens, H=2, T=16,
                                                    D=128, group=group, P=P)
         check(out, lse, ro, rl, "bfloat16", f"splits n={n} g={group} P={P}",
               lse_tol=WIN_LSE_TOL)
-        ps = next(iter(scratch.plans.values())).launches[-1].keep[-1]
-        assert ps.slots > 1
+        last = next(iter(scratch.plans.values())).launches[-1]
+        if n * group <= 32:
+            (plan,) = last.keep
+            assert "_wide4" in plan.spec.name and plan.grid[0] > 1  # splits
+        else:
+            assert last.keep[-1].slots > 1
 
     def test_nan_groups(self):
         """A window K group stored as NaN: NaN rows for the rows that see its key; a V

@@ -105,6 +105,28 @@ def test_probe_copies_of_the_wgmma_kernel_compile(probe, tmp_path, monkeypatch):
 
 
 @needs_nvrtc
+def test_probe_copies_of_the_few_row_kernel_compile(tmp_path, monkeypatch):
+    """bench/few_rows_probe.py times patched copies of kernels/decode_attention.cu; every
+    copy still applies here and compiles, in each n8-tile form at head_dim 64 and 128."""
+    import dataclasses
+    import importlib
+    from pathlib import Path
+
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "bench"))
+    mod = importlib.import_module("few_rows_probe")
+    from kernel_patch import write_folder
+
+    assert mod.FOLDERS
+    for name, files in mod.FOLDERS.items():
+        folder = write_folder(tmp_path / name, files)
+        specs = [dataclasses.replace(K.decode_attention_spec("bf16", d, t), folder=folder)
+                 for d in (64, 128) for t in K.ATTN_ROW_TILES]
+        ptx = K.compile_all("sm_90", specs)["decode_attention.cu"]
+        for spec in specs:
+            assert f".entry {spec.name}(" in ptx, (name, spec.name)
+
+
+@needs_nvrtc
 def test_page_copy_streams_through_l2_without_shared_staging():
     """copy_blocks' copy kernel reads the pool and the staging rows from L2 (other CTAs of
     the launch write them: never through the non-coherent read-only path) and holds no
@@ -148,9 +170,9 @@ def test_page_copy_fits_its_launch_bounds_without_spills():
 def test_bitmove_route_compiles(arch):
     """The variant only the GPU tests build: the sm_80 decode route forced on a newer GPU
     (decode_route="bitmove"; the test-only table kernels: test_kernel_tables.py)."""
-    specs = [K.decode_attention_spec(dt, d, w, p, decode_route="bitmove")
-             for dt in ("bf16", "f32") for d in K.ATTN_HEAD_DIMS for w in (False, True)
-             for p in (True, False)]
+    specs = [K.decode_attention_spec(dt, d, t, p, decode_route="bitmove")
+             for dt in ("bf16", "f32") for d in K.ATTN_HEAD_DIMS for t in K.ATTN_ROW_TILES
+             if 8 * t <= K.attn_max_rows(dt, d) for p in (True, False)]
     ptx = K.compile_all(arch, specs)["decode_attention.cu"]
     assert max(local_depots(ptx)) == SPLIT_SET_BYTES
     # the bit route has no E4M3 conversion, on any architecture

@@ -185,7 +185,7 @@ def test_split_plan_short_contexts_and_longer_splits_at_2_ctas():
 
 
 def test_max_splits_bounds_every_split_plan():
-    spec = K.decode_attention_spec("bf16", 128, False)
+    spec = K.decode_attention_spec("bf16", 128, 1)
     for cap in (1, 16, 255, 256, 257, 1000, 4096, 20000, 131072, 10**6):
         bound = ca.max_splits(cap)
         assert bound == max(1, min(128, -(-cap // ca.MIN_SPLIT_TOKENS)))
@@ -204,7 +204,7 @@ def test_workspace_bound_covers_every_call_within_the_hints():
     # 64 * 8 (sequence, KV head) pairs, 4096 tokens -> at most 32 splits, group 4
     rows = 64 * 8 * 32
     assert (nbytes, tickets) == (rows * 4 * 128 * 4 + rows * 4 * 2 * 4, 512)
-    spec = K.decode_attention_spec("bf16", 128, False)
+    spec = K.decode_attention_spec("bf16", 128, 1)
     rng = np.random.default_rng(0)
     for _ in range(300):
         B = int(rng.integers(1, 65))

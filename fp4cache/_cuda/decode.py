@@ -304,15 +304,17 @@ def make_decode_plan(buffer, q, block_tables, seq_lens, geom: PageGeometry, k_s,
     if num_tokens >= 2**32:
         raise ValueError(f"q must have fewer than 2**32 tokens, got {num_tokens}")
     rows_max = rows.max_q * group
-    if rows_max > _abi.MMA_ROWS:
+    dtype = K.value_type(q.dtype, "q.dtype")
+    if rows_max > K.attn_max_rows(dtype, D):
         raise ValueError(f"{rows.max_q} query tokens x {group} heads exceed the "
-                         f"{_abi.MMA_ROWS} rows of the attention kernel's CTA")
+                         f"{K.attn_max_rows(dtype, D)} rows of the attention kernel's CTA "
+                         f"({dtype} q, head_dim {D})")
     max_blocks = int(block_tables.shape[1])
     if buffer.shape[0] >= 2**32 - 1:  # the kernel's 32-bit page index (FP4C_BAD_PAGE)
         raise ValueError(f"the page pool must hold fewer than 2**32 - 1 pages, got "
                          f"{buffer.shape[0]}")
-    spec = K.decode_attention_spec(K.value_type(q.dtype, "q.dtype"), D,
-                                   rows_max > _abi.MMA_ROWS // 2, T % 16 == 0, decode_route)
+    spec = K.decode_attention_spec(dtype, D, K.attn_row_tiles(rows_max), T % 16 == 0,
+                                   decode_route)
     if kernel_file is not None:
         spec = dataclasses.replace(spec, file=kernel_file)
     fn = K.get_kernel(spec)

@@ -5,19 +5,20 @@ The front end validates the arguments and calls :func:`attention` (or keeps the 
 :func:`attention_runner` for its hot path). A launch has ``B * H * slots`` work items,
 ``slots = query tiles x splits`` sized from ``max_query_len`` and the shapes only (never
 from device values); its CTAs (at most ``GRID_WAVES`` waves of resident ones) loop over the
-items and find their work on the device (``find_work`` in the kernel): a sequence whose
-rows (tokens x query heads per KV head) fit one CTA cuts its keys into up to ``min(slots,
+items and find their work on the device (``find_work`` in the kernel): a sequence whose rows
+(tokens x query heads per KV head) fit one CTA cuts its keys into up to ``min(slots,
 max_splits)`` splits merged through the workspace, a longer one takes one item per query
-tile, and items past a sequence's work are skipped. With ``max_query_len * group <= 16``
-(decode, speculative verification) a call is one launch of the few-row kernel,
-``kernels/decode_attention.cu`` with ``query_start_loc`` (a sequence's tokens x heads
-packed as the MMA rows, each page byte decoded once per (sequence, KV head), the decode
-attention's split plan); otherwise, whatever the batch, the few-row kernel for the
-sequences of at most 16 rows (two launches when ``group <= 8``: its one-n8-tile form for
-those of at most 8 rows, a mixed batch's decodes, and its two-tile form for 9 to 16) and
-the smallest varlen kernel that holds the longest sequence (32 to 128 rows per CTA, 16
-where shared memory is short; on sm_90 the wgmma kernel in place of the 128-row one) for
-the others.
+tile, and items past a sequence's work are skipped. With ``max_query_len * group`` at most
+32 (bf16 / f16 q, head_dim 64 / 128; else 16: ``_kernels.attn_max_rows``; decode,
+speculative verification) a call is one launch of the few-row kernel,
+``kernels/decode_attention.cu`` with ``query_start_loc`` (a sequence's tokens x heads packed
+as the MMA rows, each page byte decoded once per (sequence, KV head), the decode attention's
+split plan, one, two or four n8 tiles of rows); otherwise, whatever the batch, the few-row
+kernel for the sequences of at most 16 rows (two launches when ``group <= 8``: its
+one-n8-tile form for those of at most 8 rows, a mixed batch's decodes, and its two-tile form
+for 9 to 16) and the smallest varlen kernel that holds the longest sequence (32 to 128 rows
+per CTA, 16 where shared memory is short; on sm_90 the wgmma kernel in place of the 128-row
+one) for the others.
 Everything that does not change from call to call (kernel, grid, packed ``VarlenParams`` /
 ``AttnParams``, workspace and merge tickets) is prepared once per signature in the owner's
 plan cache (``scratch.plans``); the split partials and merge tickets are views of the
@@ -198,7 +199,8 @@ def make_varlen_plan(buffer, q, query_start_loc, block_tables, seq_lens, geom: P
     rows = max(1, int(max_query_len)) * group
     args = (buffer, q, query_start_loc, block_tables, seq_lens, geom)
     small = _abi.MMA_ROWS
-    if rows <= small:  # decode / speculative verification: one launch of the few-row kernel
+    if rows <= K.attn_max_rows(K.value_type(q.dtype, "q.dtype"), D):
+        # decode / speculative verification: one launch of the few-row kernel
         return _VarlenCall((_few_rows_launch(*args, 0, 0xFFFFFFFF, max_query_len, causal, k_s,
                                              v_s, sm_scale, stats, workspace, window,
                                              rotate),))

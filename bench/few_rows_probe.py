@@ -1,0 +1,152 @@
+"""Probe of the few-row attention kernel (``kernels/decode_attention.cu`` with
+``query_start_loc``: speculative verification) on patched copies of its source: the same
+calls on the same cache, each variant's time and whether its output bytes equal the first
+variant's.
+
+Variants (``PATCHES``): ``base`` (the shipped source) and candidate changes, for example
+``minb3`` (the two-tile kernel at head_dim 128 held to 3 resident CTAs per SM instead of
+2: fewer registers, more warps); ``rows16`` (``ROUTES``) routes as the library did before
+the four-tile form (sequences of 17 to 32 rows to the varlen kernels). The candidates
+measured and dropped are in ``docs/kernels.md`` ("What was tried"); ``--baseline DIR``
+adds the variant ``baseline``, the kernel built from DIR's copies of kernel files (an
+older ``decode_attention.cu`` and the headers it changed with), for an A/B of a kernel
+change in one process.
+
+Rows: B sequences of L cached tokens (Hq 32, H 8, block 16, bf16, pages in random order),
+n query tokens each (``--n``), through ``attention``'s launch plan (the few-row kernel
+where n x group rows fit it).
+
+Run on the GPU (from the repository root)::
+
+    PYTHONPATH=. python3 bench/few_rows_probe.py --n 1 2 4 8 --variants base rows16 ch1
+    git show HEAD~1:kernels/decode_attention.cu > /tmp/old/decode_attention.cu
+    PYTHONPATH=. python3 bench/few_rows_probe.py --variants base --baseline /tmp/old
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import shutil
+import sys
+import tempfile
+from pathlib import Path
+
+import numpy as np
+
+_ROOT = Path(__file__).resolve().parents[1]
+for _p in (str(_ROOT), str(_ROOT / "bench")):
+    if _p not in sys.path:
+        sys.path.insert(0, _p)
+
+from attention_bench import log  # noqa: E402
+from kernel_patch import Patch, write_folder  # noqa: E402
+from timing import BF16  # noqa: E402
+
+from fp4cache import _kernels as K  # noqa: E402
+
+_MINB = "   : (TILES) == 2 ? ((D) == 64 ? ((SPLIT) ? 3 : 4) : (D) == 128 ? 2 : 1)"
+_CH = "D == 128 ? FP4C_ATTN_CHUNK_TILES_D128"
+
+# q's MMA fragments in shared memory for the two-tile form too (as for four tiles)
+_QS = [("  static constexpr bool kShared = NC == 4;", "  static constexpr bool kShared = NC >= 2;"),
+       ("  return NC == 4 ? AttnDims<D>::KS * NC * 64 : 1;",
+        "  return NC >= 2 ? AttnDims<D>::KS * NC * 64 : 1;")]
+
+# kernel_patch's patches of kernels/decode_attention.cu per variant
+PATCHES: dict[str, list[Patch]] = {
+    "base": [],
+    # the two-tile kernel held to more resident CTAs (fewer registers, more warps)
+    "minb3": [(_MINB, _MINB.replace("(D) == 128 ? 2", "(D) == 128 ? 3"))],
+    "d64minb3": [(_MINB, _MINB.replace("(SPLIT) ? 3 : 4", "(SPLIT) ? 3 : 3"))],
+    # the two-tile form with q in shared memory (16-bit q only): 206 registers at head_dim
+    # 128, 168 without spills at 3 CTAs per SM, 128 with spills at 4
+    "qs": _QS,
+    "qs_minb3": _QS + [(_MINB, _MINB.replace("(D) == 128 ? 2", "(D) == 128 ? 3"))],
+    "qs_minb4": _QS + [(_MINB, _MINB.replace("(D) == 128 ? 2", "(D) == 128 ? 4"))],
+    # one 16-token tile per chunk at head_dim 128 (fewer live scores in every tile form)
+    "ch1": [(_CH, "D == 128 ? 1")],
+    # the four-tile form's softmax a column at a time (no lazy maximum: fewer live scores)
+    "nolazy4": [("constexpr bool kLazy = D >= 128;", "constexpr bool kLazy = D >= 128 && NC < 4;")],
+}
+#: variants that change the host's routing instead of the source: "rows16" serves at most
+#: 16 rows per (sequence, KV head) in the few-row kernel (its two-tile form; more rows go to
+#: the varlen kernels), as before its four-tile form
+ROUTES = ("rows16",)
+
+#: the patched files of each variant's folder (tests/test_kernels_compile.py compiles them)
+FOLDERS: dict[str, dict[str, list[Patch]]] = {
+    name: {"decode_attention.cu": patches} for name, patches in PATCHES.items() if patches}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--variants", nargs="*", default=list(PATCHES),
+                    choices=list(PATCHES) + list(ROUTES))
+    ap.add_argument("--head-dim", type=int, default=128, choices=K.ATTN_HEAD_DIMS)
+    ap.add_argument("--n", type=int, nargs="*", default=[1, 2, 4, 8],
+                    help="query tokens per sequence")
+    ap.add_argument("--batch", type=int, default=8, help="sequences")
+    ap.add_argument("--length", type=int, default=32768, help="cached tokens per sequence")
+    ap.add_argument("--baseline", type=Path, default=None,
+                    help="a folder of older kernel files: timed as the variant 'baseline'")
+    args = ap.parse_args(argv)
+    from varlen_bench import VarlenBench
+
+    from fp4cache._cuda.decode import new_scratch
+
+    vb = VarlenBench(argparse.Namespace(reps=args.reps, out=None, only=None, route="auto",
+                                        window=0, rotate=False))
+    cp = vb.cp
+    shipped, max_rows = K.decode_attention_spec, K.attn_max_rows
+    root = Path(tempfile.mkdtemp())
+    folders = {name: write_folder(root / name, FOLDERS[name]) if name in FOLDERS else None
+               for name in args.variants}
+    if args.baseline is not None:
+        if not (args.baseline / "decode_attention.cu").is_file():
+            ap.error(f"--baseline: {args.baseline} holds no decode_attention.cu")
+        folders = {"baseline": str(args.baseline.resolve()), **folders}
+    B, L, D = args.batch, args.length, args.head_dim
+    sm_scale = 1.0 / np.sqrt(D)
+    cache, tab, lens, _ = vb.cache_for(B, [L] * B, 8, D, 16, 0)
+    try:
+        for n in args.n:
+            q = vb.env.randn_bf16((B * n, 32, D), 11 * n)
+            qsl = cp.arange(B + 1, dtype=cp.int32) * n
+            out = cp.empty((B * n, 32, D), dtype=BF16)
+            log(f"== B={B} x {L}, n={n}, head_dim {D}")
+            first = None  # the first variant's output bytes
+            for name, folder in folders.items():
+                K.attn_max_rows = max_rows
+                if name == "rows16":
+                    K.decode_attention_spec = shipped
+                    K.attn_max_rows = lambda dtype, head_dim: min(16, max_rows(dtype, head_dim))
+                elif folder is None:
+                    K.decode_attention_spec = shipped
+                else:
+                    def spec(*a, folder=folder, **kw):
+                        return dataclasses.replace(shipped(*a, **kw), folder=folder)
+                    K.decode_attention_spec = spec
+                scratch = new_scratch()
+                call = vb.varlen(cache, q, qsl, tab, lens, out, scratch, sm_scale, n)
+                call()
+                cp.cuda.Device().synchronize()
+                got = out.view(cp.uint16).get()
+                names = [lp.name for lp in next(iter(scratch.plans.values())).launches]
+                if first is None:
+                    first, same = (name, got), ""
+                else:
+                    same = (f"  bytes {'equal to' if np.array_equal(got, first[1]) else 'unlike'}"
+                            f" {first[0]}'s")
+                t = vb.time([call], batch=10)
+                log(f"   {name:9s} {t * 1e6:9.1f} us  {' + '.join(names)}{same}")
+            K.decode_attention_spec, K.attn_max_rows = shipped, max_rows
+    finally:
+        K.decode_attention_spec, K.attn_max_rows = shipped, max_rows
+        shutil.rmtree(root, ignore_errors=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
