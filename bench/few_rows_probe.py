@@ -3,11 +3,12 @@
 calls on the same cache, each variant's time and whether its output bytes equal the first
 variant's.
 
-Variants (``PATCHES``): ``base`` (the shipped source) and candidate changes, for example
-``minb3`` (the two-tile kernel at head_dim 128 held to 3 resident CTAs per SM instead of
-2: fewer registers, more warps); ``rows16`` (``ROUTES``) routes as the library did before
-the four-tile form (sequences of 17 to 32 rows to the varlen kernels). The candidates
-measured and dropped are in ``docs/kernels.md`` ("What was tried"); ``--baseline DIR``
+Variants (``PATCHES``): ``base`` (the shipped source) and candidate changes not measured
+yet: ``qs`` (the two-tile form with q's MMA fragments in shared memory, as the four-tile
+form has them), ``qs_minb3`` / ``qs_minb4`` (the same held to 3 / 4 resident CTAs per SM at
+head_dim 128); ``rows16`` (``ROUTES``) routes as the library did before the four-tile
+form (sequences of 17 to 32 rows to the varlen kernels). The candidates measured and
+dropped are in ``docs/kernels.md`` ("What was tried"); ``--baseline DIR``
 adds the variant ``baseline``, the kernel built from DIR's copies of kernel files (an
 older ``decode_attention.cu`` and the headers it changed with), for an A/B of a kernel
 change in one process.
@@ -18,7 +19,7 @@ where n x group rows fit it).
 
 Run on the GPU (from the repository root)::
 
-    PYTHONPATH=. python3 bench/few_rows_probe.py --n 1 2 4 8 --variants base rows16 ch1
+    PYTHONPATH=. python3 bench/few_rows_probe.py --n 4 8 --variants base rows16 qs qs_minb3
     git show HEAD~1:kernels/decode_attention.cu > /tmp/old/decode_attention.cu
     PYTHONPATH=. python3 bench/few_rows_probe.py --variants base --baseline /tmp/old
 """
@@ -40,13 +41,12 @@ for _p in (str(_ROOT), str(_ROOT / "bench")):
         sys.path.insert(0, _p)
 
 from attention_bench import log  # noqa: E402
-from kernel_patch import Patch, write_folder  # noqa: E402
+from kernel_patch import Patch, compare_bytes, variant_folders  # noqa: E402
 from timing import BF16  # noqa: E402
 
 from fp4cache import _kernels as K  # noqa: E402
 
 _MINB = "   : (TILES) == 2 ? ((D) == 64 ? ((SPLIT) ? 3 : 4) : (D) == 128 ? 2 : 1)"
-_CH = "D == 128 ? FP4C_ATTN_CHUNK_TILES_D128"
 
 # q's MMA fragments in shared memory for the two-tile form too (as for four tiles)
 _QS = [("  static constexpr bool kShared = NC == 4;", "  static constexpr bool kShared = NC >= 2;"),
@@ -56,18 +56,11 @@ _QS = [("  static constexpr bool kShared = NC == 4;", "  static constexpr bool k
 # kernel_patch's patches of kernels/decode_attention.cu per variant
 PATCHES: dict[str, list[Patch]] = {
     "base": [],
-    # the two-tile kernel held to more resident CTAs (fewer registers, more warps)
-    "minb3": [(_MINB, _MINB.replace("(D) == 128 ? 2", "(D) == 128 ? 3"))],
-    "d64minb3": [(_MINB, _MINB.replace("(SPLIT) ? 3 : 4", "(SPLIT) ? 3 : 3"))],
     # the two-tile form with q in shared memory (16-bit q only): 206 registers at head_dim
     # 128, 168 without spills at 3 CTAs per SM, 128 with spills at 4
     "qs": _QS,
     "qs_minb3": _QS + [(_MINB, _MINB.replace("(D) == 128 ? 2", "(D) == 128 ? 3"))],
     "qs_minb4": _QS + [(_MINB, _MINB.replace("(D) == 128 ? 2", "(D) == 128 ? 4"))],
-    # one 16-token tile per chunk at head_dim 128 (fewer live scores in every tile form)
-    "ch1": [(_CH, "D == 128 ? 1")],
-    # the four-tile form's softmax a column at a time (no lazy maximum: fewer live scores)
-    "nolazy4": [("constexpr bool kLazy = D >= 128;", "constexpr bool kLazy = D >= 128 && NC < 4;")],
 }
 #: variants that change the host's routing instead of the source: "rows16" serves at most
 #: 16 rows per (sequence, KV head) in the few-row kernel (its two-tile form; more rows go to
@@ -101,12 +94,7 @@ def main(argv=None) -> int:
     cp = vb.cp
     shipped, max_rows = K.decode_attention_spec, K.attn_max_rows
     root = Path(tempfile.mkdtemp())
-    folders = {name: write_folder(root / name, FOLDERS[name]) if name in FOLDERS else None
-               for name in args.variants}
-    if args.baseline is not None:
-        if not (args.baseline / "decode_attention.cu").is_file():
-            ap.error(f"--baseline: {args.baseline} holds no decode_attention.cu")
-        folders = {"baseline": str(args.baseline.resolve()), **folders}
+    folders = variant_folders(root, args.variants, FOLDERS, args.baseline, "decode_attention.cu")
     B, L, D = args.batch, args.length, args.head_dim
     sm_scale = 1.0 / np.sqrt(D)
     cache, tab, lens, _ = vb.cache_for(B, [L] * B, 8, D, 16, 0)
@@ -134,11 +122,7 @@ def main(argv=None) -> int:
                 cp.cuda.Device().synchronize()
                 got = out.view(cp.uint16).get()
                 names = [lp.name for lp in next(iter(scratch.plans.values())).launches]
-                if first is None:
-                    first, same = (name, got), ""
-                else:
-                    same = (f"  bytes {'equal to' if np.array_equal(got, first[1]) else 'unlike'}"
-                            f" {first[0]}'s")
+                first, same = compare_bytes(first, name, got)
                 t = vb.time([call], batch=10)
                 log(f"   {name:9s} {t * 1e6:9.1f} us  {' + '.join(names)}{same}")
             K.decode_attention_spec, K.attn_max_rows = shipped, max_rows

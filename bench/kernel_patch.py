@@ -13,6 +13,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import numpy as np
+
 from fp4cache import _kernels as K
 
 Patch = tuple[str | tuple[str, str], str]
@@ -45,3 +47,28 @@ def write_folder(folder: Path, files: dict[str, list[Patch]]) -> str:
         src = (K.kernel_dir() / name).read_text()
         (folder / name).write_text(patch_text(src, patches, f"{folder.name}/{name}"))
     return str(folder)
+
+
+def variant_folders(root: Path, names: list[str], folders: dict[str, dict[str, list[Patch]]],
+                    baseline: Path | None, kernel_file: str) -> dict[str, str | None]:
+    """Each variant of ``names`` -> its folder under ``root`` (written from ``folders``;
+    None: the shipped sources), with the variant ``"baseline"`` first when ``baseline``
+    names a folder of older kernel files (it must hold ``kernel_file``)."""
+    out: dict[str, str | None] = {
+        name: write_folder(root / name, folders[name]) if name in folders else None
+        for name in names}
+    if baseline is not None:
+        if not (baseline / kernel_file).is_file():
+            raise SystemExit(f"--baseline: {baseline} holds no {kernel_file}")
+        out = {"baseline": str(baseline.resolve()), **out}
+    return out
+
+
+def compare_bytes(first: tuple[str, np.ndarray] | None, name: str,
+                  got: np.ndarray) -> tuple[tuple[str, np.ndarray], str]:
+    """The first variant's (name, output bytes) and a note on how variant ``name``'s bytes
+    ``got`` compare with them (empty for the first variant itself)."""
+    if first is None:
+        return (name, got), ""
+    same = "equal to" if np.array_equal(got, first[1]) else "unlike"
+    return first, f"  bytes {same} {first[0]}'s"

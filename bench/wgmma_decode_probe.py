@@ -44,7 +44,7 @@ for _p in (str(_ROOT), str(_ROOT / "bench")):
         sys.path.insert(0, _p)
 
 from attention_bench import log  # noqa: E402
-from kernel_patch import Patch, write_folder  # noqa: E402
+from kernel_patch import Patch, compare_bytes, variant_folders  # noqa: E402
 from timing import BF16  # noqa: E402
 
 from fp4cache import _abi  # noqa: E402
@@ -99,12 +99,7 @@ def main(argv=None) -> int:
     cp = vb.cp
     shipped = K.varlen_wgmma_spec
     root = Path(tempfile.mkdtemp())
-    folders = {name: write_folder(root / name, FOLDERS[name]) if name in FOLDERS else None
-               for name in args.variants}
-    if args.baseline is not None:
-        if not (args.baseline / "varlen_wgmma.cu").is_file():
-            ap.error(f"--baseline: {args.baseline} holds no varlen_wgmma.cu")
-        folders = {"baseline": str(args.baseline.resolve()), **folders}
+    folders = variant_folders(root, args.variants, FOLDERS, args.baseline, "varlen_wgmma.cu")
     D = args.head_dim
     sm_scale = 1.0 / np.sqrt(D)
     try:
@@ -128,11 +123,7 @@ def main(argv=None) -> int:
                 call()
                 cp.cuda.Device().synchronize()
                 got = out.view(cp.uint16).get()
-                if first is None:
-                    first, same = (name, got), ""
-                else:
-                    same = (f"  bytes {'equal to' if np.array_equal(got, first[1]) else 'unlike'}"
-                            f" {first[0]}'s")
+                first, same = compare_bytes(first, name, got)
                 t = vb.time([call], batch=3)
                 log(f"   {name:9s} {t * 1e6:9.1f} us{same}")
             K.varlen_wgmma_spec = shipped
