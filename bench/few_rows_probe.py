@@ -41,7 +41,12 @@ for _p in (str(_ROOT), str(_ROOT / "bench")):
         sys.path.insert(0, _p)
 
 from attention_bench import log  # noqa: E402
-from kernel_patch import Patch, compare_bytes, variant_folders  # noqa: E402
+from kernel_patch import (  # noqa: E402
+    Patch,
+    add_baseline_argument,
+    compare_bytes,
+    variant_folders,
+)
 from timing import BF16  # noqa: E402
 
 from fp4cache import _kernels as K  # noqa: E402
@@ -49,9 +54,7 @@ from fp4cache import _kernels as K  # noqa: E402
 _MINB = "   : (TILES) == 2 ? ((D) == 64 ? ((SPLIT) ? 3 : 4) : (D) == 128 ? 2 : 1)"
 
 # q's MMA fragments in shared memory for the two-tile form too (as for four tiles)
-_QS = [("  static constexpr bool kShared = NC == 4;", "  static constexpr bool kShared = NC >= 2;"),
-       ("  return NC == 4 ? AttnDims<D>::KS * NC * 64 : 1;",
-        "  return NC >= 2 ? AttnDims<D>::KS * NC * 64 : 1;")]
+_QS = [("  static constexpr bool kShared = NC == 4;", "  static constexpr bool kShared = NC >= 2;")]
 
 # kernel_patch's patches of kernels/decode_attention.cu per variant
 PATCHES: dict[str, list[Patch]] = {
@@ -82,15 +85,13 @@ def main(argv=None) -> int:
                     help="query tokens per sequence")
     ap.add_argument("--batch", type=int, default=8, help="sequences")
     ap.add_argument("--length", type=int, default=32768, help="cached tokens per sequence")
-    ap.add_argument("--baseline", type=Path, default=None,
-                    help="a folder of older kernel files: timed as the variant 'baseline'")
+    add_baseline_argument(ap)
     args = ap.parse_args(argv)
     from varlen_bench import VarlenBench
 
     from fp4cache._cuda.decode import new_scratch
 
-    vb = VarlenBench(argparse.Namespace(reps=args.reps, out=None, only=None, route="auto",
-                                        window=0, rotate=False))
+    vb = VarlenBench.plain(args.reps)
     cp = vb.cp
     shipped, max_rows = K.decode_attention_spec, K.attn_max_rows
     root = Path(tempfile.mkdtemp())

@@ -49,6 +49,13 @@ def write_folder(folder: Path, files: dict[str, list[Patch]]) -> str:
     return str(folder)
 
 
+def add_baseline_argument(ap) -> None:
+    """A probe's ``--baseline DIR`` (an ``argparse`` parser's): older kernel files timed as
+    the variant ``"baseline"`` (:func:`variant_folders`)."""
+    ap.add_argument("--baseline", type=Path, default=None,
+                    help="a folder of older kernel files: timed as the variant 'baseline'")
+
+
 def variant_folders(root: Path, names: list[str], folders: dict[str, dict[str, list[Patch]]],
                     baseline: Path | None, kernel_file: str) -> dict[str, str | None]:
     """Each variant of ``names`` -> its folder under ``root`` (written from ``folders``;

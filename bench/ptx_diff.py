@@ -62,6 +62,7 @@ def variant_specs() -> list:
         for s in attn:
             a = K.decode_attention_args(s)
             out.append((s.name + "@bitmove", K.decode_attention_spec(
+                # a[2]: the row form, `tiles` (or `wide` in older trees)
                 a.dtype, a.head_dim, a[2], a.paged16, decode_route="bitmove")))
         return out
     return [(s.name + "@bitmove", s.with_tuning(FP4C_E4M3_CVT=0)) for s in attn]

@@ -54,6 +54,12 @@ TARGETS = {"n4_vs_decode": 1.2, "n4_vs_sdpa": 2.0, "n8_vs_decode": 1.6,
 
 
 class VarlenBench(AttnBench):
+    @classmethod
+    def plain(cls, reps: int) -> VarlenBench:
+        """The bench of the probes: route "auto", no window or rotation, no JSON file."""
+        return cls(argparse.Namespace(reps=reps, out=None, only=None, route="auto", window=0,
+                                      rotate=False))
+
     def varlen(self, cache, q, qsl, tab, lens, out, scratch, sm_scale, mql, causal=True,
                window=None, rotate=False, route=None):
         from fp4cache._cuda import varlen as cv

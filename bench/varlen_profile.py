@@ -26,8 +26,7 @@ def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--only", nargs="*", default=["spec", "prefill"])
     args = ap.parse_args()
-    vb = VarlenBench(argparse.Namespace(reps=1, out=None, only=None, route="auto",
-                                        window=0, rotate=False))
+    vb = VarlenBench.plain(1)
     cp = vb.cp
     H, D, T, Hq = 8, 128, 16, 32
     if "spec" in args.only:

@@ -44,7 +44,12 @@ for _p in (str(_ROOT), str(_ROOT / "bench")):
         sys.path.insert(0, _p)
 
 from attention_bench import log  # noqa: E402
-from kernel_patch import Patch, compare_bytes, variant_folders  # noqa: E402
+from kernel_patch import (  # noqa: E402
+    Patch,
+    add_baseline_argument,
+    compare_bytes,
+    variant_folders,
+)
 from timing import BF16  # noqa: E402
 
 from fp4cache import _abi  # noqa: E402
@@ -87,15 +92,13 @@ def main(argv=None) -> int:
     ap.add_argument("--variants", nargs="*", default=list(PATCHES), choices=list(PATCHES))
     ap.add_argument("--head-dim", type=int, default=128, choices=_abi.VARLEN_WG_HEAD_DIMS)
     ap.add_argument("--rows", nargs="*", default=list(ROWS), choices=list(ROWS))
-    ap.add_argument("--baseline", type=Path, default=None,
-                    help="a folder of older kernel files: timed as the variant 'baseline'")
+    add_baseline_argument(ap)
     args = ap.parse_args(argv)
     from varlen_bench import VarlenBench
 
     from fp4cache._cuda.decode import new_scratch
 
-    vb = VarlenBench(argparse.Namespace(reps=args.reps, out=None, only=None, route="auto",
-                                        window=0, rotate=False))
+    vb = VarlenBench.plain(args.reps)
     cp = vb.cp
     shipped = K.varlen_wgmma_spec
     root = Path(tempfile.mkdtemp())

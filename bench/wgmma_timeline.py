@@ -147,8 +147,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--reps", type=int, default=5)
     args = ap.parse_args(argv)
-    vb = VarlenBench(argparse.Namespace(reps=args.reps, out=None, only=None, route="auto",
-                                        window=0, rotate=False))
+    vb = VarlenBench.plain(args.reps)
     cp = vb.cp
     shipped = K.varlen_wgmma_spec
     root = Path(tempfile.mkdtemp())

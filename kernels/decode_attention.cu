@@ -502,9 +502,9 @@ struct QFrag {
   }
 };
 // Shared memory of QFrag::kShared, in 32-bit words (one word for the other forms)
-template <int D, int NC>
+template <int D, int NC, bool SPLIT>
 FP4C_DEVICE constexpr int q_shared_words() {
-  return NC == 4 ? AttnDims<D>::KS * NC * 64 : 1;
+  return QFrag<D, NC, SPLIT>::kShared ? AttnDims<D>::KS * NC * 64 : 1;
 }
 
 // The warp's online-softmax state of its columns.
@@ -1336,7 +1336,7 @@ FP4C_DEVICE void decode_attn_impl(const void* __restrict__ q, const void* __rest
   __shared__ float s_m[FP4C_ATTN_WARPS][kRows], s_l[FP4C_ATTN_WARPS][kRows];
   __shared__ float s_M[kRows], s_L[kRows];
   __shared__ u32 s_flag;
-  __shared__ __align__(16) u32 s_q[q_shared_words<D, NC>()];  // QFrag::kShared
+  __shared__ __align__(16) u32 s_q[q_shared_words<D, NC, SPLIT>()];  // QFrag::kShared
 
   // one-dimensional grid of nsplit * H * B CTAs, split fastest
   const u32 H = P.H, nsplit = P.nsplit;

@@ -305,10 +305,10 @@ def make_decode_plan(buffer, q, block_tables, seq_lens, geom: PageGeometry, k_s,
         raise ValueError(f"q must have fewer than 2**32 tokens, got {num_tokens}")
     rows_max = rows.max_q * group
     dtype = K.value_type(q.dtype, "q.dtype")
-    if rows_max > K.attn_max_rows(dtype, D):
-        raise ValueError(f"{rows.max_q} query tokens x {group} heads exceed the "
-                         f"{K.attn_max_rows(dtype, D)} rows of the attention kernel's CTA "
-                         f"({dtype} q, head_dim {D})")
+    most = K.attn_max_rows(dtype, D)
+    if rows_max > most:
+        raise ValueError(f"{rows.max_q} query tokens x {group} heads exceed the {most} rows "
+                         f"of the attention kernel's CTA ({dtype} q, head_dim {D})")
     max_blocks = int(block_tables.shape[1])
     if buffer.shape[0] >= 2**32 - 1:  # the kernel's 32-bit page index (FP4C_BAD_PAGE)
         raise ValueError(f"the page pool must hold fewer than 2**32 - 1 pages, got "
