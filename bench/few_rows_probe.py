@@ -3,12 +3,10 @@
 calls on the same cache, each variant's time and whether its output bytes equal the first
 variant's.
 
-Variants (``PATCHES``): ``base`` (the shipped source) and candidate changes not measured
-yet: ``qs`` (the two-tile form with q's MMA fragments in shared memory, as the four-tile
-form has them), ``qs_minb3`` / ``qs_minb4`` (the same held to 3 / 4 resident CTAs per SM at
-head_dim 128); ``rows16`` (``ROUTES``) routes as the library did before the four-tile
-form (sequences of 17 to 32 rows to the varlen kernels). The candidates measured and
-dropped are in ``docs/kernels.md`` ("What was tried"); ``--baseline DIR``
+Variants (``PATCHES``): ``base`` (the shipped source; candidate changes are added here as
+patches while they are measured); ``rows16`` (``ROUTES``) routes as the library did before
+the four-tile form (sequences of 17 to 32 rows to the varlen kernels). The candidates
+measured and dropped are in ``docs/kernels.md`` ("What was tried"); ``--baseline DIR``
 adds the variant ``baseline``, the kernel built from DIR's copies of kernel files (an
 older ``decode_attention.cu`` and the headers it changed with), for an A/B of a kernel
 change in one process.
@@ -19,7 +17,7 @@ where n x group rows fit it).
 
 Run on the GPU (from the repository root)::
 
-    PYTHONPATH=. python3 bench/few_rows_probe.py --n 4 8 --variants base rows16 qs qs_minb3
+    PYTHONPATH=. python3 bench/few_rows_probe.py --n 2 4 8 --variants base rows16
     git show HEAD~1:kernels/decode_attention.cu > /tmp/old/decode_attention.cu
     PYTHONPATH=. python3 bench/few_rows_probe.py --variants base --baseline /tmp/old
 """
@@ -51,19 +49,9 @@ from timing import BF16  # noqa: E402
 
 from fp4cache import _kernels as K  # noqa: E402
 
-_MINB = "   : (TILES) == 2 ? ((D) == 64 ? ((SPLIT) ? 3 : 4) : (D) == 128 ? 2 : 1)"
-
-# q's MMA fragments in shared memory for the two-tile form too (as for four tiles)
-_QS = [("  static constexpr bool kShared = NC == 4;", "  static constexpr bool kShared = NC >= 2;")]
-
 # kernel_patch's patches of kernels/decode_attention.cu per variant
 PATCHES: dict[str, list[Patch]] = {
     "base": [],
-    # the two-tile form with q in shared memory (16-bit q only): 206 registers at head_dim
-    # 128, 168 without spills at 3 CTAs per SM, 128 with spills at 4
-    "qs": _QS,
-    "qs_minb3": _QS + [(_MINB, _MINB.replace("(D) == 128 ? 2", "(D) == 128 ? 3"))],
-    "qs_minb4": _QS + [(_MINB, _MINB.replace("(D) == 128 ? 2", "(D) == 128 ? 4"))],
 }
 #: variants that change the host's routing instead of the source: "rows16" serves at most
 #: 16 rows per (sequence, KV head) in the few-row kernel (its two-tile form; more rows go to

@@ -485,13 +485,15 @@ FP4C_DEVICE u32 k_pair_d(u32 c, int w, int p, int half) {
 // ---------------------------------------------------------------------------------------
 // q as the B operand of S^T = K Q^T: per k-step j and n8 tile nc, the two registers of row
 // g + 8 nc (the d permutation of K: k_pair_d); float32 q: the lo parts of a second MMA.
-// Four n8 tiles (16-bit q only) keep them in shared memory, one copy per CTA (every warp
-// has the same rows): pair (j, nc) of lane l at sh[(j NC + nc) 32 + l], read where used
-// (in registers, 64 at D = 128, they would spill beside the 128 O accumulators).
+// Four n8 tiles (16-bit q only), and two at D = 256 with 16-bit q, keep them in shared
+// memory, one copy per CTA (every warp has the same rows): pair (j, nc) of lane l at
+// sh[(j NC + nc) 32 + l], read where used (in registers, 64 at D = 128 with four tiles and
+// at D = 256 with two, they spill beside the O accumulators; two tiles at D <= 128 keep
+// them in registers, as fast, docs/kernels.md).
 template <int D, int NC, bool SPLIT>
 struct QFrag {
-  static constexpr bool kShared = NC == 4;
-  static_assert(!(kShared && SPLIT), "four n8 tiles: 16-bit q only");
+  static constexpr bool kShared = !SPLIT && (NC == 4 || (NC == 2 && D == 256));
+  static_assert(NC != 4 || !SPLIT, "four n8 tiles: 16-bit q only");
   u32 hi[kShared ? 1 : AttnDims<D>::KS][kShared ? 1 : NC][2];
   u32 lo[SPLIT ? AttnDims<D>::KS : 1][NC][2];
   const U32x2* sh;  // kShared: this lane's pair (0, 0)
@@ -557,7 +559,7 @@ FP4C_DEVICE void load_q_slice(const char* src, bool use, bool vec, float (&x)[N]
 // St.rsc.  Lane (g, c) needs exactly the D/4 values d = c D/4 .. (c+1) D/4 - 1 of its rows
 // (k_pair_d), loaded once, all at once (one round trip: the loads of a short sequence's CTA
 // are its latency, docs/kernels.md).
-// Four n8 tiles: warp 0 writes the fragments to s_q (q_shared_words); the caller's
+// QFrag::kShared: warp 0 writes the fragments to s_q (q_shared_words); the caller's
 // barrier orders them before any warp's first read.
 template <typename T, int D, int NC, bool SPLIT>
 FP4C_DEVICE void load_q(const void* __restrict__ q, const RowMap& R, float qk_scale, u32 rotate,

@@ -1154,12 +1154,16 @@ class TestKernel:
     @pytest.mark.parametrize("D,group,n,dtname,layout,T", [
         (128, 4, 8, "bfloat16", "HND", 16), (128, 2, 9, "float16", "NHD", 16),
         (64, 8, 4, "bfloat16", "NHD", 16), (64, 16, 2, "float16", "HND", 32),
-        (128, 4, 5, "bfloat16", "HND", 12), (64, 3, 7, "bfloat16", "NHD", 6)])
+        (128, 4, 5, "bfloat16", "HND", 12), (64, 3, 7, "bfloat16", "NHD", 6),
+        (256, 4, 4, "bfloat16", "HND", 16), (256, 8, 2, "float16", "NHD", 12),
+        (256, 3, 5, "float16", "HND", 32)])
     def test_four_tile_few_rows(self, D, group, n, dtname, layout, T):
-        """17 to 32 rows per (sequence, KV head), 16-bit q, head_dim 64 / 128: one launch of
-        the few-row kernel's four-n8-tile form (q's fragments in shared memory), over pages
-        of 16-token multiples and of other sizes, causal and not, beside sequences of fewer
-        tokens (one, none) and one with fewer keys than query tokens (rows without keys)."""
+        """The few-row forms whose q fragments live in shared memory, 16-bit q: 17 to 32
+        rows per (sequence, KV head) at head_dim 64 / 128 (four n8 tiles), 9 to 16 at
+        head_dim 256 (two tiles). One launch, over pages of 16-token multiples and of other
+        sizes, causal and not, beside sequences of fewer tokens (one, none) and one with
+        fewer keys than query tokens (rows without keys)."""
+        form = "_wide" if D == 256 else "_wide4"
         rng = np.random.default_rng(zlib_seed("wide4", D, group, n, dtname, layout, T))
         ns = [n, 1, n, 0, n - 1, n]
         lens = [9000, 700, 300, 50, 4099, n - 1]
@@ -1171,8 +1175,8 @@ class TestKernel:
             (call,) = scratch.plans.values()
             (lp,) = call.launches
             (plan,) = lp.keep
-            assert f"_d{D}_wide4" in plan.spec.name and plan.grid[0] > 1
-            assert plan.spec.name.endswith("_paged16") == (T % 16 == 0)
+            assert plan.spec.name.endswith(f"_d{D}{form}" + "_paged16" * (T % 16 == 0))
+            assert plan.grid[0] > 1
 
     def test_more_sequences_than_a_grid_dimension(self):
         """65,540 sequences of 0-2 query tokens: more than a CUDA grid's y / z limit (65,535);
@@ -1591,8 +1595,8 @@ def few_rows_window():
 class TestWindow:
     """The exact window and the q rotation in ``fp4cache._cuda.varlen``'s kernels (the
     sequences of more than 32 rows, 16 for float32 q or head_dim 256: the varlen kernel; the
-    few-row kernel's four-tile form in ``test_four_tile_few_rows``, its other forms in the
-    mixed cases) against the float64 reference over the decoded pages and the window
+    few-row kernel's forms with q in shared memory in ``test_four_tile_few_rows``, its other
+    forms in the mixed cases) against the float64 reference over the decoded pages and the window
     slots."""
 
     @pytest.mark.parametrize("window,rotate", [(True, False), (False, True), (True, True)],
@@ -1625,10 +1629,13 @@ class TestWindow:
             check(out, lse, ro, rl, "bfloat16", f"T={T} P={P}", lse_tol=WIN_LSE_TOL)
 
     @pytest.mark.parametrize("D,group,n,dtname", [(128, 4, 8, "bfloat16"),
-                                                  (64, 2, 11, "float16")])
+                                                  (64, 2, 11, "float16"),
+                                                  (256, 4, 4, "bfloat16")])
     def test_four_tile_few_rows(self, D, group, n, dtname):
-        """17 to 32 rows per (sequence, KV head): one launch of the few-row kernel's
-        four-n8-tile form, with the window and the rotation."""
+        """The few-row forms with q's fragments in shared memory (17 to 32 rows per
+        (sequence, KV head) at head_dim 64 / 128: four n8 tiles; 9 to 16 at head_dim 256:
+        two), one launch, with the window and the rotation."""
+        form = "_wide_" if D == 256 else "_wide4"
         rng = np.random.default_rng(zlib_seed("win-wide4", D, group, n))
         ns = [n, n, 1, n]
         lens = [n, 40 + 5 * 16 + 7, 300, 64 + 32]  # the first one shorter than the window
@@ -1640,7 +1647,7 @@ class TestWindow:
                   lse_tol=WIN_LSE_TOL)
             (call,) = scratch.plans.values()
             (lp,) = call.launches
-            assert "_wide4" in lp.name
+            assert f"_d{D}{form}" in lp.name, lp.name
 
     @pytest.mark.parametrize("group", [1, 2, 8])
     def test_chunk_rows_around_the_window_start(self, group):
