@@ -708,17 +708,21 @@ class TestKernel:
         ro, rl = decode_f64(kd, vd, q, tab, lens, T, 1 / np.sqrt(D), num_blocks)
         check(out, lse, ro, rl, dtname, f"long D={D}")
 
-    def test_bad_ids_nan_and_counted(self):
+    @pytest.mark.parametrize("itype", [np.int32, np.int64])
+    def test_bad_ids_nan_and_counted(self, itype):
+        """Bad entries of int32 and int64 block tables (the kernel reads an entry's words a
+        chunk before it makes them an id): out of range above, negative, and an int64 entry
+        whose low word alone is a good page."""
         rng = np.random.default_rng(5)
         H, T, D, group = 2, 16, 128, 4
         lens = [100, 3000, 50, 40]
         max_blocks = 3000 // T + 2
         num_blocks = sum(-(-L // T) for L in lens) + 2
         cache, kd, vd = make_gpu_cache(rng, H=H, T=T, D=D, num_blocks=num_blocks)
-        tab = tables_for(rng, lens, T, num_blocks, max_blocks)
+        tab = tables_for(rng, lens, T, num_blocks, max_blocks, itype)
         tab[0, 2] = num_blocks + 5      # used: NaN
         tab[1, 150] = -3                # used, long sequence (split-KV): NaN
-        tab[1, 160] = 2**31 - 1         # used
+        tab[1, 160] = 2**31 - 1 if itype == np.int32 else 2**32 + 1  # used (low word 1)
         tab[2, 7] = num_blocks          # past the used pages (50 tokens = 4 pages): ignored
         q = rand_q(rng, len(lens), H * group, D, "bfloat16")
         cache.reset_counters()
