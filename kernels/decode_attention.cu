@@ -357,7 +357,7 @@ FP4C_DEVICE u32 page_index(const SeqCtx& S, i64 id) {
 // row; tiles at or past `end` read nothing (a multiple of 16 <= the row's capacity).
 template <int CH>
 struct ChunkIds {
-  IdWords w[CH];  // the entries as loaded (id_of: the block id)
+  i64 id[CH];
   u32 t0[CH];
 };
 template <int CH>
@@ -373,8 +373,7 @@ FP4C_DEVICE ChunkIds<CH> chunk_ids(const SeqCtx& S, u32 cs, u32 end) {
         ++pe;
       }
     }
-    C.w[j] = IdWords{0u, 0u};
-    if (cs + 16u * j < end) C.w[j] = load_id_words(S, pe);
+    C.id[j] = cs + 16u * j < end ? load_id(S, pe) : 0;
     C.t0[j] = t0;
   }
   return C;
@@ -1101,15 +1100,18 @@ FP4C_DEVICE void walk_chunks(const SeqCtx& S, u8* ring, u32 s0, u32 s1,
   const ChunkLane<D> L = chunk_lane<D>(S);
   const u32 ring_s = smem_u32(ring);
   u32 c_issue = first_chunk_key<D>(s0);
-  // the entries of the next chunk to issue, as loaded: read one chunk ahead, first used
-  // when that chunk is issued
-  ChunkIds<CH> nxt = first;
+  TileSrc nxt[CH];
+  auto take = [&](const ChunkIds<CH>& C) {
+#pragma unroll
+    for (int j = 0; j < CH; ++j) nxt[j] = TileSrc{page_index(S, C.id[j]), C.t0[j]};
+  };
+  take(first);
   auto issue = [&](int stg) {
     if (c_issue < s1) {
       TileSrc cur[CH];
 #pragma unroll
-      for (int j = 0; j < CH; ++j) cur[j] = TileSrc{page_index(S, id_of(S, nxt.w[j])), nxt.t0[j]};
-      if (c_issue + kCStep < s1) nxt = chunk_ids<CH>(S, c_issue + kCStep, s1);
+      for (int j = 0; j < CH; ++j) cur[j] = nxt[j];
+      if (c_issue + kCStep < s1) take(chunk_ids<CH>(S, c_issue + kCStep, s1));
 #pragma unroll
       for (int j = 0; j < CH; ++j)
         if (c_issue + 16u * j < s1)
