@@ -5,7 +5,9 @@ values of such a variant are wrong; only its time counts), or changed.
 Variants (``PATCHES``): ``base`` (the shipped source), ``noload`` (the decode warps decode
 the first step's rows again instead of loading each step's), ``nodecode`` (rows loaded,
 not decoded: the stages keep what they hold), ``idle`` (the decode warps only pass the
-rings' barriers), ``nomma`` (the row warps issue no MMAs: softmax on stale scores).  The
+rings' barriers), ``nomma`` (the row warps issue no MMAs: softmax on stale scores); the
+candidate not measured yet: ``rows_ilp`` (the output step's values loaded and divided
+without a branch per value, same output bytes).  The
 candidate changes measured with it and dropped are in ``docs/kernels.md`` ("What was
 tried").  ``--baseline DIR`` adds the variant ``baseline``: the kernel built from DIR's
 copies of kernel files (an older ``varlen_wgmma.cu`` and the headers it changed with; the
@@ -66,19 +68,42 @@ _MMA = """    wg_pv<D, A::STEP>(st, pa, kv_s + (A::KSTAGES + rv.stage) * A::KT);
 _FIRST = "    wg_scores<D, A::ROWS, A::STEP>(s, q_s, kv_s + rk.stage * A::KT);\n    wg_turn_pass"
 
 
-# kernel_patch's patches of kernels/varlen_wgmma.cu per variant
-PATCHES: dict[str, list[Patch]] = {
-    "base": [],
-    "noload": [(_LOAD, "")],
-    "nodecode": [(_DECODE, _KEEP)],
-    "idle": [(_LOAD, ""), (_DECODE, "")],
-    "nomma": [(_MMA, "    asm volatile(\"\" ::: \"memory\");"),
-              (_FIRST, "    wg_turn_pass")],
+# write_rows (attn_epilogue.cuh, every attention kernel's output step) with a step's four
+# values loaded at once and divided with no branch around them (a row without keys masked
+# to +0 after its division: the same bytes as the shipped 0.0f) (the
+# shipped loop tests L per value and loads each value behind that branch, so a thread's
+# values are one dependent chain: LDS, reciprocal, refinement, FCHK, per value), two steps
+# per iteration; the same arithmetic per value, so the same output bytes
+_ROWS = """    const float L = s_L[row];
+    float v[4];
+#pragma unroll
+    for (int e = 0; e < 4; ++e)
+      v[e] = __float_as_uint(L) == 0u ? 0.0f : f_mul(f_div(s_o[row][d + e], L), scale);"""
+_ROWS_ILP = """    const float L = s_L[row];
+    const u32 keep = __float_as_uint(L) == 0u ? 0u : 0xFFFFFFFFu;  // +0 where no key
+    float v[4];
+#pragma unroll
+    for (int e = 0; e < 4; ++e) v[e] = s_o[row][d + e];
+#pragma unroll
+    for (int e = 0; e < 4; ++e)
+      v[e] = __uint_as_float(__float_as_uint(f_mul(f_div(v[e], L), scale)) & keep);"""
+_ROWS_LOOP = "  for (u32 k = 4u * threadIdx.x; k < rows * D; k += 4u * THREADS) {"
+
+# kernel_patch's patches of kernel files per variant (kernels/varlen_wgmma.cu unless named)
+PATCHES: dict[str, dict[str, list[Patch]]] = {
+    "base": {},
+    "noload": {"varlen_wgmma.cu": [(_LOAD, "")]},
+    "nodecode": {"varlen_wgmma.cu": [(_DECODE, _KEEP)]},
+    "idle": {"varlen_wgmma.cu": [(_LOAD, ""), (_DECODE, "")]},
+    "nomma": {"varlen_wgmma.cu": [(_MMA, "    asm volatile(\"\" ::: \"memory\");"),
+                                  (_FIRST, "    wg_turn_pass")]},
+    "rows_ilp": {"attn_epilogue.cuh": [(_ROWS, _ROWS_ILP),
+                                       (_ROWS_LOOP, "#pragma unroll 2\n" + _ROWS_LOOP)]},
 }
 
 #: the patched files of each variant's folder (tests/test_kernels_compile.py compiles them)
 FOLDERS: dict[str, dict[str, list[Patch]]] = {
-    name: {"varlen_wgmma.cu": patches} for name, patches in PATCHES.items() if patches}
+    name: files for name, files in PATCHES.items() if files}
 
 #: the probe's rows: name -> (label, sequences, query tokens, cached tokens)
 ROWS = {"chunk": ("chunk 2,048 after 30,720", 1, 2048, 30720),
