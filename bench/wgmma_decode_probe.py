@@ -68,12 +68,12 @@ _MMA = """    wg_pv<D, A::STEP>(st, pa, kv_s + (A::KSTAGES + rv.stage) * A::KT);
 _FIRST = "    wg_scores<D, A::ROWS, A::STEP>(s, q_s, kv_s + rk.stage * A::KT);\n    wg_turn_pass"
 
 
-# write_rows (attn_epilogue.cuh, every attention kernel's output step) with a step's four
-# values loaded at once and divided with no branch around them (a row without keys masked
-# to +0 after its division: the same bytes as the shipped 0.0f) (the
-# shipped loop tests L per value and loads each value behind that branch, so a thread's
-# values are one dependent chain: LDS, reciprocal, refinement, FCHK, per value), two steps
-# per iteration; the same arithmetic per value, so the same output bytes
+# write_rows (attn_epilogue.cuh, every attention kernel's output step): a step's four values
+# loaded at once and divided with no branch around them, two steps per iteration. The
+# shipped loop tests the row's L per value and loads each value behind that branch, so a
+# thread's values form one dependent chain (load, reciprocal, refinement, check). Same
+# arithmetic per value; a row without keys is masked to +0 after its division, the bits of
+# the shipped 0.0f, so the output bytes are the same.
 _ROWS = """    const float L = s_L[row];
     float v[4];
 #pragma unroll

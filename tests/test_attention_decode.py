@@ -710,9 +710,8 @@ class TestKernel:
 
     @pytest.mark.parametrize("itype", [np.int32, np.int64])
     def test_bad_ids_nan_and_counted(self, itype):
-        """Bad entries of int32 and int64 block tables (the kernel reads an entry's words a
-        chunk before it makes them an id): out of range above, negative, and an int64 entry
-        whose low word alone is a good page."""
+        """Bad entries of int32 and int64 block tables: out of range above, negative, and an
+        int64 entry whose low word alone is a good page."""
         rng = np.random.default_rng(5)
         H, T, D, group = 2, 16, 128, 4
         lens = [100, 3000, 50, 40]

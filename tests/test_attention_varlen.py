@@ -1157,7 +1157,7 @@ class TestKernel:
         (128, 4, 5, "bfloat16", "HND", 12), (64, 3, 7, "bfloat16", "NHD", 6),
         (256, 4, 4, "bfloat16", "HND", 16), (256, 8, 2, "float16", "NHD", 12),
         (256, 3, 5, "float16", "HND", 32)])
-    def test_four_tile_few_rows(self, D, group, n, dtname, layout, T):
+    def test_shared_q_few_rows(self, D, group, n, dtname, layout, T):
         """The few-row forms whose q fragments live in shared memory, 16-bit q: 17 to 32
         rows per (sequence, KV head) at head_dim 64 / 128 (four n8 tiles), 9 to 16 at
         head_dim 256 (two tiles). One launch, over pages of 16-token multiples and of other
@@ -1595,7 +1595,7 @@ def few_rows_window():
 class TestWindow:
     """The exact window and the q rotation in ``fp4cache._cuda.varlen``'s kernels (the
     sequences of more than 32 rows, 16 for float32 q or head_dim 256: the varlen kernel; the
-    few-row kernel's forms with q in shared memory in ``test_four_tile_few_rows``, its other
+    few-row kernel's forms with q in shared memory in ``test_shared_q_few_rows``, its other
     forms in the mixed cases) against the float64 reference over the decoded pages and the window
     slots."""
 
@@ -1631,7 +1631,7 @@ class TestWindow:
     @pytest.mark.parametrize("D,group,n,dtname", [(128, 4, 8, "bfloat16"),
                                                   (64, 2, 11, "float16"),
                                                   (256, 4, 4, "bfloat16")])
-    def test_four_tile_few_rows(self, D, group, n, dtname):
+    def test_shared_q_few_rows(self, D, group, n, dtname):
         """The few-row forms with q's fragments in shared memory (17 to 32 rows per
         (sequence, KV head) at head_dim 64 / 128: four n8 tiles; 9 to 16 at head_dim 256:
         two), one launch, with the window and the rotation."""
