@@ -6,8 +6,9 @@ Variants (``PATCHES``): ``base`` (the shipped source), ``noload`` (the decode wa
 the first step's rows again instead of loading each step's), ``nodecode`` (rows loaded,
 not decoded: the stages keep what they hold), ``idle`` (the decode warps only pass the
 rings' barriers), ``nomma`` (the row warps issue no MMAs: softmax on stale scores); the
-candidate not measured yet: ``rows_ilp`` (the output step's values loaded and divided
-without a branch per value, same output bytes).  The
+candidates not measured yet: ``rows_ilp`` (the output step's values loaded and divided
+without a branch per value, same output bytes); ``k4v5``, ``k3v6`` (``GEOMETRY``: head_dim
+256 with a fourth K or a sixth V stage; ``--head-dim 256``).  The
 candidate changes measured with it and dropped are in ``docs/kernels.md`` ("What was
 tried").  ``--baseline DIR`` adds the variant ``baseline``: the kernel built from DIR's
 copies of kernel files (an older ``varlen_wgmma.cu`` and the headers it changed with; the
@@ -89,6 +90,24 @@ _ROWS_ILP = """    const float L = s_L[row];
       v[e] = __uint_as_float(__float_as_uint(f_mul(f_div(v[e], L), scale)) & keep);"""
 _ROWS_LOOP = "  for (u32 k = 4u * threadIdx.x; k < rows * D; k += 4u * THREADS) {"
 
+# head_dim 256 with more stages (the shared memory of _abi.VARLEN_WG_GEOMETRY's steps of 32
+# keys has room for one more K or V stage): the K stages let the decode warps run further
+# ahead of the row warps' scores, the V stages ahead of their P.V. Variant -> the geometry
+# entries it changes ((keys per step, K stages, V stages)); the host's shared-memory size
+# (_abi.varlen_wg_smem_bytes) follows the same entries while the variant is timed.
+GEOMETRY: dict[str, dict[int, tuple[int, int, int]]] = {
+    "k4v5": {256: (32, 4, 5)},
+    "k3v6": {256: (32, 3, 6)},
+}
+
+
+def _geometry_patch(changes: dict[int, tuple[int, int, int]]) -> Patch:
+    geometry = {**_abi.VARLEN_WG_GEOMETRY, **changes}
+    return ("FP4C_VARLEN_WG_GEOMETRY(FP4C_WG_GEOMETRY_OF)",
+            "\n".join(f"FP4C_WG_GEOMETRY_OF({d}, {step}, {ks}, {vs})"
+                      for d, (step, ks, vs) in geometry.items()))
+
+
 # kernel_patch's patches of kernel files per variant (kernels/varlen_wgmma.cu unless named)
 PATCHES: dict[str, dict[str, list[Patch]]] = {
     "base": {},
@@ -99,6 +118,8 @@ PATCHES: dict[str, dict[str, list[Patch]]] = {
                                   (_FIRST, "    wg_turn_pass")]},
     "rows_ilp": {"attn_epilogue.cuh": [(_ROWS, _ROWS_ILP),
                                        (_ROWS_LOOP, "#pragma unroll 2\n" + _ROWS_LOOP)]},
+    **{name: {"varlen_wgmma.cu": [_geometry_patch(changes)]}
+       for name, changes in GEOMETRY.items()},
 }
 
 #: the patched files of each variant's folder (tests/test_kernels_compile.py compiles them)
@@ -126,6 +147,7 @@ def main(argv=None) -> int:
     vb = VarlenBench.plain(args.reps)
     cp = vb.cp
     shipped = K.varlen_wgmma_spec
+    shipped_geometry = dict(_abi.VARLEN_WG_GEOMETRY)
     root = Path(tempfile.mkdtemp())
     folders = variant_folders(root, args.variants, FOLDERS, args.baseline, "varlen_wgmma.cu")
     D = args.head_dim
@@ -140,6 +162,8 @@ def main(argv=None) -> int:
             log(f"== {case}, head_dim {D}")
             first = None  # the first variant's output bytes
             for name, folder in folders.items():
+                _abi.VARLEN_WG_GEOMETRY.update(shipped_geometry)
+                _abi.VARLEN_WG_GEOMETRY.update(GEOMETRY.get(name, {}))
                 if folder is None:
                     K.varlen_wgmma_spec = shipped
                 else:
@@ -155,10 +179,12 @@ def main(argv=None) -> int:
                 t = vb.time([call], batch=3)
                 log(f"   {name:9s} {t * 1e6:9.1f} us{same}")
             K.varlen_wgmma_spec = shipped
+            _abi.VARLEN_WG_GEOMETRY.update(shipped_geometry)
             del cache
             vb.release()
     finally:
         K.varlen_wgmma_spec = shipped
+        _abi.VARLEN_WG_GEOMETRY.update(shipped_geometry)
         shutil.rmtree(root, ignore_errors=True)
     return 0
 
