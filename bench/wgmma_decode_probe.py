@@ -7,8 +7,9 @@ the first step's rows again instead of loading each step's), ``nodecode`` (rows 
 not decoded: the stages keep what they hold), ``idle`` (the decode warps only pass the
 rings' barriers), ``nomma`` (the row warps issue no MMAs: softmax on stale scores); the
 candidates not measured yet: ``rows_ilp`` (the output step's values loaded and divided
-without a branch per value, same output bytes); ``k4v5``, ``k3v6`` (``GEOMETRY``: head_dim
-256 with a fourth K or a sixth V stage; ``--head-dim 256``).  The
+without a branch per value, same output bytes); ``noturn`` (the row warpgroups without their
+turns at the tensor cores); ``k4v5``, ``k3v6``, ``s64`` (``GEOMETRY``: head_dim 256 with a
+fourth K or a sixth V stage, or steps of 64 keys with two of each; ``--head-dim 256``).  The
 candidate changes measured with it and dropped are in ``docs/kernels.md`` ("What was
 tried").  ``--baseline DIR`` adds the variant ``baseline``: the kernel built from DIR's
 copies of kernel files (an older ``varlen_wgmma.cu`` and the headers it changed with; the
@@ -90,6 +91,12 @@ _ROWS_ILP = """    const float L = s_L[row];
       v[e] = __uint_as_float(__float_as_uint(f_mul(f_div(v[e], L), scale)) & keep);"""
 _ROWS_LOOP = "  for (u32 k = 4u * threadIdx.x; k < rows * D; k += 4u * THREADS) {"
 
+# the row warpgroups' ping-pong switched off: each issues its MMAs when its operands are
+# ready (same values: the turns order only the issue)
+_NOTURN_SYNC = (("FP4C_DEVICE void wg_turn_sync(u32 wg) {", "\n}"), "\n  (void)wg;")
+_NOTURN_PASS = (("FP4C_DEVICE void wg_turn_pass(u32 wg) {  // the other warpgroup's turn",
+                 "\n}"), "\n  (void)wg;")
+
 # head_dim 256 with more stages (the shared memory of _abi.VARLEN_WG_GEOMETRY's steps of 32
 # keys has room for one more K or V stage): the K stages let the decode warps run further
 # ahead of the row warps' scores, the V stages ahead of their P.V. Variant -> the geometry
@@ -98,6 +105,7 @@ _ROWS_LOOP = "  for (u32 k = 4u * threadIdx.x; k < rows * D; k += 4u * THREADS) 
 GEOMETRY: dict[str, dict[int, tuple[int, int, int]]] = {
     "k4v5": {256: (32, 4, 5)},
     "k3v6": {256: (32, 3, 6)},
+    "s64": {256: (64, 2, 2)},
 }
 
 
@@ -118,6 +126,7 @@ PATCHES: dict[str, dict[str, list[Patch]]] = {
                                   (_FIRST, "    wg_turn_pass")]},
     "rows_ilp": {"attn_epilogue.cuh": [(_ROWS, _ROWS_ILP),
                                        (_ROWS_LOOP, "#pragma unroll 2\n" + _ROWS_LOOP)]},
+    "noturn": {"varlen_wgmma.cu": [_NOTURN_SYNC, _NOTURN_PASS]},
     **{name: {"varlen_wgmma.cu": [_geometry_patch(changes)]}
        for name, changes in GEOMETRY.items()},
 }
