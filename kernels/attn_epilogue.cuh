@@ -16,16 +16,22 @@ FP4C_DEVICE void write_rows(const RowMap& R, u32 r0, u32 rows, const float (*s_o
                             const float* s_M, const float* s_L, float out_scale,
                             void* __restrict__ out, float* __restrict__ lse) {
   // four consecutive values per thread and step: one 8-byte (16-bit types) or 16-byte
-  // store where `out` is aligned to it (the row offsets are: D is a multiple of 64)
+  // store where `out` is aligned to it (the row offsets are: D is a multiple of 64).  The
+  // four are loaded at once and divided with no branch on L (a row without keys masked to
+  // +0 after its division), two steps per iteration: independent chains, not one per thread
   const bool vec = ((u64)out & (4u * T::kBytes - 1u)) == 0u;
   const float scale = f_mul(out_scale, FP4C_ROUTE_UNSCALE);
+#pragma unroll 2
   for (u32 k = 4u * threadIdx.x; k < rows * D; k += 4u * THREADS) {
     const u32 row = k / D, d = k - row * D;
     const float L = s_L[row];
+    const u32 keep = __float_as_uint(L) == 0u ? 0u : 0xFFFFFFFFu;  // +0 where no key
     float v[4];
 #pragma unroll
+    for (int e = 0; e < 4; ++e) v[e] = s_o[row][d + e];
+#pragma unroll
     for (int e = 0; e < 4; ++e)
-      v[e] = __float_as_uint(L) == 0u ? 0.0f : f_mul(f_div(s_o[row][d + e], L), scale);
+      v[e] = __uint_as_float(__float_as_uint(f_mul(f_div(v[e], L), scale)) & keep);
     char* dst = (char*)out + (row_of(R, r0 + row) * D + d) * T::kBytes;
     if (vec) {
       if constexpr (T::kBytes == 2) {

@@ -166,6 +166,18 @@ FP4C_DEVICE AttnSeq attn_seq(const Params& P, const void* __restrict__ tables, u
 
 // the block id of block-table entry e of the sequence
 FP4C_DEVICE i64 load_id(const AttnSeq& S, u32 e) { return load_index(S.table, e, S.bt64); }
+// the same entry as loaded (its two 32-bit words; hi repeats lo for int32 tables) and made
+// a block id later (id_of), so that no instruction waits for the load before the id's use
+struct IdWords {
+  u32 lo, hi;
+};
+FP4C_DEVICE IdWords load_id_words(const AttnSeq& S, u32 e) {
+  const u32* w = (const u32*)S.table + (e << S.bt64);
+  return IdWords{w[0], w[S.bt64]};
+}
+FP4C_DEVICE i64 id_of(const AttnSeq& S, IdWords w) {
+  return S.bt64 ? (i64)(((u64)w.hi << 32) | w.lo) : (i64)(int)w.lo;
+}
 // a block id inside the pool
 FP4C_DEVICE bool page_ok(const AttnSeq& S, i64 id) { return (u64)id < (u64)S.num_blocks; }
 // count a bad block-table entry in stats (the caller picks the one lane and tile that own

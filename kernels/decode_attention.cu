@@ -354,15 +354,31 @@ FP4C_DEVICE u32 page_index(const SeqCtx& S, i64 id) {
 }
 
 // The block-table entries of the CH tiles of the chunk at key cs and each tile's first
-// row; tiles at or past `end` read nothing (a multiple of 16 <= the row's capacity).
-template <int CH>
+// row; tiles at or past `end` read nothing (a multiple of 16 <= the row's capacity).  As
+// block ids (RAW false: ptxas sign-extends each entry right after its load, so the warp
+// waits for it there), or as loaded (RAW: the two- and four-tile forms, whose waits there
+// 2 CTAs per SM do not hide; made ids where the chunk is issued, tile_src)
+template <int CH, bool RAW>
 struct ChunkIds {
   i64 id[CH];
   u32 t0[CH];
 };
 template <int CH>
-FP4C_DEVICE ChunkIds<CH> chunk_ids(const SeqCtx& S, u32 cs, u32 end) {
-  ChunkIds<CH> C;
+struct ChunkIds<CH, true> {
+  IdWords w[CH];
+  u32 t0[CH];
+};
+template <int CH>
+FP4C_DEVICE TileSrc tile_src(const SeqCtx& S, const ChunkIds<CH, false>& C, int j) {
+  return TileSrc{page_index(S, C.id[j]), C.t0[j]};
+}
+template <int CH>
+FP4C_DEVICE TileSrc tile_src(const SeqCtx& S, const ChunkIds<CH, true>& C, int j) {
+  return TileSrc{page_index(S, id_of(S, C.w[j])), C.t0[j]};
+}
+template <int CH, bool RAW>
+FP4C_DEVICE ChunkIds<CH, RAW> chunk_ids(const SeqCtx& S, u32 cs, u32 end) {
+  ChunkIds<CH, RAW> C;
   u32 pe = fdiv(cs, S.fT), t0 = cs - pe * S.fT.d;  // one division, then row steps of 16
 #pragma unroll
   for (int j = 0; j < CH; ++j) {
@@ -373,7 +389,12 @@ FP4C_DEVICE ChunkIds<CH> chunk_ids(const SeqCtx& S, u32 cs, u32 end) {
         ++pe;
       }
     }
-    C.id[j] = cs + 16u * j < end ? load_id(S, pe) : 0;
+    if constexpr (RAW) {
+      C.w[j] = IdWords{0u, 0u};
+      if (cs + 16u * j < end) C.w[j] = load_id_words(S, pe);
+    } else {
+      C.id[j] = cs + 16u * j < end ? load_id(S, pe) : 0;
+    }
     C.t0[j] = t0;
   }
   return C;
@@ -1085,13 +1106,13 @@ template <int D>
 FP4C_DEVICE u32 first_chunk_key(u32 s0) {
   return s0 + 16u * ChunkDims<D>::CH * (threadIdx.x >> 5);
 }
-template <int D>
-FP4C_DEVICE ChunkIds<ChunkDims<D>::CH> first_chunk(const SeqCtx& S, u32 s0, u32 cap) {
-  return chunk_ids<ChunkDims<D>::CH>(S, first_chunk_key<D>(s0), cap);
+template <int D, bool RAW>
+FP4C_DEVICE ChunkIds<ChunkDims<D>::CH, RAW> first_chunk(const SeqCtx& S, u32 s0, u32 cap) {
+  return chunk_ids<ChunkDims<D>::CH, RAW>(S, first_chunk_key<D>(s0), cap);
 }
 template <int D, int NC, bool SPLIT>
 FP4C_DEVICE void walk_chunks(const SeqCtx& S, u8* ring, u32 s0, u32 s1,
-                             const ChunkIds<ChunkDims<D>::CH>& first,
+                             const ChunkIds<ChunkDims<D>::CH, (NC > 1)>& first,
                              const QFrag<D, NC, SPLIT>& Q, RowState<D, NC>& St) {
   constexpr int CH = ChunkDims<D>::CH;
   constexpr int kCStages = FP4C_ATTN_CHUNK_STAGES;
@@ -1100,18 +1121,26 @@ FP4C_DEVICE void walk_chunks(const SeqCtx& S, u8* ring, u32 s0, u32 s1,
   const ChunkLane<D> L = chunk_lane<D>(S);
   const u32 ring_s = smem_u32(ring);
   u32 c_issue = first_chunk_key<D>(s0);
+  // the next chunk's tiles: made at once (one n8 tile), or kept as loaded until the chunk
+  // is issued (RAW)
+  constexpr bool RAW = NC > 1;
+  ChunkIds<CH, RAW> ids = first;
   TileSrc nxt[CH];
-  auto take = [&](const ChunkIds<CH>& C) {
+  auto take = [&](const ChunkIds<CH, RAW>& C) {
+    if constexpr (RAW) {
+      ids = C;
+    } else {
 #pragma unroll
-    for (int j = 0; j < CH; ++j) nxt[j] = TileSrc{page_index(S, C.id[j]), C.t0[j]};
+      for (int j = 0; j < CH; ++j) nxt[j] = tile_src(S, C, j);
+    }
   };
   take(first);
   auto issue = [&](int stg) {
     if (c_issue < s1) {
       TileSrc cur[CH];
 #pragma unroll
-      for (int j = 0; j < CH; ++j) cur[j] = nxt[j];
-      if (c_issue + kCStep < s1) take(chunk_ids<CH>(S, c_issue + kCStep, s1));
+      for (int j = 0; j < CH; ++j) cur[j] = RAW ? tile_src(S, ids, j) : nxt[j];
+      if (c_issue + kCStep < s1) take(chunk_ids<CH, RAW>(S, c_issue + kCStep, s1));
 #pragma unroll
       for (int j = 0; j < CH; ++j)
         if (c_issue + 16u * j < s1)
@@ -1363,8 +1392,9 @@ FP4C_DEVICE void decode_attn_impl(const void* __restrict__ q, const void* __rest
   // Latency (what a short sequence's CTA waits for): the sequence length, the block-table
   // entries of the warp's first chunk and q are loaded together, before any is used.
   const SeqCtx S{attn_seq(P, tables, b, h, h == 0u), len};
-  ChunkIds<ChunkDims<D>::CH> first;
-  if constexpr (PAGED16) first = first_chunk<D>(S, s0, cap < 0xFFFFFFFFll ? (u32)cap : ~0u);
+  ChunkIds<ChunkDims<D>::CH, (NC > 1)> first;
+  if constexpr (PAGED16)
+    first = first_chunk<D, (NC > 1)>(S, s0, cap < 0xFFFFFFFFll ? (u32)cap : ~0u);
   QFrag<D, NC, SPLIT> Q;
   RowState<D, NC> St;
   load_q<T, D, NC, SPLIT>(q, R, P.qk_scale, P.rotate, s_q, Q, St);
