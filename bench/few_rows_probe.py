@@ -4,8 +4,9 @@ calls on the same cache, each variant's time and whether its output bytes equal 
 variant's.
 
 Variants (``PATCHES``): ``base`` (the shipped source) and candidate changes not measured
-yet: ``ids_ahead`` (the block-table entries of a warp's next chunk kept as loaded and made
-page ids only where that chunk is issued); ``rows16`` (``ROUTES``) routes as the library did before
+yet: ``raw_all`` (every n8-tile form keeps the block-table entries of a warp's next chunk as
+loaded, as the two- and four-tile forms do, and loads an entry's high word only for int64
+tables); ``rows16`` (``ROUTES``) routes as the library did before
 the four-tile form (sequences of 17 to 32 rows to the varlen kernels). The candidates
 measured and dropped are in ``docs/kernels.md`` ("What was tried"); ``--baseline DIR``
 adds the variant ``baseline``, the kernel built from DIR's copies of kernel files (an
@@ -50,42 +51,28 @@ from timing import BF16  # noqa: E402
 
 from fp4cache import _kernels as K  # noqa: E402
 
-# the block-table entries of the next chunk kept as loaded (raw words) and made ids only
-# where that chunk is issued (as shipped, ptxas sign-extends each entry right after its load, so
-# the warp waits for it there: 26 % of the one-tile form's stall samples at n=2, 9 % of the
-# two-tile form's, H100 ncu)
-_LOAD_ID = ("FP4C_DEVICE i64 load_id(const AttnSeq& S, u32 e) "
-            "{ return load_index(S.table, e, S.bt64); }\n")
-_IDS_AHEAD = {
-    "attn_seq.cuh": [(
-        _LOAD_ID,
-        _LOAD_ID + "struct IdWords {\n  u32 lo, hi;\n};\n"
-        "FP4C_DEVICE IdWords load_id_words(const AttnSeq& S, u32 e) {\n"
-        "  const u32* w = (const u32*)S.table + (e << S.bt64);\n"
-        "  return IdWords{w[0], w[S.bt64]};\n}\n"
-        "FP4C_DEVICE i64 id_of(const AttnSeq& S, IdWords w) {\n"
-        "  return S.bt64 ? (i64)(((u64)w.hi << 32) | w.lo) : (i64)(int)w.lo;\n}\n")],
+# the one-tile form too keeps the next chunk's block-table entries as loaded (ChunkIds<CH,
+# true>, as the two- and four-tile forms do), and every form loads an entry's high word only
+# for int64 tables. Kept raw with the high word loaded again for int32 tables, the one-tile
+# form was slower (n=1 113.3 -> 115.4 us, n=2 117.1 -> 119.8, H100): this tells whether
+# the deferral or that second load cost it.
+_RAW_ALL = {
+    "attn_seq.cuh": [("  return IdWords{w[0], w[S.bt64]};",
+                      "  return IdWords{w[0], S.bt64 ? w[1] : 0u};")],
     "decode_attention.cu": [
-        ("  i64 id[CH];\n  u32 t0[CH];", "  IdWords w[CH];\n  u32 t0[CH];"),
-        ("    C.id[j] = cs + 16u * j < end ? load_id(S, pe) : 0;",
-         "    C.w[j] = IdWords{0u, 0u};\n"
-         "    if (cs + 16u * j < end) C.w[j] = load_id_words(S, pe);"),
-        ("  TileSrc nxt[CH];\n  auto take = [&](const ChunkIds<CH>& C) {\n#pragma unroll\n"
-         "    for (int j = 0; j < CH; ++j) nxt[j] = TileSrc{page_index(S, C.id[j]), C.t0[j]};\n"
-         "  };\n  take(first);\n",
-         "  ChunkIds<CH> nxt = first;\n"),
-        ("      for (int j = 0; j < CH; ++j) cur[j] = nxt[j];\n"
-         "      if (c_issue + kCStep < s1) take(chunk_ids<CH>(S, c_issue + kCStep, s1));",
-         "      for (int j = 0; j < CH; ++j)\n"
-         "        cur[j] = TileSrc{page_index(S, id_of(S, nxt.w[j])), nxt.t0[j]};\n"
-         "      if (c_issue + kCStep < s1) nxt = chunk_ids<CH>(S, c_issue + kCStep, s1);"),
+        ("  constexpr bool RAW = NC > 1;", "  constexpr bool RAW = true;"),
+        ("const ChunkIds<ChunkDims<D>::CH, (NC > 1)>& first,",
+         "const ChunkIds<ChunkDims<D>::CH, true>& first,"),
+        ("  ChunkIds<ChunkDims<D>::CH, (NC > 1)> first;",
+         "  ChunkIds<ChunkDims<D>::CH, true> first;"),
+        ("first = first_chunk<D, (NC > 1)>(", "first = first_chunk<D, true>("),
     ],
 }
 
 # kernel_patch's patches of kernel files per variant
 PATCHES: dict[str, dict[str, list[Patch]]] = {
     "base": {},
-    "ids_ahead": _IDS_AHEAD,
+    "raw_all": _RAW_ALL,
 }
 #: variants that change the host's routing instead of the source: "rows16" serves at most
 #: 16 rows per (sequence, KV head) in the few-row kernel (its two-tile form; more rows go to

@@ -6,10 +6,8 @@ Variants (``PATCHES``): ``base`` (the shipped source), ``noload`` (the decode wa
 the first step's rows again instead of loading each step's), ``nodecode`` (rows loaded,
 not decoded: the stages keep what they hold), ``idle`` (the decode warps only pass the
 rings' barriers), ``nomma`` (the row warps issue no MMAs: softmax on stale scores); the
-candidates not measured yet: ``rows_ilp`` (the output step's values loaded and divided
-without a branch per value, same output bytes); ``noturn`` (the row warpgroups without their
-turns at the tensor cores); ``k4v5``, ``k3v6``, ``s64`` (``GEOMETRY``: head_dim 256 with a
-fourth K or a sixth V stage, or steps of 64 keys with two of each; ``--head-dim 256``).  The
+candidate measured once, to be confirmed: ``k3v6`` (``GEOMETRY``: head_dim 256 with a sixth
+V stage; ``--head-dim 256``).  The
 candidate changes measured with it and dropped are in ``docs/kernels.md`` ("What was
 tried").  ``--baseline DIR`` adds the variant ``baseline``: the kernel built from DIR's
 copies of kernel files (an older ``varlen_wgmma.cu`` and the headers it changed with; the
@@ -70,42 +68,13 @@ _MMA = """    wg_pv<D, A::STEP>(st, pa, kv_s + (A::KSTAGES + rv.stage) * A::KT);
 _FIRST = "    wg_scores<D, A::ROWS, A::STEP>(s, q_s, kv_s + rk.stage * A::KT);\n    wg_turn_pass"
 
 
-# write_rows (attn_epilogue.cuh, every attention kernel's output step): a step's four values
-# loaded at once and divided with no branch around them, two steps per iteration. The
-# shipped loop tests the row's L per value and loads each value behind that branch, so a
-# thread's values form one dependent chain (load, reciprocal, refinement, check). Same
-# arithmetic per value; a row without keys is masked to +0 after its division, the bits of
-# the shipped 0.0f, so the output bytes are the same.
-_ROWS = """    const float L = s_L[row];
-    float v[4];
-#pragma unroll
-    for (int e = 0; e < 4; ++e)
-      v[e] = __float_as_uint(L) == 0u ? 0.0f : f_mul(f_div(s_o[row][d + e], L), scale);"""
-_ROWS_ILP = """    const float L = s_L[row];
-    const u32 keep = __float_as_uint(L) == 0u ? 0u : 0xFFFFFFFFu;  // +0 where no key
-    float v[4];
-#pragma unroll
-    for (int e = 0; e < 4; ++e) v[e] = s_o[row][d + e];
-#pragma unroll
-    for (int e = 0; e < 4; ++e)
-      v[e] = __uint_as_float(__float_as_uint(f_mul(f_div(v[e], L), scale)) & keep);"""
-_ROWS_LOOP = "  for (u32 k = 4u * threadIdx.x; k < rows * D; k += 4u * THREADS) {"
-
-# the row warpgroups' ping-pong switched off: each issues its MMAs when its operands are
-# ready (same values: the turns order only the issue)
-_NOTURN_SYNC = (("FP4C_DEVICE void wg_turn_sync(u32 wg) {", "\n}"), "\n  (void)wg;")
-_NOTURN_PASS = (("FP4C_DEVICE void wg_turn_pass(u32 wg) {  // the other warpgroup's turn",
-                 "\n}"), "\n  (void)wg;")
-
-# head_dim 256 with more stages (the shared memory of _abi.VARLEN_WG_GEOMETRY's steps of 32
-# keys has room for one more K or V stage): the K stages let the decode warps run further
-# ahead of the row warps' scores, the V stages ahead of their P.V. Variant -> the geometry
-# entries it changes ((keys per step, K stages, V stages)); the host's shared-memory size
-# (_abi.varlen_wg_smem_bytes) follows the same entries while the variant is timed.
+# head_dim 256 with a sixth V stage (the shared memory of _abi.VARLEN_WG_GEOMETRY's steps of
+# 32 keys has room for one more stage), so that the decode warps run further ahead of the
+# row warps' P.V. Variant -> the geometry entries it changes ((keys per step, K stages, V
+# stages)); the host's shared-memory size (_abi.varlen_wg_smem_bytes) follows the same
+# entries while the variant is timed.
 GEOMETRY: dict[str, dict[int, tuple[int, int, int]]] = {
-    "k4v5": {256: (32, 4, 5)},
     "k3v6": {256: (32, 3, 6)},
-    "s64": {256: (64, 2, 2)},
 }
 
 
@@ -124,9 +93,6 @@ PATCHES: dict[str, dict[str, list[Patch]]] = {
     "idle": {"varlen_wgmma.cu": [(_LOAD, ""), (_DECODE, "")]},
     "nomma": {"varlen_wgmma.cu": [(_MMA, "    asm volatile(\"\" ::: \"memory\");"),
                                   (_FIRST, "    wg_turn_pass")]},
-    "rows_ilp": {"attn_epilogue.cuh": [(_ROWS, _ROWS_ILP),
-                                       (_ROWS_LOOP, "#pragma unroll 2\n" + _ROWS_LOOP)]},
-    "noturn": {"varlen_wgmma.cu": [_NOTURN_SYNC, _NOTURN_PASS]},
     **{name: {"varlen_wgmma.cu": [_geometry_patch(changes)]}
        for name, changes in GEOMETRY.items()},
 }
