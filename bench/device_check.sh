@@ -66,7 +66,7 @@ varlen)
   # int64 block tables
   wg='TestKernel and auto and ((many_rows and (causal and (128-4 or 64-16 or 128-1) or 256)) or one_cta or mixed_batch or bad_ids or nan_groups or unaligned)'
   # and the few-row kernel's forms (one, two, four n8 tiles of rows)
-  few='TestKernel and auto and (shared_q or speculative_split_kv)'
+  few='TestKernel and auto and (shared_q or speculative_split_kv or few_row_forms)'
   for tool in memcheck racecheck; do
     timeout 180 compute-sanitizer --tool "$tool" --error-exitcode 9 \
         python3 -m pytest -q -p no:cacheprovider tests/test_attention_varlen.py \

@@ -1151,6 +1151,33 @@ class TestKernel:
             ps = call.launches[-1].keep[-1]
             assert ps.row_warps == cv.row_warps_for(n * group) and ps.slots > 1
 
+    @pytest.mark.parametrize("itype", [np.int32, np.int64], ids=["int32", "int64"])
+    @pytest.mark.parametrize("n", [3, 6], ids=["two_tiles", "four_tiles"])
+    def test_bad_ids_in_the_few_row_forms(self, n, itype):
+        """The few-row kernel's two- and four-tile forms (n tokens x group 4: 12 / 24 rows),
+        which keep block-table entries as loaded until their chunk is issued: bad entries of
+        int32 and int64 tables (above the pool, negative, an int64 entry whose low word
+        alone is a good page) make the rows that see them NaN and are counted once each; an
+        entry past the used pages is ignored."""
+        rng = np.random.default_rng(zlib_seed("few-row bad ids", n, np.dtype(itype).name))
+        lens = [300, 5000, 4000, 60]
+
+        def edit(tab, num_blocks):
+            tab[0, 2] = num_blocks + 5  # tokens 32..47: every row sees them
+            tab[1, 100] = -3            # long sequence (split-KV)
+            tab[2, 200] = 2**31 - 1 if itype == np.int32 else 2**32 + 1  # low word 1
+            tab[3, 5] = num_blocks      # past the used pages (60 tokens = 4 pages): ignored
+
+        cache, out, lse, ro, rl, scratch = case(rng, ns=[n] * 4, lens=lens, H=2, T=16, D=128,
+                                                group=4, itype=itype, tab_edit=edit)
+        assert np.isnan(ro[:3 * n]).all() and not np.isnan(ro[3 * n:]).any()
+        check(out, lse, ro, rl, "bfloat16", f"bad ids n={n}")
+        assert int(cp.asnumpy(cache.pool.stats)[_abi.STAT["bad_block_ids"]]) == 3
+        (call,) = scratch.plans.values()
+        (lp,) = call.launches
+        (plan,) = lp.keep
+        assert plan.spec.name.endswith("d128_wide4_paged16" if n == 6 else "d128_wide_paged16")
+
     @pytest.mark.parametrize("D,group,n,dtname,layout,T", [
         (128, 4, 8, "bfloat16", "HND", 16), (128, 2, 9, "float16", "NHD", 16),
         (64, 8, 4, "bfloat16", "NHD", 16), (64, 16, 2, "float16", "HND", 32),
