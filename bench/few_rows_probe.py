@@ -3,11 +3,10 @@
 calls on the same cache, each variant's time and whether its output bytes equal the first
 variant's.
 
-Variants (``PATCHES``): ``base`` (the shipped source) and candidate changes not measured
-yet: ``raw_all`` (every n8-tile form keeps the block-table entries of a warp's next chunk as
-loaded, as the two- and four-tile forms do, and loads an entry's high word only for int64
-tables); ``rows16`` (``ROUTES``) routes as the library did before
-the four-tile form (sequences of 17 to 32 rows to the varlen kernels). The candidates
+Variants: ``base`` (the shipped source; ``PATCHES`` holds the patched copies of candidate
+changes while they wait for a GPU: none now) and ``rows16`` (``ROUTES``: routes as the
+library did before the four-tile form, sequences of 17 to 32 rows to the varlen kernels).
+The candidates
 measured and dropped are in ``docs/kernels.md`` ("What was tried"); ``--baseline DIR``
 adds the variant ``baseline``, the kernel built from DIR's copies of kernel files (an
 older ``decode_attention.cu`` and the headers it changed with), for an A/B of a kernel
@@ -51,28 +50,9 @@ from timing import BF16  # noqa: E402
 
 from fp4cache import _kernels as K  # noqa: E402
 
-# the one-tile form too keeps the next chunk's block-table entries as loaded (ChunkIds<CH,
-# true>, as the two- and four-tile forms do), and every form loads an entry's high word only
-# for int64 tables. Kept raw with the high word loaded again for int32 tables, the one-tile
-# form was slower (n=1 113.3 -> 115.4 us, n=2 117.1 -> 119.8, H100): this tells whether
-# the deferral or that second load cost it.
-_RAW_ALL = {
-    "attn_seq.cuh": [("  return IdWords{w[0], w[S.bt64]};",
-                      "  return IdWords{w[0], S.bt64 ? w[1] : 0u};")],
-    "decode_attention.cu": [
-        ("  constexpr bool RAW = NC > 1;", "  constexpr bool RAW = true;"),
-        ("const ChunkIds<ChunkDims<D>::CH, (NC > 1)>& first,",
-         "const ChunkIds<ChunkDims<D>::CH, true>& first,"),
-        ("  ChunkIds<ChunkDims<D>::CH, (NC > 1)> first;",
-         "  ChunkIds<ChunkDims<D>::CH, true> first;"),
-        ("first = first_chunk<D, (NC > 1)>(", "first = first_chunk<D, true>("),
-    ],
-}
-
 # kernel_patch's patches of kernel files per variant
 PATCHES: dict[str, dict[str, list[Patch]]] = {
     "base": {},
-    "raw_all": _RAW_ALL,
 }
 #: variants that change the host's routing instead of the source: "rows16" serves at most
 #: 16 rows per (sequence, KV head) in the few-row kernel (its two-tile form; more rows go to

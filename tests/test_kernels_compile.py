@@ -10,6 +10,7 @@ every family.
 
 from __future__ import annotations
 
+import dataclasses
 import re
 
 import pytest
@@ -104,26 +105,44 @@ def test_probe_copies_of_the_wgmma_kernel_compile(probe, tmp_path, monkeypatch):
             assert f".entry {spec.name}(" in ptx, (name, spec.name)
 
 
+def _few_row_specs(folder):
+    return [dataclasses.replace(K.decode_attention_spec("bf16", d, t), folder=folder)
+            for d in (64, 128) for t in K.ATTN_ROW_TILES]
+
+
+def _mma_route_specs(folder):
+    return [dataclasses.replace(K.varlen_attention_spec(dt, d, 8, win), folder=folder)
+            for dt, d, win in (("bf16", 128, False), ("bf16", 64, False), ("f32", 64, False),
+                               ("bf16", 128, True), ("bf16", 256, False))]
+
+
 @needs_nvrtc
-def test_probe_copies_of_the_few_row_kernel_compile(tmp_path, monkeypatch):
-    """bench/few_rows_probe.py times patched copies of kernels/decode_attention.cu; every
-    copy still applies here and compiles, in each n8-tile form at head_dim 64 and 128."""
-    import dataclasses
+@pytest.mark.parametrize("probe, specs, arches", [
+    ("few_rows_probe", _few_row_specs, ("sm_90",)),
+    ("mma_route_probe", _mma_route_specs, ("sm_80", "sm_90")),
+])
+def test_probe_copies_of_the_mma_sync_kernels_compile(probe, specs, arches, tmp_path,
+                                                      monkeypatch):
+    """bench/few_rows_probe.py and bench/mma_route_probe.py time patched copies of
+    kernels/decode_attention.cu and kernels/varlen_attention.cu; every copy still applies
+    here and compiles (each n8-tile form; the 128-row kernel at head_dim 64 / 128 / 256,
+    float32 q and the window variant); a probe without copies times its base only."""
     import importlib
     from pathlib import Path
 
     monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "bench"))
-    mod = importlib.import_module("few_rows_probe")
+    mod = importlib.import_module(probe)
     from kernel_patch import write_folder
 
-    assert mod.FOLDERS
+    if not mod.FOLDERS:
+        assert set(mod.PATCHES) == {"base"}
     for name, files in mod.FOLDERS.items():
         folder = write_folder(tmp_path / name, files)
-        specs = [dataclasses.replace(K.decode_attention_spec("bf16", d, t), folder=folder)
-                 for d in (64, 128) for t in K.ATTN_ROW_TILES]
-        ptx = K.compile_all("sm_90", specs)["decode_attention.cu"]
-        for spec in specs:
-            assert f".entry {spec.name}(" in ptx, (name, spec.name)
+        for arch in arches:
+            built = specs(folder)
+            ptx = K.compile_all(arch, built)[built[0].file]
+            for spec in built:
+                assert f".entry {spec.name}(" in ptx, (name, arch, spec.name)
 
 
 @needs_nvrtc
