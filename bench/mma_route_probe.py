@@ -3,14 +3,11 @@ route every GPU but sm_90 takes, forced with route "mma") on patched copies of i
 the same calls on the same cache, each variant's time and whether its output bytes equal
 the first variant's.
 
-Variants (``PATCHES``): ``base`` (the shipped source) and the candidate not measured yet:
-``dbuf`` (the 128-row kernel decodes step i + 1 into a second set of tiles while its warps
-compute step i, one CTA barrier per step instead of two; warps 0-3 decode first, warps 4-7
-compute first, so that each SM sub-partition holds one of each (``dbuf_same``: every
-warp decodes first); q, held in registers,
-gives its shared memory to the second set: ``SMEM_BYTES`` is the host's size while the
-variant is timed).  ``--baseline DIR`` adds the variant ``baseline``, the kernel built from
-DIR's copies of kernel files, for an A/B of a kernel change in one process.
+Variants (``PATCHES``): ``base`` (the shipped source) and the patched copies of candidate
+changes while they wait for a GPU (none now).  The candidates measured are in
+``docs/kernels.md`` ("What was tried").  ``--baseline DIR`` adds the variant ``baseline``,
+the kernel built from DIR's copies of kernel files (of the shared-memory layout that
+``_abi.varlen_smem_bytes`` gives), for an A/B of a kernel change in one process.
 
 Rows (Hq 32, H 8, D ``--head-dim``, block 16, bf16): a 2,048-token chunk after 30,720
 cached, a plain 8,192-token prefill (``--rows``).
@@ -19,6 +16,8 @@ Run on a GPU (from the repository root), under a time limit::
 
     PYTHONPATH=. timeout 300 python3 bench/mma_route_probe.py
     PYTHONPATH=. timeout 300 python3 bench/mma_route_probe.py --head-dim 64 --rows chunk
+    git show HEAD~1:kernels/varlen_attention.cu > /tmp/old/varlen_attention.cu
+    PYTHONPATH=. timeout 300 python3 bench/mma_route_probe.py --baseline /tmp/old
 """
 
 from __future__ import annotations
@@ -46,93 +45,11 @@ from kernel_patch import (  # noqa: E402
 )
 from timing import BF16  # noqa: E402
 
-from fp4cache import _abi  # noqa: E402
 from fp4cache import _kernels as K  # noqa: E402
-
-_DBUF_LOOP = """  if constexpr (A::DBUF) {
-    // two sets of decoded tiles: step i + 1 decoded into one while step i is computed
-    // from the other (the set is free: the barrier ending step i - 1 follows its last
-    // read); warps 0-3 decode first, 4-7 compute first
-    VlRaw<D> R;
-    auto decode_into = [&](u32 k0, u32 set) {
-      u16* tile = (u16*)(s_kv + set * A::KVSET + warp * A::TILE);
-      if (WIN && k0 + 16u * warp >= nv_end && k0 + 16u * warp < W.s1)  // warp-uniform
-        vl_window<D, LD>(P, S, k0 + my_key, W.s1, tile, s_vnan);
-      else
-        vl_decode<D>(R, k0 + my_key, P.swizzle, my_stage, PaddedTile<LD>{tile}, nan_key,
-                     s_vnan);
-      if (k0 + A::STEP < W.s1) vl_load<D>(S, k0 + A::STEP + my_key, nv_end, R);
-    };
-    if (W.s0 < W.s1) {
-      vl_load<D>(S, W.s0 + my_key, nv_end, R);
-      decode_into(W.s0, 0u);
-    }
-    __syncthreads();  // the first set, and q's fragments read (q's place is the second)
-    const u32 order = @ORDER@;
-    u32 set = 0u;
-    for (u32 step = W.s0; step < W.s1; step += A::STEP, set ^= 1u) {
-#pragma unroll 1
-      for (u32 ph = 0; ph < 2u; ++ph) {
-        if (ph == order) {
-          if (step + A::STEP < W.s1) decode_into(step + A::STEP, set ^ 1u);
-        } else {
-#pragma unroll
-          for (int hc = 0; hc < A::NCALL; ++hc) {
-            const u32 t0 = kw + (u32)(hc * A::NTL * A::KW);
-            if (step + 16u * t0 < wmax)
-              vl_tiles<D, A::NTL, LD, SPLIT, A::QREG>(
-                  kv_s + set * A::KVSET + t0 * A::TILE, A::KW * A::TILE, step + 16u * t0,
-                  16u * A::KW, wmax, qaddr, qladdr, qf, qlf, lim, rs, st);
-          }
-        }
-      }
-      __syncthreads();
-    }
-  } else {
-  VlRaw<D> R;
-"""
-
-_QREG = ("  static constexpr bool QREG = MW > 1 && D * (SPLIT ? 2 : 1) <= 128;"
-         "  // q fragments in registers\n")
-
-
-# the 128-row kernel with two sets of decoded tiles where q stays in registers; `order`: 0
-# for a warp that decodes step i + 1 before it computes step i
-def _dbuf(order: str) -> dict[str, list[Patch]]:
-    return {"varlen_attention.cu": [
-    ("  static constexpr int SMEM = KV + SC + QB * (SPLIT ? 2 : 1);  // = _abi.varlen_smem_bytes\n"
-     + _QREG, _QREG +
-     "  static constexpr bool DBUF = MW == 8 && QREG;\n"
-     "  static constexpr int KVSET = KV + SC;  // the second set's offset (after the staging)\n"
-     "  static constexpr int SMEM = DBUF ? 2 * KV + SC : KV + SC + QB * (SPLIT ? 2 : 1);\n"
-     "  static_assert(!DBUF || QB * (SPLIT ? 2 : 1) <= KV, \"q in the second set's place\");\n"),
-    ("  VlRaw<D> R;\n", _DBUF_LOOP.replace("@ORDER@", order)),
-    ("  static_assert(ROWS * FP4C_VARLEN_MAX_SPLITS * 4 <= A::QB",
-     "  }\n  static_assert(ROWS * FP4C_VARLEN_MAX_SPLITS * 4 <= A::QB"),
-    ]}
-
-
-#: the host's dynamic shared memory per variant while it is timed (head_dim, row_warps,
-#: split_q) -> bytes
-def _dbuf_smem(head_dim: int, row_warps: int, split_q: bool) -> int:
-    ld = head_dim + _abi.VARLEN_SMEM_PAD
-    qreg = row_warps > 1 and head_dim * (2 if split_q else 1) <= 128
-    if row_warps == 8 and qreg:
-        w = _abi.varlen_warps(row_warps)
-        kv = w * 2 * _abi.VARLEN_TILE_KEYS * ld * 2
-        sc = w * 2 * _abi.VARLEN_TILE_KEYS * (head_dim // 16)
-        return 2 * kv + sc
-    return _SHIPPED_SMEM(head_dim, row_warps, split_q)
-
-
-_SHIPPED_SMEM = _abi.varlen_smem_bytes
-SMEM_BYTES = {"dbuf": _dbuf_smem, "dbuf_same": _dbuf_smem}
 
 # kernel_patch's patches of kernel files per variant
 PATCHES: dict[str, dict[str, list[Patch]]] = {
     "base": {},
-    "dbuf": _dbuf("warp < (u32)(A::W / 2) ? 0u : 1u"),
-    "dbuf_same": _dbuf("0u"),
 }
 
 #: the patched files of each variant's folder (tests/test_kernels_compile.py compiles them)
@@ -174,7 +91,6 @@ def main(argv=None) -> int:
             log(f"== {case}, head_dim {D}, route mma")
             first = None  # the first variant's output bytes
             for name, folder in folders.items():
-                _abi.varlen_smem_bytes = SMEM_BYTES.get(name, _SHIPPED_SMEM)
                 if folder is None:
                     K.varlen_attention_spec = shipped
                 else:
@@ -192,12 +108,10 @@ def main(argv=None) -> int:
                 t = vb.time([call], batch=3)
                 log(f"   {name:9s} {t * 1e6:9.1f} us  {' + '.join(names)}{same}")
             K.varlen_attention_spec = shipped
-            _abi.varlen_smem_bytes = _SHIPPED_SMEM
             del cache
             vb.release()
     finally:
         K.varlen_attention_spec = shipped
-        _abi.varlen_smem_bytes = _SHIPPED_SMEM
         shutil.rmtree(root, ignore_errors=True)
     return 0
 

@@ -5,9 +5,7 @@ values of such a variant are wrong; only its time counts), or changed.
 Variants (``PATCHES``): ``base`` (the shipped source), ``noload`` (the decode warps decode
 the first step's rows again instead of loading each step's), ``nodecode`` (rows loaded,
 not decoded: the stages keep what they hold), ``idle`` (the decode warps only pass the
-rings' barriers), ``nomma`` (the row warps issue no MMAs: softmax on stale scores); the
-candidate measured once, to be confirmed: ``k3v6`` (``GEOMETRY``: head_dim 256 with a sixth
-V stage; ``--head-dim 256``).  The
+rings' barriers), ``nomma`` (the row warps issue no MMAs: softmax on stale scores).  The
 candidate changes measured with it and dropped are in ``docs/kernels.md`` ("What was
 tried").  ``--baseline DIR`` adds the variant ``baseline``: the kernel built from DIR's
 copies of kernel files (an older ``varlen_wgmma.cu`` and the headers it changed with; the
@@ -68,23 +66,6 @@ _MMA = """    wg_pv<D, A::STEP>(st, pa, kv_s + (A::KSTAGES + rv.stage) * A::KT);
 _FIRST = "    wg_scores<D, A::ROWS, A::STEP>(s, q_s, kv_s + rk.stage * A::KT);\n    wg_turn_pass"
 
 
-# head_dim 256 with a sixth V stage (the shared memory of _abi.VARLEN_WG_GEOMETRY's steps of
-# 32 keys has room for one more stage), so that the decode warps run further ahead of the
-# row warps' P.V. Variant -> the geometry entries it changes ((keys per step, K stages, V
-# stages)); the host's shared-memory size (_abi.varlen_wg_smem_bytes) follows the same
-# entries while the variant is timed.
-GEOMETRY: dict[str, dict[int, tuple[int, int, int]]] = {
-    "k3v6": {256: (32, 3, 6)},
-}
-
-
-def _geometry_patch(changes: dict[int, tuple[int, int, int]]) -> Patch:
-    geometry = {**_abi.VARLEN_WG_GEOMETRY, **changes}
-    return ("FP4C_VARLEN_WG_GEOMETRY(FP4C_WG_GEOMETRY_OF)",
-            "\n".join(f"FP4C_WG_GEOMETRY_OF({d}, {step}, {ks}, {vs})"
-                      for d, (step, ks, vs) in geometry.items()))
-
-
 # kernel_patch's patches of kernel files per variant (kernels/varlen_wgmma.cu unless named)
 PATCHES: dict[str, dict[str, list[Patch]]] = {
     "base": {},
@@ -93,8 +74,6 @@ PATCHES: dict[str, dict[str, list[Patch]]] = {
     "idle": {"varlen_wgmma.cu": [(_LOAD, ""), (_DECODE, "")]},
     "nomma": {"varlen_wgmma.cu": [(_MMA, "    asm volatile(\"\" ::: \"memory\");"),
                                   (_FIRST, "    wg_turn_pass")]},
-    **{name: {"varlen_wgmma.cu": [_geometry_patch(changes)]}
-       for name, changes in GEOMETRY.items()},
 }
 
 #: the patched files of each variant's folder (tests/test_kernels_compile.py compiles them)
@@ -122,7 +101,6 @@ def main(argv=None) -> int:
     vb = VarlenBench.plain(args.reps)
     cp = vb.cp
     shipped = K.varlen_wgmma_spec
-    shipped_geometry = dict(_abi.VARLEN_WG_GEOMETRY)
     root = Path(tempfile.mkdtemp())
     folders = variant_folders(root, args.variants, FOLDERS, args.baseline, "varlen_wgmma.cu")
     D = args.head_dim
@@ -137,8 +115,6 @@ def main(argv=None) -> int:
             log(f"== {case}, head_dim {D}")
             first = None  # the first variant's output bytes
             for name, folder in folders.items():
-                _abi.VARLEN_WG_GEOMETRY.update(shipped_geometry)
-                _abi.VARLEN_WG_GEOMETRY.update(GEOMETRY.get(name, {}))
                 if folder is None:
                     K.varlen_wgmma_spec = shipped
                 else:
@@ -154,12 +130,10 @@ def main(argv=None) -> int:
                 t = vb.time([call], batch=3)
                 log(f"   {name:9s} {t * 1e6:9.1f} us{same}")
             K.varlen_wgmma_spec = shipped
-            _abi.VARLEN_WG_GEOMETRY.update(shipped_geometry)
             del cache
             vb.release()
     finally:
         K.varlen_wgmma_spec = shipped
-        _abi.VARLEN_WG_GEOMETRY.update(shipped_geometry)
         shutil.rmtree(root, ignore_errors=True)
     return 0
 

@@ -118,12 +118,16 @@ def varlen_warps(row_warps: int) -> int:
 
 
 def varlen_smem_bytes(head_dim: int, row_warps: int, split_q: bool) -> int:
-    """Dynamic shared memory of a varlen kernel (the kernel checks it against its own
-    layout): decoded K and V tiles of every warp, the scale-row staging, q (hi [+ lo])."""
+    """Dynamic shared memory of a varlen kernel (``VlDims::SMEM``, checked by the kernel):
+    decoded K and V tiles of every warp, the scale-row staging, q (hi [+ lo]).  The 128-row
+    kernel with q's fragments in registers (``VlDims::DBUF``: q's f16 values in at most 128
+    columns) holds a second set of tiles in q's place instead."""
     ld = head_dim + VARLEN_SMEM_PAD
     w = varlen_warps(row_warps)
     kv = w * 2 * VARLEN_TILE_KEYS * ld * 2
     sc = w * 2 * VARLEN_TILE_KEYS * (head_dim // 16)
+    if row_warps == 8 and head_dim * (2 if split_q else 1) <= 128:
+        return 2 * kv + sc
     q = MMA_ROWS * row_warps * ld * 2 * (2 if split_q else 1)
     return kv + sc + q
 

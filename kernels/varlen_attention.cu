@@ -31,7 +31,11 @@
 // the steps wholly before the window start run the plain loop, the later ones the window
 // step below for their tiles at or past it.
 //
-// A step covers one tile of FP4C_VARLEN_TILE_KEYS keys per warp.  Steps:
+// A step covers one tile of FP4C_VARLEN_TILE_KEYS keys per warp; the decoded tiles are one
+// set (decode, barrier, compute, barrier) or, in _r128 with q's fragments in registers
+// (VlDims::DBUF: head_dim 64 / 128 with 16-bit q, head_dim 64 with float32 q), two: step i + 1
+// decoded into one while step i is computed from the other, one barrier per step, half the
+// warps decoding first and half computing first.  Steps:
 //   load:    lane (token t = lane % 16, side = lane / 16) reads its key's code row and scale
 //            row into registers (the next step's loads are in flight while this step is
 //            computed; a cp.async ring measured slower, docs/kernels.md); any block
@@ -48,7 +52,9 @@
 //            keys and ws a multiple of the block size (itself of 16 with a window), so a
 //            tile is all-NVFP4 or all-window.
 //   scores:  S = Q K^T (A = q from registers or ldmatrix, B = K tile by ldmatrix).
-//   softmax: online, per row, with the row's own key limit (causal and split end).
+//   softmax: online, per row, with the row's own key limit (causal and split end) applied
+//            only in the tiles that reach it; FlashAttention-3's arithmetic (vl_weights_fma,
+//            the wgmma kernel's).
 //   P.V:     O += P V (A = P from S's accumulators, B = V tile by ldmatrix.trans).
 //   merge:   warps of the same rows in shared memory; splits through the workspace.
 //   write:   out / lse, zeros and -inf for a row that sees no key.
@@ -88,8 +94,14 @@ struct VlDims : HeadDims<D> {
   static constexpr int KV = W * TILE;
   static constexpr int SC = W * 2 * TK * HeadDims<D>::G;  // scale-row staging
   static constexpr int QB = ROWS * LD * 2;           // q hi (and as much again for lo)
-  static constexpr int SMEM = KV + SC + QB * (SPLIT ? 2 : 1);  // = _abi.varlen_smem_bytes
   static constexpr bool QREG = MW > 1 && D * (SPLIT ? 2 : 1) <= 128;  // q fragments in registers
+  // _r128 with q in registers: two sets of decoded tiles, the second in q's place (free
+  // once the fragments are read), step i + 1 decoded into one while step i is computed
+  static constexpr bool DBUF = MW == 8 && QREG;
+  static constexpr int KVSET = KV + SC;  // the second set's offset (after the staging)
+  static constexpr int SMEM =
+      DBUF ? 2 * KV + SC : KV + SC + QB * (SPLIT ? 2 : 1);  // = _abi.varlen_smem_bytes
+  static_assert(!DBUF || QB * (SPLIT ? 2 : 1) <= KV, "q in the second set's place");
   static_assert(ROWS * (D + 1) * 4 <= KV, "the merged O reuses the K/V tiles");
   static_assert(TK == 16 && FP4C_MMA_ROWS == 16, "one m16n8k16 tile of keys and rows");
 };
@@ -253,38 +265,80 @@ FP4C_DEVICE void varlen_item(u32 item, const void* __restrict__ q, const void* _
   // ---- the steps: load (one step ahead), decode, scores / softmax / P.V -----------------
   const u32 my_key = 16u * warp + (lane & 15u);
   u8* my_stage = s_sc + warp * (2 * 16 * A::G);
-  u16* my_tile = (u16*)(s_kv + warp * A::TILE);
+  u16* my_tile = (u16*)(s_kv + warp * A::TILE);  // (the single set's)
   const u32 kv_s = smem_u32(s_kv);
   // the keys read from the pages: [s0, nv_end); the window's from nv_end on (a 16-key tile
   // is one or the other: ws is a multiple of the block size, itself of 16)
   const u32 nv_end = WIN ? min(W.s1, window_start(P, S, W.len)) : W.s1;
-  VlRaw<D> R;
-  if (W.s0 < W.s1) vl_load<D>(S, W.s0 + my_key, nv_end, R);
-  // WIN: phase 0 takes the steps wholly before the window (the plain kernel's loop), phase
-  // 1 the others, whose tiles at or past nv_end are window tiles
-  u32 step = W.s0;
-#pragma unroll
-  for (int phase = 0; phase < (WIN ? 2 : 1); ++phase) {
-    for (; WIN && phase == 0 ? step + A::STEP <= nv_end : step < W.s1; step += A::STEP) {
-      const u32 tile0 = step + 16u * warp;
-      if (WIN && phase == 1 && tile0 >= nv_end && tile0 < W.s1)  // warp-uniform
-        vl_window<D, LD>(P, S, step + my_key, W.s1, my_tile, s_vnan);
+  if constexpr (A::DBUF) {
+    // two sets: step i + 1 decoded into one while step i is computed from the other (free:
+    // the barrier ending step i - 1 follows its last read), one barrier per step; warps
+    // 0-3 decode first and warps 4-7 compute first, so that each SM sub-partition holds a
+    // warp of each (the decode's loads and conversions beside the other's MMAs)
+    VlRaw<D> R;
+    auto decode_into = [&](u32 k0, u32 set) {  // step k0's tile of this warp
+      u16* tile = (u16*)(s_kv + set * A::KVSET + warp * A::TILE);
+      if (WIN && k0 + 16u * warp >= nv_end && k0 + 16u * warp < W.s1)  // warp-uniform
+        vl_window<D, LD>(P, S, k0 + my_key, W.s1, tile, s_vnan);
       else
-        vl_decode<D>(R, step + my_key, P.swizzle, my_stage, PaddedTile<LD>{my_tile}, nan_key,
-                        s_vnan);
-      if (step + A::STEP < W.s1) vl_load<D>(S, step + A::STEP + my_key, nv_end, R);
-      // warp (mw, kw) computes tiles kw, kw + KW, ... of the step (MW = 1: its own tile),
-      // NTL of them per vl_tiles call
-      if constexpr (MW == 1) __syncwarp(); else __syncthreads();
+        vl_decode<D>(R, k0 + my_key, P.swizzle, my_stage, PaddedTile<LD>{tile}, nan_key,
+                     s_vnan);
+      if (k0 + A::STEP < W.s1) vl_load<D>(S, k0 + A::STEP + my_key, nv_end, R);
+    };
+    if (W.s0 < W.s1) {
+      vl_load<D>(S, W.s0 + my_key, nv_end, R);
+      decode_into(W.s0, 0u);
+    }
+    __syncthreads();  // the first set, and q's fragments read (q's place is the second)
+    const u32 order = warp < (u32)(A::W / 2) ? 0u : 1u;
+    u32 set = 0u;
+    for (u32 step = W.s0; step < W.s1; step += A::STEP, set ^= 1u) {
+#pragma unroll 1
+      for (u32 ph = 0; ph < 2u; ++ph) {
+        if (ph == order) {
+          if (step + A::STEP < W.s1) decode_into(step + A::STEP, set ^ 1u);
+        } else {
 #pragma unroll
-      for (int hc = 0; hc < A::NCALL; ++hc) {
-        const u32 t0 = kw + (u32)(hc * A::NTL * A::KW);  // the call's first tile
-        if (step + 16u * t0 < wmax)
-          vl_tiles<D, A::NTL, LD, SPLIT, A::QREG>(kv_s + t0 * A::TILE, A::KW * A::TILE,
-                                                  step + 16u * t0, 16u * A::KW, wmax, qaddr,
-                                                  qladdr, qf, qlf, lim, rs, st);
+          for (int hc = 0; hc < A::NCALL; ++hc) {
+            const u32 t0 = kw + (u32)(hc * A::NTL * A::KW);
+            if (step + 16u * t0 < wmax)
+              vl_tiles<D, A::NTL, LD, SPLIT, A::QREG>(
+                  kv_s + set * A::KVSET + t0 * A::TILE, A::KW * A::TILE, step + 16u * t0,
+                  16u * A::KW, wmax, qaddr, qladdr, qf, qlf, lim, rs, st);
+          }
+        }
       }
-      if constexpr (MW == 1) __syncwarp(); else __syncthreads();
+      __syncthreads();
+    }
+  } else {
+    VlRaw<D> R;
+    if (W.s0 < W.s1) vl_load<D>(S, W.s0 + my_key, nv_end, R);
+    // WIN: phase 0 takes the steps wholly before the window (the plain kernel's loop), phase
+    // 1 the others, whose tiles at or past nv_end are window tiles
+    u32 step = W.s0;
+#pragma unroll
+    for (int phase = 0; phase < (WIN ? 2 : 1); ++phase) {
+      for (; WIN && phase == 0 ? step + A::STEP <= nv_end : step < W.s1; step += A::STEP) {
+        const u32 tile0 = step + 16u * warp;
+        if (WIN && phase == 1 && tile0 >= nv_end && tile0 < W.s1)  // warp-uniform
+          vl_window<D, LD>(P, S, step + my_key, W.s1, my_tile, s_vnan);
+        else
+          vl_decode<D>(R, step + my_key, P.swizzle, my_stage, PaddedTile<LD>{my_tile},
+                       nan_key, s_vnan);
+        if (step + A::STEP < W.s1) vl_load<D>(S, step + A::STEP + my_key, nv_end, R);
+        // warp (mw, kw) computes tiles kw, kw + KW, ... of the step (MW = 1: its own tile),
+        // NTL of them per vl_tiles call
+        if constexpr (MW == 1) __syncwarp(); else __syncthreads();
+#pragma unroll
+        for (int hc = 0; hc < A::NCALL; ++hc) {
+          const u32 t0 = kw + (u32)(hc * A::NTL * A::KW);  // the call's first tile
+          if (step + 16u * t0 < wmax)
+            vl_tiles<D, A::NTL, LD, SPLIT, A::QREG>(kv_s + t0 * A::TILE, A::KW * A::TILE,
+                                                    step + 16u * t0, 16u * A::KW, wmax,
+                                                    qaddr, qladdr, qf, qlf, lim, rs, st);
+        }
+        if constexpr (MW == 1) __syncwarp(); else __syncthreads();
+      }
     }
   }
   static_assert(ROWS * FP4C_VARLEN_MAX_SPLITS * 4 <= A::QB, "split weights in q's place");

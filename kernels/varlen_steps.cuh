@@ -1,10 +1,10 @@
 // fp4cache: the steps the varlen attention kernels share (varlen_attention.cu: mma.sync,
 // sm_80+; varlen_wgmma.cu: wgmma, sm_90a): the work item of a CTA (find_work), q to f16 in
 // shared memory (load_q), one key row of the pages into registers (vl_load) and to f16 in
-// shared memory (vl_decode), the online softmax of a row pair (vl_weights, vl_rescale, vl_pack), the merge of the
-// warps of a row block (vl_merge_warps), the split merge and write (vl_finish), both in
-// the item's end (vl_epilogue).  The
-// shared-memory layouts are the kernels': load_q and vl_decode write through a layout type
+// shared memory (vl_decode), the online softmax of a row pair (vl_weights, vl_weights_fma,
+// vl_rescale, vl_pack), the merge of the warps of a row block (vl_merge_warps), the split
+// merge and write (vl_finish), both in the item's end (vl_epilogue).  The shared-memory
+// layouts are the kernels': load_q and vl_decode write through a layout type
 // (PaddedRows / PaddedTile here, the 128-byte swizzle of the wgmma kernel).  Work items,
 // bad ids, NaN groups and the split plan: varlen_attention.cu's header.
 #pragma once
@@ -477,6 +477,68 @@ FP4C_DEVICE bool vl_weights(float (&s)[NTL][2][4], u32 key0, u32 kstride, const 
   return __any_sync(0xFFFFFFFFu, moved);
 }
 
+// ---------------------------------------------------------------------------------------
+// softmax weights (vl_weights' contract) for score scales rs > 0, FlashAttention-3's way:
+// the row maximum of the raw scores times rs (the same value: rounding is monotonic), the
+// weights 2^(s rs - m) from one fma, and the key limits applied (MASK) only in the calls
+// whose tiles (key0 + kstride j ..) reach one of the lane's rows' limits; other scales take
+// vl_weights.  The wgmma kernel (MASK: the steps that may reach a limit) and the mma.sync
+// kernels (vl_softmax) share it
+// ---------------------------------------------------------------------------------------
+template <int D, int NT, bool MASK>
+FP4C_DEVICE bool vl_weights_fma(float (&s)[NT][2][4], u32 key0, u32 kstride,
+                                const u32 (&lim)[2], const float (&rs)[2], VlRowState<D>& st,
+                                float (&alpha)[2]) {
+  if (!(f_gt(rs[0], 0.0f) && f_gt(rs[1], 0.0f)))
+    return vl_weights<D, NT>(s, key0, kstride, lim, rs, st, alpha);
+  const u32 c = threadIdx.x & 3u;
+  bool moved = false;
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    if (MASK && key0 + kstride * (u32)(NT - 1) + 16u > lim[r]) {
+#pragma unroll
+      for (int j = 0; j < NT; ++j)
+#pragma unroll
+        for (int nt = 0; nt < 2; ++nt)
+#pragma unroll
+          for (int e = 0; e < 2; ++e)
+            if (key0 + kstride * j + 8u * nt + 2u * c + e >= lim[r])
+              s[j][nt][2 * r + e] = FP4C_NEG_INF;
+    }
+    // the row's maximum in four independent chains (the same value: max.f32 is exact and
+    // drops NaN in any order)
+    float tm[4] = {FP4C_NEG_INF, FP4C_NEG_INF, FP4C_NEG_INF, FP4C_NEG_INF};
+#pragma unroll
+    for (int j = 0; j < NT; ++j)
+#pragma unroll
+      for (int nt = 0; nt < 2; ++nt)
+        tm[(2 * j + nt) & 3] = f_max(tm[(2 * j + nt) & 3],
+                                     f_max(s[j][nt][2 * r], s[j][nt][2 * r + 1]));
+    float tmax = f_max(f_max(tm[0], tm[1]), f_max(tm[2], tm[3]));
+    tmax = f_max(tmax, __shfl_xor_sync(0xFFFFFFFFu, tmax, 1));
+    tmax = f_max(tmax, __shfl_xor_sync(0xFFFFFFFFu, tmax, 2));
+    const float mn = f_max(st.m[r], f_mul(tmax, rs[r]));
+    const float ms = is_neg_inf(mn) ? 0.0f : mn;  // no key yet: weights 2^-inf = 0
+    alpha[r] = a_ex2(f_sub(st.m[r], ms));
+    moved |= __float_as_uint(mn) != __float_as_uint(st.m[r]);
+    st.m[r] = mn;
+    const float nms = f_neg(ms);
+    float sum = 0.0f;
+#pragma unroll
+    for (int j = 0; j < NT; ++j)
+#pragma unroll
+      for (int nt = 0; nt < 2; ++nt) {
+        const float p0 = a_ex2(f_fma(s[j][nt][2 * r], rs[r], nms));
+        const float p1 = a_ex2(f_fma(s[j][nt][2 * r + 1], rs[r], nms));
+        sum = f_add(sum, f_add(p0, p1));
+        s[j][nt][2 * r] = p0;
+        s[j][nt][2 * r + 1] = p1;
+      }
+    st.l[r] = f_fma(st.l[r], alpha[r], sum);
+  }
+  return __any_sync(0xFFFFFFFFu, moved);
+}
+
 template <int D>
 FP4C_DEVICE void vl_rescale(VlRowState<D>& st, const float (&alpha)[2], bool moved) {
   if (!moved) return;
@@ -505,7 +567,7 @@ template <int D, int NTL>
 FP4C_DEVICE void vl_softmax(float (&s)[NTL][2][4], u32 key0, u32 kstride, const u32 (&lim)[2],
                             const float (&rs)[2], VlRowState<D>& st, u32 (&pa)[NTL][4]) {
   float alpha[2];
-  const bool moved = vl_weights<D, NTL>(s, key0, kstride, lim, rs, st, alpha);
+  const bool moved = vl_weights_fma<D, NTL, true>(s, key0, kstride, lim, rs, st, alpha);
   vl_pack<NTL>(s, pa);
   vl_rescale<D>(st, alpha, moved);
 }

@@ -23,7 +23,7 @@
 //            rows of step i + 1 (vl_load_page) and the block table entry of step i + 2
 //            (vl_page), so that a step waits for one load only;
 //   scores:  S = Q K^T, m64nSTEPk16 per warpgroup, both operands in shared memory;
-//   softmax: online, per row (wg_weights: vl_weights' contract, FlashAttention-3's
+//   softmax: online, per row (vl_weights_fma: vl_weights' contract, FlashAttention-3's
 //            arithmetic); the K stage is released when S is in registers;
 //   P.V:     O += P V, m64nDk16 (two m64n128k16 at head_dim 256), P from registers (S's
 //            accumulators are the A fragments), V MN-major from shared memory; issued
@@ -267,64 +267,6 @@ FP4C_DEVICE void wg_turn_pass(u32 wg) {  // the other warpgroup's turn
     NamedBar<FP4C_WG_BAR_TURN, 256>::arrive();
 }
 
-// ---------------------------------------------------------------------------------------
-// softmax weights (vl_weights' contract) for score scales rs > 0, FlashAttention-3's way:
-// the row maximum of the raw scores times rs (the same value: rounding is monotonic), the
-// weights 2^(s rs - m) from one fma, and the key limits applied (MASK) only in the steps
-// that reach one of the rows' limits; other scales take vl_weights
-// ---------------------------------------------------------------------------------------
-template <int D, int NT, bool MASK>
-FP4C_DEVICE bool wg_weights(float (&s)[NT][2][4], u32 key0, const u32 (&lim)[2],
-                            const float (&rs)[2], VlRowState<D>& st, float (&alpha)[2]) {
-  if (!(f_gt(rs[0], 0.0f) && f_gt(rs[1], 0.0f)))
-    return vl_weights<D, NT>(s, key0, 16u, lim, rs, st, alpha);
-  const u32 c = threadIdx.x & 3u;
-  bool moved = false;
-#pragma unroll
-  for (int r = 0; r < 2; ++r) {
-    if (MASK && key0 + (u32)(16 * NT) > lim[r]) {
-#pragma unroll
-      for (int j = 0; j < NT; ++j)
-#pragma unroll
-        for (int nt = 0; nt < 2; ++nt)
-#pragma unroll
-          for (int e = 0; e < 2; ++e)
-            if (key0 + 16u * j + 8u * nt + 2u * c + e >= lim[r]) s[j][nt][2 * r + e] = FP4C_NEG_INF;
-    }
-    // the row's maximum in four independent chains (the same value: max.f32 is exact and
-    // drops NaN in any order)
-    float tm[4] = {FP4C_NEG_INF, FP4C_NEG_INF, FP4C_NEG_INF, FP4C_NEG_INF};
-#pragma unroll
-    for (int j = 0; j < NT; ++j)
-#pragma unroll
-      for (int nt = 0; nt < 2; ++nt)
-        tm[(2 * j + nt) & 3] = f_max(tm[(2 * j + nt) & 3],
-                                     f_max(s[j][nt][2 * r], s[j][nt][2 * r + 1]));
-    float tmax = f_max(f_max(tm[0], tm[1]), f_max(tm[2], tm[3]));
-    tmax = f_max(tmax, __shfl_xor_sync(0xFFFFFFFFu, tmax, 1));
-    tmax = f_max(tmax, __shfl_xor_sync(0xFFFFFFFFu, tmax, 2));
-    const float mn = f_max(st.m[r], f_mul(tmax, rs[r]));
-    const float ms = is_neg_inf(mn) ? 0.0f : mn;  // no key yet: weights 2^-inf = 0
-    alpha[r] = a_ex2(f_sub(st.m[r], ms));
-    moved |= __float_as_uint(mn) != __float_as_uint(st.m[r]);
-    st.m[r] = mn;
-    const float nms = f_neg(ms);
-    float sum = 0.0f;
-#pragma unroll
-    for (int j = 0; j < NT; ++j)
-#pragma unroll
-      for (int nt = 0; nt < 2; ++nt) {
-        const float p0 = a_ex2(f_fma(s[j][nt][2 * r], rs[r], nms));
-        const float p1 = a_ex2(f_fma(s[j][nt][2 * r + 1], rs[r], nms));
-        sum = f_add(sum, f_add(p0, p1));
-        s[j][nt][2 * r] = p0;
-        s[j][nt][2 * r + 1] = p1;
-      }
-    st.l[r] = f_fma(st.l[r], alpha[r], sum);
-  }
-  return __any_sync(0xFFFFFFFFu, moved);
-}
-
 // The row warps' state of an item's steps: scores / weights s, P fragments pa, O and the
 // row statistics st, the lane's rows (lim, rs), the rings
 template <int D>
@@ -363,7 +305,7 @@ struct WgRowSteps {
     {
       float alpha[2];
       const bool moved =
-          wg_weights<D, A::KTILES, MASK>(s, s0 + i * A::STEP, lim, rs, st, alpha);
+          vl_weights_fma<D, A::KTILES, MASK>(s, s0 + i * A::STEP, 16u, lim, rs, st, alpha);
       vl_pack<A::KTILES>(s, pa);
       vl_rescale<D>(st, alpha, moved);
     }
