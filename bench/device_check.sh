@@ -5,7 +5,8 @@
 #   bash bench/device_check.sh bench   # bench/bench.py (copy ceiling, kernels, PyTorch)
 #   bash bench/device_check.sh varlen  # attention for any query length: its GPU tests (both
 #                                      # prefill routes), compute-sanitizer memcheck and
-#                                      # racecheck over the wgmma and few-row kernels' cases
+#                                      # racecheck over the wgmma, few-row and 128-row
+#                                      # mma.sync kernels' cases
 #                                      # (~7 min)
 #   bash bench/device_check.sh varlen-probe  # the wgmma kernel with its loads, decode or
 #                                      # MMAs switched off (bench/wgmma_decode_probe.py)
@@ -67,10 +68,12 @@ varlen)
   wg='TestKernel and auto and ((many_rows and (causal and (128-4 or 64-16 or 128-1) or 256)) or one_cta or mixed_batch or bad_ids or nan_groups or unaligned)'
   # and the few-row kernel's forms (one, two, four n8 tiles of rows)
   few='TestKernel and auto and (shared_q or speculative_split_kv or few_row_forms)'
+  # and the mma.sync route's 128-row kernel (two sets of decoded tiles)
+  mma='TestKernel and mma and (one_cta or nan_groups or unaligned or cuda_graph_with_chunks)'
   for tool in memcheck racecheck; do
     timeout 180 compute-sanitizer --tool "$tool" --error-exitcode 9 \
         python3 -m pytest -q -p no:cacheprovider tests/test_attention_varlen.py \
-        -k "($wg) or ($few)" \
+        -k "($wg) or ($few) or ($mma)" \
         > "$OUT/varlen-sanitizer-$tool.log" 2>&1
     echo "compute-sanitizer $tool exit=$? $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY|passed|failed' \
         "$OUT/varlen-sanitizer-$tool.log" | tr '\n' ' ')"
