@@ -166,3 +166,28 @@ def test_fastdiv_fields_are_one_struct():
     d, m, s = (int(p["t"][k]) for k in ("d", "m", "s"))
     n = np.arange(1 << 16, dtype=np.uint64)
     assert ((((n * m) >> 32) + n) >> s == n // d).all()
+
+
+@needs_nvrtc
+def test_shared_memory_sizes_match_the_kernels_layouts():
+    """The host sizes the varlen kernels' dynamic shared memory by ``_abi.varlen_smem_bytes``
+    and ``_abi.varlen_wg_smem_bytes``; the kernels' own layouts (``VlDims::SMEM``,
+    ``WgDims::SMEM``) must agree for every head dim, row-warp count and q type (the kernels
+    trap on a mismatch at run time; here it fails the compile)."""
+    spec = K.varlen_attention_spec("bf16", 128, 8)
+    checks = [f"static_assert(VlDims<{d}, {mw}, {'true' if split else 'false'}>::SMEM == "
+              f"{_abi.varlen_smem_bytes(d, mw, split)}, \"varlen_smem_bytes({d}, {mw}, "
+              f"{split})\");"
+              for d in K.ATTN_HEAD_DIMS for mw in _abi.VARLEN_ROW_WARPS
+              for split in (False, True)]
+    source = K.build_source(spec.file, [spec]) + "\n" + "\n".join(checks) + "\n"
+    K.compile_source(source, spec.file, "sm_90", K.CUPY_IMPLICIT_OPTIONS)
+    bad = source.replace(f"== {_abi.varlen_smem_bytes(128, 8, False)},",
+                         f"== {_abi.varlen_smem_bytes(128, 8, False) + 16},", 1)
+    with pytest.raises(RuntimeError, match="varlen_smem_bytes"):
+        K.compile_source(bad, spec.file, "sm_90", K.CUPY_IMPLICIT_OPTIONS)
+    wg = K.varlen_wgmma_spec("bf16", 128)
+    checks = [f"static_assert(WgDims<{d}>::SMEM == {_abi.varlen_wg_smem_bytes(d)}, "
+              f"\"varlen_wg_smem_bytes({d})\");" for d in _abi.VARLEN_WG_GEOMETRY]
+    K.compile_source(K.build_source(wg.file, [wg]) + "\n" + "\n".join(checks) + "\n",
+                     wg.file, "sm_90a", K.CUPY_IMPLICIT_OPTIONS)
