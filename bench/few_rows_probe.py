@@ -26,7 +26,6 @@ Run on the GPU (from the repository root)::
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import shutil
 import sys
 import tempfile
@@ -43,7 +42,8 @@ from attention_bench import log  # noqa: E402
 from kernel_patch import (  # noqa: E402
     Patch,
     add_baseline_argument,
-    compare_bytes,
+    spec_in_folder,
+    time_variant,
     variant_folders,
 )
 from timing import BF16  # noqa: E402
@@ -97,24 +97,13 @@ def main(argv=None) -> int:
             first = None  # the first variant's output bytes
             for name, folder in folders.items():
                 K.attn_max_rows = max_rows
+                K.decode_attention_spec = spec_in_folder(shipped, folder)
                 if name == "rows16":
-                    K.decode_attention_spec = shipped
                     K.attn_max_rows = lambda dtype, head_dim: min(16, max_rows(dtype, head_dim))
-                elif folder is None:
-                    K.decode_attention_spec = shipped
-                else:
-                    def spec(*a, folder=folder, **kw):
-                        return dataclasses.replace(shipped(*a, **kw), folder=folder)
-                    K.decode_attention_spec = spec
                 scratch = new_scratch()
                 call = vb.varlen(cache, q, qsl, tab, lens, out, scratch, sm_scale, n)
-                call()
-                cp.cuda.Device().synchronize()
-                got = out.view(cp.uint16).get()
-                names = [lp.name for lp in next(iter(scratch.plans.values())).launches]
-                first, same = compare_bytes(first, name, got)
-                t = vb.time([call], batch=10)
-                log(f"   {name:9s} {t * 1e6:9.1f} us  {' + '.join(names)}{same}")
+                first, line = time_variant(vb, call, out, scratch, first, name, 10)
+                log(line)
             K.decode_attention_spec, K.attn_max_rows = shipped, max_rows
     finally:
         K.decode_attention_spec, K.attn_max_rows = shipped, max_rows

@@ -1,7 +1,8 @@
 """Patched copies of the kernel sources for the probes (``wgmma_decode_probe.py``,
-``wgmma_timeline.py``): text replacements applied to files of ``kernels/`` and written to a
-folder that a :class:`fp4cache._kernels.Spec` takes as its ``folder`` (its includes are
-looked up there first, then in ``kernels/``).
+``wgmma_timeline.py``, ``few_rows_probe.py``, ``mma_route_probe.py``): text replacements
+applied to files of ``kernels/`` and written to a folder that a
+:class:`fp4cache._kernels.Spec` takes as its ``folder`` (its includes are looked up there
+first, then in ``kernels/``); and the probes' shared timing of one call per variant.
 
 A patch is ``(old, new)``: ``old`` is a text found exactly once, or ``(start, end)``: the
 text between the end of ``start`` (found exactly once) and the first ``end`` after it, both
@@ -11,6 +12,8 @@ a probe shows on the CPU (``tests/test_kernels_compile.py`` compiles every probe
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -79,3 +82,76 @@ def compare_bytes(first: tuple[str, np.ndarray] | None, name: str,
         return (name, got), ""
     same = "equal to" if np.array_equal(got, first[1]) else "unlike"
     return first, f"  bytes {same} {first[0]}'s"
+
+
+def spec_in_folder(shipped: Callable[..., K.Spec], folder: str | None) -> Callable[..., K.Spec]:
+    """``shipped`` (a spec function of :mod:`fp4cache._kernels`), or for a variant's
+    ``folder`` one that builds the same :class:`~fp4cache._kernels.Spec` from it."""
+    if folder is None:
+        return shipped
+
+    def spec(*a, **kw):
+        return dataclasses.replace(shipped(*a, **kw), folder=folder)
+    return spec
+
+
+def time_variant(vb, call, out, scratch, first: tuple[str, np.ndarray] | None, name: str,
+                 batch: int) -> tuple[tuple[str, np.ndarray], str]:
+    """Run ``call`` (an ``attention`` call of bench ``vb`` writing ``out``, planned in
+    ``scratch``) once, compare its output bytes with the first variant's
+    (:func:`compare_bytes`), time it in batches of ``batch``; return the first variant's
+    bytes and the variant's line (time, launches, bytes)."""
+    cp = vb.cp
+    call()
+    cp.cuda.Device().synchronize()
+    names = [lp.name for lp in next(iter(scratch.plans.values())).launches]
+    first, same = compare_bytes(first, name, out.view(cp.uint16).get())
+    t = vb.time([call], batch=batch)
+    return first, f"   {name:9s} {t * 1e6:9.1f} us  {' + '.join(names)}{same}"
+
+
+#: the prefill probes' rows (``wgmma_decode_probe.py``, ``mma_route_probe.py``): name ->
+#: (label, sequences, query tokens, cached tokens)
+PREFILL_ROWS = {"chunk": ("chunk 2,048 after 30,720", 1, 2048, 30720),
+                "prefill": ("prefill 8,192", 1, 8192, 0),
+                "batch": ("prefill 4 x 4,096", 4, 4096, 0)}
+
+
+def time_prefill_variants(reps: int, rows: list[str], head_dim: int,
+                          folders: dict[str, str | None], spec_attr: str,
+                          route: str = "auto") -> None:
+    """For each row of :data:`PREFILL_ROWS` named in ``rows`` (Hq 32, H 8, ``head_dim``,
+    block 16, bf16 q; one cache and q for every variant), each variant of ``folders``
+    (:func:`variant_folders`): ``attention`` with prefill ``route`` through the kernel that
+    ``fp4cache._kernels.<spec_attr>`` builds from the variant's folder; its time and output
+    bytes against the first variant's, logged."""
+    from attention_bench import log
+    from timing import BF16
+    from varlen_bench import VarlenBench
+
+    from fp4cache._cuda.decode import new_scratch
+
+    vb = VarlenBench.plain(reps)
+    cp = vb.cp
+    shipped = getattr(K, spec_attr)
+    sm_scale = 1.0 / np.sqrt(head_dim)
+    try:
+        for case, B, n, cached in (PREFILL_ROWS[r] for r in rows):
+            cache, tab, lens, _ = vb.cache_for(B, [cached + n] * B, 8, head_dim, 16, 5)
+            q = vb.env.randn_bf16((B * n, 32, head_dim), 6)
+            qsl = cp.arange(B + 1, dtype=cp.int32) * n
+            out = cp.empty((B * n, 32, head_dim), dtype=BF16)
+            log(f"== {case}, head_dim {head_dim}, route {route}")
+            first = None  # the first variant's output bytes
+            for name, folder in folders.items():
+                setattr(K, spec_attr, spec_in_folder(shipped, folder))
+                scratch = new_scratch()
+                call = vb.varlen(cache, q, qsl, tab, lens, out, scratch, sm_scale, n,
+                                 route=route)
+                first, line = time_variant(vb, call, out, scratch, first, name, 3)
+                log(line)
+            setattr(K, spec_attr, shipped)
+            del cache
+            vb.release()
+    finally:
+        setattr(K, spec_attr, shipped)

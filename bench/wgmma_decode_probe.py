@@ -30,30 +30,25 @@ hangs the kernel)::
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import shutil
 import sys
 import tempfile
 from pathlib import Path
-
-import numpy as np
 
 _ROOT = Path(__file__).resolve().parents[1]
 for _p in (str(_ROOT), str(_ROOT / "bench")):
     if _p not in sys.path:
         sys.path.insert(0, _p)
 
-from attention_bench import log  # noqa: E402
 from kernel_patch import (  # noqa: E402
+    PREFILL_ROWS,
     Patch,
     add_baseline_argument,
-    compare_bytes,
+    time_prefill_variants,
     variant_folders,
 )
-from timing import BF16  # noqa: E402
 
 from fp4cache import _abi  # noqa: E402
-from fp4cache import _kernels as K  # noqa: E402
 
 _LOAD = "if (i + 1u < nsteps) vl_load_page<D>(S, step + STEP + off, W.s1, id[u], R[u], c0);"
 _DECODE = """      vl_decode<D>(R[u], step + off, P.swizzle, my_stage,
@@ -80,60 +75,22 @@ PATCHES: dict[str, dict[str, list[Patch]]] = {
 FOLDERS: dict[str, dict[str, list[Patch]]] = {
     name: files for name, files in PATCHES.items() if files}
 
-#: the probe's rows: name -> (label, sequences, query tokens, cached tokens)
-ROWS = {"chunk": ("chunk 2,048 after 30,720", 1, 2048, 30720),
-        "prefill": ("prefill 8,192", 1, 8192, 0),
-        "batch": ("prefill 4 x 4,096", 4, 4096, 0)}
-
-
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--variants", nargs="*", default=list(PATCHES), choices=list(PATCHES))
     ap.add_argument("--head-dim", type=int, default=128, choices=_abi.VARLEN_WG_HEAD_DIMS)
-    ap.add_argument("--rows", nargs="*", default=list(ROWS), choices=list(ROWS))
+    ap.add_argument("--rows", nargs="*", default=list(PREFILL_ROWS),
+                    choices=list(PREFILL_ROWS))
     add_baseline_argument(ap)
     args = ap.parse_args(argv)
-    from varlen_bench import VarlenBench
-
-    from fp4cache._cuda.decode import new_scratch
-
-    vb = VarlenBench.plain(args.reps)
-    cp = vb.cp
-    shipped = K.varlen_wgmma_spec
     root = Path(tempfile.mkdtemp())
-    folders = variant_folders(root, args.variants, FOLDERS, args.baseline, "varlen_wgmma.cu")
-    D = args.head_dim
-    sm_scale = 1.0 / np.sqrt(D)
     try:
-        for case, B, n, cached in (ROWS[r] for r in args.rows):
-            L = cached + n
-            cache, tab, lens, _ = vb.cache_for(B, [L] * B, 8, D, 16, 5)
-            q = vb.env.randn_bf16((B * n, 32, D), 6)
-            qsl = cp.arange(B + 1, dtype=cp.int32) * n
-            out = cp.empty((B * n, 32, D), dtype=BF16)
-            log(f"== {case}, head_dim {D}")
-            first = None  # the first variant's output bytes
-            for name, folder in folders.items():
-                if folder is None:
-                    K.varlen_wgmma_spec = shipped
-                else:
-                    def spec(dtype, head_dim, folder=folder):
-                        return dataclasses.replace(shipped(dtype, head_dim), folder=folder)
-                    K.varlen_wgmma_spec = spec
-                call = vb.varlen(cache, q, qsl, tab, lens, out, new_scratch(),
-                                 sm_scale, n)
-                call()
-                cp.cuda.Device().synchronize()
-                got = out.view(cp.uint16).get()
-                first, same = compare_bytes(first, name, got)
-                t = vb.time([call], batch=3)
-                log(f"   {name:9s} {t * 1e6:9.1f} us{same}")
-            K.varlen_wgmma_spec = shipped
-            del cache
-            vb.release()
+        folders = variant_folders(root, args.variants, FOLDERS, args.baseline,
+                                  "varlen_wgmma.cu")
+        time_prefill_variants(args.reps, args.rows, args.head_dim, folders,
+                              "varlen_wgmma_spec")
     finally:
-        K.varlen_wgmma_spec = shipped
         shutil.rmtree(root, ignore_errors=True)
     return 0
 
