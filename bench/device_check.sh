@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # Verification on a GPU machine, from the repository root, in one call:
-#   bash bench/device_check.sh tests   # test suite (GPU tests must run), notebooks' code on
-#                                      # the GPU, the demo, compute-sanitizer memcheck/racecheck
+#   bash bench/device_check.sh tests   # the whole test suite (GPU tests must run), every
+#                                      # kernel compiled first in 16 processes
+#   bash bench/device_check.sh sanitize  # notebooks' code on the GPU, the demo,
+#                                      # compute-sanitizer memcheck/racecheck
 #   bash bench/device_check.sh bench   # bench/bench.py (copy ceiling, kernels, PyTorch)
 #   bash bench/device_check.sh varlen  # attention for any query length: its GPU tests (both
 #                                      # prefill routes), compute-sanitizer memcheck and
@@ -34,10 +36,35 @@ for nb in sys.argv[1:]:
 PY
 }
 
+compile_every_kernel() {  # every specialization into CuPy's disk cache, 16 processes
+  timeout 200 python3 - <<'PY'
+import multiprocessing as mp
+import time
+
+
+def one(i):
+    from fp4cache import _kernels as K
+    K.get_kernel(K.all_specs()[i])
+
+
+if __name__ == "__main__":
+    from fp4cache import _kernels as K
+    t = time.time()
+    n = len(K.all_specs())
+    with mp.get_context("fork").Pool(16) as pool:
+        list(pool.imap_unordered(one, range(n)))
+    print(f"compiled {n} kernel specializations in {time.time() - t:.0f} s", flush=True)
+PY
+}
+
 case "${1:-tests}" in
 tests)
-  timeout 300 python3 -m pytest -q -n 8 -rs -p no:cacheprovider \
-      --deselect tests/test_notebooks.py 2>&1 | tee "$OUT/tests.log" | tail -25
+  compile_every_kernel
+  timeout 500 python3 -m pytest -q -n 14 -rs -p no:cacheprovider -W ignore::FutureWarning \
+      --durations=15 tests/ 2>&1 | tee "$OUT/tests.log" | tail -45
+  ;;
+sanitize)
+  compile_every_kernel
   for nb in notebooks/*.ipynb; do
     (run_notebook_code "$PWD/$nb" 2>&1 | tail -40) >> "$OUT/notebooks.log"
   done
@@ -58,6 +85,7 @@ bench)
   timeout 540 python3 bench/bench.py --out "$OUT/bench.json" 2>&1 | tee "$OUT/bench.log" | tail -70
   ;;
 varlen)
+  compile_every_kernel
   timeout 330 python3 -m pytest -q -n 16 -p no:cacheprovider -W ignore::FutureWarning \
       tests/test_attention_varlen.py tests/test_attention_decode.py tests/test_hf.py \
       tests/test_window.py tests/test_plans.py \

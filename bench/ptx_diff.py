@@ -1,9 +1,9 @@
 """PTX identity check of the shipped kernels (no GPU needed): a refactor must not change code.
 
 ``dump`` compiles every specialization of ``fp4cache._kernels.all_specs()`` (plus the
-test-only variants of :func:`variant_specs`) the way ``compile_all`` does - the specs of
-one file (and variant) in one translation unit, CuPy's implicit options - for each
-architecture, and writes one normalized ``<arch>/<kernel name>.ptx`` per kernel.
+test-only variants of :func:`variant_specs`) - the specs of one file (and variant) in one
+translation unit, CuPy's implicit options - for each architecture, and writes one
+normalized ``<arch>/<kernel name>.ptx`` per kernel.
 ``compare`` reads two such folders and reports, per kernel, whether they are identical.
 Normalization:
 

@@ -29,7 +29,9 @@ no alignment assumption.
 
 from __future__ import annotations
 
+import os
 import re
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
@@ -90,6 +92,9 @@ NVRTC_OPTIONS: tuple[str, ...] = ("--std=c++17", "--fmad=false")
 #: in PTX without ``.ftz`` so that this flag cannot flush subnormals; :func:`compile_all`
 #: compiles with it too, to check that no ``.ftz`` instruction is left.
 CUPY_IMPLICIT_OPTIONS: tuple[str, ...] = ("-ftz=true",)
+#: Most specializations :func:`compile_all` puts in one NVRTC call (its calls run in
+#: threads: smaller modules spread the largest files over the CPUs).
+COMPILE_ALL_CHUNK = 12
 
 #: Kernel value types: short name -> C++ tag type.
 VALUE_TYPES = {"bf16": "bf16_t", "f16": "f16_t", "f32": "f32_t"}
@@ -695,26 +700,39 @@ def arch_family(arch: str) -> str:
 
 
 def compile_all(arch: str = "sm_90", specs: list[Spec] | None = None,
-                backend: str | None = None) -> dict[str, str]:
-    """Compile every specialization for ``arch`` without a GPU (one NVRTC call per file
-    and variant; ``backend`` as for :func:`compile_source`); a spec of an arch-specific
-    target (``Spec.arch``, e.g. ``"sm_90a"``) is compiled for that target with the
-    architecture it belongs to (:func:`arch_family`) and left out for the others.
+                backend: str | None = None, workers: int | None = None) -> dict[str, str]:
+    """Compile every specialization for ``arch`` without a GPU (NVRTC calls of at most
+    :data:`COMPILE_ALL_CHUNK` specializations of one file and variant, ``workers`` of them
+    at a time in threads, default one per CPU: NVRTC releases the GIL; ``backend`` as for
+    :func:`compile_source`); a spec of an arch-specific target (``Spec.arch``, e.g.
+    ``"sm_90a"``) is compiled for that target with the architecture it belongs to
+    (:func:`arch_family`) and left out for the others.
 
-    Returns ``{file: ptx}``.  Raises ``RuntimeError`` with the compiler log on failure
-    and ``RuntimeError`` if a kernel is missing from the PTX.
+    Returns ``{file: ptx}`` (a file's modules in a fixed order).  Raises ``RuntimeError``
+    with the compiler log on failure and ``RuntimeError`` if a kernel is missing from the
+    PTX.
     """
     specs = [s for s in (all_specs() if specs is None else specs)
              if s.arch is None or arch_family(s.arch) == arch]
     by_file: dict[tuple[str, str, tuple, str], list[Spec]] = {}
     for s in specs:
         by_file.setdefault((s.file, s.folder or "", s.defines, s.arch or ""), []).append(s)
-    out: dict[str, str] = {}
-    for (file, _, _, own), group in sorted(by_file.items()):
-        ptx = compile_source(build_source(file, group), file, own or arch,
-                             CUPY_IMPLICIT_OPTIONS, backend)
-        for s in group:
+    jobs = [(file, own or arch, group[i:i + COMPILE_ALL_CHUNK])
+            for (file, _, _, own), group in sorted(by_file.items())
+            for i in range(0, len(group), COMPILE_ALL_CHUNK)]
+
+    def one(job: tuple[str, str, list[Spec]]) -> str:
+        file, target, chunk = job
+        ptx = compile_source(build_source(file, chunk), file, target, CUPY_IMPLICIT_OPTIONS,
+                             backend)
+        for s in chunk:
             if f".entry {s.name}(" not in ptx:
                 raise RuntimeError(f"kernel {s.name} missing from the PTX of {file}")
+        return ptx
+
+    with ThreadPoolExecutor(max_workers=workers or os.cpu_count() or 1) as pool:
+        ptxs = list(pool.map(one, jobs))
+    out: dict[str, str] = {}
+    for (file, _, _), ptx in zip(jobs, ptxs):
         out[file] = out.get(file, "") + ptx
     return out
