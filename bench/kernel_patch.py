@@ -12,8 +12,11 @@ a probe shows on the CPU (``tests/test_kernels_compile.py`` compiles every probe
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
-from collections.abc import Callable
+import shutil
+import tempfile
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import numpy as np
@@ -155,3 +158,28 @@ def time_prefill_variants(reps: int, rows: list[str], head_dim: int,
             vb.release()
     finally:
         setattr(K, spec_attr, shipped)
+
+
+def prefill_probe_main(argv: Sequence[str] | None, description: str,
+                       folders: dict[str, dict[str, list[Patch]]], variants: list[str],
+                       kernel_file: str, spec_attr: str, head_dims: Sequence[int], *,
+                       reps: int, rows: list[str], route: str = "auto") -> int:
+    """The prefill probes' command line and run: ``--reps``, ``--variants`` (of
+    ``variants``, their patched files in ``folders``), ``--head-dim`` (of ``head_dims``),
+    ``--rows`` (of :data:`PREFILL_ROWS`), ``--baseline``; each variant's folder written to a
+    temporary folder, then :func:`time_prefill_variants` with ``spec_attr`` and ``route``."""
+    ap = argparse.ArgumentParser(description=description)
+    ap.add_argument("--reps", type=int, default=reps)
+    ap.add_argument("--variants", nargs="*", default=list(variants), choices=list(variants))
+    ap.add_argument("--head-dim", type=int, default=128, choices=list(head_dims))
+    ap.add_argument("--rows", nargs="*", default=list(rows), choices=list(PREFILL_ROWS))
+    add_baseline_argument(ap)
+    args = ap.parse_args(argv)
+    root = Path(tempfile.mkdtemp())
+    try:
+        chosen = variant_folders(root, args.variants, folders, args.baseline, kernel_file)
+        time_prefill_variants(args.reps, args.rows, args.head_dim, chosen, spec_attr,
+                              route=route)
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    return 0

@@ -23,10 +23,7 @@ Run on a GPU (from the repository root), under a time limit::
 
 from __future__ import annotations
 
-import argparse
-import shutil
 import sys
-import tempfile
 from pathlib import Path
 
 _ROOT = Path(__file__).resolve().parents[1]
@@ -34,13 +31,7 @@ for _p in (str(_ROOT), str(_ROOT / "bench")):
     if _p not in sys.path:
         sys.path.insert(0, _p)
 
-from kernel_patch import (  # noqa: E402
-    PREFILL_ROWS,
-    Patch,
-    add_baseline_argument,
-    time_prefill_variants,
-    variant_folders,
-)
+from kernel_patch import Patch, prefill_probe_main  # noqa: E402
 
 from fp4cache import _kernels as K  # noqa: E402
 
@@ -53,24 +44,12 @@ PATCHES: dict[str, dict[str, list[Patch]]] = {
 FOLDERS: dict[str, dict[str, list[Patch]]] = {
     name: files for name, files in PATCHES.items() if files}
 
+
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--reps", type=int, default=3)
-    ap.add_argument("--variants", nargs="*", default=list(PATCHES), choices=list(PATCHES))
-    ap.add_argument("--head-dim", type=int, default=128, choices=K.ATTN_HEAD_DIMS)
-    ap.add_argument("--rows", nargs="*", default=["chunk", "prefill"],
-                    choices=list(PREFILL_ROWS))
-    add_baseline_argument(ap)
-    args = ap.parse_args(argv)
-    root = Path(tempfile.mkdtemp())
-    try:
-        folders = variant_folders(root, args.variants, FOLDERS, args.baseline,
-                                  "varlen_attention.cu")
-        time_prefill_variants(args.reps, args.rows, args.head_dim, folders,
-                              "varlen_attention_spec", route="mma")
-    finally:
-        shutil.rmtree(root, ignore_errors=True)
-    return 0
+    return prefill_probe_main(argv, __doc__.splitlines()[0], FOLDERS, list(PATCHES),
+                              "varlen_attention.cu", "varlen_attention_spec",
+                              K.ATTN_HEAD_DIMS, reps=3, rows=["chunk", "prefill"],
+                              route="mma")
 
 
 if __name__ == "__main__":

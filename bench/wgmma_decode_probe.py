@@ -29,10 +29,7 @@ hangs the kernel)::
 
 from __future__ import annotations
 
-import argparse
-import shutil
 import sys
-import tempfile
 from pathlib import Path
 
 _ROOT = Path(__file__).resolve().parents[1]
@@ -40,13 +37,7 @@ for _p in (str(_ROOT), str(_ROOT / "bench")):
     if _p not in sys.path:
         sys.path.insert(0, _p)
 
-from kernel_patch import (  # noqa: E402
-    PREFILL_ROWS,
-    Patch,
-    add_baseline_argument,
-    time_prefill_variants,
-    variant_folders,
-)
+from kernel_patch import PREFILL_ROWS, Patch, prefill_probe_main  # noqa: E402
 
 from fp4cache import _abi  # noqa: E402
 
@@ -75,24 +66,11 @@ PATCHES: dict[str, dict[str, list[Patch]]] = {
 FOLDERS: dict[str, dict[str, list[Patch]]] = {
     name: files for name, files in PATCHES.items() if files}
 
+
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--reps", type=int, default=5)
-    ap.add_argument("--variants", nargs="*", default=list(PATCHES), choices=list(PATCHES))
-    ap.add_argument("--head-dim", type=int, default=128, choices=_abi.VARLEN_WG_HEAD_DIMS)
-    ap.add_argument("--rows", nargs="*", default=list(PREFILL_ROWS),
-                    choices=list(PREFILL_ROWS))
-    add_baseline_argument(ap)
-    args = ap.parse_args(argv)
-    root = Path(tempfile.mkdtemp())
-    try:
-        folders = variant_folders(root, args.variants, FOLDERS, args.baseline,
-                                  "varlen_wgmma.cu")
-        time_prefill_variants(args.reps, args.rows, args.head_dim, folders,
-                              "varlen_wgmma_spec")
-    finally:
-        shutil.rmtree(root, ignore_errors=True)
-    return 0
+    return prefill_probe_main(argv, __doc__.splitlines()[0], FOLDERS, list(PATCHES),
+                              "varlen_wgmma.cu", "varlen_wgmma_spec",
+                              _abi.VARLEN_WG_HEAD_DIMS, reps=5, rows=list(PREFILL_ROWS))
 
 
 if __name__ == "__main__":

@@ -700,13 +700,12 @@ def arch_family(arch: str) -> str:
 
 
 def compile_all(arch: str = "sm_90", specs: list[Spec] | None = None,
-                backend: str | None = None, workers: int | None = None) -> dict[str, str]:
+                backend: str | None = None) -> dict[str, str]:
     """Compile every specialization for ``arch`` without a GPU (NVRTC calls of at most
-    :data:`COMPILE_ALL_CHUNK` specializations of one file and variant, ``workers`` of them
-    at a time in threads, default one per CPU: NVRTC releases the GIL; ``backend`` as for
-    :func:`compile_source`); a spec of an arch-specific target (``Spec.arch``, e.g.
-    ``"sm_90a"``) is compiled for that target with the architecture it belongs to
-    (:func:`arch_family`) and left out for the others.
+    :data:`COMPILE_ALL_CHUNK` specializations of one file and variant, in threads, one per
+    CPU: NVRTC releases the GIL; ``backend`` as for :func:`compile_source`); a spec of an
+    arch-specific target (``Spec.arch``, e.g. ``"sm_90a"``) is compiled for that target
+    with the architecture it belongs to (:func:`arch_family`) and left out for the others.
 
     Returns ``{file: ptx}`` (a file's modules in a fixed order).  Raises ``RuntimeError``
     with the compiler log on failure and ``RuntimeError`` if a kernel is missing from the
@@ -730,7 +729,7 @@ def compile_all(arch: str = "sm_90", specs: list[Spec] | None = None,
                 raise RuntimeError(f"kernel {s.name} missing from the PTX of {file}")
         return ptx
 
-    with ThreadPoolExecutor(max_workers=workers or os.cpu_count() or 1) as pool:
+    with ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
         ptxs = list(pool.map(one, jobs))
     out: dict[str, str] = {}
     for (file, _, _), ptx in zip(jobs, ptxs):
