@@ -5,7 +5,8 @@ float32 global scale: 72 bytes per (token, head) for ``head_dim=128`` instead of
 bfloat16.  The byte layouts match vLLM's ``reshape_and_cache_nvfp4`` (paged cache) and
 LongLive's ``dequantize_kv_cache_fp4`` (blocked cache).
 
-Main entry points: :class:`PagedKVCache`, :func:`quantize`, :func:`dequantize`,
+Main entry points: :class:`PagedKVCache`, :class:`AttentionPlan` (the engine-facing
+plan / run API), :func:`quantize`, :func:`dequantize`,
 :func:`calibrate_scale` and the :mod:`fp4cache.longlive` module.
 """
 
@@ -15,6 +16,7 @@ from ._device import pinned_empty
 from .cache import PagedKVCache
 from .calibrate import calibrate_scale
 from .codec import dequantize, quantize
+from .engine import AttentionPlan, WindowRing
 from .formats import hadamard
 from .layout import PageGeometry, slot_mapping
 
@@ -22,6 +24,8 @@ __version__ = "0.1.0"
 
 __all__ = [
     "PagedKVCache",
+    "AttentionPlan",
+    "WindowRing",
     "PageGeometry",
     "quantize",
     "dequantize",

@@ -658,3 +658,42 @@ def copy_window(pool, src, dst) -> None:
     cold = live & ~hot
     _fill_slots(pool, dst[cold], d[cold])
     pool.window[d[hot]] = staged
+
+
+# -- prepared calls (the engine API's plan / run) ------------------------------------------------
+def _window_of(pool):
+    return None if pool.window is None else (pool.window, pool.window_map, pool.window_pages)
+
+
+def store_runner(pool, slots, k, v, *, unique_slots: bool):
+    """``run(slots, k, v)``: :func:`store` into ``pool`` (a
+    :class:`~fp4cache._backend.Pool`) for arrays like these."""
+    window = None if pool.window is None else (pool.window, pool.window_map)
+
+    def run(slots, k, v):
+        store(pool.buffer, slots, k, v, geom=pool.geometry, rule=pool.scale_rule,
+              k_s=pool.k_s, k_g=pool.k_g, v_s=pool.v_s, v_g=pool.v_g, stats=pool.stats,
+              unique_slots=unique_slots, rotate=pool.rotation == "hadamard", window=window)
+
+    return run
+
+
+def attention_runner(pool, q, query_start_loc, block_tables, seq_lens, *,
+                     max_query_len: int, causal: bool, sm_scale):
+    """``run(q, query_start_loc, block_tables, seq_lens, out, lse)``: :func:`attention`
+    over ``pool`` for arrays like these (``query_start_loc`` None: one query token per
+    sequence, :func:`decode_attention`)."""
+    kw = {"geom": pool.geometry, "k_s": pool.k_s, "v_s": pool.v_s, "sm_scale": sm_scale,
+          "stats": pool.stats, "window": _window_of(pool),
+          "rotate": pool.rotation == "hadamard"}
+    if query_start_loc is None:
+        def run_decode(q, query_start_loc, block_tables, seq_lens, out, lse):
+            decode_attention(pool.buffer, q, block_tables, seq_lens, out, lse, **kw)
+
+        return run_decode
+
+    def run(q, query_start_loc, block_tables, seq_lens, out, lse):
+        attention(pool.buffer, q, query_start_loc, block_tables, seq_lens, out, lse,
+                  causal=causal, max_query_len=max_query_len, **kw)
+
+    return run

@@ -13,6 +13,7 @@ import warnings
 import numpy as np
 
 from . import _abi, _arrays, _hotpath, attention, pages
+from . import store as _store
 from ._backend import Pool, backend
 from ._device import DeviceGuard, parse_device
 from .formats import check_rule, reciprocal_clamped, resolve_dtype
@@ -24,20 +25,20 @@ __all__ = ["PagedKVCache"]
 _STAT = _abi.STAT
 _NO_GUARD = contextlib.nullcontext()
 _FLAG = (bool, type(None))  # classes of an optional flag that need no check
-def _pool_bytes(num_blocks: int, geom: PageGeometry, kind: str) -> int:
-    """Bytes a cache of ``num_blocks`` pages allocates at construction: the pool and, on
-    the GPU, the claim table of 4 bytes per slot."""
-    pool = num_blocks * 2 * geom.side_bytes
+def _pool_bytes(num_blocks: int, geom: PageGeometry, kind: str, pages: bool = True) -> int:
+    """Bytes a cache of ``num_blocks`` pages allocates at construction: the pool (unless
+    its caller gave the pages) and, on the GPU, the claim table of 4 bytes per slot."""
+    pool = num_blocks * 2 * geom.side_bytes if pages else 0
     return pool + (4 * num_blocks * geom.block_size if kind == "cuda" else 0)
 
 
 def _check_pool_fits(num_blocks: int, geom: PageGeometry, kind: str,
-                     index: int | None) -> None:
+                     index: int | None, pages: bool = True) -> None:
     """``ValueError`` naming ``num_blocks``, the bytes the pool needs and the memory
     available (host ``MemAvailable``, or the GPU's free memory), before allocating."""
     from ._device import format_bytes, host_memory
 
-    need = _pool_bytes(num_blocks, geom, kind)
+    need = _pool_bytes(num_blocks, geom, kind, pages)
     if kind == "cuda":
         import cupy
 
@@ -54,6 +55,40 @@ def _check_pool_fits(num_blocks: int, geom: PageGeometry, kind: str,
             f"{format_bytes(need)} ({need} bytes: num_blocks * {need // num_blocks} bytes a "
             f"page{' and its claim table' if kind == 'cuda' else ''}), but {where}; pass "
             f"at most about num_blocks = {max(0, have * num_blocks // need)}")
+
+
+def _device_of(a) -> int:
+    """The GPU ordinal of a device array (CuPy, or a DLPack producer such as PyTorch)."""
+    if _arrays.is_cupy(a):
+        return int(a.data.device_id)
+    return int(a.__dlpack_device__()[1])
+
+
+def _external_pages(buffer, geom: PageGeometry, num_blocks, kind: str, index):
+    """The caller's page memory as the pool, ``(num_blocks, 2, side_bytes)`` uint8, a view
+    (no copy): checked for its backend, device, dtype, contiguity, alignment and size."""
+    page = 2 * geom.side_bytes
+    buf = _arrays.to_backend(buffer, kind, "buffer")
+    if kind == "cuda" and int(buf.data.device_id) != index:
+        raise ValueError(f"buffer is on GPU {int(buf.data.device_id)}; device is cuda:{index}")
+    if buf.dtype not in (np.uint8, np.int8):
+        raise TypeError(f"buffer must hold bytes (uint8 or int8), got {buf.dtype}")
+    if not buf.flags.c_contiguous:
+        raise ValueError("buffer must be C-contiguous (its pages one after another, each "
+                         "[K data | K scales | V data | V scales])")
+    address = buf.data.ptr if kind == "cuda" else buf.ctypes.data
+    if address % 16:
+        raise ValueError(f"buffer must start at a 16-byte aligned address, got {address:#x}")
+    rows = int(buf.shape[0]) if buf.ndim > 1 else None
+    n = num_blocks if num_blocks is not None else rows if rows is not None \
+        else buf.size // page
+    if (rows is not None and rows != n) or buf.size != n * page or n <= 0:
+        raise ValueError(
+            f"buffer must hold num_blocks pages of {page} bytes (2 * block_size * num_heads "
+            f"* (head_dim / 2 + head_dim / 16)), its first axis the page index"
+            f"{'' if num_blocks is None else f' (num_blocks = {num_blocks})'}; got shape "
+            f"{tuple(buf.shape)} ({buf.size} bytes)")
+    return buf.view(np.uint8).reshape(n, 2, geom.side_bytes)
 
 
 def _check_window_options(geom: PageGeometry, rotation, window_pages,
@@ -84,8 +119,8 @@ class PagedKVCache:
 
     Parameters
     ----------
-    num_blocks : int
-        Pages in the pool.
+    num_blocks : int or None
+        Pages in the pool (None with ``buffer``: its first axis).
     block_size : int
         Tokens per page (``T``).
     num_heads : int
@@ -143,6 +178,15 @@ class PagedKVCache:
         ``window_slots`` bf16 pages (:meth:`map_window`) from there, exactly, and the
         rest from the NVFP4 pages.  Both 0 (the default) or both positive; needs
         ``block_size % 16 == 0``.
+    buffer : array, optional
+        Page memory the caller owns and keeps alive (an engine's KV cache tensor, given
+        as a CuPy or NumPy array or through DLPack / ``__cuda_array_interface__``, e.g. a
+        PyTorch uint8 tensor): uint8 or int8, C-contiguous, 16-byte aligned, its first
+        axis the page index and ``num_blocks * 2 * side_bytes`` bytes in all (vLLM's
+        NVFP4 shape ``(num_blocks, 2, block_size, num_heads, head_dim // 2 +
+        head_dim // 16)`` is one such).  The cache reads and writes it in place, with the
+        same checks and guarantees as its own pool; its bytes are not cleared and not
+        counted in :attr:`nbytes`.  ``device`` defaults to the buffer's.
 
     Attributes
     ----------
@@ -189,12 +233,16 @@ class PagedKVCache:
                  validate: bool | None = None, max_batch_size: int | None = None,
                  max_seq_len: int | None = None, num_query_heads: int | None = None,
                  rotation: str = "none", window_pages: int = 0,
-                 window_slots: int = 0) -> None:
+                 window_slots: int = 0, buffer: ArrayLike | None = None) -> None:
         swizzle_v_scales = _arrays.check_bool(swizzle_v_scales, "swizzle_v_scales")
         validate = _arrays.check_bool(validate, "validate", optional=True)
         geom = PageGeometry(num_heads, block_size, head_dim, layout, swizzle_v_scales)
         geom.check()
-        if (not isinstance(num_blocks, (int, np.integer)) or isinstance(num_blocks, bool)
+        if buffer is not None and device is None:
+            device = _arrays.backend_of(buffer) if _arrays.backend_of(buffer) == "cpu" \
+                else f"cuda:{_device_of(buffer)}"
+        if (num_blocks is not None or buffer is None) and (
+                not isinstance(num_blocks, (int, np.integer)) or isinstance(num_blocks, bool)
                 or num_blocks <= 0):
             raise ValueError(f"num_blocks must be a positive integer, got {num_blocks!r}")
         self.scale_rule = check_rule(scale_rule)
@@ -206,7 +254,12 @@ class PagedKVCache:
         if device is None:
             device = "cuda" if _arrays.gpu_available() else "cpu"
         kind, index = parse_device(device)
-        _check_pool_fits(int(num_blocks), geom, kind, index)
+        pages = None
+        if buffer is not None:
+            with DeviceGuard(index) if kind == "cuda" else _NO_GUARD:
+                pages = _external_pages(buffer, geom, num_blocks, kind, index)
+            num_blocks = pages.shape[0]
+        _check_pool_fits(int(num_blocks), geom, kind, index, pages=pages is None)
         impl = backend(kind)
         self.device = kind
         self.device_id = index
@@ -221,13 +274,17 @@ class PagedKVCache:
         state = None  # GPU: pool, counters, tables, plans, workspace (CacheState)
         if kind == "cuda":
             state = impl.CacheState(index, geom, self.num_blocks, k_s, k_g, v_s, v_g,
-                                    rotation=rotation, window_pages=window_pages,
-                                    window_slots=window_slots)
+                                    buffer=pages, rotation=rotation,
+                                    window_pages=window_pages, window_slots=window_slots)
             self.buffer, stats = state.buffer, state.stats
             window, window_map = state.window, state.window_map
-        else:
+        elif pages is not None:
+            self.buffer = pages
+        if kind == "cpu":
             try:
-                self.buffer = np.zeros((self.num_blocks, 2, geom.side_bytes), dtype=np.uint8)
+                if pages is None:
+                    self.buffer = np.zeros((self.num_blocks, 2, geom.side_bytes),
+                                           dtype=np.uint8)
             except (MemoryError, ValueError) as e:  # what the check above could not see
                 raise ValueError(f"num_blocks = {self.num_blocks}: the page pool of "
                                  f"{_pool_bytes(self.num_blocks, geom, kind)} bytes cannot be "
@@ -241,8 +298,15 @@ class PagedKVCache:
         self._pool = Pool(impl, kind, index, geom, self.num_blocks, self.buffer, k_s, v_s, k_g,
                           v_g, stats, state, True if kind == "cpu" else bool(validate),
                           self.scale_rule, rotation, window_pages, window, window_map)
+        self._owns_pages = pages is None
         if state is not None:
             self._reserve_workspace()
+
+    @property
+    def owns_pages(self) -> bool:
+        """False for a cache over pages its caller owns (``PagedKVCache(buffer=...)``):
+        :attr:`nbytes` does not count them."""
+        return self._owns_pages
 
     @property
     def pool(self) -> Pool:
@@ -341,9 +405,10 @@ class PagedKVCache:
         encode table, duplicate-slot claim table (4 bytes per slot) and the workspace of
         :meth:`decode_attention` and of page transfers through host memory
         (:attr:`workspace_nbytes`)."""
+        pages = 0 if self._owns_pages else self.buffer.nbytes
         if self._pool.state is not None:
-            return self._pool.state.nbytes
-        return self.buffer.nbytes + self._pool.stats.nbytes + sum(
+            return self._pool.state.nbytes - pages
+        return self.buffer.nbytes - pages + self._pool.stats.nbytes + sum(
             a.nbytes for a in (self._pool.window, self._pool.window_map) if a is not None)
 
     @property
@@ -528,71 +593,7 @@ class PagedKVCache:
                 k, v) is not _hotpath.MISS:
             return
         with self._guard():
-            self._store_checked(slot_mapping, k, v, bool(unique_slots), check)
-
-    def _store_checked(self, slot_mapping, k, v, unique_slots: bool, check: bool) -> None:
-        be = self.device
-        g = self.geometry
-        k = _arrays.to_backend(k, be, "k")
-        v = _arrays.to_backend(v, be, "v")
-        shape = (None, g.num_heads, g.head_dim)
-        _arrays.check_values(k, "k", shape)
-        _arrays.check_values(v, "v", shape)
-        if k.shape != v.shape:
-            raise ValueError(f"k and v must have the same shape, got {k.shape} and {v.shape}")
-        if k.dtype != v.dtype:
-            raise TypeError(f"k and v must have the same dtype, got {k.dtype} and {v.dtype}")
-        slots = _arrays.to_backend(slot_mapping, be, "slot_mapping", allow_convert=True)
-        _arrays.check_index_array(slots, "slot_mapping", length=k.shape[0])
-        _arrays.check_device({"k": k, "v": v, "slot_mapping": slots}, self.buffer)
-        _arrays.check_strides(k, "k")
-        _arrays.check_strides(v, "v")
-        if k.shape[0] == 0:
-            return
-        if check:
-            lo, hi = int(slots.min()), int(slots.max())
-            if hi >= self.num_slots or lo < -1:
-                i = int(((slots >= self.num_slots) | (slots < -1)).argmax())
-                raise IndexError(
-                    f"slot_mapping[{i}] = {int(slots[i])} is out of range: slots must be "
-                    f"in [0, num_slots = {self.num_slots}), or -1 for padding (skipped); "
-                    "nothing was stored"
-                )
-            if unique_slots:
-                host = slots.get() if self._pool.state is not None else np.asarray(slots)
-                valid = np.sort(host[host >= 0])
-                rep = valid[1:][valid[1:] == valid[:-1]]
-                if rep.size:
-                    raise ValueError(
-                        f"slot_mapping repeats slot {int(rep[0])} but unique_slots=True "
-                        "promises that no slot repeats (pass unique_slots=False to let the "
-                        "last occurrence win); nothing was stored"
-                    )
-        p = self._pool
-        if p.state is None:
-            p.backend.store(self.buffer, slots, k, v, geom=g, rule=self.scale_rule, k_s=p.k_s,
-                            k_g=p.k_g, v_s=p.v_s, v_g=p.v_g, stats=p.stats,
-                            unique_slots=unique_slots, rotate=p.rotation == "hadamard",
-                            window=None if p.window is None else (p.window, p.window_map))
-            return
-        # the kernels read the last axis contiguously, 2-byte values at their alignment
-        # and slot ids in order
-        k = _arrays.aligned(k, "k")
-        v = _arrays.aligned(v, "v")
-        if k.strides[-1] != k.itemsize:
-            k = k.copy()
-        if v.strides[-1] != v.itemsize:
-            v = v.copy()
-        if not slots.flags.c_contiguous:
-            slots = slots.copy()
-        sig = _hotpath.store_signature(slots, k, v, unique_slots)
-        plans = p.state.plans
-        run = plans.get(sig)
-        if run is None:
-            run = p.backend.store_plan(p.state, slots, k, v, rule=self.scale_rule,
-                                       unique_slots=unique_slots)
-            plans.put(sig, run)
-        run(slots, k, v)
+            _store.store(pool, slot_mapping, k, v, bool(unique_slots), check)
 
     # -- gather --------------------------------------------------------------------------
     def gather_dequant(self, blocks: IndexLike, dtype: DTypeLike | None = None, *,

@@ -5,9 +5,10 @@ The order (``fp4cache/_backend.py`` describes the layers), lowest first::
     constants   typing, _abi, formats
     helpers     _arrays, layout, _plans, _device, _kernels, _hotpath
     backends    _cpu, _cuda.launch, _cuda.state, _cuda.paged, _cuda.decode,
-                _cuda.varlen, _cuda.pages, _cuda.window, _cuda.longlive, _cuda
+                _cuda.varlen, _cuda.pages, _cuda.window, _cuda.longlive, _cuda.runners,
+                _cuda
     protocol    _backend
-    front ends  codec, calibrate, attention, pages, longlive, cache
+    front ends  codec, calibrate, attention, store, pages, longlive, cache, engine
     public      fp4cache (__init__), __main__, hf
 
 Every import counts, also those inside functions or under ``TYPE_CHECKING``: a module may
@@ -29,14 +30,15 @@ ORDER = [
     "typing", "_abi", "formats",
     "_arrays", "layout", "_plans", "_device", "_kernels", "_hotpath",
     "_cpu", "_cuda.launch", "_cuda.state", "_cuda.paged", "_cuda.decode", "_cuda.varlen",
-    "_cuda.pages", "_cuda.window", "_cuda.longlive", "_cuda",
+    "_cuda.pages", "_cuda.window", "_cuda.longlive", "_cuda.runners", "_cuda",
     "_backend",
-    "codec", "calibrate", "attention", "pages", "longlive", "cache",
+    "codec", "calibrate", "attention", "store", "pages", "longlive", "cache", "engine",
     "", "__main__", "hf",
 ]
 RANK = {name: i for i, name in enumerate(ORDER)}
 BACKENDS = {"_cpu", "_cuda"}
-FRONT_ENDS = {"codec", "calibrate", "attention", "pages", "longlive", "cache", "hf",
+FRONT_ENDS = {"codec", "calibrate", "attention", "store", "pages", "longlive", "cache",
+              "engine", "hf",
               "__main__", ""}
 
 

@@ -13,6 +13,7 @@ of :mod:`fp4cache._hotpath` keeps them).  One module per feature:
 * :mod:`.varlen`: attention for any query length;
 * :mod:`.pages`: page moves and host transfers;
 * :mod:`.window`: the exact window's fill and copy;
+* :mod:`.runners`: the prepared store and attention of the engine API's plans;
 * :mod:`.longlive`: LongLive's blocks;
 * :mod:`.launch`: launch helpers.
 """
@@ -30,6 +31,7 @@ from .longlive import (
 )
 from .paged import dequantize, gather_dequant, gather_plan, quantize, store, store_plan
 from .pages import copy_pages, read_pages, write_pages
+from .runners import attention_runner, store_runner
 from .state import CacheState
 from .varlen import attention, varlen_runner
 from .window import copy_window, fill_window, map_window
@@ -40,4 +42,5 @@ __all__ = [
     "quantize", "dequantize", "abs_max", "longlive_quantize", "longlive_dequantize",
     "longlive_pointer_tables", "longlive_pool_launcher", "longlive_list_launcher",
     "copy_pages", "read_pages", "write_pages", "map_window", "fill_window", "copy_window",
+    "store_runner", "attention_runner",
 ]

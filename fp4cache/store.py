@@ -1,0 +1,88 @@
+"""Storing K/V into the NVFP4 pages of a :class:`~fp4cache.PagedKVCache`.
+
+The front end of ``PagedKVCache.store`` and of the store inside
+:meth:`fp4cache.AttentionPlan.run`: argument checks (the exceptions of
+``docs/errors.md``) and the call into the backend's prepared store
+(``store_runner``: :mod:`fp4cache._cpu`, :mod:`fp4cache._cuda.runners`).  Every function
+takes the cache's :class:`~fp4cache._backend.Pool`.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from . import _arrays
+from ._backend import Pool
+
+__all__ = ["check_args", "check_slots", "store"]
+
+
+def check_args(pool: Pool, slot_mapping, k, v):
+    """``(slots, k, v)`` as the backend reads them: on the pool's backend, ``k`` / ``v`` of
+    the pool's heads and head_dim, the same shape and dtype, values contiguous along
+    head_dim at their alignment (copied where not: the kernels read rows in place),
+    ``slots`` int32 / int64, one per token, C-contiguous."""
+    be, g = pool.device, pool.geometry
+    k = _arrays.to_backend(k, be, "k")
+    v = _arrays.to_backend(v, be, "v")
+    shape = (None, g.num_heads, g.head_dim)
+    _arrays.check_values(k, "k", shape)
+    _arrays.check_values(v, "v", shape)
+    if k.shape != v.shape:
+        raise ValueError(f"k and v must have the same shape, got {k.shape} and {v.shape}")
+    if k.dtype != v.dtype:
+        raise TypeError(f"k and v must have the same dtype, got {k.dtype} and {v.dtype}")
+    slots = _arrays.to_backend(slot_mapping, be, "slot_mapping", allow_convert=True)
+    _arrays.check_index_array(slots, "slot_mapping", length=k.shape[0])
+    _arrays.check_device({"k": k, "v": v, "slot_mapping": slots}, pool.buffer)
+    _arrays.check_strides(k, "k")
+    _arrays.check_strides(v, "v")
+    k = _arrays.aligned(k, "k")
+    v = _arrays.aligned(v, "v")
+    if k.strides[-1] != k.itemsize:
+        k = k.copy()
+    if v.strides[-1] != v.itemsize:
+        v = v.copy()
+    if not slots.flags.c_contiguous:
+        slots = slots.copy()
+    return slots, k, v
+
+
+def check_slots(pool: Pool, slots, unique_slots: bool) -> None:
+    """Slot values on the host: in ``[0, num_slots)`` or -1, and (``unique_slots``) no
+    repeat; ``IndexError`` / ``ValueError`` before anything is written."""
+    num_slots = pool.num_blocks * pool.geometry.block_size
+    host = np.asarray(slots.get() if _arrays.is_cupy(slots) else slots)
+    if host.size == 0:
+        return
+    lo, hi = int(host.min()), int(host.max())
+    if hi >= num_slots or lo < -1:
+        i = int(((host >= num_slots) | (host < -1)).argmax())
+        raise IndexError(
+            f"slot_mapping[{i}] = {int(host[i])} is out of range: slots must be "
+            f"in [0, num_slots = {num_slots}), or -1 for padding (skipped); "
+            "nothing was stored"
+        )
+    if unique_slots:
+        valid = np.sort(host[host >= 0])
+        rep = valid[1:][valid[1:] == valid[:-1]]
+        if rep.size:
+            raise ValueError(
+                f"slot_mapping repeats slot {int(rep[0])} but unique_slots=True "
+                "promises that no slot repeats (pass unique_slots=False to let the "
+                "last occurrence win); nothing was stored"
+            )
+
+
+def store(pool: Pool, slot_mapping, k, v, unique_slots: bool, check: bool) -> None:
+    """The checked path of :meth:`PagedKVCache.store` (see its docstring), run with the
+    cache's device current.  On the GPU it leaves the prepared launch of these arguments
+    in the cache's plans under :func:`fp4cache._hotpath.store_signature`, for the method's
+    hot path."""
+    slots, k, v = check_args(pool, slot_mapping, k, v)
+    if k.shape[0] == 0:
+        return
+    if check:
+        check_slots(pool, slots, unique_slots)
+    run = pool.backend.store_runner(pool, slots, k, v, unique_slots=unique_slots)
+    run(slots, k, v)
