@@ -114,7 +114,7 @@ def fill_fp4(cache: fh.FP4Cache, cfg, b, length):
     lens = np.zeros(cache.max_batch_size, np.int64)
     lens[:b] = length
     # the rows' newest pages mapped to their window slots, as the cache's own steps map them
-    moves = cache._window_moves(b, np.zeros_like(lens), lens)
+    moves = cache.window_moves(b, np.zeros_like(lens), lens)
     for layer in cache.layers:
         if moves is not None:
             layer.pages.map_window(*moves, validate=False)

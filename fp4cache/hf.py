@@ -29,6 +29,7 @@ does not need them.
 
 from __future__ import annotations
 
+import contextlib
 import math
 from collections.abc import Sequence
 from typing import Any
@@ -42,6 +43,7 @@ from transformers.masking_utils import AttentionMaskInterface
 from . import _arrays, formats
 from .cache import PagedKVCache
 from .calibrate import calibrate_scale
+from .engine import AttentionPlan, WindowRing
 from .layout import slot_mapping
 
 __all__ = ["ATTN_IMPLEMENTATION", "DEFAULT_SCALE", "FP4Cache", "FP4CacheLayer",
@@ -57,7 +59,9 @@ ATTN_IMPLEMENTATION = "fp4cache"
 #: :func:`calibrate_scales` on a sample of the model's own text is better.
 DEFAULT_SCALE = 64.0 / (6 * formats.RULE_E4M3_MAX["4over6"])
 
-_TAG = "_fp4cache_layer"  # attribute of the K tensor that ``update`` hands to the attention
+#: The attention keyword argument (else attribute of the K tensor) that hands the layer to
+#: the attention function.
+_KWARG = "fp4cache_layer"
 
 
 # -- tensors -> the cache's arrays --------------------------------------------------------
@@ -68,20 +72,16 @@ def _array(t: torch.Tensor, name: str):
 
 
 class _Step:
-    """Where one forward step's new tokens go, shared by every layer of the step.
+    """One forward step of the batch, shared by every layer of the step: which new tokens
+    are real (``rows``: their flat indices ``b * q + j``, None when all are), the rows'
+    lengths after the step (``lens``), the window moves (device ids or None), and whether
+    any token is real.  ``key`` is what the layers of one step share: the padding mask
+    object, the positions before the step, the batch shape and the lengths before it."""
 
-    ``slots`` holds -1 for the padding tokens (the store skips them); ``rows`` (None:
-    every token is real) are the flat indices ``b * q + j`` of the real new tokens, the
-    query rows the attention computes.  ``key`` is what the layers of one step share: the
-    padding mask object, the positions before the step, the batch shape, the rows'
-    lengths before the step (``lens``: those after it).
-    """
+    __slots__ = ("key", "rows", "lens", "moves", "empty")
 
-    __slots__ = ("key", "rows", "slots", "qsl", "seq_lens", "max_q", "lens", "empty")
-
-    def __init__(self, key, rows, slots, qsl, seq_lens, max_q, lens, empty):
-        self.key, self.rows, self.slots, self.qsl = key, rows, slots, qsl
-        self.seq_lens, self.max_q, self.lens, self.empty = seq_lens, max_q, lens, empty
+    def __init__(self, key, rows, lens, moves, empty):
+        self.key, self.rows, self.lens, self.moves, self.empty = key, rows, lens, moves, empty
 
     def serves(self, new_tokens, positions: int, b: int, q: int, lens: np.ndarray) -> bool:
         mask, p, bq, before = self.key
@@ -89,28 +89,148 @@ class _Step:
             np.array_equal(before, lens)
 
 
+class _Rows:
+    """What the layers of one :class:`FP4Cache` share, and all they see of it: the rows'
+    pages (row ``b`` owns pages ``b * P .. (b + 1) * P - 1`` in every layer's pool, a
+    table beam search permutes), the exact window's ring over them
+    (:class:`fp4cache.WindowRing`), the step's :class:`fp4cache.AttentionPlan`, the
+    device and PyTorch's stream there."""
+
+    def __init__(self, max_batch_size: int, pages_per_row: int, block_size: int,
+                 window_pages: int) -> None:
+        self.max_batch_size = max_batch_size
+        self.pages_per_row = pages_per_row
+        self.block_size = block_size
+        self.window_pages = window_pages
+        self.table = np.arange(max_batch_size * pages_per_row,
+                               dtype=np.int64).reshape(max_batch_size, -1)
+        self.ring = WindowRing(window_pages, max_batch_size * pages_per_row)
+        self.device: torch.device | None = None
+        self.plan: AttentionPlan | None = None
+        self.last: _Step | None = None
+        self._moves: tuple | None = None  # (key, moves) of the last window step
+        self._streams: dict[int, Any] = {}
+
+    @property
+    def cuda(self) -> bool:
+        return self.device is not None and self.device.type == "cuda"
+
+    def allocate(self, device: torch.device, max_cache_len: int) -> None:
+        self.device = device
+        self.plan = AttentionPlan(self.max_batch_size, self.max_batch_size * max_cache_len,
+                                  self.pages_per_row,
+                                  device=f"cuda:{device.index}" if self.cuda else "cpu")
+
+    def on_stream(self):
+        """PyTorch's current stream as CuPy's (GPU), so the cache's own calls (window maps,
+        the dequantizing path) run in order with the model's; nothing on the CPU."""
+        if not self.cuda:
+            return contextlib.nullcontext()
+        import cupy
+
+        ptr = torch.cuda.current_stream(self.device).cuda_stream
+        s = self._streams.get(ptr)
+        if s is None:
+            s = self._streams[ptr] = cupy.cuda.ExternalStream(ptr, self.device.index)
+        return s
+
+    def index(self, a: np.ndarray):
+        """A host index array on the cache's device (CuPy on the GPU)."""
+        if self.cuda:
+            import cupy
+
+            with cupy.cuda.Device(self.device.index), self.on_stream():
+                return cupy.asarray(a)
+        return a
+
+    def window_moves(self, b: int, lens_before: np.ndarray, lens_after: np.ndarray):
+        """The ring's ``(blocks, slots)`` on the device after a step of the first ``b``
+        rows from ``lens_before`` to ``lens_after`` tokens (the same for every layer:
+        computed once per step), or None."""
+        if not self.window_pages:
+            return None
+        key = (b, lens_before[:b].tobytes(), lens_after[:b].tobytes())
+        if self._moves is not None and self._moves[0] == key:
+            return self._moves[1]
+        moves = self.ring.step(self.table[:b], np.arange(b), lens_before[:b], lens_after[:b],
+                               self.block_size)
+        # a row's ring is its table row's: slots follow the pages, not the row index,
+        # so a block keeps its slot when beam search moves table rows
+        if moves is not None:
+            blocks, slots = moves
+            add = slots >= 0
+            slots[add] = self.slot_of(blocks[add])
+            moves = (self.index(blocks), self.index(slots))
+        self._moves = (key, moves)
+        return moves
+
+    def slot_of(self, blocks: np.ndarray) -> np.ndarray:
+        """The window slot of each block: the ring of the row that owns it."""
+        P = self.pages_per_row
+        return self.ring.slots(blocks // P, blocks % P)
+
+    def step(self, layer: FP4CacheLayer, b: int, q: int, new_tokens) -> _Step:
+        """The step of these new tokens (planned once, shared by the layers)."""
+        last = self.last
+        if last is not None and last.serves(new_tokens, layer.positions, b, q, layer.lens):
+            return last
+        lens = layer.lens[:b]
+        real = None
+        if new_tokens is not None:
+            real = new_tokens.detach().to("cpu", torch.bool).numpy()  # the one sync
+            if real.shape != (b, q):
+                raise ValueError(f"attention_mask's last {q} columns have shape {real.shape}")
+            if real.all():
+                real = None
+        if real is None:
+            rows = None
+            counts = np.full(b, q, np.int64)
+            pos = lens[:, None] + np.arange(q)
+        else:  # a padding token gets position -1: slot -1, which the store skips
+            counts = real.sum(axis=1).astype(np.int64)
+            pos = np.where(real, lens[:, None] + np.cumsum(real, axis=1) - 1, -1)
+            rows = torch.as_tensor(np.flatnonzero(real), device=self.device)
+        slots = slot_mapping(self.table[:b], pos, block_size=self.block_size, validate=False)
+        new_lens = layer.lens.copy()
+        new_lens[:b] = lens + counts
+        # the plan takes the real tokens only, sequence after sequence
+        real_slots = slots.reshape(-1) if rows is None else slots.reshape(-1)[real.reshape(-1)]
+        qsl = np.concatenate([[0], np.cumsum(counts)])
+        empty = int(counts.sum()) == 0
+        if not empty:
+            self.plan.plan(qsl, new_lens[:b], self.table[:b], real_slots,
+                           max_query_len=int(counts.max(initial=0)))
+        step = _Step((new_tokens, layer.positions, (b, q), layer.lens), rows, new_lens,
+                     self.window_moves(b, layer.lens, new_lens), empty)
+        self.last = step
+        return step
+
+
 class FP4CacheLayer(CacheLayerMixin):
     """One model layer's K/V in the NVFP4 pages of a :class:`fp4cache.PagedKVCache`.
 
-    Created by :class:`FP4Cache`, which owns the row-to-page table shared by all layers.
-    ``pages`` is the layer's pool (``None`` until allocated); ``positions`` counts the
-    positions seen (padding included, what transformers calls the sequence length) and
-    ``lens[b]`` the tokens of row ``b`` held in the pages.
+    Created by :class:`FP4Cache`, which owns what the layers share (the rows' page table,
+    the exact window's ring, the step's plan).  ``pages`` is the layer's pool (``None``
+    until allocated); ``positions`` counts the positions seen (padding included, what
+    transformers calls the sequence length) and ``lens[b]`` the tokens of row ``b`` held
+    in the pages.
     """
 
     is_compileable = False
     is_sliding = False
     is_croppable = False
 
-    def __init__(self, owner: FP4Cache, layer_idx: int, k_scale: float, v_scale: float):
+    def __init__(self, owner: FP4Cache, rows: _Rows, layer_idx: int, k_scale: float,
+                 v_scale: float):
         super().__init__()
-        self._owner = owner
+        self._owner = owner  # the Cache: allocation, shape checks, how it is read
+        self._rows = rows
         self.layer_idx = layer_idx
         self.k_scale = float(k_scale)
         self.v_scale = float(v_scale)
         self.pages: PagedKVCache | None = None
         self.positions = 0
-        self.lens = np.zeros(owner.max_batch_size, np.int64)
+        self.lens = np.zeros(rows.max_batch_size, np.int64)
         self.mode: str | None = None  # "fused" or "dequantize" since the last reset
 
     def __repr__(self) -> str:
@@ -118,18 +238,22 @@ class FP4CacheLayer(CacheLayerMixin):
 
     # -- CacheLayerMixin ------------------------------------------------------------------
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
-        self._owner._allocate(key_states.device)
+        self._owner.allocate(key_states.device)
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any,
                **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
         """Hand this step's K/V on (fused attention) or store them and return the whole
-        cache dequantized (any other attention implementation)."""
+        cache dequantized (any other attention implementation).
+
+        The fused attention finds this layer in the attention keyword arguments that
+        transformers passes to ``Cache.update`` as ``kwargs`` and then to the attention
+        function (a tensor attribute where a transformers passes none)."""
         if self.pages is None:
             self.lazy_initialization(key_states, value_states)
         owner = self._owner
         b, h, q, d = key_states.shape
-        owner._check_shapes(b, h, q, d, self.positions)
-        mode = "fused" if owner._fused() else "dequantize"
+        owner.check_step(b, h, q, d, self.positions)
+        mode = "fused" if owner.fused else "dequantize"
         if self.mode not in (None, mode):
             raise RuntimeError(
                 f"FP4Cache layer {self.layer_idx} was filled with {self.mode!r} attention and is "
@@ -137,7 +261,11 @@ class FP4CacheLayer(CacheLayerMixin):
                 "cache.reset() first")
         self.mode = mode
         if mode == "fused":
-            setattr(key_states, _TAG, self)
+            attn_kwargs = kwargs.get("kwargs")
+            if isinstance(attn_kwargs, dict):
+                attn_kwargs[_KWARG] = self
+            else:
+                setattr(key_states, _KWARG, self)
             return key_states, value_states
         return self._update_dequantize(key_states, value_states)
 
@@ -152,7 +280,7 @@ class FP4CacheLayer(CacheLayerMixin):
 
     def reset(self) -> None:
         self.positions = 0
-        self.lens = np.zeros(self._owner.max_batch_size, np.int64)
+        self.lens = np.zeros(self._rows.max_batch_size, np.int64)
         self.mode = None
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
@@ -169,12 +297,12 @@ class FP4CacheLayer(CacheLayerMixin):
     def _update_dequantize(self, key_states, value_states):
         """Store every new position (padding too: the model's own mask hides it) and
         return all positions so far, dequantized, as (B, H, positions, D)."""
-        owner = self._owner
+        rows = self._rows
         b, h, q, d = key_states.shape
         p = self.positions
         n = p + q
-        t = owner.block_size
-        table = owner._table[:b]
+        t = rows.block_size
+        table = rows.table[:b]
         pos = np.broadcast_to(np.arange(p, n), (b, q))
         slots = slot_mapping(table, pos, block_size=t, validate=False).reshape(-1)
         k = key_states.transpose(1, 2).reshape(b * q, h, d)
@@ -183,16 +311,16 @@ class FP4CacheLayer(CacheLayerMixin):
         kt, vt = (key_states.new_empty((b, nb * t, h, d)) for _ in range(2))
         after = self.lens.copy()
         after[:b] = n
-        moves = owner._window_moves(b, self.lens, after)
-        with owner._on_stream():
+        moves = rows.window_moves(b, self.lens, after)
+        with rows.on_stream():
             if moves is not None:
                 self.pages.map_window(*moves, validate=False)
-            self.pages.store(owner._index(slots), _array(k, "key_states"),
+            self.pages.store(rows.index(slots), _array(k, "key_states"),
                              _array(v, "value_states"))
-            self.pages.gather_dequant(owner._index(table[:, :nb].reshape(-1)),
+            self.pages.gather_dequant(rows.index(table[:, :nb].reshape(-1)),
                                       out=(_array(kt.view(-1, h, d), "keys"),
                                            _array(vt.view(-1, h, d), "values")))
-            if owner.window_pages:
+            if rows.window_pages:
                 self._read_window(kt, vt, nb)
         self.positions = n
         self.lens = self.lens.copy()
@@ -203,14 +331,14 @@ class FP4CacheLayer(CacheLayerMixin):
         """The rows' newest ``window_pages`` pages of ``kt`` / ``vt`` (``(b, nb * T, H,
         D)``, dequantized) replaced by their exact values from the window slots (K back in
         the original basis): what the fused attention reads."""
-        owner = self._owner
-        b, t = kt.shape[0], owner.block_size
-        p0 = max(0, nb - owner.window_pages)
-        slots = owner._slot_of(owner._table[:b, p0:nb].reshape(-1))
-        w = self.pages.window[owner._index(slots)]  # (b * pages, 2, T, H, D) bf16 bits
+        rows = self._rows
+        b, t = kt.shape[0], rows.block_size
+        p0 = max(0, nb - rows.window_pages)
+        slots = rows.slot_of(rows.table[:b, p0:nb].reshape(-1))
+        w = self.pages.window[rows.index(slots)]  # (b * pages, 2, T, H, D) bf16 bits
         vals = (w.astype(np.uint32) << 16).view(np.float32)
         k, v = vals[:, 0], vals[:, 1]
-        if owner.rotation == "hadamard":
+        if self.pages.rotation == "hadamard":
             k = formats.hadamard(k)
         shape = (b, (nb - p0) * t) + tuple(kt.shape[2:])
         kt[:, p0 * t:] = torch.from_dlpack(k).reshape(shape).to(kt.device, kt.dtype)
@@ -219,35 +347,31 @@ class FP4CacheLayer(CacheLayerMixin):
     def attend(self, query, key, value, new_tokens, scaling, sliding_window):
         """Store this step's real K/V tokens and attend from the pages: the output in
         transformers' layout (B, q, Hq, D)."""
-        owner = self._owner
+        rows = self._rows
         b, hq, q, d = query.shape
         h = key.shape[1]
         if sliding_window is not None and self.positions + q > sliding_window:
             raise NotImplementedError(
                 f"sliding-window attention (window {sliding_window}) over {self.positions + q} "
                 "positions: fp4cache attends to every cached token")
-        step = owner._step(self, b, q, new_tokens)
+        step = rows.step(self, b, q, new_tokens)
         if step.rows is None:  # every row is computed
             out = query.new_empty((b * q, hq, d))
         else:  # padding rows stay zero
             out = query.new_zeros((b * q, hq, d))
         if not step.empty:
             qf = query.detach().transpose(1, 2).reshape(b * q, hq, d)
-            kf = key.transpose(1, 2).reshape(b * q, h, d)
-            vf = value.transpose(1, 2).reshape(b * q, h, d)
+            kf = key.detach().transpose(1, 2).reshape(b * q, h, d)
+            vf = value.detach().transpose(1, 2).reshape(b * q, h, d)
             res = out
             if step.rows is not None:
-                qf = qf[step.rows]
+                qf, kf, vf = qf[step.rows], kf[step.rows], vf[step.rows]
                 res = torch.empty_like(qf)
-            moves = owner._window_moves(b, self.lens, step.lens)
-            with owner._on_stream():
-                if moves is not None:
-                    self.pages.map_window(*moves, validate=False)
-                self.pages.store(step.slots, _array(kf, "key"), _array(vf, "value"))
-                self.pages.attention(_array(qf.contiguous(), "query"), step.qsl,
-                                     owner._table_dev(b), step.seq_lens,
-                                     max_query_len=step.max_q, causal=True,
-                                     sm_scale=float(scaling), out=_array(res, "out"))
+            if step.moves is not None:
+                with rows.on_stream():
+                    self.pages.map_window(*step.moves, validate=False)
+            rows.plan.run(self.pages, qf.contiguous(), kf, vf, out=res,
+                          sm_scale=float(scaling))
             if step.rows is not None:
                 out[step.rows] = res
         self.positions += q
@@ -370,19 +494,13 @@ class FP4Cache(Cache):
                              f"{window_pages!r}")
         self.rotation = rotation
         self.window_pages = min(int(window_pages), self.pages_per_row)
-        # blocks mapped to their window slot (the same in every layer)
-        self._mapped = np.zeros(self.max_batch_size * self.pages_per_row, bool)
-        self._moves: tuple | None = None  # (key, blocks, slots) of the last window step
-        self._table = np.arange(self.max_batch_size * self.pages_per_row,
-                                dtype=np.int64).reshape(self.max_batch_size, -1)
-        self.device: torch.device | None = None
-        self._dev_tables: dict[int, Any] = {}
-        self._streams: dict[int, Any] = {}
-        self._last_step: _Step | None = None
-        layers = [FP4CacheLayer(self, i, ks[i], vs[i]) for i in range(self.num_layers)]
+        self._rows = _Rows(self.max_batch_size, self.pages_per_row, self.block_size,
+                           self.window_pages)
+        layers = [FP4CacheLayer(self, self._rows, i, ks[i], vs[i])
+                  for i in range(self.num_layers)]
         super().__init__(layers=layers)
         if device is not None:
-            self._allocate(torch.device(device))
+            self.allocate(torch.device(device))
 
     def _per_layer(self, scales, name) -> list[float]:
         if scales is None:
@@ -395,8 +513,14 @@ class FP4Cache(Cache):
                              f"{len(scales)}")
         return scales
 
-    # -- allocation, devices, streams -----------------------------------------------------
-    def _allocate(self, device: torch.device) -> None:
+    # -- allocation, devices, what the layers ask ----------------------------------------
+    @property
+    def device(self) -> torch.device | None:
+        """Where the pages live (None until allocated)."""
+        return self._rows.device
+
+    def allocate(self, device: torch.device) -> None:
+        """Allocate every layer's pages on ``device`` (done by the first update; once)."""
         if device.type == "cuda":
             index = device.index if device.index is not None else torch.cuda.current_device()
             device = torch.device("cuda", index)
@@ -409,7 +533,7 @@ class FP4Cache(Cache):
             if device != self.device:
                 raise ValueError(f"FP4Cache lives on {self.device}; got tensors on {device}")
             return
-        self.device = device
+        self._rows.allocate(device, self.max_cache_len)
         for layer in self.layers:
             layer.pages = PagedKVCache(
                 self.max_batch_size * self.pages_per_row, self.block_size, self.num_heads,
@@ -420,88 +544,16 @@ class FP4Cache(Cache):
                 window_pages=self.window_pages,
                 window_slots=self.max_batch_size * self.window_pages)
 
-    # -- the exact window: a ring of window_pages slots per table row ---------------------
-    def _slot_of(self, blocks: np.ndarray) -> np.ndarray:
-        """The window slot of each block: a ring of ``window_pages`` slots per table row
-        (the pages of a row never share a slot; a block keeps its slot when beam search
-        moves table rows)."""
-        return ((blocks // self.pages_per_row) * self.window_pages
-                + (blocks % self.pages_per_row) % self.window_pages)
+    @property
+    def fused(self) -> bool:
+        """Whether the model attends with ``attn_implementation="fp4cache"`` (read from
+        the pages), else the cache is read dequantized."""
+        impl = getattr(self.config, "_attn_implementation", None)
+        return impl == ATTN_IMPLEMENTATION
 
-    def _window_moves(self, b: int, lens_before: np.ndarray, lens_after: np.ndarray):
-        """``(blocks, slots)`` that keep each of the first ``b`` rows' newest
-        ``window_pages`` pages mapped after a step from ``lens_before`` to ``lens_after``
-        tokens (computed once per step, applied by every layer), or None."""
-        if not self.window_pages:
-            return None
-        key = (b, lens_before[:b].tobytes(), lens_after[:b].tobytes())
-        if self._moves is not None and self._moves[0] == key:
-            return self._moves[1]
-        t, P = self.block_size, self.window_pages
-        rows = np.flatnonzero(lens_after[:b] > lens_before[:b])
-        tab = self._table[rows]  # (rows, pages_per_row): the rows' blocks
-        n = -(-lens_after[rows] // t)[:, None]  # pages in use after the step
-        col = np.arange(tab.shape[1])
-        want = (col >= n - P) & (col < n)  # the newest P pages of each row
-        mapped = self._mapped[tab]
-        drop, add = np.sort(tab[mapped & ~want]), np.sort(tab[want & ~mapped])
-        moves = None
-        if drop.size or add.size:
-            blocks = np.concatenate([drop, add]).astype(np.int64)
-            slots = np.concatenate([np.full(drop.size, -1, np.int64), self._slot_of(add)])
-            moves = (self._index(blocks), self._index(slots))
-            self._mapped[drop] = False
-            self._mapped[add] = True
-        self._moves = (key, moves)
-        return moves
-
-    def _unmap_all(self) -> None:
-        """Unmap every mapped block in every layer (a reset)."""
-        if self._mapped.any():
-            blocks = np.flatnonzero(self._mapped).astype(np.int64)
-            for layer in self.layers:
-                if layer.pages is not None:
-                    with self._on_stream():
-                        layer.pages.map_window(self._index(blocks),
-                                               self._index(np.full(blocks.size, -1)),
-                                               validate=False)
-        self._mapped[:] = False
-        self._moves = None
-
-    def _on_stream(self):
-        """PyTorch's current stream as CuPy's (GPU), so the cache's kernels run in order
-        with the model's; nothing on the CPU."""
-        if self.device is None or self.device.type != "cuda":
-            import contextlib
-
-            return contextlib.nullcontext()
-        import cupy
-
-        ptr = torch.cuda.current_stream(self.device).cuda_stream
-        s = self._streams.get(ptr)
-        if s is None:
-            s = self._streams[ptr] = cupy.cuda.ExternalStream(ptr, self.device.index)
-        return s
-
-    def _index(self, a: np.ndarray):
-        """A host index array on the cache's device (CuPy on the GPU)."""
-        if self.device is not None and self.device.type == "cuda":
-            import cupy
-
-            with cupy.cuda.Device(self.device.index), self._on_stream():
-                return cupy.asarray(a)
-        return a
-
-    def _table_dev(self, b: int):
-        t = self._dev_tables.get(b)
-        if t is None:
-            t = self._dev_tables[b] = self._index(np.ascontiguousarray(self._table[:b]))
-        return t
-
-    def _fused(self) -> bool:
-        return getattr(self.config, "_attn_implementation", None) == ATTN_IMPLEMENTATION
-
-    def _check_shapes(self, b, h, q, d, positions) -> None:
+    def check_step(self, b: int, h: int, q: int, d: int, positions: int) -> None:
+        """Refuse a step of ``b`` rows of ``q`` tokens of ``h`` heads x ``d`` after
+        ``positions`` positions that this cache cannot hold; nothing is stored."""
         if b > self.max_batch_size:
             raise ValueError(f"batch of {b} rows; this FP4Cache holds max_batch_size="
                              f"{self.max_batch_size}")
@@ -512,38 +564,28 @@ class FP4Cache(Cache):
             raise ValueError(f"{positions} + {q} positions exceed max_cache_len="
                              f"{self.max_cache_len}; nothing was stored")
 
-    # -- one step's plan, shared by the layers --------------------------------------------
-    def _step(self, layer: FP4CacheLayer, b: int, q: int, new_tokens) -> _Step:
-        last = self._last_step
-        if last is not None and last.serves(new_tokens, layer.positions, b, q, layer.lens):
-            return last
-        lens = layer.lens[:b]
-        if new_tokens is not None:
-            real = new_tokens.detach().to("cpu", torch.bool).numpy()  # the one sync
-            if real.shape != (b, q):
-                raise ValueError(f"attention_mask's last {q} columns have shape {real.shape}")
-            if real.all():
-                real = None
-        else:
-            real = None
-        if real is None:
-            rows = None
-            counts = np.full(b, q, np.int64)
-            pos = lens[:, None] + np.arange(q)
-        else:  # a padding token gets position -1: slot -1, which the store skips
-            counts = real.sum(axis=1).astype(np.int64)
-            pos = np.where(real, lens[:, None] + np.cumsum(real, axis=1) - 1, -1)
-            rows = torch.as_tensor(np.flatnonzero(real), device=self.device)
-        slots = slot_mapping(self._table[:b], pos, block_size=self.block_size, validate=False)
-        new_lens = layer.lens.copy()
-        new_lens[:b] = lens + counts
-        qsl = np.concatenate([[0], np.cumsum(counts)])
-        step = _Step((new_tokens, layer.positions, (b, q), layer.lens), rows,
-                     self._index(slots.reshape(-1)), self._index(qsl),
-                     self._index(new_lens[:b].copy()), int(counts.max(initial=0)), new_lens,
-                     int(counts.sum()) == 0)
-        self._last_step = step
-        return step
+    def window_moves(self, b: int, lens_before: np.ndarray, lens_after: np.ndarray):
+        """The exact window's ``(blocks, slots)`` (arrays on the cache's device; slot -1
+        unmaps) that keep each of the first ``b`` rows' newest ``window_pages`` pages
+        mapped after a step from ``lens_before`` to ``lens_after`` tokens, or None: what
+        every layer's :meth:`fp4cache.PagedKVCache.map_window` applies before its store
+        (the ring remembers them as mapped)."""
+        return self._rows.window_moves(b, np.asarray(lens_before, np.int64),
+                                       np.asarray(lens_after, np.int64))
+
+    def _unmap_all(self) -> None:
+        """Unmap every mapped block in every layer (a reset)."""
+        rows = self._rows
+        blocks = rows.ring.unmap_all()
+        if blocks.size:
+            for layer in self.layers:
+                if layer.pages is not None:
+                    with rows.on_stream():
+                        layer.pages.map_window(rows.index(blocks),
+                                               rows.index(np.full(blocks.size, -1)),
+                                               validate=False)
+        rows.last = None
+        rows._moves = None
 
     # -- Cache ----------------------------------------------------------------------------
     @property
@@ -560,22 +602,21 @@ class FP4Cache(Cache):
     def block_tables(self) -> np.ndarray:
         """Row ``b``'s pages in order, ``(max_batch_size, pages_per_row)`` int64 (a copy):
         the ``block_tables`` of every layer's :class:`fp4cache.PagedKVCache` calls."""
-        return self._table.copy()
+        return self._rows.table.copy()
 
     @property
     def nbytes(self) -> int:
         """Bytes the cache holds on its device: the layers' pools (pages, tables,
-        workspace) and the row-to-page tables of the batch sizes seen (at most
-        ``max_batch_size`` of them)."""
+        workspace) and the step plan's metadata buffers."""
+        plan = self._rows.plan
         return (sum(layer.pages.nbytes for layer in self.layers if layer.pages is not None)
-                + sum(int(t.nbytes) for t in self._dev_tables.values()))
+                + (0 if plan is None else plan.nbytes))
 
     def reset(self) -> None:
         """Forget every row (the pages are overwritten by later stores)."""
         self._unmap_all()
         for layer in self.layers:
             layer.reset()
-        self._last_step = None
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         """Row ``b`` takes the tokens of row ``beam_idx[b]`` (beam search).
@@ -587,7 +628,8 @@ class FP4Cache(Cache):
         b = idx.size
         if b > self.max_batch_size or (idx < 0).any() or (idx >= b).any():
             raise ValueError(f"beam_idx must hold {b} row indices in [0, {b}), got {idx}")
-        old = self._table[:b].copy()
+        rows = self._rows
+        old = rows.table[:b].copy()
         chosen = set(idx.tolist())
         free = [r for r in range(b) if r not in chosen]
         picked: set[int] = set()
@@ -608,14 +650,13 @@ class FP4Cache(Cache):
                 src = np.concatenate([old[s, :k] for (s, _), k in zip(copies, n)])
                 dst = np.concatenate([old[d, :k] for (_, d), k in zip(copies, n)])
                 if src.size:
-                    with self._on_stream():
-                        layer.pages.copy_blocks(self._index(src), self._index(dst))
+                    with rows.on_stream():
+                        layer.pages.copy_blocks(rows.index(src), rows.index(dst))
             lens = layer.lens.copy()
             lens[:b] = layer.lens[:b][idx]
             layer.lens = lens
-        self._table[:b] = new
-        self._dev_tables.clear()
-        self._last_step = None
+        rows.table[:b] = new
+        rows.last = None
 
     def crop(self, tokens_to_remove: int) -> None:
         raise NotImplementedError("FP4Cache cannot crop (assisted generation)")
@@ -686,7 +727,7 @@ def fp4cache_attention_forward(module: torch.nn.Module, query: torch.Tensor, key
     shape ``(B, q, Hq, D)`` (zeros at padding positions), as transformers' attention
     functions do.
     """
-    layer = getattr(key, _TAG, None)
+    layer = kwargs.pop(_KWARG, None) or getattr(key, _KWARG, None)
     if layer is None:
         raise TypeError("attn_implementation='fp4cache' reads K/V from an fp4cache.hf.FP4Cache:"
                         " pass past_key_values=FP4Cache(model.config, ...) to the model or to "
