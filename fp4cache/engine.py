@@ -195,8 +195,11 @@ class AttentionPlan:
 
         Host arrays (NumPy, lists) are checked here (lengths, order, sizes); device arrays
         are copied on the device as given (the kernels skip and count out-of-range ids).
-        Call it outside a CUDA-graph capture; the next :meth:`run` calls, captured or
-        not, read what it copied.  Returns the plan.
+        The copies are asynchronous, in order on the current stream (PyTorch's for
+        PyTorch tensors, else CuPy's): plan on the stream the runs use, so that a step's
+        launches still queued read their own metadata.  Call it outside a CUDA-graph
+        capture; the next :meth:`run` calls, captured or not, read what it copied.
+        Returns the plan.
         """
         causal = _arrays.check_bool(causal, "causal")
         qsl = self._intake(query_start_loc, "query_start_loc", 1)
@@ -228,7 +231,7 @@ class AttentionPlan:
                                  f"(query_start_loc[-1] = {int(qsl[-1])}), got {sm.shape[0]}")
             longest = int(n.max()) if n.size else 0
             max_query_len = longest if max_query_len is None else max_query_len
-            self._host = (sl.astype(np.int64), bt, n)
+            self._host = (sl.astype(np.int64), np.array(bt), n)
         else:
             if max_query_len is None:  # the one host synchronization
                 d = qsl[1:] - qsl[:-1]
@@ -237,7 +240,9 @@ class AttentionPlan:
             self._host = None
         max_query_len = attention._check_max_query_len(max_query_len) \
             if type(max_query_len) is not int or max_query_len < 0 else max_query_len
-        with self._guard():
+        torch_in = next((a for a in (query_start_loc, seq_lens, block_tables, slot_mapping)
+                         if _torch_stream(a) is not None), None)
+        with self._guard(), self._stream_of(torch_in) if torch_in is not None else _NO_GUARD:
             self._copy(self._qsl[:B + 1], qsl)
             self._copy(self._seq_lens[:B], sl)
             self._copy(self._tables[:B, :bt.shape[1]], bt)
@@ -320,26 +325,29 @@ class AttentionPlan:
     def _launch(self, prep: _Run, q, k, v, out):
         qsl, sl, bt, slots = self._views
         be = self.device
-        stream = _torch_stream(q) if prep.stream else None
         if out is None:
             out = prep.alloc(q)
-        qa = _arrays.to_backend(q, be, "q")
-        oa = _arrays.to_backend(out, be, "out")
-        if stream is None:
-            ctx = _NO_GUARD
-        else:
-            ctx = self._streams.get((stream, self.device_id))
-            if ctx is None:
-                import cupy
-
-                ctx = self._streams[(stream, self.device_id)] = cupy.cuda.ExternalStream(
-                    stream, self.device_id)
-        with ctx:
+        # the stream first: a DLPack import names the consumer's current stream, and
+        # PyTorch's own needs no ordering against itself (nothing recorded in a capture)
+        with self._stream_of(q) if prep.stream else _NO_GUARD:
+            qa = _arrays.to_backend(q, be, "q")
+            oa = _arrays.to_backend(out, be, "out")
             if prep.store is not None:
                 prep.store(slots, _arrays.to_backend(k, be, "k"), _arrays.to_backend(v, be, "v"))
             if prep.attend is not None:
                 prep.attend(qa, qsl, bt, sl, oa, None)
         return out
+
+    def _stream_of(self, a):
+        """PyTorch's current stream on ``a``'s device as a CuPy stream (kept per handle)."""
+        handle = _torch_stream(a)
+        ctx = self._streams.get((handle, self.device_id))
+        if ctx is None:
+            import cupy
+
+            ctx = self._streams[(handle, self.device_id)] = cupy.cuda.ExternalStream(
+                handle, self.device_id)
+        return ctx
 
     def _prepare(self, cache, q, k, v, out, sm_scale, unique_slots) -> _Run:
         """The checked path: every argument checked against the cache and the plan, the
@@ -355,7 +363,8 @@ class AttentionPlan:
         unique_slots = _arrays.check_bool(unique_slots, "unique_slots")
         B, N, max_q, causal = self._step
         qsl, sl, bt, slots = self._views
-        with self._guard():
+        torch_stream = _torch_stream(q) is not None
+        with self._guard(), self._stream_of(q) if torch_stream else _NO_GUARD:
             qa = attention._check_q(pool, q, "num_tokens")
             if not qa.flags.c_contiguous:
                 raise ValueError("q must be C-contiguous (num_tokens, Hq, head_dim)")
@@ -382,7 +391,7 @@ class AttentionPlan:
                 attend = pool.backend.attention_runner(
                     pool, qa, None if decode else qsl, bt, sl, max_query_len=max_q,
                     causal=causal, sm_scale=scale)
-        return _Run(pool, store, attend, alloc, _torch_stream(q) is not None)
+        return _Run(pool, store, attend, alloc, torch_stream)
 
     def _prepare_store(self, pool, k, v, tokens: int, unique_slots: bool):
         slots = self._views[3]

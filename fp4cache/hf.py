@@ -197,9 +197,10 @@ class _Rows:
         real_slots = slots.reshape(-1) if rows is None else slots.reshape(-1)[real.reshape(-1)]
         qsl = np.concatenate([[0], np.cumsum(counts)])
         empty = int(counts.sum()) == 0
-        if not empty:
-            self.plan.plan(qsl, new_lens[:b], self.table[:b], real_slots,
-                           max_query_len=int(counts.max(initial=0)))
+        if not empty:  # on the model's stream: the last step's launches read the old plan
+            with self.on_stream():
+                self.plan.plan(qsl, new_lens[:b], self.table[:b], real_slots,
+                               max_query_len=int(counts.max(initial=0)))
         step = _Step((new_tokens, layer.positions, (b, q), layer.lens), rows, new_lens,
                      self.window_moves(b, layer.lens, new_lens), empty)
         self.last = step
