@@ -12,7 +12,8 @@ import importlib
 import pytest
 from conftest import resolve_qualname
 
-MODULES = ["fp4cache.calibrate", "fp4cache.codec", "fp4cache.cache", "fp4cache.longlive",
+MODULES = ["fp4cache.calibrate", "fp4cache.codec", "fp4cache.cache", "fp4cache.engine",
+           "fp4cache.longlive",
            "fp4cache._plans", "fp4cache.layout", "fp4cache._device",
            "fp4cache.typing"]
 FLAGS = doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE
@@ -43,6 +44,7 @@ def test_module_examples(name):
     "fp4cache.cache.PagedKVCache.gather_dequant",
     "fp4cache.cache.PagedKVCache.check",
     "fp4cache.cache.PagedKVCache.reset_counters",
+    "fp4cache.engine.AttentionPlan",
     "fp4cache.longlive.LongLiveBlock",
     "fp4cache.longlive.quantize_block",
     "fp4cache.longlive.dequantize",
