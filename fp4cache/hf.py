@@ -40,6 +40,7 @@ from transformers.cache_utils import Cache, CacheLayerMixin, DynamicCache
 from transformers.masking_utils import AttentionMaskInterface
 
 from . import _arrays, formats
+from ._kernels import ATTN_HEAD_DIMS
 from .cache import PagedKVCache
 from .calibrate import calibrate_scale
 from .layout import slot_mapping
@@ -269,7 +270,12 @@ class FP4Cache(Cache):
     ----------
     config : transformers.PretrainedConfig
         The model's config (``model.config``): layer count, KV heads, head_dim, and the
-        attention implementation, which picks how the cache is read (below).
+        attention implementation, which picks how the cache is read (below).  head_dim
+        must be a multiple of 16 (e.g. 64, 96 for Phi-3, 128, 256); the fused attention
+        on a GPU supports head_dim 64, 128 and 256, the CPU and the dequantizing path
+        (any other attention implementation) every multiple of 16.  V scales are stored
+        in vLLM's swizzled order where ``head_dim % 64 == 0`` and ``block_size % 4 ==
+        0``, else in plain order (``PagedKVCache(swizzle_v_scales=False)``).
     max_batch_size : int
         Rows of the largest batch.
     max_cache_len : int
@@ -354,6 +360,10 @@ class FP4Cache(Cache):
         self.num_query_heads = int(text.num_attention_heads)
         self.head_dim = int(getattr(text, "head_dim", None)
                             or text.hidden_size // text.num_attention_heads)
+        if self.head_dim <= 0 or self.head_dim % 16:
+            raise ValueError(f"FP4Cache needs a head_dim that is a positive multiple of 16 "
+                             f"(NVFP4 scales blocks of 16 values); the config's head_dim is "
+                             f"{self.head_dim}")
         ks = self._per_layer(k_scales, "k_scales")
         vs = self._per_layer(v_scales, "v_scales")
         self.pages_per_row = -(-self.max_cache_len // self.block_size)
@@ -409,6 +419,12 @@ class FP4Cache(Cache):
             if device != self.device:
                 raise ValueError(f"FP4Cache lives on {self.device}; got tensors on {device}")
             return
+        if device.type == "cuda" and self._fused() and self.head_dim not in ATTN_HEAD_DIMS:
+            raise NotImplementedError(
+                f"attn_implementation='fp4cache' on a GPU supports head_dim in "
+                f"{ATTN_HEAD_DIMS}, the config's head_dim is {self.head_dim}: use "
+                "device='cpu', or another attention implementation (e.g. 'sdpa', which "
+                "reads this cache dequantized)")
         self.device = device
         for layer in self.layers:
             layer.pages = PagedKVCache(
@@ -418,7 +434,8 @@ class FP4Cache(Cache):
                 max_batch_size=self.max_batch_size, max_seq_len=self.max_cache_len,
                 num_query_heads=self.num_query_heads, rotation=self.rotation,
                 window_pages=self.window_pages,
-                window_slots=self.max_batch_size * self.window_pages)
+                window_slots=self.max_batch_size * self.window_pages,
+                swizzle_v_scales=self.head_dim % 64 == 0 and self.block_size % 4 == 0)
 
     # -- the exact window: a ring of window_pages slots per table row ---------------------
     def _slot_of(self, blocks: np.ndarray) -> np.ndarray:

@@ -103,6 +103,41 @@ def test_fused_equals_sdpa_over_the_dequantized_cache(kind, heads, kv_heads, hea
     assert c_f.layers[0].mode == "fused" and c_r.layers[0].mode == "dequantize"
 
 
+def test_head_dim_96_phi3_runs_and_other_head_dims_are_refused():
+    """head_dim 96 (Phi-3) has no swizzled V scales (head_dim % 64): the cache stores them
+    in plain order, and the fused attention equals sdpa over the dequantized cache."""
+    cfg = transformers.Phi3Config(vocab_size=96, hidden_size=192, intermediate_size=128,
+                                  num_hidden_layers=2, num_attention_heads=2,
+                                  num_key_value_heads=1, max_position_embeddings=512,
+                                  pad_token_id=0, eos_token_id=1, bos_token_id=1)
+    fused, ref = _model(cfg, "fp4cache"), _model(cfg, "sdpa")
+    ids = torch.randint(1, 96, (1, 11), generator=torch.Generator().manual_seed(3))
+    c_f = fh.FP4Cache(fused.config, 1, 32, device="cpu")
+    c_r = fh.FP4Cache(ref.config, 1, 32, device="cpu")
+    assert c_f.head_dim == 96 and not c_f.layers[0].pages.geometry.swizzle_v_scales
+    t_f, l_f = _greedy(fused, c_f, ids, 6)
+    t_r, l_r = _greedy(ref, c_r, ids, 6)
+    assert torch.equal(t_f, t_r)
+    _close(l_f, l_r)
+    assert fh.FP4Cache(_config("llama"), 1, 32, device="cpu").layers[0].pages.geometry \
+        .swizzle_v_scales
+    with pytest.raises(ValueError, match="head_dim .*multiple of 16.* 40"):
+        fh.FP4Cache(_config("llama", head_dim=40), 1, 32)
+
+
+@pytest.mark.gpu
+def test_gpu_fused_attention_refuses_head_dim_96_at_construction():
+    cfg = _config("llama", heads=4, kv_heads=2, head_dim=96)
+    cfg._attn_implementation = "fp4cache"
+    with pytest.raises(NotImplementedError, match=r"head_dim in \(64, 128, 256\).* 96"):
+        fh.FP4Cache(cfg, 1, 32, device="cuda")
+    cfg._attn_implementation = "sdpa"  # the dequantizing path takes any multiple of 16
+    cache = fh.FP4Cache(cfg, 1, 32, device="cuda")
+    k = torch.randn(1, 2, 5, 96, device="cuda")
+    kk, _ = cache.update(k, k, 0)
+    assert kk.shape == (1, 2, 5, 96)
+
+
 def test_dequantize_mode_returns_the_exact_window():
     cfg = _config("llama")
     model = _model(cfg, "eager")
