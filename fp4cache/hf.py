@@ -34,10 +34,15 @@ from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
-import torch
-from transformers import AttentionInterface
-from transformers.cache_utils import Cache, CacheLayerMixin, DynamicCache
-from transformers.masking_utils import AttentionMaskInterface
+
+try:
+    import torch
+    from transformers import AttentionInterface
+    from transformers.cache_utils import Cache, CacheLayerMixin, DynamicCache
+    from transformers.masking_utils import AttentionMaskInterface
+except ImportError as e:
+    raise ImportError(f"fp4cache.hf needs PyTorch and transformers ({e}): pip install "
+                      "'fp4cache[hf]' (in a checkout: pip install -e \".[hf]\")") from None
 
 from . import _arrays, formats
 from ._kernels import ATTN_HEAD_DIMS
@@ -408,6 +413,13 @@ class FP4Cache(Cache):
     # -- allocation, devices, streams -----------------------------------------------------
     def _allocate(self, device: torch.device) -> None:
         if device.type == "cuda":
+            if not torch.cuda.is_available():
+                why = "was built without CUDA" if torch.version.cuda is None else "sees no GPU"
+                raise RuntimeError(
+                    f"FP4Cache on device {str(device)!r}: this PyTorch ({torch.__version__}) "
+                    f"{why}; install a CUDA build of PyTorch (https://pytorch.org) and "
+                    "fp4cache's CUDA extra (pip install 'fp4cache[cuda12]' or "
+                    "'fp4cache[cuda13]'), or pass device='cpu'")
             index = device.index if device.index is not None else torch.cuda.current_device()
             device = torch.device("cuda", index)
             where: Any = f"cuda:{index}"

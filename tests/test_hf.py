@@ -12,6 +12,10 @@ The GPU cases run the same comparisons on CUDA tensors against the CPU backend.
 from __future__ import annotations
 
 import copy
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import ml_dtypes
 import numpy as np
@@ -345,6 +349,28 @@ def test_fp4cache_attention_without_an_fp4cache():
     model = _model(_config("llama"), "fp4cache")
     with pytest.raises(TypeError, match="FP4Cache"), torch.no_grad():
         model(input_ids=torch.ones(1, 4, dtype=torch.long))
+
+
+@pytest.mark.parametrize("missing", ["torch", "transformers"])
+def test_import_without_the_hf_extra_says_what_to_install(missing):
+    code = (f"import sys; sys.modules[{missing!r}] = None\n"
+            "try:\n    import fp4cache.hf\n"
+            "except ImportError as e:\n    print(type(e).__name__, e)")
+    root = Path(__file__).resolve().parents[1]
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         cwd=root, env={**os.environ, "PYTHONPATH": str(root)}, timeout=120)
+    assert res.returncode == 0, res.stderr
+    assert res.stdout.startswith("ImportError fp4cache.hf needs PyTorch and transformers")
+    assert missing in res.stdout and "pip install 'fp4cache[hf]'" in res.stdout
+
+
+@pytest.mark.skipif(gpu_available() or torch.cuda.is_available(),
+                    reason="checks the error of a PyTorch without CUDA")
+def test_cuda_device_with_a_cpu_only_torch_says_what_to_install():
+    cfg = _config("llama")
+    for device in ("cuda", "cuda:0", torch.device("cuda")):
+        with pytest.raises(RuntimeError, match="FP4Cache on device 'cuda.*CUDA build of PyTorch"):
+            fh.FP4Cache(cfg, 1, 512, device=device)
 
 
 def test_overflow_and_batch_errors_leave_the_pages():
