@@ -325,8 +325,10 @@ class FP4Cache(Cache):
     (to find the padding), shared by all layers; without one, none.  Not supported
     (``NotImplementedError``, never a silent wrong result): sliding-window or chunked
     attention past the window, custom 4-D masks and mask functions, attention sinks,
-    soft-capping, dropout, gradients, cropping and batch expansion after the prefill.
-    Beam search's :meth:`reorder_cache` copies pages (``copy_blocks``).
+    soft-capping, dropout, gradients, cropping and batch expansion after the prefill.  A
+    config whose ``sliding_window`` is shorter than ``max_cache_len`` (sliding layers, or
+    a Mistral-style window on every layer) is refused at construction.  Beam search's
+    :meth:`reorder_cache` copies pages (``copy_blocks``).
 
     The exact window is read by the fused attention (decode steps read their newest
     ``window_pages`` pages exact; the rows of a longer step read the newest pages of the
@@ -353,6 +355,12 @@ class FP4Cache(Cache):
         if other and not (window is not None and window >= max_cache_len):
             raise NotImplementedError(f"FP4Cache holds full-attention layers only; config has "
                                       f"layer types {other}")
+        if not layer_types and window is not None and window < max_cache_len:
+            raise NotImplementedError(
+                f"the config's attention has a sliding window (sliding_window={window}), "
+                f"shorter than max_cache_len={max_cache_len}: FP4Cache attends to every "
+                f"cached token, so it holds such a model's positions up to the window only; "
+                f"pass max_cache_len <= {window}")
         self.config = config
         self._max_batch_size = int(max_batch_size)
         self._max_cache_len = int(max_cache_len)

@@ -387,13 +387,35 @@ def test_overflow_and_batch_errors_leave_the_pages():
     assert cache.get_seq_length() == 10
 
 
+def test_sliding_window_shorter_than_the_cache_is_refused_at_construction():
+    cfg = _config("mistral")
+    cfg.sliding_window = 8
+    model = _model(cfg, "fp4cache")
+    with pytest.raises(NotImplementedError, match=r"sliding_window=8.*max_cache_len=32.*"
+                                                  r"max_cache_len <= 8"):
+        fh.FP4Cache(model.config, 1, 32, device="cpu")
+    cache = fh.FP4Cache(model.config, 1, 8, device="cpu")  # the window covers the cache
+    with torch.no_grad():
+        model(input_ids=torch.ones(1, 8, dtype=torch.long), past_key_values=cache)
+    assert cache.get_seq_length() == 8
+    default = transformers.MistralConfig(num_hidden_layers=1)  # sliding_window 4096
+    fh.FP4Cache(default, 1, 4096)
+    with pytest.raises(NotImplementedError, match="sliding_window=4096"):
+        fh.FP4Cache(default, 1, 4097)
+    qwen2 = transformers.Qwen2Config(num_hidden_layers=2, use_sliding_window=True,
+                                     sliding_window=8, max_window_layers=1)
+    with pytest.raises(NotImplementedError, match="sliding_attention"):
+        fh.FP4Cache(qwen2, 1, 32)
+
+
 def test_unsupported_features_raise():
     cfg = _config("mistral")
     cfg.sliding_window = 8
     model = _model(cfg, "fp4cache")
-    cache = fh.FP4Cache(model.config, 1, 32, device="cpu")
+    cache = fh.FP4Cache(model.config, 1, 8, device="cpu")
+    model.config.sliding_window = 4  # changed after construction: refused at the call
     with pytest.raises(NotImplementedError, match="causal|sliding"), torch.no_grad():
-        model(input_ids=torch.ones(1, 12, dtype=torch.long), past_key_values=cache)
+        model(input_ids=torch.ones(1, 6, dtype=torch.long), past_key_values=cache)
     llama = _model(_config("llama"), "fp4cache")
     cache = fh.FP4Cache(llama.config, 1, 32, device="cpu")
     mask4d = torch.ones(1, 1, 4, 4, dtype=torch.bool).tril()
