@@ -22,6 +22,9 @@ from .typing import Array, ArrayLike, DeviceLike, DTypeLike, IndexLike, PageForm
 __all__ = ["PagedKVCache"]
 
 _STAT = _abi.STAT
+#: Counters of badly scaled groups: K and V saturated, K and V underflowed.
+_SCALE_STATS = [_STAT[f"{side}_{what}_groups"] for what in ("saturated", "underflow")
+                for side in "kv"]
 _NO_GUARD = contextlib.nullcontext()
 _FLAG = (bool, type(None))  # classes of an optional flag that need no check
 def _pool_bytes(num_blocks: int, geom: PageGeometry, kind: str) -> int:
@@ -243,6 +246,7 @@ class PagedKVCache:
                           self.scale_rule, rotation, window_pages, window, window_map)
         if state is not None:
             self._reserve_workspace()
+        self._scales_warned = False  # the store's warning about badly scaled groups
 
     @property
     def pool(self) -> Pool:
@@ -506,6 +510,15 @@ class PagedKVCache:
             (when validating) a slot is ``>= num_slots`` or negative other than ``-1``;
             nothing is written.
 
+        Warns
+        -----
+        UserWarning
+            (CPU backend, once per cache) more than half of the call's nonzero groups of
+            K or of V saturated or underflowed their block scale: ``k_scale`` /
+            ``v_scale`` do not fit the data (:func:`fp4cache.calibrate_scale`).  On the
+            GPU the counters are not read back (that would synchronize): :attr:`stats`,
+            ``repr`` and :attr:`saturated_groups` / :attr:`underflow_groups` report them.
+
         Examples
         --------
         >>> import numpy as np, fp4cache
@@ -570,10 +583,13 @@ class PagedKVCache:
                     )
         p = self._pool
         if p.state is None:
+            before = None if self._scales_warned else p.stats[_SCALE_STATS].copy()
             p.backend.store(self.buffer, slots, k, v, geom=g, rule=self.scale_rule, k_s=p.k_s,
                             k_g=p.k_g, v_s=p.v_s, v_g=p.v_g, stats=p.stats,
                             unique_slots=unique_slots, rotate=p.rotation == "hadamard",
                             window=None if p.window is None else (p.window, p.window_map))
+            if before is not None:
+                self._warn_scales(p.stats[_SCALE_STATS] - before, slots, k, v)
             return
         # the kernels read the last axis contiguously, 2-byte values at their alignment
         # and slot ids in order
@@ -593,6 +609,34 @@ class PagedKVCache:
                                        unique_slots=unique_slots)
             plans.put(sig, run)
         run(slots, k, v)
+
+    def _warn_scales(self, new: np.ndarray, slots, k, v) -> None:
+        """``UserWarning``, once per cache, when the groups a CPU store just counted as
+        saturated or underflowed (``new``: the counters' increase, ``_SCALE_STATS``) are
+        more than half of the call's nonzero groups of K or of V."""
+        if not new.any():
+            return
+        keep = np.asarray(slots) >= 0
+        parts = []
+        for i, (side, x) in enumerate((("k", k), ("v", v))):
+            sat, under = int(new[i]), int(new[2 + i])
+            if not sat + under:
+                continue
+            groups = np.asarray(x)[keep].reshape(-1, self.head_dim // 16, 16)
+            nonzero = int((groups != 0).any(axis=-1).sum())
+            if 2 * (sat + under) > nonzero:
+                parts.append(f"{side.upper()}: {sat} saturated and {under} underflowed of "
+                             f"{nonzero} nonzero groups ({side}_scale = "
+                             f"{getattr(self, side + '_scale'):g})")
+        if parts:
+            self._scales_warned = True
+            warnings.warn(
+                f"PagedKVCache.store: most groups of this call lost their values to the "
+                f"E4M3 block scales ({'; '.join(parts)}, scale_rule={self.scale_rule!r}): "
+                "the global scale does not fit the data. Pass k_scale / v_scale = "
+                "fp4cache.calibrate_scale(x, scale_rule) of representative K / V when "
+                "making the cache. Warned once per cache; stats and repr keep counting.",
+                UserWarning, stacklevel=4)
 
     # -- gather --------------------------------------------------------------------------
     def gather_dequant(self, blocks: IndexLike, dtype: DTypeLike | None = None, *,

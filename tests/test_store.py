@@ -335,6 +335,40 @@ def test_calibrated_scales_count_nothing(rule, std):
     assert c.underflow_groups == (0, 0)
 
 
+def test_badly_scaled_stores_warn_once_per_cache():
+    """Most nonzero groups of a call saturated or underflowed: one UserWarning naming the
+    counts and calibrate_scale, then none for that cache; calibrated data and a minority
+    of badly scaled groups do not warn."""
+    import warnings
+
+    rng = np.random.default_rng(5)
+    tiny = (rng.standard_normal((32, H, D)) * 1e-4).astype(F32)
+    groups = 32 * H * D // 16
+    c = PagedKVCache(NB, T, H, D, device="cpu")  # static6, k_scale = v_scale = 1
+    with pytest.warns(UserWarning, match=rf"K: 0 saturated and {groups} underflowed of "
+                                         rf"{groups} nonzero groups \(k_scale = 1\).*"
+                                         r"fp4cache.calibrate_scale") as rec:
+        c.store(np.arange(32), tiny, tiny)
+    assert len(rec) == 1
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        c.store(np.arange(32), tiny, tiny)  # once per cache
+    assert c.underflow_groups == (2 * groups, 2 * groups)
+    huge = tiny * 1e8
+    with pytest.warns(UserWarning, match=r"V: \d+ saturated and 0 underflowed"):
+        PagedKVCache(NB, T, H, D, device="cpu").store(np.arange(32), tiny * 1e4, huge)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        s = calibrate_scale(tiny, "static6")
+        PagedKVCache(NB, T, H, D, k_scale=s, v_scale=s, device="cpu").store(
+            np.arange(32), tiny, tiny)
+        few = tiny * 1e4  # std 1: fits the default scale, but 4 of 32 tokens are tiny
+        few[:4] = tiny[:4]
+        c = PagedKVCache(NB, T, H, D, device="cpu")
+        c.store(np.arange(32), few, few)
+        assert c.underflow_groups == (4 * H * D // 16,) * 2
+
+
 def _boundary_groups():
     """K rows whose groups want block scales around 448 and 464 with k_scale = 1: group
     maxima m with fl(m * fl(1/6)) = 448, 448.00003, 463.99997, 464 (not saturated: they
