@@ -355,6 +355,12 @@ def test_badly_scaled_stores_warn_once_per_cache():
         warnings.simplefilter("error")
         c.store(np.arange(32), tiny, tiny)  # once per cache
     assert c.underflow_groups == (2 * groups, 2 * groups)
+    sparse = np.zeros_like(tiny)  # one value per head: rotated, it spreads over its groups
+    sparse[:, :, 0] = 1e-3
+    with pytest.warns(UserWarning, match=rf"K: 0 saturated and {groups} underflowed of "
+                                         rf"{groups} nonzero groups"):
+        PagedKVCache(NB, T, H, D, rotation="hadamard", device="cpu").store(
+            np.arange(32), sparse, sparse)
     huge = tiny * 1e8
     with pytest.warns(UserWarning, match=r"V: \d+ saturated and 0 underflowed"):
         PagedKVCache(NB, T, H, D, device="cpu").store(np.arange(32), tiny * 1e4, huge)
