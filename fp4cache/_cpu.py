@@ -311,7 +311,8 @@ def longlive_dequantize(values, scale_factors, amax, out, *, num_heads, block_to
 
 
 # -- protocol: decode attention over the paged cache ------------------------------------
-#: Decoded K (or V) values per chunk of pages in :func:`decode_attention` (bounds memory).
+#: Decoded K (or V) values per chunk of pages in :func:`attention`, and about the values
+#: of the working memory of each of its calls of :func:`_attend` (bounds memory).
 _ATTN_CHUNK_VALUES = 1 << 21
 
 
@@ -413,20 +414,29 @@ def attention(buffer, q, query_start_loc, block_tables, seq_lens, out, lse, *, g
     item0 = np.concatenate(first)
     item1 = np.minimum(item0 + _ATTN_ITEM_ROWS, starts[seq[item0] + 1])
     width = 1 << np.ceil(np.log2(item1 - item0)).astype(np.int64)
+    H, D = geom.num_heads, geom.head_dim
     for R in np.unique(width):
-        sel = width == R
-        rows = item0[sel][:, None] + np.arange(R)[None, :]  # [S, R]
-        valid = rows < item1[sel][:, None]
-        rows = np.where(valid, rows, item0[sel][:, None])
-        lim = np.where(valid, limit[rows], 0)
-        sq = seq[item0[sel]]
-        exact = None if win is None else (win, wsp[sq], wslot[sq])
-        res, row_lse = _attend(buffer, q[rows], lim, ids[sq], bad[sq], geom=geom, k_s=k_s,
-                               v_s=v_s, sm_scale=sm_scale, exact=exact, rotate=rotate)
-        keep = valid & (lim > 0)
-        out[rows[keep]] = float32_to(res[keep].astype(np.float32), out.dtype)
-        if lse is not None:
-            lse[rows[keep]] = row_lse[keep].astype(np.float32)
+        # Items per call of _attend, whose working memory (accumulators, and decoded pages
+        # and scores of at least one page per item) grows with its items: about
+        # _ATTN_CHUNK_VALUES values per call, whatever the batch.
+        M = int(R) * (q.shape[1] // H)
+        per_call = max(1, _ATTN_CHUNK_VALUES // (H * (T * max(D, M) + M * D)))
+        picked = np.flatnonzero(width == R)
+        for c0 in range(0, picked.size, per_call):
+            sel = picked[c0:c0 + per_call]
+            rows = item0[sel][:, None] + np.arange(R)[None, :]  # [S, R]
+            valid = rows < item1[sel][:, None]
+            rows = np.where(valid, rows, item0[sel][:, None])
+            lim = np.where(valid, limit[rows], 0)
+            sq = seq[item0[sel]]
+            exact = None if win is None else (win, wsp[sq], wslot[sq])
+            res, row_lse = _attend(buffer, q[rows], lim, ids[sq], bad[sq], geom=geom,
+                                   k_s=k_s, v_s=v_s, sm_scale=sm_scale, exact=exact,
+                                   rotate=rotate)
+            keep = valid & (lim > 0)
+            out[rows[keep]] = float32_to(res[keep].astype(np.float32), out.dtype)
+            if lse is not None:
+                lse[rows[keep]] = row_lse[keep].astype(np.float32)
 
 
 def window_pages(ids, lens, T: int, win_map, slots: int, pages: int):

@@ -23,6 +23,9 @@ from .typing import Array, ArrayLike, DeviceLike, DTypeLike, IndexLike, PageForm
 __all__ = ["PagedKVCache"]
 
 _STAT = _abi.STAT
+#: Counters of badly scaled groups: K and V saturated, K and V underflowed.
+_SCALE_STATS = [_STAT[f"{side}_{what}_groups"] for what in ("saturated", "underflow")
+                for side in "kv"]
 _NO_GUARD = contextlib.nullcontext()
 _FLAG = (bool, type(None))  # classes of an optional flag that need no check
 def _pool_bytes(num_blocks: int, geom: PageGeometry, kind: str, pages: bool = True) -> int:
@@ -301,6 +304,7 @@ class PagedKVCache:
         self._owns_pages = pages is None
         if state is not None:
             self._reserve_workspace()
+        self._scales_warned = False  # the store's warning about badly scaled groups
 
     @property
     def owns_pages(self) -> bool:
@@ -571,6 +575,15 @@ class PagedKVCache:
             (when validating) a slot is ``>= num_slots`` or negative other than ``-1``;
             nothing is written.
 
+        Warns
+        -----
+        UserWarning
+            (CPU backend, once per cache) more than half of the call's nonzero groups of
+            K or of V saturated or underflowed their block scale: ``k_scale`` /
+            ``v_scale`` do not fit the data (:func:`fp4cache.calibrate_scale`).  On the
+            GPU the counters are not read back (that would synchronize): :attr:`stats`,
+            ``repr`` and :attr:`saturated_groups` / :attr:`underflow_groups` report them.
+
         Examples
         --------
         >>> import numpy as np, fp4cache
@@ -593,7 +606,43 @@ class PagedKVCache:
                 k, v) is not _hotpath.MISS:
             return
         with self._guard():
-            _store.store(pool, slot_mapping, k, v, bool(unique_slots), check)
+            # the CPU's counters are host memory: a badly scaled call is told at once
+            before = None if self._scales_warned or pool.state is not None \
+                else pool.stats[_SCALE_STATS].copy()
+            stored = _store.store(pool, slot_mapping, k, v, bool(unique_slots), check)
+            if before is not None and stored is not None:
+                self._warn_scales(pool.stats[_SCALE_STATS] - before, *stored)
+
+    def _warn_scales(self, new: np.ndarray, slots, k, v) -> None:
+        """``UserWarning``, once per cache, when the groups a CPU store just counted as
+        saturated or underflowed (``new``: the counters' increase, ``_SCALE_STATS``) are
+        more than half of the call's nonzero groups of K or of V."""
+        if not new.any():
+            return
+        keep = np.asarray(slots) >= 0
+        parts = []
+        for i, (side, x) in enumerate((("k", k), ("v", v))):
+            sat, under = int(new[i]), int(new[2 + i])
+            if not sat + under:
+                continue
+            groups = np.asarray(x)[keep].reshape(-1, self.head_dim // 16, 16)
+            if side == "k" and self._pool.rotation == "hadamard":  # stored rotated: a
+                # nonzero row's groups are all nonzero
+                groups = groups.reshape(groups.shape[0], 1, -1)
+            nonzero = int((groups != 0).any(axis=-1).sum()) * (groups.shape[-1] // 16)
+            if 2 * (sat + under) > nonzero:
+                parts.append(f"{side.upper()}: {sat} saturated and {under} underflowed of "
+                             f"{nonzero} nonzero groups ({side}_scale = "
+                             f"{getattr(self, side + '_scale'):g})")
+        if parts:
+            self._scales_warned = True
+            warnings.warn(
+                f"PagedKVCache.store: most groups of this call lost their values to the "
+                f"E4M3 block scales ({'; '.join(parts)}, scale_rule={self.scale_rule!r}): "
+                "the global scale does not fit the data. Pass k_scale / v_scale = "
+                "fp4cache.calibrate_scale(x, scale_rule) of representative K / V when "
+                "making the cache. Warned once per cache; stats and repr keep counting.",
+                UserWarning, stacklevel=4)
 
     # -- gather --------------------------------------------------------------------------
     def gather_dequant(self, blocks: IndexLike, dtype: DTypeLike | None = None, *,

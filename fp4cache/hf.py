@@ -35,12 +35,18 @@ from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
-import torch
-from transformers import AttentionInterface
-from transformers.cache_utils import Cache, CacheLayerMixin, DynamicCache
-from transformers.masking_utils import AttentionMaskInterface
+
+try:
+    import torch
+    from transformers import AttentionInterface
+    from transformers.cache_utils import Cache, CacheLayerMixin, DynamicCache
+    from transformers.masking_utils import AttentionMaskInterface
+except ImportError as e:
+    raise ImportError(f"fp4cache.hf needs PyTorch and transformers ({e}): pip install "
+                      "'fp4cache[hf]' (in a checkout: pip install -e \".[hf]\")") from None
 
 from . import _arrays, formats
+from ._kernels import ATTN_HEAD_DIMS
 from .cache import PagedKVCache
 from .calibrate import calibrate_scale
 from .engine import AttentionPlan, WindowRing
@@ -394,7 +400,12 @@ class FP4Cache(Cache):
     ----------
     config : transformers.PretrainedConfig
         The model's config (``model.config``): layer count, KV heads, head_dim, and the
-        attention implementation, which picks how the cache is read (below).
+        attention implementation, which picks how the cache is read (below).  head_dim
+        must be a multiple of 16 (e.g. 64, 96 for Phi-3, 128, 256); the fused attention
+        on a GPU supports head_dim 64, 128 and 256, the CPU and the dequantizing path
+        (any other attention implementation) every multiple of 16.  V scales are stored
+        in vLLM's swizzled order where ``head_dim % 64 == 0`` and ``block_size % 4 ==
+        0``, else in plain order (``PagedKVCache(swizzle_v_scales=False)``).
     max_batch_size : int
         Rows of the largest batch.
     max_cache_len : int
@@ -439,8 +450,10 @@ class FP4Cache(Cache):
     (to find the padding), shared by all layers; without one, none.  Not supported
     (``NotImplementedError``, never a silent wrong result): sliding-window or chunked
     attention past the window, custom 4-D masks and mask functions, attention sinks,
-    soft-capping, dropout, gradients, cropping and batch expansion after the prefill.
-    Beam search's :meth:`reorder_cache` copies pages (``copy_blocks``).
+    soft-capping, dropout, gradients, cropping and batch expansion after the prefill.  A
+    config whose ``sliding_window`` is shorter than ``max_cache_len`` (sliding layers, or
+    a Mistral-style window on every layer) is refused at construction.  Beam search's
+    :meth:`reorder_cache` copies pages (``copy_blocks``).
 
     The exact window is read by the fused attention (decode steps read their newest
     ``window_pages`` pages exact; the rows of a longer step read the newest pages of the
@@ -467,6 +480,12 @@ class FP4Cache(Cache):
         if other and not (window is not None and window >= max_cache_len):
             raise NotImplementedError(f"FP4Cache holds full-attention layers only; config has "
                                       f"layer types {other}")
+        if not layer_types and window is not None and window < max_cache_len:
+            raise NotImplementedError(
+                f"the config's attention has a sliding window (sliding_window={window}), "
+                f"shorter than max_cache_len={max_cache_len}: FP4Cache attends to every "
+                f"cached token, so it holds such a model's positions up to the window only; "
+                f"pass max_cache_len <= {window}")
         self.config = config
         self._max_batch_size = int(max_batch_size)
         self._max_cache_len = int(max_cache_len)
@@ -479,6 +498,10 @@ class FP4Cache(Cache):
         self.num_query_heads = int(text.num_attention_heads)
         self.head_dim = int(getattr(text, "head_dim", None)
                             or text.hidden_size // text.num_attention_heads)
+        if self.head_dim <= 0 or self.head_dim % 16:
+            raise ValueError(f"FP4Cache needs a head_dim that is a positive multiple of 16 "
+                             f"(NVFP4 scales blocks of 16 values); the config's head_dim is "
+                             f"{self.head_dim}")
         ks = self._per_layer(k_scales, "k_scales")
         vs = self._per_layer(v_scales, "v_scales")
         self.pages_per_row = -(-self.max_cache_len // self.block_size)
@@ -523,6 +546,13 @@ class FP4Cache(Cache):
     def allocate(self, device: torch.device) -> None:
         """Allocate every layer's pages on ``device`` (done by the first update; once)."""
         if device.type == "cuda":
+            if not torch.cuda.is_available():
+                why = "was built without CUDA" if torch.version.cuda is None else "sees no GPU"
+                raise RuntimeError(
+                    f"FP4Cache on device {str(device)!r}: this PyTorch ({torch.__version__}) "
+                    f"{why}; install a CUDA build of PyTorch (https://pytorch.org) and "
+                    "fp4cache's CUDA extra (pip install 'fp4cache[cuda12]' or "
+                    "'fp4cache[cuda13]'), or pass device='cpu'")
             index = device.index if device.index is not None else torch.cuda.current_device()
             device = torch.device("cuda", index)
             where: Any = f"cuda:{index}"
@@ -534,6 +564,12 @@ class FP4Cache(Cache):
             if device != self.device:
                 raise ValueError(f"FP4Cache lives on {self.device}; got tensors on {device}")
             return
+        if device.type == "cuda" and self.fused and self.head_dim not in ATTN_HEAD_DIMS:
+            raise NotImplementedError(
+                f"attn_implementation='fp4cache' on a GPU supports head_dim in "
+                f"{ATTN_HEAD_DIMS}, the config's head_dim is {self.head_dim}: use "
+                "device='cpu', or another attention implementation (e.g. 'sdpa', which "
+                "reads this cache dequantized)")
         self._rows.allocate(device, self.max_cache_len)
         for layer in self.layers:
             layer.pages = PagedKVCache(
@@ -543,7 +579,8 @@ class FP4Cache(Cache):
                 max_batch_size=self.max_batch_size, max_seq_len=self.max_cache_len,
                 num_query_heads=self.num_query_heads, rotation=self.rotation,
                 window_pages=self.window_pages,
-                window_slots=self.max_batch_size * self.window_pages)
+                window_slots=self.max_batch_size * self.window_pages,
+                swizzle_v_scales=self.head_dim % 64 == 0 and self.block_size % 4 == 0)
 
     @property
     def fused(self) -> bool:

@@ -172,12 +172,15 @@ def _host_ids(a, host, check: bool):
     return a.get() if check else None
 
 
-def _check_range(host: np.ndarray, num_blocks: int, name: str) -> None:
+def _check_range(host: np.ndarray, num_blocks: int, name: str,
+                 outcome: str = "nothing was written") -> None:
+    """``IndexError`` for the first id of ``host`` outside ``[0, num_blocks)``; its message
+    ends with ``outcome`` (what the refused call did not do)."""
     bad = (host < 0) | (host >= num_blocks)
     if bad.any():
         i = int(bad.argmax())
         raise IndexError(f"{name}[{i}] = {int(host[i])} is out of range: block ids must be "
-                         f"in [0, {num_blocks}); nothing was written")
+                         f"in [0, {num_blocks}); {outcome}")
 
 
 def _check_unique(host: np.ndarray, name: str) -> None:
@@ -280,7 +283,7 @@ def read_blocks(pool, blocks, out=None, validate: bool | None = None):
             raise ValueError("out must not overlap the cache's page pool")
     hb = _host_ids(b, hb, check)
     if check:
-        _check_range(hb, pool.num_blocks, "blocks")
+        _check_range(hb, pool.num_blocks, "blocks", "nothing was read")
     if n == 0:
         return out
     pool.backend.read_pages(pool, b, hb, out)
@@ -383,7 +386,7 @@ def save(pool, path: str | os.PathLike, blocks=None) -> None:
         blocks = np.arange(pool.num_blocks, dtype=np.int64)
     hb = _arrays.to_backend(blocks, "cpu", "blocks", allow_convert=True)
     _arrays.check_index_array(hb, "blocks")
-    _check_range(hb, pool.num_blocks, "blocks")
+    _check_range(hb, pool.num_blocks, "blocks", "nothing was saved")
     _check_unique(hb, "blocks")  # a file of repeated ids could not be loaded
     _check_save_path(path)
     pages = pinned_empty((hb.shape[0], pool.geometry.page_bytes), _U8) \

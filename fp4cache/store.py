@@ -74,15 +74,16 @@ def check_slots(pool: Pool, slots, unique_slots: bool) -> None:
             )
 
 
-def store(pool: Pool, slot_mapping, k, v, unique_slots: bool, check: bool) -> None:
+def store(pool: Pool, slot_mapping, k, v, unique_slots: bool, check: bool):
     """The checked path of :meth:`PagedKVCache.store` (see its docstring), run with the
     cache's device current.  On the GPU it leaves the prepared launch of these arguments
     in the cache's plans under :func:`fp4cache._hotpath.store_signature`, for the method's
-    hot path."""
+    hot path.  Returns the ``(slots, k, v)`` stored (None when no token was given)."""
     slots, k, v = check_args(pool, slot_mapping, k, v)
     if k.shape[0] == 0:
-        return
+        return None
     if check:
         check_slots(pool, slots, unique_slots)
     run = pool.backend.store_runner(pool, slots, k, v, unique_slots=unique_slots)
     run(slots, k, v)
+    return slots, k, v

@@ -182,6 +182,29 @@ def test_many_chunks_of_pages(monkeypatch):
     run_and_compare(cache, make_q(5, 4, 64, BF16), tables, lens)
 
 
+def test_working_memory_does_not_grow_with_the_batch(monkeypatch):
+    """The backend attends to the sequences in groups of about ``_ATTN_CHUNK_VALUES``
+    working values: under a small budget 1,000 sequences peak at a fraction of their
+    memory in one group, with the same bits (one page per sequence: the same chunks of
+    pages either way)."""
+    import tracemalloc
+
+    cache = make_cache(num_blocks=24)
+    tables, lens = make_tables(cache, np.random.default_rng(3).integers(0, 17, 1000))
+    q = make_q(1000, 4, 64)
+    peaks, outs = [], []
+    for budget in (1 << 40, 1 << 13):  # one group; groups of 3 sequences
+        monkeypatch.setattr(npb, "_ATTN_CHUNK_VALUES", budget)
+        tracemalloc.start()
+        try:
+            outs.append(cache.decode_attention(q, tables, lens, return_lse=True))
+            peaks.append(tracemalloc.get_traced_memory()[1])
+        finally:
+            tracemalloc.stop()
+    assert np.array_equal(outs[0][0], outs[1][0]) and np.array_equal(outs[0][1], outs[1][1])
+    assert peaks[1] < peaks[0] / 4, peaks
+
+
 def test_default_sm_scale_is_rsqrt_head_dim():
     cache = make_cache(head_dim=128)
     tables, lens = make_tables(cache, [70, 9])

@@ -12,6 +12,10 @@ The GPU cases run the same comparisons on CUDA tensors against the CPU backend.
 from __future__ import annotations
 
 import copy
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import ml_dtypes
 import numpy as np
@@ -101,6 +105,41 @@ def test_fused_equals_sdpa_over_the_dequantized_cache(kind, heads, kv_heads, hea
     assert np.array_equal(p_f.buffer[used.ravel()], p_r.buffer[used.ravel()])
     assert c_f.get_seq_length() == c_r.get_seq_length() == 19 + 20
     assert c_f.layers[0].mode == "fused" and c_r.layers[0].mode == "dequantize"
+
+
+def test_head_dim_96_phi3_runs_and_other_head_dims_are_refused():
+    """head_dim 96 (Phi-3) has no swizzled V scales (head_dim % 64): the cache stores them
+    in plain order, and the fused attention equals sdpa over the dequantized cache."""
+    cfg = transformers.Phi3Config(vocab_size=96, hidden_size=192, intermediate_size=128,
+                                  num_hidden_layers=2, num_attention_heads=2,
+                                  num_key_value_heads=1, max_position_embeddings=512,
+                                  pad_token_id=0, eos_token_id=1, bos_token_id=1)
+    fused, ref = _model(cfg, "fp4cache"), _model(cfg, "sdpa")
+    ids = torch.randint(1, 96, (1, 11), generator=torch.Generator().manual_seed(3))
+    c_f = fh.FP4Cache(fused.config, 1, 32, device="cpu")
+    c_r = fh.FP4Cache(ref.config, 1, 32, device="cpu")
+    assert c_f.head_dim == 96 and not c_f.layers[0].pages.geometry.swizzle_v_scales
+    t_f, l_f = _greedy(fused, c_f, ids, 6)
+    t_r, l_r = _greedy(ref, c_r, ids, 6)
+    assert torch.equal(t_f, t_r)
+    _close(l_f, l_r)
+    assert fh.FP4Cache(_config("llama"), 1, 32, device="cpu").layers[0].pages.geometry \
+        .swizzle_v_scales
+    with pytest.raises(ValueError, match="head_dim .*multiple of 16.* 40"):
+        fh.FP4Cache(_config("llama", head_dim=40), 1, 32)
+
+
+@pytest.mark.gpu
+def test_gpu_fused_attention_refuses_head_dim_96_at_construction():
+    cfg = _config("llama", heads=4, kv_heads=2, head_dim=96)
+    cfg._attn_implementation = "fp4cache"
+    with pytest.raises(NotImplementedError, match=r"head_dim in \(64, 128, 256\).* 96"):
+        fh.FP4Cache(cfg, 1, 32, device="cuda")
+    cfg._attn_implementation = "sdpa"  # the dequantizing path takes any multiple of 16
+    cache = fh.FP4Cache(cfg, 1, 32, device="cuda")
+    k = torch.randn(1, 2, 5, 96, device="cuda")
+    kk, _ = cache.update(k, k, 0)
+    assert kk.shape == (1, 2, 5, 96)
 
 
 def test_dequantize_mode_returns_the_exact_window():
@@ -319,6 +358,28 @@ def test_fp4cache_attention_without_an_fp4cache():
         model(input_ids=torch.ones(1, 4, dtype=torch.long))
 
 
+@pytest.mark.parametrize("missing", ["torch", "transformers"])
+def test_import_without_the_hf_extra_says_what_to_install(missing):
+    code = (f"import sys; sys.modules[{missing!r}] = None\n"
+            "try:\n    import fp4cache.hf\n"
+            "except ImportError as e:\n    print(type(e).__name__, e)")
+    root = Path(__file__).resolve().parents[1]
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         cwd=root, env={**os.environ, "PYTHONPATH": str(root)}, timeout=120)
+    assert res.returncode == 0, res.stderr
+    assert res.stdout.startswith("ImportError fp4cache.hf needs PyTorch and transformers")
+    assert missing in res.stdout and "pip install 'fp4cache[hf]'" in res.stdout
+
+
+@pytest.mark.skipif(gpu_available() or torch.cuda.is_available(),
+                    reason="checks the error of a PyTorch without CUDA")
+def test_cuda_device_with_a_cpu_only_torch_says_what_to_install():
+    cfg = _config("llama")
+    for device in ("cuda", "cuda:0", torch.device("cuda")):
+        with pytest.raises(RuntimeError, match="FP4Cache on device 'cuda.*CUDA build of PyTorch"):
+            fh.FP4Cache(cfg, 1, 512, device=device)
+
+
 def test_overflow_and_batch_errors_leave_the_pages():
     model = _model(_config("llama"), "fp4cache")
     cache = fh.FP4Cache(model.config, 1, 16, device="cpu")
@@ -333,13 +394,35 @@ def test_overflow_and_batch_errors_leave_the_pages():
     assert cache.get_seq_length() == 10
 
 
+def test_sliding_window_shorter_than_the_cache_is_refused_at_construction():
+    cfg = _config("mistral")
+    cfg.sliding_window = 8
+    model = _model(cfg, "fp4cache")
+    with pytest.raises(NotImplementedError, match=r"sliding_window=8.*max_cache_len=32.*"
+                                                  r"max_cache_len <= 8"):
+        fh.FP4Cache(model.config, 1, 32, device="cpu")
+    cache = fh.FP4Cache(model.config, 1, 8, device="cpu")  # the window covers the cache
+    with torch.no_grad():
+        model(input_ids=torch.ones(1, 8, dtype=torch.long), past_key_values=cache)
+    assert cache.get_seq_length() == 8
+    default = transformers.MistralConfig(num_hidden_layers=1)  # sliding_window 4096
+    fh.FP4Cache(default, 1, 4096)
+    with pytest.raises(NotImplementedError, match="sliding_window=4096"):
+        fh.FP4Cache(default, 1, 4097)
+    qwen2 = transformers.Qwen2Config(num_hidden_layers=2, use_sliding_window=True,
+                                     sliding_window=8, max_window_layers=1)
+    with pytest.raises(NotImplementedError, match="sliding_attention"):
+        fh.FP4Cache(qwen2, 1, 32)
+
+
 def test_unsupported_features_raise():
     cfg = _config("mistral")
     cfg.sliding_window = 8
     model = _model(cfg, "fp4cache")
-    cache = fh.FP4Cache(model.config, 1, 32, device="cpu")
+    cache = fh.FP4Cache(model.config, 1, 8, device="cpu")
+    model.config.sliding_window = 4  # changed after construction: refused at the call
     with pytest.raises(NotImplementedError, match="causal|sliding"), torch.no_grad():
-        model(input_ids=torch.ones(1, 12, dtype=torch.long), past_key_values=cache)
+        model(input_ids=torch.ones(1, 6, dtype=torch.long), past_key_values=cache)
     llama = _model(_config("llama"), "fp4cache")
     cache = fh.FP4Cache(llama.config, 1, 32, device="cpu")
     mask4d = torch.ones(1, 1, 4, 4, dtype=torch.bool).tril()

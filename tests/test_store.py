@@ -296,6 +296,7 @@ def _scale_bytes(cache, side, n):
     return buf[t // T, side, g.scale_offset(t % T, h, s, side=side)]
 
 
+@pytest.mark.filterwarnings("ignore:PagedKVCache.store:UserWarning")  # badly scaled on purpose
 @pytest.mark.parametrize("rule", ["static6", "4over6"])
 @pytest.mark.parametrize("std", [1e-4, 1e-2, 1.0, 1e4])
 def test_counts_match_the_stored_scales(rule, std):
@@ -333,6 +334,46 @@ def test_calibrated_scales_count_nothing(rule, std):
     c.store(np.arange(64), k, k)
     assert c.saturated_groups == (0, 0)
     assert c.underflow_groups == (0, 0)
+
+
+def test_badly_scaled_stores_warn_once_per_cache():
+    """Most nonzero groups of a call saturated or underflowed: one UserWarning naming the
+    counts and calibrate_scale, then none for that cache; calibrated data and a minority
+    of badly scaled groups do not warn."""
+    import warnings
+
+    rng = np.random.default_rng(5)
+    tiny = (rng.standard_normal((32, H, D)) * 1e-4).astype(F32)
+    groups = 32 * H * D // 16
+    c = PagedKVCache(NB, T, H, D, device="cpu")  # static6, k_scale = v_scale = 1
+    with pytest.warns(UserWarning, match=rf"K: 0 saturated and {groups} underflowed of "
+                                         rf"{groups} nonzero groups \(k_scale = 1\).*"
+                                         r"fp4cache.calibrate_scale") as rec:
+        c.store(np.arange(32), tiny, tiny)
+    assert len(rec) == 1
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        c.store(np.arange(32), tiny, tiny)  # once per cache
+    assert c.underflow_groups == (2 * groups, 2 * groups)
+    sparse = np.zeros_like(tiny)  # one value per head: rotated, it spreads over its groups
+    sparse[:, :, 0] = 1e-3
+    with pytest.warns(UserWarning, match=rf"K: 0 saturated and {groups} underflowed of "
+                                         rf"{groups} nonzero groups"):
+        PagedKVCache(NB, T, H, D, rotation="hadamard", device="cpu").store(
+            np.arange(32), sparse, sparse)
+    huge = tiny * 1e8
+    with pytest.warns(UserWarning, match=r"V: \d+ saturated and 0 underflowed"):
+        PagedKVCache(NB, T, H, D, device="cpu").store(np.arange(32), tiny * 1e4, huge)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        s = calibrate_scale(tiny, "static6")
+        PagedKVCache(NB, T, H, D, k_scale=s, v_scale=s, device="cpu").store(
+            np.arange(32), tiny, tiny)
+        few = tiny * 1e4  # std 1: fits the default scale, but 4 of 32 tokens are tiny
+        few[:4] = tiny[:4]
+        c = PagedKVCache(NB, T, H, D, device="cpu")
+        c.store(np.arange(32), few, few)
+        assert c.underflow_groups == (4 * H * D // 16,) * 2
 
 
 def _boundary_groups():
