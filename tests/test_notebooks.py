@@ -323,3 +323,15 @@ def test_doc_examples_skip_without_their_requirement(monkeypatch):
     monkeypatch.setitem(sys.modules, "torch", None)
     with pytest.raises(pytest.skip.Exception, match="interop.md's examples need torch"):
         test_doc_examples(DOCS_DIR / "interop.md", monkeypatch)
+
+
+def test_performance_notebook_gives_no_bandwidth_for_the_cpu_backend():
+    """Notebook 04's stored outputs come from the CPU backend (notebooks/execute.py): they
+    time it in tokens per second and claim no bandwidth (GB/s, % of a copy), which says
+    nothing about the reference backend; the GPU cells keep GB/s for a GPU run."""
+    nb = json.loads((NOTEBOOK_DIR / "04_performance.ipynb").read_text(encoding="utf-8"))
+    assert nb["metadata"]["fp4cache"]["backend"] == "cpu"
+    text = "".join("".join(o.get("text", "")) for c in nb["cells"]
+                   for o in c.get("outputs", []) if o["output_type"] == "stream")
+    assert "tokens/s" in text
+    assert not re.search(r"GB/s|TB/s|%\s*copy|of the copy", text), text
