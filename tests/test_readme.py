@@ -312,6 +312,21 @@ def test_readme_install_lines_work_from_a_checkout():
     assert not any(bad.values()), bad
 
 
+def test_readme_says_what_each_install_brings():
+    """The CPU-only line's note names the CUDA packages the test extra installs (NVRTC and
+    cuda-bindings, not CuPy), and the transformers note says where torch's CPU build is."""
+    tomllib = pytest.importorskip("tomllib", reason="tomllib needs Python 3.11")
+    extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"][
+        "optional-dependencies"]
+    cuda = [re.split(r"[<>=!~\[ ]", r, maxsplit=1)[0] for r in extras["test"]
+            if re.match(r"(nvidia|cuda|cupy)", r)]
+    assert cuda and not any(n.startswith("cupy") for n in cuda), cuda
+    notes = README.split("```")[2].split("## ", 1)[0]  # the notes under the install lines
+    for name in cuda:
+        assert f"`{name}`" in notes, f"the README does not say that the test extra brings {name}"
+    assert "https://download.pytorch.org/whl/cpu" in notes
+
+
 # -- the repository ------------------------------------------------------------------------
 def test_readme_names_every_doc_folder_and_notebook():
     """The README links every docs/*.md page and describes every folder of the
