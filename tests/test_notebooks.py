@@ -118,6 +118,47 @@ def test_notebook_stored_executed_by_current_code(path):
     assert summary.strip(), f"{path.name}: the stored summary printed nothing"
 
 
+#: What a stored output must not show: the machine that ran it (a local path, a virtual
+#: environment's packages).
+LOCAL_PATH = re.compile(r"/work/|/tmp/|/home/|/Users/|site-packages|\.venv\b|\b[A-Z]:\\[A-Za-z]")
+
+
+def output_problems(nb: dict) -> list[str]:
+    """Stored outputs that are noise: stderr streams (warnings, progress bars) and text
+    naming local paths."""
+    problems = []
+    for i, cell in enumerate(nb["cells"]):
+        for out in cell.get("outputs", []):
+            if out["output_type"] == "stream" and out.get("name") == "stderr":
+                text = "".join(out.get("text", ""))
+                problems.append(f"cell {i} stored a stderr stream: {text[:80]!r}")
+            texts = [out.get("text", ""), out.get("traceback", ""),
+                     *(v for k, v in out.get("data", {}).items() if k.startswith("text/"))]
+            text = "".join("".join(t) if isinstance(t, list) else t for t in texts)
+            hit = LOCAL_PATH.search(text)
+            if hit:
+                problems.append(f"cell {i} stored a local path ({hit.group()!r})")
+    return problems
+
+
+def test_output_checker_finds_stderr_and_paths():
+    stream = {"output_type": "stream", "name": "stdout", "text": ["ok\n"]}
+    assert output_problems({"cells": [{"cell_type": "code", "outputs": [stream]}]}) == []
+    err = {**stream, "name": "stderr", "text": "0%|     | 0/272"}
+    path = {**stream, "text": "/tmp/venv/lib/python3.11/site-packages/tqdm/auto.py:21"}
+    html = {"output_type": "display_data", "data": {"text/plain": "C:\\Users\\me"}}
+    found = output_problems({"cells": [{"cell_type": "code", "outputs": [err, path, html]}]})
+    assert [p.split(" stored ")[1][:8] for p in found] == ["a stderr", "a local ", "a local "]
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)
+def test_notebook_stored_outputs_are_clean(path):
+    """No stored output is a stderr stream (warnings, progress bars: silence them in the
+    notebook) or shows a local path of the machine that executed it."""
+    problems = output_problems(json.loads(path.read_text(encoding="utf-8")))
+    assert not problems, f"{path.name}: " + "; ".join(problems[:5])
+
+
 def test_source_hash_covers_code_cells_and_library_not_markdown():
     ex = _execute_script()
     nb = {"cells": [{"cell_type": "markdown", "source": "# t"},
@@ -282,3 +323,15 @@ def test_doc_examples_skip_without_their_requirement(monkeypatch):
     monkeypatch.setitem(sys.modules, "torch", None)
     with pytest.raises(pytest.skip.Exception, match="interop.md's examples need torch"):
         test_doc_examples(DOCS_DIR / "interop.md", monkeypatch)
+
+
+def test_performance_notebook_gives_no_bandwidth_for_the_cpu_backend():
+    """Notebook 04's stored outputs come from the CPU backend (notebooks/execute.py): they
+    time it in tokens per second and claim no bandwidth (GB/s, % of a copy), which says
+    nothing about the reference backend; the GPU cells keep GB/s for a GPU run."""
+    nb = json.loads((NOTEBOOK_DIR / "04_performance.ipynb").read_text(encoding="utf-8"))
+    assert nb["metadata"]["fp4cache"]["backend"] == "cpu"
+    text = "".join("".join(o.get("text", "")) for c in nb["cells"]
+                   for o in c.get("outputs", []) if o["output_type"] == "stream")
+    assert "tokens/s" in text
+    assert not re.search(r"GB/s|TB/s|%\s*copy|of the copy", text), text
