@@ -198,6 +198,20 @@ def by_value(value: Any) -> Any:
     return CNumpyArray(arr)
 
 
+def external_stream(handle: int, device: int):
+    """CuPy's view of a CUDA stream another library made (PyTorch's current stream, say),
+    ``with``-able to make it CuPy's current stream.  ``cupy.cuda.ExternalStream`` (CuPy
+    14 marks it deprecated in favour of the stream protocol, which takes an object, not a
+    handle; the class still works) is made once per stream by the callers."""
+    import warnings
+
+    import cupy
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        return cupy.cuda.ExternalStream(handle, device)
+
+
 def pinned_empty(shape, dtype=np.uint8) -> np.ndarray:
     """An uninitialized NumPy array in page-locked (pinned) host memory.
 

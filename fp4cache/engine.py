@@ -34,7 +34,7 @@ import numpy as np
 
 from . import _arrays, attention
 from . import store as _store
-from ._device import DeviceGuard, parse_device
+from ._device import DeviceGuard, external_stream, parse_device
 from ._plans import PlanCache
 from .typing import Array, ArrayLike, DeviceLike, IndexLike
 
@@ -245,6 +245,13 @@ class AttentionPlan:
         with self._guard(), self._stream_of(torch_in) if torch_in is not None else _NO_GUARD:
             self._copy(self._qsl[:B + 1], qsl)
             self._copy(self._seq_lens[:B], sl)
+            if isinstance(bt, np.ndarray) and self.device == "cuda" and \
+                    bt.shape[1] < self.max_blocks_per_seq:
+                # whole rows: one contiguous host-to-device copy (the columns past a
+                # sequence's pages are never read)
+                wide = np.zeros((B, self.max_blocks_per_seq), np.int32)
+                wide[:, :bt.shape[1]] = bt
+                bt = wide
             self._copy(self._tables[:B, :bt.shape[1]], bt)
             if sm is not None:
                 self._copy(self._slots[:sm.shape[0]], sm)
@@ -270,9 +277,8 @@ class AttentionPlan:
             return
         if self.device == "cpu":
             dst[...] = src
-        elif isinstance(src, np.ndarray):
-            dst.set(np.ascontiguousarray(src, dtype=dst.dtype)) if dst.flags.c_contiguous \
-                else dst.__setitem__(Ellipsis, src)
+        elif isinstance(src, np.ndarray):  # the destination is contiguous (whole rows)
+            dst.set(np.ascontiguousarray(src, dtype=dst.dtype))
         else:
             _arrays.check_device({"metadata": src}, dst)
             dst[...] = src  # an asynchronous copy (and cast) on the current stream
@@ -343,9 +349,8 @@ class AttentionPlan:
         handle = _torch_stream(a)
         ctx = self._streams.get((handle, self.device_id))
         if ctx is None:
-            import cupy
 
-            ctx = self._streams[(handle, self.device_id)] = cupy.cuda.ExternalStream(
+            ctx = self._streams[(handle, self.device_id)] = external_stream(
                 handle, self.device_id)
         return ctx
 

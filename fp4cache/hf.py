@@ -46,6 +46,7 @@ except ImportError as e:
                       "'fp4cache[hf]' (in a checkout: pip install -e \".[hf]\")") from None
 
 from . import _arrays, formats
+from ._device import external_stream
 from ._kernels import ATTN_HEAD_DIMS
 from .cache import PagedKVCache
 from .calibrate import calibrate_scale
@@ -132,12 +133,11 @@ class _Rows:
         the dequantizing path) run in order with the model's; nothing on the CPU."""
         if not self.cuda:
             return contextlib.nullcontext()
-        import cupy
 
         ptr = torch.cuda.current_stream(self.device).cuda_stream
         s = self._streams.get(ptr)
         if s is None:
-            s = self._streams[ptr] = cupy.cuda.ExternalStream(ptr, self.device.index)
+            s = self._streams[ptr] = external_stream(ptr, self.device.index)
         return s
 
     def index(self, a: np.ndarray):
