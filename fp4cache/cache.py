@@ -16,7 +16,7 @@ from . import _abi, _arrays, _hotpath, attention, pages
 from . import store as _store
 from ._backend import Pool, backend
 from ._device import DeviceGuard, parse_device
-from .formats import check_rule, reciprocal_clamped, resolve_dtype
+from .formats import check_rule, reciprocal_clamped, resolve_dtype, rotation_supported
 from .layout import PageGeometry
 from .typing import Array, ArrayLike, DeviceLike, DTypeLike, IndexLike, PageFormat, PathLike
 
@@ -100,7 +100,7 @@ def _check_window_options(geom: PageGeometry, rotation, window_pages,
     if rotation not in ("none", "hadamard"):
         raise ValueError(f"rotation must be 'none' or 'hadamard', got {rotation!r}")
     d = geom.head_dim
-    if rotation == "hadamard" and (d & (d - 1) or not 16 <= d <= 256):
+    if rotation == "hadamard" and not rotation_supported(d):
         raise ValueError(f"rotation='hadamard' needs a power-of-two head_dim from 16 to 256, "
                          f"got head_dim = {d}")
     for name, value in (("window_pages", window_pages), ("window_slots", window_slots)):

@@ -29,6 +29,7 @@ __all__ = [
     "unpack_nibbles",
     "float32_to",
     "hadamard",
+    "rotation_supported",
     "bf16_bits",
     "resolve_dtype",
     "reciprocal_clamped",
@@ -157,6 +158,13 @@ def float32_to(x: np.ndarray, dtype: np.dtype) -> np.ndarray:
     # beyond the target's range rounds to +-inf, below it to subnormals or zero: intended
     with np.errstate(over="ignore", under="ignore"):
         return np.asarray(x, dtype=_F32).astype(dtype)
+
+
+def rotation_supported(head_dim: int) -> bool:
+    """Whether K of ``head_dim`` can be stored rotated (``rotation="hadamard"``): a power
+    of two from 16 to 256, the sizes the attention kernels rotate q for."""
+    d = int(head_dim)
+    return d & (d - 1) == 0 and 16 <= d <= 256
 
 
 def hadamard(x, *, xp=None):

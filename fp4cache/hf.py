@@ -507,7 +507,7 @@ class FP4Cache(Cache):
         self.pages_per_row = -(-self.max_cache_len // self.block_size)
         if rotation is None:
             d = self.head_dim
-            rotation = "hadamard" if d & (d - 1) == 0 and 16 <= d <= 256 else "none"
+            rotation = "hadamard" if formats.rotation_supported(d) else "none"
         if rotation not in ("none", "hadamard"):
             raise ValueError(f"rotation must be 'hadamard' or 'none', got {rotation!r}")
         if window_pages is None:
