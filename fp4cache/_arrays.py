@@ -99,7 +99,8 @@ def is_cupy(a: Any) -> bool:
 
 
 def backend_of(a: Any) -> str:
-    """``"cuda"`` for CuPy arrays and GPU DLPack producers, else ``"cpu"``."""
+    """``"cuda"`` for CuPy arrays, GPU DLPack producers and ``__cuda_array_interface__``
+    objects, else ``"cpu"``."""
     if is_cupy(a):
         return "cuda"
     if isinstance(a, np.ndarray):
@@ -110,7 +111,7 @@ def backend_of(a: Any) -> str:
             return "cpu" if int(dev()[0]) == 1 else "cuda"
         except Exception:
             return "cpu"
-    return "cpu"
+    return "cuda" if hasattr(a, "__cuda_array_interface__") else "cpu"
 
 
 def to_backend(a: Any, backend: str, name: str, *, allow_convert: bool = False):
@@ -154,6 +155,8 @@ def to_backend(a: Any, backend: str, name: str, *, allow_convert: bool = False):
     if hasattr(a, "__dlpack__") and backend_of(a) == "cuda":
         _check_grad(a, name)
         return cupy.from_dlpack(a)
+    if hasattr(a, "__cuda_array_interface__"):  # zero copy (Numba, older libraries)
+        return cupy.asarray(a)
     return cupy.asarray(_native_ints(np.asarray(a)))
 
 
@@ -493,13 +496,17 @@ def _shape_str(shape) -> str:
     return "[" + ", ".join("*" if s is None else str(s) for s in shape) + "]"
 
 
+def address(a) -> int:
+    """The address of a NumPy or CuPy array's first element."""
+    return a.data.ptr if is_cupy(a) else a.__array_interface__["data"][0]
+
+
 def share_bytes(a, b) -> bool:
     """Whether two C-contiguous arrays of one backend share any byte (their address
     ranges intersect; an empty array shares none)."""
     if a.nbytes == 0 or b.nbytes == 0:
         return False
-    pa = a.data.ptr if is_cupy(a) else a.__array_interface__["data"][0]
-    pb = b.data.ptr if is_cupy(b) else b.__array_interface__["data"][0]
+    pa, pb = address(a), address(b)
     return pa < pb + b.nbytes and pb < pa + a.nbytes
 
 

@@ -177,6 +177,19 @@ class Pool:
     def block_size(self) -> int:
         return self.geometry.block_size
 
+    @property
+    def window_args(self) -> dict:
+        """The attention backends' keyword arguments for the exact window and the rotation
+        (``docs/window.md``): ``window`` = ``(slots, map, pages)`` or None, ``rotate``."""
+        window = None if self.window is None else (self.window, self.window_map,
+                                                   self.window_pages)
+        return {"window": window, "rotate": self.rotation == "hadamard"}
+
+    @property
+    def store_window(self):
+        """``(slots, map)`` of the exact window, which the store also writes, or None."""
+        return None if self.window is None else (self.window, self.window_map)
+
     def __repr__(self) -> str:
         return (f"Pool(device={self.device!r}, device_id={self.device_id}, "
                 f"num_blocks={self.num_blocks}, geometry={self.geometry})")

@@ -671,19 +671,15 @@ def copy_window(pool, src, dst) -> None:
 
 
 # -- prepared calls (the engine API's plan / run) ------------------------------------------------
-def _window_of(pool):
-    return None if pool.window is None else (pool.window, pool.window_map, pool.window_pages)
-
-
 def store_runner(pool, slots, k, v, *, unique_slots: bool):
     """``run(slots, k, v)``: :func:`store` into ``pool`` (a
     :class:`~fp4cache._backend.Pool`) for arrays like these."""
-    window = None if pool.window is None else (pool.window, pool.window_map)
+    kw = {"geom": pool.geometry, "rule": pool.scale_rule, "k_s": pool.k_s, "k_g": pool.k_g,
+          "v_s": pool.v_s, "v_g": pool.v_g, "stats": pool.stats, "unique_slots": unique_slots,
+          "rotate": pool.window_args["rotate"], "window": pool.store_window}
 
     def run(slots, k, v):
-        store(pool.buffer, slots, k, v, geom=pool.geometry, rule=pool.scale_rule,
-              k_s=pool.k_s, k_g=pool.k_g, v_s=pool.v_s, v_g=pool.v_g, stats=pool.stats,
-              unique_slots=unique_slots, rotate=pool.rotation == "hadamard", window=window)
+        store(pool.buffer, slots, k, v, **kw)
 
     return run
 
@@ -694,8 +690,7 @@ def attention_runner(pool, q, query_start_loc, block_tables, seq_lens, *,
     over ``pool`` for arrays like these (``query_start_loc`` None: one query token per
     sequence, :func:`decode_attention`)."""
     kw = {"geom": pool.geometry, "k_s": pool.k_s, "v_s": pool.v_s, "sm_scale": sm_scale,
-          "stats": pool.stats, "window": _window_of(pool),
-          "rotate": pool.rotation == "hadamard"}
+          "stats": pool.stats, **pool.window_args}
     if query_start_loc is None:
         def run_decode(q, query_start_loc, block_tables, seq_lens, out, lse):
             decode_attention(pool.buffer, q, block_tables, seq_lens, out, lse, **kw)

@@ -63,7 +63,7 @@ def decode_attention(pool: Pool, q: ArrayLike, block_tables: IndexLike,
     run = pool.backend.decode_runner(
         pool.buffer, a.q, a.block_tables, a.seq_lens, geom=pool.geometry, k_s=pool.k_s,
         v_s=pool.v_s, sm_scale=a.sm_scale, stats=pool.stats, scratch=pool.state,
-        **window_args(pool))
+        **pool.window_args)
     run(a.q, a.block_tables, a.seq_lens, a.out, a.lse)
     if (not check and a.q is q and a.block_tables is block_tables
             and a.seq_lens is seq_lens and (out is None or a.out is out)
@@ -115,7 +115,7 @@ def attention(pool: Pool, q: ArrayLike, query_start_loc: IndexLike,
             pool.buffer, a.q, qsl, a.block_tables, a.seq_lens, a.out, a.lse,
             geom=pool.geometry, k_s=pool.k_s, v_s=pool.v_s, sm_scale=a.sm_scale,
             stats=pool.stats, causal=causal, max_query_len=bound, scratch=None,
-            **window_args(pool))
+            **pool.window_args)
         return res
     if bound is None:
         # The one host synchronization of an unvalidated call without max_query_len.
@@ -142,23 +142,14 @@ def _varlen_runner(pool: Pool, q, query_start_loc, block_tables, seq_lens,
     return pool.backend.varlen_runner(pool.buffer, q, query_start_loc, block_tables, seq_lens,
                             max_query_len=max_query_len, causal=causal, geom=pool.geometry,
                             k_s=pool.k_s, v_s=pool.v_s, sm_scale=sm_scale,
-                            stats=pool.stats, scratch=pool.state, **window_args(pool))
-
-
-def window_args(pool: Pool) -> dict:
-    """The keyword arguments of the attention backends for the cache's exact window and
-    rotation (``docs/window.md``): ``window`` = ``(slots, map, pages)`` or None, and
-    ``rotate``."""
-    window = (None if pool.window is None
-              else (pool.window, pool.window_map, pool.window_pages))
-    return {"window": window, "rotate": pool.rotation == "hadamard"}
+                            stats=pool.stats, scratch=pool.state, **pool.window_args)
 
 
 def _launch(pool: Pool, q, block_tables, seq_lens, out, lse, sm_scale: float) -> None:
     pool.backend.decode_attention(
         pool.buffer, q, block_tables, seq_lens, out, lse, geom=pool.geometry,
         k_s=pool.k_s, v_s=pool.v_s, sm_scale=sm_scale, stats=pool.stats, scratch=None,
-        **window_args(pool))
+        **pool.window_args)
 
 
 def workspace_hints(geom: PageGeometry, num_blocks: int, max_batch_size, max_seq_len,

@@ -60,13 +60,6 @@ def _check_pool_fits(num_blocks: int, geom: PageGeometry, kind: str,
             f"at most about num_blocks = {max(0, have * num_blocks // need)}")
 
 
-def _device_of(a) -> int:
-    """The GPU ordinal of a device array (CuPy, or a DLPack producer such as PyTorch)."""
-    if _arrays.is_cupy(a):
-        return int(a.data.device_id)
-    return int(a.__dlpack_device__()[1])
-
-
 def _external_pages(buffer, geom: PageGeometry, num_blocks, kind: str, index):
     """The caller's page memory as the pool, ``(num_blocks, 2, side_bytes)`` uint8, a view
     (no copy): checked for its backend, device, dtype, contiguity, alignment and size."""
@@ -79,7 +72,7 @@ def _external_pages(buffer, geom: PageGeometry, num_blocks, kind: str, index):
     if not buf.flags.c_contiguous:
         raise ValueError("buffer must be C-contiguous (its pages one after another, each "
                          "[K data | K scales | V data | V scales])")
-    address = buf.data.ptr if kind == "cuda" else buf.ctypes.data
+    address = _arrays.address(buf)
     if address % 16:
         raise ValueError(f"buffer must start at a 16-byte aligned address, got {address:#x}")
     rows = int(buf.shape[0]) if buf.ndim > 1 else None
@@ -242,8 +235,8 @@ class PagedKVCache:
         geom = PageGeometry(num_heads, block_size, head_dim, layout, swizzle_v_scales)
         geom.check()
         if buffer is not None and device is None:
-            device = _arrays.backend_of(buffer) if _arrays.backend_of(buffer) == "cpu" \
-                else f"cuda:{_device_of(buffer)}"
+            device = "cpu" if _arrays.backend_of(buffer) == "cpu" else int(
+                _arrays.to_backend(buffer, "cuda", "buffer").data.device_id)
         if (num_blocks is not None or buffer is None) and (
                 not isinstance(num_blocks, (int, np.integer)) or isinstance(num_blocks, bool)
                 or num_blocks <= 0):

@@ -60,20 +60,25 @@ def _torch_stream(a) -> int | None:
     return sys.modules["torch"].cuda.current_stream(a.device).cuda_stream
 
 
+#: The signature of an argument of a kind the plan keeps no launch for (checked each call).
+_UNCACHED = object()
+
+
 def _signature(a) -> Any:
     """What a prepared launch depends on of array ``a``: kind, shape, dtype, strides,
-    pointer alignment and device (never the values or the address)."""
+    pointer alignment and device (never the values or the address); :data:`_UNCACHED`
+    for other kinds of argument."""
     if a is None:
         return None
     t = type(a)
     if t is np.ndarray:
-        return (t, a.shape, a.dtype, a.strides, a.ctypes.data & 15)
+        return (t, a.shape, a.dtype, a.strides, _arrays.address(a) & 15)
     if _arrays.is_cupy(a):
         return (t, a.shape, a.dtype, a.strides, a.data.ptr & 15, a.data.device_id)
     if hasattr(a, "data_ptr") and hasattr(a, "stride"):  # a PyTorch tensor
         return (t, tuple(a.shape), a.dtype, a.stride(), a.data_ptr() & 15, a.device,
                 a.requires_grad)
-    return t, id(a)  # anything else: checked on every call
+    return _UNCACHED
 
 
 class _Run:
@@ -202,6 +207,8 @@ class AttentionPlan:
         Returns the plan.
         """
         causal = _arrays.check_bool(causal, "causal")
+        if max_query_len is not None:
+            max_query_len = attention._check_max_query_len(max_query_len)
         qsl = self._intake(query_start_loc, "query_start_loc", 1)
         sl = self._intake(seq_lens, "seq_lens", 1)
         bt = self._intake(block_tables, "block_tables", 2)
@@ -221,8 +228,7 @@ class AttentionPlan:
                              f"max_num_tokens = {self.max_num_tokens}")
         host = all(isinstance(a, np.ndarray) for a in (qsl, sl, bt))
         if host:
-            n = attention._check_query_values(qsl, sl, int(qsl[-1]) if B >= 0 else 0,
-                                              causal, max_query_len)
+            n = attention._check_query_values(qsl, sl, int(qsl[-1]), causal, max_query_len)
             if int(qsl[-1]) > self.max_num_tokens:
                 raise ValueError(f"query_start_loc[-1] = {int(qsl[-1])} tokens; this plan "
                                  f"holds max_num_tokens = {self.max_num_tokens}")
@@ -238,8 +244,6 @@ class AttentionPlan:
                 max_query_len = int(d.max().get() if _arrays.is_cupy(d) else d.max()) \
                     if B else 0
             self._host = None
-        max_query_len = attention._check_max_query_len(max_query_len) \
-            if type(max_query_len) is not int or max_query_len < 0 else max_query_len
         torch_in = next((a for a in (query_start_loc, seq_lens, block_tables, slot_mapping)
                          if _torch_stream(a) is not None), None)
         with self._guard(), self._stream_of(torch_in) if torch_in is not None else _NO_GUARD:
@@ -263,14 +267,14 @@ class AttentionPlan:
         return self
 
     def _intake(self, a, name: str, ndim: int):
-        a = _arrays.to_backend(a, _arrays.backend_of(a) if not isinstance(
-            a, (list, tuple, range)) else "cpu", name, allow_convert=True)
+        """Metadata as given (host, or device on a GPU plan), an int array of ``ndim``."""
+        where = "cpu" if self.device == "cpu" or isinstance(a, (list, tuple, range)) \
+            else _arrays.backend_of(a)
+        a = _arrays.to_backend(a, where, name, allow_convert=True)
         attention._check_int_dtype(a, name)
         if a.ndim != ndim:
             raise ValueError(f"{name} must be {ndim}-D, got shape {tuple(a.shape)}")
-        if isinstance(a, np.ndarray) or self.device == "cuda":
-            return a
-        return _arrays.to_backend(a, "cpu", name, allow_convert=True)
+        return a
 
     def _copy(self, dst, src) -> None:
         if dst.size == 0:
@@ -315,13 +319,14 @@ class AttentionPlan:
         key = (id(cache), step, _signature(q), _signature(k), _signature(v),
                _signature(out), sm_scale, unique_slots)
         try:
-            hash(key)
-        except TypeError:
+            if _UNCACHED in key:
+                key = None
+        except TypeError:  # an unhashable or uncomparable sm_scale
             key = None
         prep = self._runs.get(key) if key is not None else None
         if prep is None or prep.pool is not getattr(cache, "pool", None):
             prep = self._prepare(cache, q, k, v, out, sm_scale, unique_slots)
-            if key is not None and type(key[2][0]) is not int:
+            if key is not None:
                 self._runs.put(key, prep)
         elif self._host is not None and (cache.block_size, cache.num_blocks) not in \
                 self._checked:
@@ -371,8 +376,10 @@ class AttentionPlan:
         torch_stream = _torch_stream(q) is not None
         with self._guard(), self._stream_of(q) if torch_stream else _NO_GUARD:
             qa = attention._check_q(pool, q, "num_tokens")
-            if not qa.flags.c_contiguous:
-                raise ValueError("q must be C-contiguous (num_tokens, Hq, head_dim)")
+            if not qa.flags.c_contiguous or _arrays.address(qa) % qa.itemsize:
+                raise ValueError("q must be C-contiguous (num_tokens, Hq, head_dim) and "
+                                 "aligned to its itemsize (the kernels read it in place)")
+            _arrays.check_device({"q": qa}, pool.buffer)
             tokens = qa.shape[0]
             if self._host is not None and tokens != int(self._host[2].sum()):
                 raise ValueError(f"q holds {tokens} tokens; the plan's query_start_loc[-1] "
@@ -380,11 +387,12 @@ class AttentionPlan:
             scale = _arrays.check_scale(1.0 / np.sqrt(pool.geometry.head_dim)
                                         if sm_scale is None else sm_scale, "sm_scale")
             alloc = _allocator(q)
-            oa = _arrays.to_backend(alloc(q) if out is None else out, self.device, "out")
-            oa = _arrays.check_out(oa, "out", qa.shape, qa.dtype, self.device)
-            if _arrays.share_bytes(oa, qa):
-                raise ValueError("out must not overlap q")
-            _arrays.check_device({"q": qa, "out": oa}, pool.buffer)
+            if out is not None:  # an allocated one is q's like by construction
+                oa = _arrays.check_out(_arrays.to_backend(out, self.device, "out"), "out",
+                                       qa.shape, qa.dtype, self.device)
+                if _arrays.share_bytes(oa, qa):
+                    raise ValueError("out must not overlap q")
+                _arrays.check_device({"out": oa}, pool.buffer)
             store = None
             if k is not None or v is not None:
                 store = self._prepare_store(pool, k, v, tokens, unique_slots)
@@ -409,8 +417,9 @@ class AttentionPlan:
             raise ValueError(f"q holds {tokens} tokens; the plan's slot_mapping "
                              f"{slots.shape[0]}")
         s, ka, va = _store.check_args(pool, slots, k, v)
-        for name, given, used in (("k", k, ka), ("v", v, va)):
-            if not _same_view(_arrays.to_backend(given, self.device, name), used):
+        for name, arg in (("k", k), ("v", v)):
+            given = _arrays.to_backend(arg, self.device, name)
+            if given.strides[-1] != given.itemsize or _arrays.address(given) % given.itemsize:
                 raise ValueError(f"{name} must have contiguous values along head_dim at its "
                                  "dtype's alignment (the store reads it in place)")
         if self._host is not None:
@@ -431,16 +440,6 @@ class AttentionPlan:
                 f"{self.max_num_tokens}, max_blocks_per_seq={self.max_blocks_per_seq}, "
                 f"device={self.device!r}, batch_size={self.batch_size}, "
                 f"max_query_len={self.max_query_len})")
-
-
-def _address(a) -> int:
-    return a.data.ptr if _arrays.is_cupy(a) else a.ctypes.data
-
-
-def _same_view(a, b) -> bool:
-    """Whether ``b`` reads ``a``'s memory as ``a`` does (no copy was made)."""
-    return (a.shape == b.shape and a.strides == b.strides and a.dtype == b.dtype
-            and _address(a) == _address(b))
 
 
 def _where(kind: str, index: int | None) -> str:

@@ -158,17 +158,20 @@ class _Rows:
         key = (b, lens_before[:b].tobytes(), lens_after[:b].tobytes())
         if self._moves is not None and self._moves[0] == key:
             return self._moves[1]
-        moves = self.ring.step(self.table[:b], np.arange(b), lens_before[:b], lens_after[:b],
+        # a row's ring is that of the row whose pages it holds (beam search moves whole
+        # table rows), so a block keeps its slot when its row moves
+        rings = self.table[:b, 0] // self.pages_per_row
+        moves = self.ring.step(self.table[:b], rings, lens_before[:b], lens_after[:b],
                                self.block_size)
-        # a row's ring is its table row's: slots follow the pages, not the row index,
-        # so a block keeps its slot when beam search moves table rows
         if moves is not None:
-            blocks, slots = moves
-            add = slots >= 0
-            slots[add] = self.slot_of(blocks[add])
-            moves = (self.index(blocks), self.index(slots))
+            moves = (self.index(moves[0]), self.index(moves[1]))
         self._moves = (key, moves)
         return moves
+
+    def forget(self) -> None:
+        """Drop the step and the window moves kept for the next layers (a reset)."""
+        self.last = None
+        self._moves = None
 
     def slot_of(self, blocks: np.ndarray) -> np.ndarray:
         """The window slot of each block: the ring of the row that owns it."""
@@ -622,8 +625,7 @@ class FP4Cache(Cache):
                         layer.pages.map_window(rows.index(blocks),
                                                rows.index(np.full(blocks.size, -1)),
                                                validate=False)
-        rows.last = None
-        rows._moves = None
+        rows.forget()
 
     # -- Cache ----------------------------------------------------------------------------
     @property
@@ -694,7 +696,7 @@ class FP4Cache(Cache):
             lens[:b] = layer.lens[:b][idx]
             layer.lens = lens
         rows.table[:b] = new
-        rows.last = None
+        rows.forget()
 
     def crop(self, tokens_to_remove: int) -> None:
         raise NotImplementedError("FP4Cache cannot crop (assisted generation)")

@@ -19,9 +19,9 @@ __all__ = ["check_args", "check_slots", "store"]
 
 def check_args(pool: Pool, slot_mapping, k, v):
     """``(slots, k, v)`` as the backend reads them: on the pool's backend, ``k`` / ``v`` of
-    the pool's heads and head_dim, the same shape and dtype, values contiguous along
-    head_dim at their alignment (copied where not: the kernels read rows in place),
-    ``slots`` int32 / int64, one per token, C-contiguous."""
+    the pool's heads and head_dim, the same shape and dtype, ``slots`` int32 / int64, one
+    per token; on the GPU values contiguous along head_dim at their alignment and
+    ``slots`` C-contiguous (copied where not: the kernels read them in place)."""
     be, g = pool.device, pool.geometry
     k = _arrays.to_backend(k, be, "k")
     v = _arrays.to_backend(v, be, "v")
@@ -37,14 +37,15 @@ def check_args(pool: Pool, slot_mapping, k, v):
     _arrays.check_device({"k": k, "v": v, "slot_mapping": slots}, pool.buffer)
     _arrays.check_strides(k, "k")
     _arrays.check_strides(v, "v")
-    k = _arrays.aligned(k, "k")
-    v = _arrays.aligned(v, "v")
-    if k.strides[-1] != k.itemsize:
-        k = k.copy()
-    if v.strides[-1] != v.itemsize:
-        v = v.copy()
-    if not slots.flags.c_contiguous:
-        slots = slots.copy()
+    if _arrays.is_cupy(k):  # the kernels read rows of contiguous values at their alignment
+        k = _arrays.aligned(k, "k")
+        v = _arrays.aligned(v, "v")
+        if k.strides[-1] != k.itemsize:
+            k = k.copy()
+        if v.strides[-1] != v.itemsize:
+            v = v.copy()
+        if not slots.flags.c_contiguous:
+            slots = slots.copy()
     return slots, k, v
 
 

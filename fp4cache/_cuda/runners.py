@@ -9,18 +9,12 @@ are kept in the pool's plan cache (``CacheState.plans``) under their backend key
 
 from __future__ import annotations
 
-from typing import Any
-
 from .._hotpath import store_signature
 from .decode import decode_runner
 from .paged import store_plan
 from .varlen import varlen_runner
 
 __all__ = ["store_runner", "attention_runner"]
-
-
-def _window_of(pool) -> Any:
-    return None if pool.window is None else (pool.window, pool.window_map, pool.window_pages)
 
 
 def store_runner(pool, slots, k, v, *, unique_slots: bool):
@@ -45,8 +39,7 @@ def attention_runner(pool, q, query_start_loc, block_tables, seq_lens, *,
     ``pool`` for arrays like these (``query_start_loc`` None: one query token per sequence,
     the decode launch)."""
     kw = {"geom": pool.geometry, "k_s": pool.k_s, "v_s": pool.v_s, "sm_scale": sm_scale,
-          "stats": pool.stats, "scratch": pool.state, "window": _window_of(pool),
-          "rotate": pool.rotation == "hadamard"}
+          "stats": pool.stats, "scratch": pool.state, **pool.window_args}
     if query_start_loc is None:
         run = decode_runner(pool.buffer, q, block_tables, seq_lens, **kw)
 
