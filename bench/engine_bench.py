@@ -118,11 +118,60 @@ def run(B: int, ctx: int, layers: int, reps: int) -> list[dict]:
     return rows
 
 
+def soak(steps: int, seed: int = 3) -> list[dict]:
+    """Random steps through one plan and two layers: B in [1, 64] sequences of 1-8 query
+    tokens (decode, verification) or one 1-512-token chunk, contexts of 1-4,096 tokens; the
+    CuPy pool's bytes, the caches' ``nbytes`` and the launches the plan keeps, four times."""
+    import cupy
+    import ml_dtypes
+
+    H, Hq, D, T, pages = 8, 32, 128, 16, 256
+    rng = np.random.default_rng(seed)
+    caches = [fp4cache.PagedKVCache(64 * pages, T, H, D, scale_rule="4over6", k_scale=0.01,
+                                    v_scale=0.01, device="cuda", max_batch_size=64,
+                                    max_seq_len=pages * T, num_query_heads=Hq)
+              for _ in range(2)]
+    plan = fp4cache.AttentionPlan(64, 64 * 8 + 512, pages, device="cuda")
+    bf16 = ml_dtypes.bfloat16
+    q_all = cupy.asarray(rng.standard_normal((1024, Hq, D)).astype(bf16))
+    k_all = cupy.asarray(rng.standard_normal((1024, H, D)).astype(bf16))
+    pool = cupy.get_default_memory_pool()
+    rows = []
+    for step in range(1, steps + 1):
+        B = int(rng.integers(1, 65))
+        n = (np.full(B, int(rng.integers(1, 9))) if rng.random() < 0.8
+             else np.concatenate([[int(rng.integers(1, 513))], np.ones(B - 1, np.int64)]))
+        ctx = rng.integers(n, 4097)
+        tables = (np.arange(B)[:, None] * pages + np.arange(pages)).astype(np.int32)
+        pos = np.concatenate([np.arange(c - m, c) for c, m in zip(ctx, n)])
+        seq = np.repeat(np.arange(B), n)
+        slots = tables[seq, pos // T].astype(np.int64) * T + pos % T
+        qsl = np.concatenate([[0], np.cumsum(n)]).astype(np.int32)
+        plan.plan(qsl, ctx.astype(np.int32), tables, slots, max_query_len=int(n.max()))
+        N = int(qsl[-1])
+        for c in caches:
+            plan.run(c, q_all[:N], k_all[:N], k_all[:N])
+        if step % max(1, steps // 4) == 0:
+            cupy.cuda.get_current_stream().synchronize()
+            rows.append({"step": step, "pool_used_mib": pool.used_bytes() / 2**20,
+                         "pool_held_mib": pool.total_bytes() / 2**20,
+                         "cache_nbytes_mib": sum(c.nbytes for c in caches) / 2**20,
+                         "plan_launches": len(plan._runs)})
+            print(f"soak step {step}: " + ", ".join(f"{k} {v:.1f}" if isinstance(v, float)
+                                                     else f"{k} {v}"
+                                                     for k, v in rows[-1].items()
+                                                     if k != "step"), flush=True)
+    return rows
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--cells", default="1x4096,8x32768,32x8192", help="B x context, ...")
     ap.add_argument("--layers", type=int, default=32)
     ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--soak", type=int, default=0,
+                    help="also this many random-shape steps through one plan (memory stays "
+                         "flat after warm-up)")
     ap.add_argument("--out", default=None)
     a = ap.parse_args(argv)
     import cupy
@@ -135,8 +184,10 @@ def main(argv=None) -> int:
             rows.append(r)
             print(f"{name} | {r['case']:<26} | {r['impl']:<40} | step {r['step_us']:9.1f} us"
                   f" | host {r['host_us_per_layer']:7.1f} us/layer", flush=True)
+    soak_rows = soak(a.soak) if a.soak else []
     if a.out:
-        Path(a.out).write_text(json.dumps({"gpu": name, "rows": rows}, indent=1))
+        Path(a.out).write_text(json.dumps({"gpu": name, "rows": rows, "soak": soak_rows},
+                                          indent=1))
     return 0
 
 
