@@ -661,16 +661,30 @@ def calibrate(model: Any, ids: torch.Tensor) -> tuple[Context, list[dict], dict]
 
 
 # -- evaluation -------------------------------------------------------------------------------
-def hidden_states(model: Any, ids: torch.Tensor, cache: Cache) -> torch.Tensor:
-    """The last hidden states (T, hidden) of one prefill of ``ids`` (1-D) through ``cache``
-    (and its ``attention_kwargs``, if any, to the attention)."""
-    chunk = getattr(cache, "chunk", None) or ids.numel()  # FP4Cache: page by page
+def feeds(protocol: str, cache: Cache, n: int, prompt_len: int) -> list[int]:
+    """The forward passes a window of ``n`` tokens is fed in: ``"pages"`` the cache's own
+    ``chunk`` (the fp4cache formats: page by page) or one prefill; ``"one-pass"`` one
+    prefill; ``"decode"`` a prefill of ``prompt_len`` tokens, then one token per pass."""
+    if protocol == "decode":
+        return [prompt_len] + [1] * (n - prompt_len)
+    chunk = (getattr(cache, "chunk", None) if protocol == "pages" else None) or n
+    return [min(chunk, n - i) for i in range(0, n, chunk)]
+
+
+def hidden_states(model: Any, ids: torch.Tensor, cache: Cache,
+                  passes: Sequence[int] | None = None) -> torch.Tensor:
+    """The last hidden states (T, hidden) of ``ids`` (1-D) fed through ``cache`` in
+    ``passes`` (token counts; default :func:`feeds` ``"pages"``), its
+    ``attention_kwargs``, if any, to the attention."""
+    passes = passes or feeds("pages", cache, ids.numel(), 0)
     parts = []
+    i = 0
     with torch.no_grad():
-        for i in range(0, ids.numel(), chunk):
-            out = model.model(input_ids=ids[None, i:i + chunk], past_key_values=cache,
+        for m in passes:
+            out = model.model(input_ids=ids[None, i:i + m], past_key_values=cache,
                               use_cache=True, **getattr(cache, "attention_kwargs", {}))
             parts.append(out.last_hidden_state[0])
+            i += m
     return torch.cat(parts)
 
 
@@ -790,7 +804,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--quick", action="store_true", help="smoke run: 1 x 256 + 1 x 512 "
                    "tokens, calibration 256")
     p.add_argument("--threads", type=int, default=None, help="torch threads")
+    p.add_argument("--protocol", choices=("pages", "one-pass", "decode"), default="pages",
+                   help="how a window is fed: 'pages' each format's own chunks (the fp4cache "
+                   "formats 16 tokens a pass), 'one-pass' one forward pass (how perplexity "
+                   "is usually measured), 'decode' a one-pass prompt of --prompt-len tokens "
+                   "then one token per pass, scored on the tokens after the prompt")
+    p.add_argument("--prompt-len", type=int, default=1024, help="prompt of --protocol decode")
     args = p.parse_args(argv)
+    if args.protocol == "decode" and not 0 < args.prompt_len < args.window_len:
+        p.error("--protocol decode needs 0 < --prompt-len < --window-len")
     if args.quick:
         args.windows, args.window_len, args.long_windows, args.long_len = 1, 256, 1, 512
         args.calib_len = 256
@@ -826,6 +848,7 @@ def main(argv: list[str] | None = None) -> int:
                     "cpus": os.cpu_count(), "torch_threads": torch.get_num_threads(),
                     "python": sys.version.split()[0], "torch": torch.__version__},
         "command": "python bench/model_quality.py " + " ".join(argv or sys.argv[1:]),
+        "protocol": args.protocol,
         "formats": {n: FORMATS[n].description for n in names},
         "default_scale": fhf.DEFAULT_SCALE,
         "calibration": {"window": calib.__dict__, "nvfp4_scales": ctx.nvfp4_scales,
@@ -842,11 +865,14 @@ def main(argv: list[str] | None = None) -> int:
         for name in names:
             t0 = time.perf_counter()
             cache = FORMATS[name].factory(ctx, w.length)
-            hidden = hidden_states(model, x, cache)
+            hidden = hidden_states(model, x, cache,
+                                   feeds(args.protocol, cache, w.length, args.prompt_len))
             del cache
+            # the decode protocol scores the predictions of the tokens after the prompt
+            start = args.prompt_len - 1 if args.protocol == "decode" else 0
             if name == "float32":
-                ref = log_probs(model, hidden)
-            sums = window_sums(model, x, hidden, ref)
+                ref = log_probs(model, hidden[start:])
+            sums = window_sums(model, x[start:], hidden[start:], ref)
             sums["seconds"] = time.perf_counter() - t0
             row["formats"][name] = sums
             print(f"window {wi} ({w.length}@{w.offset}) {name}: ppl "
