@@ -119,7 +119,7 @@ def main(argv=None) -> int:
         done += n
         row = dict(steps=done, pool_used=pool.used_bytes(), pool_held=pool.total_bytes(),
                    cache_nbytes=cache.nbytes, workspace=cache.workspace_nbytes,
-                   plans=len(cache.pool.state.plans), host_s=host, device_s=dev)
+                   plans=len(cache.pool.plans), host_s=host, device_s=dev)
         rows.append(row)
         log(f"| {done} | {row['pool_used'] / MiB:.1f} | {row['pool_held'] / MiB:.1f} "
             f"| {row['cache_nbytes'] / MiB:.1f} | {row['workspace'] / MiB:.2f} "

@@ -10,11 +10,14 @@ outputs: the protocol of :mod:`fp4cache._backend`, implemented on the GPU by
 from __future__ import annotations
 
 import functools
+import sys
 from typing import NamedTuple
 
 import numpy as np
 
-from ._abi import SCALE_SATURATES_ABOVE, STAT
+from ._abi import SCALE_SATURATES_ABOVE, STAT, STAT_NAMES
+from . import _device
+from ._pool import Pool
 from .formats import (
     C4,
     C6,
@@ -670,10 +673,67 @@ def copy_window(pool, src, dst) -> None:
     pool.window[d[hot]] = staged
 
 
-# -- prepared calls (the engine API's plan / run) ------------------------------------------------
-def store_runner(pool, slots, k, v, *, unique_slots: bool):
-    """``run(slots, k, v)``: :func:`store` into ``pool`` (a
-    :class:`~fp4cache._backend.Pool`) for arrays like these."""
+# -- the pool and its prepared calls ---------------------------------------------------------
+class HostPool(Pool):
+    """The pool of a cache on the CPU: NumPy pages (its own, zeroed, or the caller's),
+    counters and window.  Checking ids and lengths costs no synchronization here, so
+    every call checks them (``validate`` is always True)."""
+
+    checks_are_free = True
+
+
+#: What :func:`allocation_bytes` counts per page besides the page.
+PAGE_EXTRAS = ""
+
+
+def allocation_bytes(geom: PageGeometry, num_blocks: int, own_pages: bool = True) -> int:
+    """Bytes a CPU pool of ``num_blocks`` pages allocates at construction (its pages,
+    unless given)."""
+    return num_blocks * 2 * geom.side_bytes if own_pages else 0
+
+
+def memory_available(device_id=None) -> tuple[int | None, str]:
+    """``(bytes, where)``: the host's ``MemAvailable`` (None where unknown)."""
+    have = _device.host_memory()
+    return have, (f"{_device.format_bytes(have)} of host memory is available"
+                  if have is not None else "")
+
+
+def new_pool(geom: PageGeometry, *, device_id=None, num_blocks: int | None, pages, k_s, v_s,
+             validate: bool, scale_rule: str, rotation: str, window_pages: int,
+             window_slots: int) -> HostPool:
+    """The pool of a new cache on the CPU."""
+    if pages is None:
+        try:
+            pages = np.zeros((num_blocks, 2, geom.side_bytes), dtype=np.uint8)
+        except (MemoryError, ValueError) as e:  # what the front end's check could not see
+            raise ValueError(f"num_blocks = {num_blocks}: the page pool of "
+                             f"{allocation_bytes(geom, num_blocks)} bytes cannot be "
+                             f"allocated ({type(e).__name__}: {e})") from None
+        owns = True
+    else:
+        owns = False
+    n = pages.shape[0]
+    window = window_map = None
+    if window_slots:
+        window = np.zeros((window_slots, 2, geom.block_size, geom.num_heads, geom.head_dim),
+                          dtype=np.uint16)
+        window_map = np.full(n, -1, dtype=np.int32)
+    return HostPool(sys.modules[__name__], "cpu", None, geom, pages,
+                    np.zeros(len(STAT_NAMES), dtype=np.uint64), k_s, v_s, owns_pages=owns,
+                    validate=validate, scale_rule=scale_rule, rotation=rotation,
+                    window_pages=window_pages, window=window, window_map=window_map)
+
+
+def workspace_bound(geom: PageGeometry, max_batch_size: int, max_seq_len: int,
+                    num_query_heads: int) -> tuple[int, int]:
+    """The CPU needs no workspace: ``(0, 0)``."""
+    return 0, 0
+
+
+def store_runner(pool, slots, k, v, *, unique_slots: bool, key=None):
+    """``run(slots, k, v)``: :func:`store` into ``pool`` for arrays like these (nothing to
+    prepare on the CPU: ``key`` is not used)."""
     kw = {"geom": pool.geometry, "rule": pool.scale_rule, "k_s": pool.k_s, "k_g": pool.k_g,
           "v_s": pool.v_s, "v_g": pool.v_g, "stats": pool.stats, "unique_slots": unique_slots,
           "rotate": pool.window_args["rotate"], "window": pool.store_window}
@@ -684,8 +744,19 @@ def store_runner(pool, slots, k, v, *, unique_slots: bool):
     return run
 
 
+def gather_runner(pool, blocks, out_k, out_v, *, key=None):
+    """``run(blocks, out_k, out_v)``: :func:`gather_dequant` of ``pool``'s pages."""
+    kw = {"geom": pool.geometry, "k_s": pool.k_s, "v_s": pool.v_s, "stats": pool.stats,
+          "rotate": pool.rotation == "hadamard"}
+
+    def run(blocks, out_k, out_v):
+        gather_dequant(pool.buffer, blocks, out_k, out_v, **kw)
+
+    return run
+
+
 def attention_runner(pool, q, query_start_loc, block_tables, seq_lens, *,
-                     max_query_len: int, causal: bool, sm_scale):
+                     max_query_len: int, causal: bool, sm_scale, key=None):
     """``run(q, query_start_loc, block_tables, seq_lens, out, lse)``: :func:`attention`
     over ``pool`` for arrays like these (``query_start_loc`` None: one query token per
     sequence, :func:`decode_attention`)."""

@@ -134,20 +134,26 @@ def resident_ctas(fn: Any, threads: int, dynamic_smem: int = 0) -> int:
 
 class DeviceGuard:
     """``with DeviceGuard(n):`` makes GPU ``n`` current inside the block (only switching
-    when another one is current) and restores the previous device after it."""
+    when another one is current) and restores the previous device after it;
+    ``DeviceGuard(None)`` (the CPU) does nothing."""
 
     __slots__ = ("index", "prev", "_runtime")
 
-    def __init__(self, index: int) -> None:
+    def __init__(self, index: int | None) -> None:
+        self.index = index
+        self.prev = index
+        if index is None:
+            self._runtime = None
+            return
         import cupy
 
-        self.index = index
         self._runtime = cupy.cuda.runtime
 
     def __enter__(self) -> DeviceGuard:
-        self.prev = self._runtime.getDevice()
-        if self.prev != self.index:
-            self._runtime.setDevice(self.index)
+        if self._runtime is not None:
+            self.prev = self._runtime.getDevice()
+            if self.prev != self.index:
+                self._runtime.setDevice(self.index)
         return self
 
     def __exit__(self, *exc) -> None:

@@ -9,13 +9,16 @@ one lookup and its kernel launches (one to three) of host time.  A signature is 
 arguments the hot path does not take (not all CuPy arrays, an unhashable scalar): those
 always take the checked path.
 
-Where the launches live: a cache's in its own bounded plan cache (``CacheState.plans``,
-:func:`run`); the functional LongLive APIs, which have no owner object, in the two
-bounded caches of this module (:data:`LONGLIVE_POOL`, :data:`LONGLIVE_LISTS`).
+Where the launches live: a cache's in its pool's bounded plan cache (``pool.plans``,
+where the backend's runners keep them under the signature the front end passes as their
+key; :func:`run`, :func:`gather`, :func:`attention` look them up); the functional
+LongLive APIs, which have no owner object, in the two bounded caches of this module
+(:data:`LONGLIVE_POOL`, :data:`LONGLIVE_LISTS`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import weakref
 from itertools import chain
@@ -25,9 +28,13 @@ import numpy as np
 from ._arrays import is_cupy
 from ._device import DeviceGuard
 from ._plans import PlanCache
+from .formats import resolve_dtype
 
-__all__ = ["MISS", "run", "store_signature", "gather_signature", "gather_launch",
-           "decode_signature", "varlen_signature", "attention_launch", "LONGLIVE_POOL",
+_NO_GUARD = contextlib.nullcontext()
+_F32 = np.dtype(np.float32)
+
+__all__ = ["MISS", "run", "gather", "attention", "store_signature", "gather_signature",
+           "decode_signature", "varlen_signature", "LONGLIVE_POOL",
            "LONGLIVE_LISTS", "longlive_signature", "longlive_list_hit",
            "longlive_list_remember"]
 
@@ -51,11 +58,16 @@ def _current_device() -> int:
     return _get_device()()
 
 
+def _launch(pool, sig):
+    """The launch kept under ``sig`` in ``pool.plans``, or None."""
+    return pool.plans.get(sig) if sig is not None else None
+
+
 def run(pool, sig, *args):
-    """The launch an earlier checked call prepared for signature ``sig`` in the plans of
-    ``pool`` (a cache's :class:`~fp4cache._backend.Pool`), run with the pool's GPU current
+    """The launch a checked call left under signature ``sig`` in the plans of ``pool`` (a
+    cache's :class:`~fp4cache._backend.Pool`), run with the pool's GPU current
     (switching only when another is); else :data:`MISS`."""
-    launch = pool.state.plans.get(sig)
+    launch = _launch(pool, sig)
     if launch is None:
         return MISS
     if _get_device()() == pool.device_id:
@@ -101,25 +113,26 @@ def gather_signature(blocks, dtype, out):
         return None
 
 
-def gather_launch(launch, dtype, geom, allocate: bool):
-    """What the hot path runs for a gather signature: ``hot(blocks, out)``; with
-    ``allocate`` it makes the outputs (on the current device) of ``geom``'s pages."""
-    if not allocate:
-        def hot(blocks, out):
-            launch(blocks, out[0], out[1])
-            return out[0], out[1]
+@functools.lru_cache(maxsize=64)
+def _out_dtype(dtype) -> np.dtype:
+    return resolve_dtype("bfloat16" if dtype is None else dtype, name="dtype")
 
-        return hot
-    empty, tail = _cupy().empty, (geom.num_heads, geom.head_dim)
-    T = geom.block_size
 
-    def hot_alloc(blocks, out):
-        shape = (blocks.shape[0] * T,) + tail
-        k, v = empty(shape, dtype=dtype), empty(shape, dtype=dtype)
-        launch(blocks, k, v)
-        return k, v
-
-    return hot_alloc
+def gather(pool, sig, blocks, dtype, out):
+    """The hot path of ``gather_dequant``: the kept launch for ``sig`` writes ``out`` (or
+    new outputs of ``dtype``, on the pool's device) and returns them; else :data:`MISS`."""
+    launch = _launch(pool, sig)
+    if launch is None:
+        return MISS
+    with DeviceGuard(pool.device_id) if _get_device()() != pool.device_id else _NO_GUARD:
+        if out is None:
+            g = pool.geometry
+            shape = (blocks.shape[0] * g.block_size, g.num_heads, g.head_dim)
+            dt = _out_dtype(dtype)
+            empty = _cupy().empty
+            out = (empty(shape, dtype=dt), empty(shape, dtype=dt))
+        launch(blocks, out[0], out[1])
+    return out[0], out[1]
 
 
 # -- attention -------------------------------------------------------------------------------
@@ -128,7 +141,10 @@ def decode_signature(q, block_tables, seq_lens, sm_scale, out, lse_out, return_l
     devices, the scale), or None for arguments that are not all CuPy arrays or an
     unhashable scale.  The stream is not part of it: the workspace is the cache's, one
     for every stream."""
-    nd = _cupy().ndarray
+    try:
+        nd = _cupy().ndarray
+    except ImportError:
+        return None
     if type(q) is not nd or type(block_tables) is not nd or type(seq_lens) is not nd:
         return None
     if out is None:
@@ -168,27 +184,22 @@ def varlen_signature(q, query_start_loc, block_tables, seq_lens, sm_scale, out, 
         query_start_loc.data.device_id, causal, max_query_len)
 
 
-def attention_launch(launch, return_lse: bool):
-    """What the hot path runs for an attention signature: ``hot(q, *index_arrays, out,
-    lse_out)`` (``decode_attention``: block_tables, seq_lens; ``attention``:
-    query_start_loc first) allocates the outputs not given (on the current device) and
-    launches."""
-    empty = _cupy().empty
-    f32 = np.dtype(np.float32)
-
-    def hot(q, *args):
-        ids, out, lse_out = args[:-2], args[-2], args[-1]
+def attention(pool, sig, return_lse: bool, q, query_start_loc, block_tables, seq_lens,
+              out, lse_out):
+    """The hot path of ``decode_attention`` (``query_start_loc`` None) and ``attention``:
+    the kept launch for ``sig``, with the outputs not given allocated (on the pool's
+    device); else :data:`MISS`."""
+    launch = _launch(pool, sig)
+    if launch is None:
+        return MISS
+    with DeviceGuard(pool.device_id) if _get_device()() != pool.device_id else _NO_GUARD:
+        empty = _cupy().empty
         if out is None:
             out = empty(q.shape, dtype=q.dtype)
-        if return_lse:
-            if lse_out is None:
-                lse_out = empty(q.shape[:2], dtype=f32)
-            launch(q, *ids, out, lse_out)
-            return out, lse_out
-        launch(q, *ids, out, None)
-        return out
-
-    return hot
+        if return_lse and lse_out is None:
+            lse_out = empty(q.shape[:2], dtype=_F32)
+        launch(q, query_start_loc, block_tables, seq_lens, out, lse_out)
+    return (out, lse_out) if return_lse else out
 
 
 # -- LongLive --------------------------------------------------------------------------------

@@ -43,36 +43,27 @@ def decode_attention(pool: Pool, q: ArrayLike, block_tables: IndexLike,
                      lse_out: Array | None = None, return_lse: bool = False,
                      validate: bool | None = None) -> Array | tuple[Array, Array]:
     """The checked path of :meth:`PagedKVCache.decode_attention` (see its docstring), run
-    with the cache's device current.  On the GPU without validation it leaves the
-    prepared launch of these arguments in the cache's plans, under
-    :func:`fp4cache._hotpath.decode_signature`: the method's hot path runs it for the next
-    call like this."""
+    with the cache's device current.  The backend keeps the launch of these arguments in
+    the pool's plans under :func:`fp4cache._hotpath.decode_signature`: the method's hot
+    path runs it for the next unvalidated call like this."""
     if validate.__class__ not in _FLAG or return_lse.__class__ is not bool:
         validate = _arrays.check_bool(validate, "validate", optional=True)
         return_lse = _arrays.check_bool(return_lse, "return_lse")
     check = pool.validate if validate is None else validate
     a = _check_args(pool, q, block_tables, seq_lens, sm_scale, out, lse_out, return_lse)
-    if check or pool.device == "cpu":
+    if check or pool.checks_are_free:
         _check_values(pool, a.block_tables, a.seq_lens, block_ids=check)
-    if pool.device == "cpu":
-        if a.q.shape[0]:
-            _launch(pool, a.q, a.block_tables, a.seq_lens, a.out, a.lse, a.sm_scale)
-        return (a.out, a.lse) if return_lse else a.out
+    res = (a.out, a.lse) if return_lse else a.out
     if not a.q.shape[0]:
-        return (a.out, a.lse) if return_lse else a.out
-    run = pool.backend.decode_runner(
-        pool.buffer, a.q, a.block_tables, a.seq_lens, geom=pool.geometry, k_s=pool.k_s,
-        v_s=pool.v_s, sm_scale=a.sm_scale, stats=pool.stats, scratch=pool.state,
-        **pool.window_args)
-    run(a.q, a.block_tables, a.seq_lens, a.out, a.lse)
-    if (not check and a.q is q and a.block_tables is block_tables
-            and a.seq_lens is seq_lens and (out is None or a.out is out)
-            and (lse_out is None or a.lse is lse_out)):
-        sig = _hotpath.decode_signature(q, block_tables, seq_lens, sm_scale, out, lse_out,
-                                        return_lse)
-        if sig is not None:
-            pool.state.plans.put(sig, _hotpath.attention_launch(run, return_lse))
-    return (a.out, a.lse) if return_lse else a.out
+        return res
+    key = _hotpath.decode_signature(a.q, a.block_tables, a.seq_lens, sm_scale,
+                                    out if out is None else a.out,
+                                    lse_out if lse_out is None else a.lse, return_lse)
+    run = pool.backend.attention_runner(pool, a.q, None, a.block_tables, a.seq_lens,
+                                        max_query_len=1, causal=False, sm_scale=a.sm_scale,
+                                        key=key)
+    run(a.q, None, a.block_tables, a.seq_lens, a.out, a.lse)
+    return res
 
 
 def attention(pool: Pool, q: ArrayLike, query_start_loc: IndexLike,
@@ -81,7 +72,8 @@ def attention(pool: Pool, q: ArrayLike, query_start_loc: IndexLike,
               lse_out: Array | None, return_lse: bool,
               validate: bool | None) -> Array | tuple[Array, Array]:
     """Implementation of :meth:`PagedKVCache.attention` (see its docstring); the method
-    passes every argument by position."""
+    passes every argument by position.  The backend keeps the launch under
+    :func:`fp4cache._hotpath.varlen_signature` (when ``max_query_len`` is given)."""
     check = pool.validate if validate is None else bool(validate)
     return_lse = bool(return_lse)
     if causal is not True and causal is not False:
@@ -89,13 +81,12 @@ def attention(pool: Pool, q: ArrayLike, query_start_loc: IndexLike,
     bound = max_query_len
     if bound is not None and (type(bound) is not int or bound < 0):
         bound = _check_max_query_len(bound)
-    q_in, qsl_in, bt_in, sl_in = q, query_start_loc, block_tables, seq_lens
     q = _check_q(pool, q, "num_tokens")
     qsl = _check_query_start_loc(pool, query_start_loc)
     bt, sl = _check_tables(pool, block_tables, seq_lens, qsl.shape[0] - 1, "query_start_loc")
     a = _finish_args(pool, q, bt, sl, sm_scale, out, lse_out, return_lse)
     _arrays.check_device({"query_start_loc": qsl}, pool.buffer)
-    if check or pool.device == "cpu":
+    if check or pool.checks_are_free:
         sl = _host(a.seq_lens)
         _check_lengths(a.block_tables, sl, pool.block_size)
         n = _check_query_values(qsl, sl, a.q.shape[0], causal, bound)
@@ -108,48 +99,24 @@ def attention(pool: Pool, q: ArrayLike, query_start_loc: IndexLike,
             # table: seq_rows in decode_attention.cu, find_work in varlen_attention.cu).
             _check_block_ids(pool, a.block_tables, sl, reads=n > 0)
     res = (a.out, a.lse) if return_lse else a.out
-    if not a.q.shape[0]:
+    if not a.q.shape[0] or qsl.shape[0] < 2:
         return res
-    if pool.device == "cpu":
-        pool.backend.attention(
-            pool.buffer, a.q, qsl, a.block_tables, a.seq_lens, a.out, a.lse,
-            geom=pool.geometry, k_s=pool.k_s, v_s=pool.v_s, sm_scale=a.sm_scale,
-            stats=pool.stats, causal=causal, max_query_len=bound, scratch=None,
-            **pool.window_args)
-        return res
+    key = None
     if bound is None:
         # The one host synchronization of an unvalidated call without max_query_len.
-        bound = int((qsl[1:] - qsl[:-1]).max().get()) if qsl.shape[0] > 1 else 0
-    if bound <= 0 or qsl.shape[0] < 2:
+        bound = int(pool.to_host((qsl[1:] - qsl[:-1]).max()))
+    else:
+        key = _hotpath.varlen_signature(a.q, qsl, a.block_tables, a.seq_lens, sm_scale,
+                                        out if out is None else a.out,
+                                        lse_out if lse_out is None else a.lse, return_lse,
+                                        causal, bound)
+    if bound <= 0:
         return res
-    run = _varlen_runner(pool, a.q, qsl, a.block_tables, a.seq_lens, a.sm_scale, causal,
-                         bound)
+    run = pool.backend.attention_runner(pool, a.q, qsl, a.block_tables, a.seq_lens,
+                                        max_query_len=bound, causal=causal,
+                                        sm_scale=a.sm_scale, key=key)
     run(a.q, qsl, a.block_tables, a.seq_lens, a.out, a.lse)
-    if (not check and max_query_len is not None and a.q is q_in and qsl is qsl_in
-            and a.block_tables is bt_in and a.seq_lens is sl_in
-            and (out is None or a.out is out) and (lse_out is None or a.lse is lse_out)):
-        sig = _hotpath.varlen_signature(q_in, qsl_in, bt_in, sl_in, sm_scale, out, lse_out,
-                               return_lse, causal, bound)
-        if sig is not None:
-            pool.state.plans.put(sig, _hotpath.attention_launch(run, return_lse))
     return res
-
-
-def _varlen_runner(pool: Pool, q, query_start_loc, block_tables, seq_lens,
-                   sm_scale: float, causal: bool, max_query_len: int):
-    """The prepared GPU launch of :func:`attention` for arrays like these (the hot path
-    keeps it): ``run(q, query_start_loc, block_tables, seq_lens, out, lse)``."""
-    return pool.backend.varlen_runner(pool.buffer, q, query_start_loc, block_tables, seq_lens,
-                            max_query_len=max_query_len, causal=causal, geom=pool.geometry,
-                            k_s=pool.k_s, v_s=pool.v_s, sm_scale=sm_scale,
-                            stats=pool.stats, scratch=pool.state, **pool.window_args)
-
-
-def _launch(pool: Pool, q, block_tables, seq_lens, out, lse, sm_scale: float) -> None:
-    pool.backend.decode_attention(
-        pool.buffer, q, block_tables, seq_lens, out, lse, geom=pool.geometry,
-        k_s=pool.k_s, v_s=pool.v_s, sm_scale=sm_scale, stats=pool.stats, scratch=None,
-        **pool.window_args)
 
 
 def workspace_hints(geom: PageGeometry, num_blocks: int, max_batch_size, max_seq_len,
@@ -333,7 +300,7 @@ def _check_query_start_loc(pool: Pool, query_start_loc):
         raise ValueError("query_start_loc must be 1-D (B + 1,) with at least one entry "
                          f"(0 for no sequence), got shape {tuple(qsl.shape)}")
     if not qsl.flags.c_contiguous:
-        qsl = _arrays.array_module(pool.device).ascontiguousarray(qsl)
+        qsl = pool.xp.ascontiguousarray(qsl)
     return qsl
 
 

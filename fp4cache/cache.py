@@ -15,8 +15,8 @@ import numpy as np
 from . import _abi, _arrays, _hotpath, attention, pages
 from . import store as _store
 from ._backend import Pool, backend
-from ._device import DeviceGuard, parse_device
-from .formats import check_rule, reciprocal_clamped, resolve_dtype, rotation_supported
+from ._device import DeviceGuard, array_device, parse_device
+from .formats import check_rule, rotation_supported
 from .layout import PageGeometry
 from .typing import Array, ArrayLike, DeviceLike, DTypeLike, IndexLike, PageFormat, PathLike
 
@@ -28,36 +28,20 @@ _SCALE_STATS = [_STAT[f"{side}_{what}_groups"] for what in ("saturated", "underf
                 for side in "kv"]
 _NO_GUARD = contextlib.nullcontext()
 _FLAG = (bool, type(None))  # classes of an optional flag that need no check
-def _pool_bytes(num_blocks: int, geom: PageGeometry, kind: str, pages: bool = True) -> int:
-    """Bytes a cache of ``num_blocks`` pages allocates at construction: the pool (unless
-    its caller gave the pages) and, on the GPU, the claim table of 4 bytes per slot."""
-    pool = num_blocks * 2 * geom.side_bytes if pages else 0
-    return pool + (4 * num_blocks * geom.block_size if kind == "cuda" else 0)
-
-
-def _check_pool_fits(num_blocks: int, geom: PageGeometry, kind: str,
-                     index: int | None, pages: bool = True) -> None:
+def _check_pool_fits(impl, num_blocks: int, geom: PageGeometry, index: int | None,
+                     own_pages: bool = True) -> None:
     """``ValueError`` naming ``num_blocks``, the bytes the pool needs and the memory
     available (host ``MemAvailable``, or the GPU's free memory), before allocating."""
-    from ._device import format_bytes, host_memory
+    from ._device import format_bytes
 
-    need = _pool_bytes(num_blocks, geom, kind, pages)
-    if kind == "cuda":
-        import cupy
-
-        with DeviceGuard(index):  # free on the device, plus what CuPy's pool keeps free
-            have = (int(cupy.cuda.runtime.memGetInfo()[0])
-                    + int(cupy.get_default_memory_pool().free_bytes()))
-        where = f"GPU {index} has {format_bytes(have)} free"
-    else:
-        have = host_memory()
-        where = f"{format_bytes(have)} of host memory is available" if have is not None else ""
+    need = impl.allocation_bytes(geom, num_blocks, own_pages)
+    have, where = impl.memory_available(index)
     if have is not None and need > have:
         raise ValueError(
             f"num_blocks = {num_blocks} is too many for this machine: its page pool needs "
             f"{format_bytes(need)} ({need} bytes: num_blocks * {need // num_blocks} bytes a "
-            f"page{' and its claim table' if kind == 'cuda' else ''}), but {where}; pass "
-            f"at most about num_blocks = {max(0, have * num_blocks // need)}")
+            f"page{impl.PAGE_EXTRAS}), but {where}; pass at most about num_blocks = "
+            f"{max(0, have * num_blocks // need)}")
 
 
 def _external_pages(buffer, geom: PageGeometry, num_blocks, kind: str, index):
@@ -65,8 +49,9 @@ def _external_pages(buffer, geom: PageGeometry, num_blocks, kind: str, index):
     (no copy): checked for its backend, device, dtype, contiguity, alignment and size."""
     page = 2 * geom.side_bytes
     buf = _arrays.to_backend(buffer, kind, "buffer")
-    if kind == "cuda" and int(buf.data.device_id) != index:
-        raise ValueError(f"buffer is on GPU {int(buf.data.device_id)}; device is cuda:{index}")
+    on = array_device(buf)
+    if on != index:
+        raise ValueError(f"buffer is on GPU {on}; device is cuda:{index}")
     if buf.dtype not in (np.uint8, np.int8):
         raise TypeError(f"buffer must hold bytes (uint8 or int8), got {buf.dtype}")
     if not buf.flags.c_contiguous:
@@ -246,64 +231,40 @@ class PagedKVCache:
             geom, rotation, window_pages, window_slots)
         k_s = _arrays.check_scale(k_scale, "k_scale")
         v_s = _arrays.check_scale(v_scale, "v_scale")
-        k_g, v_g = reciprocal_clamped(k_s), reciprocal_clamped(v_s)
         if device is None:
             device = "cuda" if _arrays.gpu_available() else "cpu"
         kind, index = parse_device(device)
+        impl = backend(kind)
         pages = None
         if buffer is not None:
-            with DeviceGuard(index) if kind == "cuda" else _NO_GUARD:
+            with DeviceGuard(index):
                 pages = _external_pages(buffer, geom, num_blocks, kind, index)
             num_blocks = pages.shape[0]
-        _check_pool_fits(int(num_blocks), geom, kind, index, pages=pages is None)
-        impl = backend(kind)
+        _check_pool_fits(impl, int(num_blocks), geom, index, own_pages=pages is None)
+        self._hints = attention.workspace_hints(geom, int(num_blocks), max_batch_size,
+                                                max_seq_len, num_query_heads)
+        # the backend makes and owns the pool: pages, counters, window, plans, workspace
+        self._pool = impl.new_pool(geom, device_id=index, num_blocks=int(num_blocks),
+                                   pages=pages, k_s=k_s, v_s=v_s, validate=bool(validate),
+                                   scale_rule=self.scale_rule, rotation=rotation,
+                                   window_pages=window_pages, window_slots=window_slots)
+        if self._pool.checks_are_free and validate is False:
+            warnings.warn(f"PagedKVCache(validate=False) has no effect on the {kind.upper()} "
+                          "backend: it always checks slot and block ids on the host, before "
+                          "writing", UserWarning, stacklevel=2)
         self.device = kind
         self.device_id = index
         self.geometry = geom
-        self.num_blocks = int(num_blocks)
-        if kind == "cpu" and validate is not None and not validate:
-            warnings.warn("PagedKVCache(validate=False) has no effect on the CPU backend: it "
-                          "always checks slot and block ids on the host, before writing",
-                          UserWarning, stacklevel=2)
-        self._hints = attention.workspace_hints(geom, self.num_blocks, max_batch_size,
-                                                max_seq_len, num_query_heads)
-        state = None  # GPU: pool, counters, tables, plans, workspace (CacheState)
-        if kind == "cuda":
-            state = impl.CacheState(index, geom, self.num_blocks, k_s, k_g, v_s, v_g,
-                                    buffer=pages, rotation=rotation,
-                                    window_pages=window_pages, window_slots=window_slots)
-            self.buffer, stats = state.buffer, state.stats
-            window, window_map = state.window, state.window_map
-        elif pages is not None:
-            self.buffer = pages
-        if kind == "cpu":
-            try:
-                if pages is None:
-                    self.buffer = np.zeros((self.num_blocks, 2, geom.side_bytes),
-                                           dtype=np.uint8)
-            except (MemoryError, ValueError) as e:  # what the check above could not see
-                raise ValueError(f"num_blocks = {self.num_blocks}: the page pool of "
-                                 f"{_pool_bytes(self.num_blocks, geom, kind)} bytes cannot be "
-                                 f"allocated ({type(e).__name__}: {e})") from None
-            stats = np.zeros(len(_abi.STAT_NAMES), dtype=np.uint64)
-            window = window_map = None
-            if window_slots:
-                window = np.zeros((window_slots, 2, block_size, num_heads, head_dim),
-                                  dtype=np.uint16)
-                window_map = np.full(self.num_blocks, -1, dtype=np.int32)
-        self._pool = Pool(impl, kind, index, geom, self.num_blocks, self.buffer, k_s, v_s, k_g,
-                          v_g, stats, state, True if kind == "cpu" else bool(validate),
-                          self.scale_rule, rotation, window_pages, window, window_map)
-        self._owns_pages = pages is None
-        if state is not None:
-            self._reserve_workspace()
+        self.num_blocks = self._pool.num_blocks
+        self.buffer = self._pool.buffer
+        self._reserve_workspace()
         self._scales_warned = False  # the store's warning about badly scaled groups
 
     @property
     def owns_pages(self) -> bool:
         """False for a cache over pages its caller owns (``PagedKVCache(buffer=...)``):
         :attr:`nbytes` does not count them."""
-        return self._owns_pages
+        return self._pool.owns_pages
 
     @property
     def pool(self) -> Pool:
@@ -322,19 +283,21 @@ class PagedKVCache:
     @validate.setter
     def validate(self, value: bool) -> None:
         value = _arrays.check_bool(value, "validate")
-        self._pool.validate = True if self.device == "cpu" else value
+        self._pool.validate = value
 
     def _reserve_workspace(self) -> None:
-        """The split-KV workspace every call within the hints needs (none without hints)."""
-        if not self._hints:
+        """The split-KV workspace every call within the hints needs (none without hints, or
+        where the pool has no workspace)."""
+        ws = self._pool.workspace
+        if not self._hints or ws is None:
             return
         nbytes, tickets = self._pool.backend.workspace_bound(self.geometry, **self._hints)
-        with DeviceGuard(self.device_id):
-            self._pool.state.workspace.reserve(nbytes, tickets, hint=", ".join(
-                f"{k}={v}" for k, v in self._hints.items()))
+        with self._guard():
+            ws.reserve(nbytes, tickets, hint=", ".join(f"{k}={v}" for k, v in
+                                                      self._hints.items()))
 
     def release_workspace(self) -> None:
-        """Free the decode-attention workspace and drop the prepared launches (GPU).
+        """Free the decode-attention workspace and drop the prepared launches.
 
         Synchronizes the device first.  CUDA graphs captured before this call must not
         be replayed after it (their workspace is gone); the next calls prepare their
@@ -342,13 +305,8 @@ class PagedKVCache:
         is made again).  The only call that frees memory a graph may use; the CPU
         backend has nothing to free.
         """
-        st = self._pool.state
-        if st is None:
-            return
-        with DeviceGuard(self.device_id):
-            st.workspace.release()
-            st.plans.clear()
-            self._reserve_workspace()
+        self._pool.release()
+        self._reserve_workspace()
 
     @property
     def workspace_hints(self) -> dict[str, int]:
@@ -402,20 +360,17 @@ class PagedKVCache:
         encode table, duplicate-slot claim table (4 bytes per slot) and the workspace of
         :meth:`decode_attention` and of page transfers through host memory
         (:attr:`workspace_nbytes`)."""
-        pages = 0 if self._owns_pages else self.buffer.nbytes
-        if self._pool.state is not None:
-            return self._pool.state.nbytes - pages
-        return self.buffer.nbytes - pages + self._pool.stats.nbytes + sum(
-            a.nbytes for a in (self._pool.window, self._pool.window_map) if a is not None)
+        return self._pool.nbytes
 
     @property
     def workspace_nbytes(self) -> int:
         """Device bytes of the decode-attention workspace: what the hints reserved or the
         largest call needed, plus outgrown buffers kept for graphs (0 on the CPU)."""
-        return 0 if self._pool.state is None else self._pool.state.workspace.nbytes
+        ws = self._pool.workspace
+        return 0 if ws is None else ws.nbytes
 
     def _guard(self):
-        return DeviceGuard(self.device_id) if self._pool.state is not None else _NO_GUARD
+        return self._pool.guard()
 
     @property
     def stats(self) -> dict[str, int]:
@@ -432,8 +387,7 @@ class PagedKVCache:
         both.
         """
         with self._guard():
-            stats = self._pool.stats
-            vals = stats.get() if self._pool.state is not None else stats
+            vals = self._pool.to_host(self._pool.stats)
         return {k: int(v) for k, v in zip(_abi.STAT_NAMES, vals)}
 
     @property
@@ -531,7 +485,7 @@ class PagedKVCache:
             + "".join(f", {k}={v}" for k, v in self._hints.items()) + ")"
             f"  # {self.bytes_per_token} B/token, "
             f"{self.compression_ratio:.2f}x vs bf16, pool {(self.nbytes - ws) / 2**20:.1f} MiB"
-            + (f", workspace {ws / 2**20:.1f} MiB" if self._pool.state is not None else "")
+            + (f", workspace {ws / 2**20:.1f} MiB" if self._pool.workspace is not None else "")
             + "".join(f"; {f}" for f in flagged)
         )
 
@@ -594,13 +548,13 @@ class PagedKVCache:
         # Hot path of a decode step: arguments whose kind, shape, dtype, strides,
         # alignment and devices were checked before go straight to their launch.
         pool = self._pool
-        if pool.state is not None and not check and _hotpath.run(
+        if not check and _hotpath.run(
                 pool, _hotpath.store_signature(slot_mapping, k, v, unique_slots), slot_mapping,
                 k, v) is not _hotpath.MISS:
             return
         with self._guard():
-            # the CPU's counters are host memory: a badly scaled call is told at once
-            before = None if self._scales_warned or pool.state is not None \
+            # counters the host reads for free: a badly scaled call is told at once
+            before = None if self._scales_warned or not pool.checks_are_free \
                 else pool.stats[_SCALE_STATS].copy()
             stored = _store.store(pool, slot_mapping, k, v, bool(unique_slots), check)
             if before is not None and stored is not None:
@@ -678,70 +632,13 @@ class PagedKVCache:
         if validate.__class__ not in _FLAG:
             validate = _arrays.check_bool(validate, "validate", optional=True)
         check = self._pool.validate if validate is None else validate
-        if self._pool.state is not None and not check:
-            res = _hotpath.run(self._pool, _hotpath.gather_signature(blocks, dtype, out),
-                               blocks, out)
+        if not check:
+            res = _hotpath.gather(self._pool, _hotpath.gather_signature(blocks, dtype, out),
+                                  blocks, dtype, out)
             if res is not _hotpath.MISS:
                 return res
         with self._guard():
-            return self._gather_checked(blocks, dtype, out, check)
-
-    def _gather_checked(self, blocks, dtype, out, check: bool):
-        be = self.device
-        g = self.geometry
-        blocks_in = blocks
-        blocks = _arrays.to_backend(blocks, be, "blocks", allow_convert=True)
-        _arrays.check_index_array(blocks, "blocks")
-        n = blocks.shape[0]
-        shape = (n * g.block_size, g.num_heads, g.head_dim)
-        if out is not None:
-            if not isinstance(out, (tuple, list)) or len(out) != 2:
-                raise TypeError("out must be a tuple (k_out, v_out)")
-            dt = (resolve_dtype(out[0].dtype, name="out[0].dtype") if dtype is None
-                  else resolve_dtype(dtype, name="dtype"))
-            out_k = _arrays.check_out(out[0], "out[0]", shape, dt, be)
-            out_v = _arrays.check_out(out[1], "out[1]", shape, dt, be)
-            if _arrays.share_bytes(out_k, out_v):
-                raise ValueError("out[0] and out[1] must not overlap (K and V need their own "
-                                 "arrays)")
-        else:
-            dt = resolve_dtype("bfloat16" if dtype is None else dtype, name="dtype")
-            xp = _arrays.array_module(be)
-            out_k = xp.empty(shape, dtype=dt)
-            out_v = xp.empty(shape, dtype=dt)
-        _arrays.check_device({"blocks": blocks, "out[0]": out_k, "out[1]": out_v}, self.buffer)
-        if n == 0:
-            return out_k, out_v
-        if check:
-            lo, hi = int(blocks.min()), int(blocks.max())
-            if lo < 0 or hi >= self.num_blocks:
-                bad = (blocks < 0) | (blocks >= self.num_blocks)
-                i = int(bad.argmax())
-                raise IndexError(
-                    f"blocks[{i}] = {int(blocks[i])} is out of range: block ids must be in "
-                    f"[0, {self.num_blocks})"
-                )
-        p = self._pool
-        if p.state is None:
-            p.backend.gather_dequant(self.buffer, blocks, out_k, out_v, geom=g, k_s=p.k_s,
-                                     v_s=p.v_s, stats=p.stats,
-                                     rotate=p.rotation == "hadamard")
-            return out_k, out_v
-        if not blocks.flags.c_contiguous:
-            blocks = blocks.copy()
-        key = ("gather-plan", blocks.dtype, dt, out_k.data.ptr % 16 == 0
-               and out_v.data.ptr % 16 == 0)
-        plans = p.state.plans
-        run = plans.get(key)
-        if run is None:
-            run = p.backend.gather_plan(p.state, blocks, out_k, out_v)
-            plans.put(key, run)
-        run(blocks, out_k, out_v)
-        if blocks is blocks_in and (out is None or (out_k is out[0] and out_v is out[1])):
-            sig = _hotpath.gather_signature(blocks, dtype, None if out is None else (out_k, out_v))
-            if sig is not None:
-                plans.put(sig, _hotpath.gather_launch(run, dt, g, out is None))
-        return out_k, out_v
+            return _store.gather(self._pool, blocks, dtype, out, check)
 
     # -- attention -----------------------------------------------------------------------
     def decode_attention(self, q: ArrayLike, block_tables: IndexLike, seq_lens: IndexLike, *,
@@ -811,10 +708,10 @@ class PagedKVCache:
             validate = _arrays.check_bool(validate, "validate", optional=True)
             return_lse = _arrays.check_bool(return_lse, "return_lse")
         pool = self._pool
-        if pool.state is not None and not (pool.validate if validate is None else validate):
-            res = _hotpath.run(pool, _hotpath.decode_signature(
-                q, block_tables, seq_lens, sm_scale, out, lse_out, return_lse),
-                q, block_tables, seq_lens, out, lse_out)
+        if not (pool.validate if validate is None else validate):
+            res = _hotpath.attention(pool, _hotpath.decode_signature(
+                q, block_tables, seq_lens, sm_scale, out, lse_out, return_lse), return_lse,
+                q, None, block_tables, seq_lens, out, lse_out)
             if res is not _hotpath.MISS:
                 return res
         with self._guard():
@@ -934,11 +831,11 @@ class PagedKVCache:
         True
         """
         pool = self._pool
-        if (pool.state is not None and max_query_len is not None
-                and not (pool.validate if validate is None else validate)):
-            res = _hotpath.run(pool, _hotpath.varlen_signature(
+        if max_query_len is not None and not (pool.validate if validate is None else validate):
+            res = _hotpath.attention(pool, _hotpath.varlen_signature(
                 q, query_start_loc, block_tables, seq_lens, sm_scale, out, lse_out, return_lse,
-                causal, max_query_len), q, query_start_loc, block_tables, seq_lens, out, lse_out)
+                causal, max_query_len), return_lse, q, query_start_loc, block_tables, seq_lens,
+                out, lse_out)
             if res is not _hotpath.MISS:
                 return res
         with self._guard():

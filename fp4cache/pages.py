@@ -22,7 +22,6 @@ import numpy as np
 
 from . import _arrays
 from ._backend import Pool
-from ._device import pinned_empty
 
 __all__ = ["FORMAT_NAME", "FORMAT_VERSION", "page_format", "check_page_format",
            "copy_blocks", "read_blocks", "write_blocks", "save", "load", "load_pages"]
@@ -160,7 +159,7 @@ def _ids(pool, ids, name: str):
         _arrays.check_index_array(host, name)
     a = _arrays.to_backend(ids, pool.device, name, allow_convert=True)
     _arrays.check_index_array(a, name)
-    if pool.device == "cpu":
+    if isinstance(a, np.ndarray):
         host = a
     return a, host
 
@@ -276,7 +275,7 @@ def read_blocks(pool, blocks, out=None, validate: bool | None = None):
     n, P = b.shape[0], pool.geometry.page_bytes
     shape = (n, P)
     if out is None:
-        out = _arrays.array_module(pool.device).empty(shape, _U8)
+        out = pool.xp.empty(shape, _U8)
     else:
         _check_rows(pool, out, "out", shape, writable=True)
         if _overlaps_pool(pool, out):
@@ -300,8 +299,8 @@ def write_blocks(pool, blocks, data, page_format: Any = None,
     b, hb = _ids(pool, blocks, "blocks")
     _arrays.check_device({"blocks": b}, pool.buffer)
     n, P = b.shape[0], pool.geometry.page_bytes
-    if pool.device == "cpu" and _arrays.is_cupy(data):
-        data = data.get()
+    if _arrays.is_cupy(data) and not _arrays.is_cupy(pool.buffer):
+        data = data.get()  # a device array for host pages
     elif not (isinstance(data, np.ndarray) or _arrays.is_cupy(data)) \
             and hasattr(data, "__dlpack__"):  # another library's array, zero copy
         data = _arrays.to_backend(data, _arrays.backend_of(data), "data")
@@ -326,7 +325,7 @@ def _check_rows(pool, a, name: str, shape: tuple[int, int], *, writable: bool) -
     if not (isinstance(a, np.ndarray) or _arrays.is_cupy(a)):
         raise TypeError(f"{name} must be a NumPy or CuPy uint8 array, got "
                         f"{type(a).__module__}.{type(a).__name__}")
-    if pool.device == "cpu" and _arrays.is_cupy(a):
+    if _arrays.is_cupy(a) and not _arrays.is_cupy(pool.buffer):
         raise TypeError(f"{name} must be a NumPy array for a cache on device='cpu', got a "
                         "CuPy array")
     if a.dtype != _U8:
@@ -389,20 +388,14 @@ def save(pool, path: str | os.PathLike, blocks=None) -> None:
     _check_range(hb, pool.num_blocks, "blocks", "nothing was saved")
     _check_unique(hb, "blocks")  # a file of repeated ids could not be loaded
     _check_save_path(path)
-    pages = pinned_empty((hb.shape[0], pool.geometry.page_bytes), _U8) \
-        if pool.device == "cuda" else None
-    pages = read_blocks(pool, hb, pages, validate=True)
-    if pool.device == "cuda":
-        import cupy
-
-        cupy.cuda.get_current_stream().synchronize()
+    pages = read_blocks(pool, hb, pool.host_staging((hb.shape[0], pool.geometry.page_bytes)),
+                        validate=True)
+    pool.synchronize()
     meta = {META_FORMAT: json.dumps(page_format(pool)),
             META_NUM_BLOCKS: str(pool.num_blocks)}
     tensors = {TENSOR_PAGES: np.asarray(pages), TENSOR_BLOCKS: hb.astype(np.int64)}
     if pool.window is not None:  # the exact window of the saved pages travels with them
-        wmap, win = pool.window_map, pool.window
-        if pool.device == "cuda":
-            wmap, win = wmap.get(), win.get()
+        wmap, win = pool.to_host(pool.window_map), pool.to_host(pool.window)
         slots = wmap[hb].astype(np.int32)
         tensors[TENSOR_WINDOW_SLOTS] = slots
         tensors[TENSOR_WINDOW] = np.ascontiguousarray(win[np.maximum(slots, 0)])
@@ -527,14 +520,14 @@ def _put_window(pool, ids: np.ndarray, window, *, remap: bool) -> None:
         return
     _, slots, rows = window
     slots = slots.astype(np.int64)
-    xp = _arrays.array_module(pool.device)
+    xp = pool.xp
     if remap:
         live = (slots >= 0) & (slots < pool.window_slots)
         pool.window_map[xp.asarray(ids[live])] = xp.asarray(slots[live].astype(np.int32))
         dest = slots
     else:
         wm = pool.window_map
-        dest = (wm.get() if _arrays.is_cupy(wm) else np.asarray(wm))[ids].astype(np.int64)
+        dest = pool.to_host(wm)[ids].astype(np.int64)
     use = (slots >= 0) & (dest >= 0) & (dest < pool.window_slots)
     if use.any():
         if rows.shape[1:] != pool.window.shape[1:]:
@@ -614,8 +607,5 @@ def load_pages(pool, path, blocks=None) -> np.ndarray:
                              f"got {ids.shape[0]}")
     write_blocks(pool, ids, pages, validate=True)
     _put_window(pool, np.asarray(ids, dtype=np.int64), window, remap=False)
-    if pool.device == "cuda":
-        import cupy
-
-        cupy.cuda.get_current_stream().synchronize()  # `pages` is freed on return
+    pool.synchronize()  # `pages` is freed on return
     return np.asarray(ids, dtype=np.int64)

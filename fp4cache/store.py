@@ -1,20 +1,24 @@
-"""Storing K/V into the NVFP4 pages of a :class:`~fp4cache.PagedKVCache`.
+"""Storing K/V into the NVFP4 pages of a :class:`~fp4cache.PagedKVCache`, and reading them
+back.
 
-The front end of ``PagedKVCache.store`` and of the store inside
-:meth:`fp4cache.AttentionPlan.run`: argument checks (the exceptions of
-``docs/errors.md``) and the call into the backend's prepared store
-(``store_runner``: :mod:`fp4cache._cpu`, :mod:`fp4cache._cuda.runners`).  Every function
-takes the cache's :class:`~fp4cache._backend.Pool`.
+The front ends of ``PagedKVCache.store``, of the store inside
+:meth:`fp4cache.AttentionPlan.run` and of ``PagedKVCache.gather_dequant``: argument checks
+(the exceptions of ``docs/errors.md``) and the call into the backend's prepared store or
+gather (``store_runner`` / ``gather_runner``: :mod:`fp4cache._cpu`,
+:mod:`fp4cache._cuda.runners`), which keeps the launch in the pool's plans under the
+signature of the arguments (:mod:`fp4cache._hotpath`: the methods' hot paths find it
+there).  Every function takes the cache's :class:`~fp4cache._backend.Pool`.
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-from . import _arrays
+from . import _arrays, _hotpath
 from ._backend import Pool
+from .formats import resolve_dtype
 
-__all__ = ["check_args", "check_slots", "store"]
+__all__ = ["check_args", "check_slots", "store", "gather"]
 
 
 def check_args(pool: Pool, slot_mapping, k, v):
@@ -53,7 +57,7 @@ def check_slots(pool: Pool, slots, unique_slots: bool) -> None:
     """Slot values on the host: in ``[0, num_slots)`` or -1, and (``unique_slots``) no
     repeat; ``IndexError`` / ``ValueError`` before anything is written."""
     num_slots = pool.num_blocks * pool.geometry.block_size
-    host = np.asarray(slots.get() if _arrays.is_cupy(slots) else slots)
+    host = pool.to_host(slots)
     if host.size == 0:
         return
     lo, hi = int(host.min()), int(host.max())
@@ -77,14 +81,53 @@ def check_slots(pool: Pool, slots, unique_slots: bool) -> None:
 
 def store(pool: Pool, slot_mapping, k, v, unique_slots: bool, check: bool):
     """The checked path of :meth:`PagedKVCache.store` (see its docstring), run with the
-    cache's device current.  On the GPU it leaves the prepared launch of these arguments
-    in the cache's plans under :func:`fp4cache._hotpath.store_signature`, for the method's
-    hot path.  Returns the ``(slots, k, v)`` stored (None when no token was given)."""
+    cache's device current.  Returns the ``(slots, k, v)`` stored (None when no token was
+    given)."""
     slots, k, v = check_args(pool, slot_mapping, k, v)
     if k.shape[0] == 0:
         return None
     if check:
         check_slots(pool, slots, unique_slots)
-    run = pool.backend.store_runner(pool, slots, k, v, unique_slots=unique_slots)
+    key = _hotpath.store_signature(slots, k, v, unique_slots)
+    run = pool.backend.store_runner(pool, slots, k, v, unique_slots=unique_slots, key=key)
     run(slots, k, v)
     return slots, k, v
+
+
+def gather(pool: Pool, blocks, dtype, out, check: bool):
+    """The checked path of :meth:`PagedKVCache.gather_dequant` (see its docstring), run
+    with the cache's device current: ``(k, v)``."""
+    g = pool.geometry
+    blocks = _arrays.to_backend(blocks, pool.device, "blocks", allow_convert=True)
+    _arrays.check_index_array(blocks, "blocks")
+    n = blocks.shape[0]
+    shape = (n * g.block_size, g.num_heads, g.head_dim)
+    if out is not None:
+        if not isinstance(out, (tuple, list)) or len(out) != 2:
+            raise TypeError("out must be a tuple (k_out, v_out)")
+        dt = (resolve_dtype(out[0].dtype, name="out[0].dtype") if dtype is None
+              else resolve_dtype(dtype, name="dtype"))
+        out_k = _arrays.check_out(out[0], "out[0]", shape, dt, pool.device)
+        out_v = _arrays.check_out(out[1], "out[1]", shape, dt, pool.device)
+        if _arrays.share_bytes(out_k, out_v):
+            raise ValueError("out[0] and out[1] must not overlap (K and V need their own "
+                             "arrays)")
+    else:
+        dt = resolve_dtype("bfloat16" if dtype is None else dtype, name="dtype")
+        out_k = pool.xp.empty(shape, dtype=dt)
+        out_v = pool.xp.empty(shape, dtype=dt)
+    _arrays.check_device({"blocks": blocks, "out[0]": out_k, "out[1]": out_v}, pool.buffer)
+    if n == 0:
+        return out_k, out_v
+    if check:
+        host = pool.to_host(blocks)
+        bad = (host < 0) | (host >= pool.num_blocks)
+        if bad.any():
+            i = int(bad.argmax())
+            raise IndexError(f"blocks[{i}] = {int(host[i])} is out of range: block ids must "
+                             f"be in [0, {pool.num_blocks})")
+    if not blocks.flags.c_contiguous:
+        blocks = blocks.copy()
+    key = _hotpath.gather_signature(blocks, dtype, None if out is None else (out_k, out_v))
+    pool.backend.gather_runner(pool, blocks, out_k, out_v, key=key)(blocks, out_k, out_v)
+    return out_k, out_v

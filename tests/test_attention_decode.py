@@ -517,21 +517,22 @@ def test_max_group_is_the_limit_the_front_end_enforces():
 
 # -- the GPU front end (any backend: a recording stand-in takes the kernels' place) --------
 class _RecordingBackend:
-    """Records what the front end hands to the backend's ``decode_attention``."""
+    """Records what the front end hands to the backend's ``attention_runner``: each run of
+    the returned launch is recorded as a call; the launch is kept under the front end's
+    key in the pool's plans, as the backends do."""
 
     def __init__(self):
         self.calls = []
 
-    def decode_attention(self, buffer, q, block_tables, seq_lens, out, lse, **kw):
-        self.calls.append(dict(q=q, block_tables=block_tables, seq_lens=seq_lens, out=out,
-                               lse=lse, **kw))
+    def attention_runner(self, pool, q, query_start_loc, block_tables, seq_lens, *, key=None,
+                         **kw):
+        def run(q, query_start_loc, block_tables, seq_lens, out, lse):
+            self.calls.append(dict(pool=pool, q=q, query_start_loc=query_start_loc,
+                                   block_tables=block_tables, seq_lens=seq_lens, out=out,
+                                   lse=lse, **kw))
 
-    def decode_runner(self, buffer, q, block_tables, seq_lens, **kw):
-        """The prepared form the GPU front end uses: each run is recorded as a call."""
-
-        def run(q, block_tables, seq_lens, out, lse):
-            self.decode_attention(buffer, q, block_tables, seq_lens, out, lse, **kw)
-
+        if key is not None:
+            pool.plans.put(key, run)
         return run
 
 
@@ -571,7 +572,7 @@ def test_gpu_hot_path_skips_checks_for_a_known_signature(gpu_cache, monkeypatch)
     for call in backend.calls:
         assert call["q"] is q and call["block_tables"] is bt and call["seq_lens"] is sl
         assert call["sm_scale"] == float(np.float32(1 / 8))
-        assert call["scratch"] is cache.pool.state and call["stats"] is cache.pool.stats
+        assert call["pool"] is cache.pool and call["query_start_loc"] is None
     assert backend.calls[0]["out"] is out and backend.calls[0]["lse"] is lse
     assert backend.calls[2]["lse"] is None
     # A changed signature takes the checked path and is refused there.

@@ -830,19 +830,21 @@ def test_nan_groups_propagate():
 
 
 class _Recorder:
-    """Stands in for ``fp4cache._cuda.varlen_runner``: records what the front end
-    hands to the backend, once per launch (the prepared launch's arguments with the
-    arrays of the call)."""
+    """Stands in for the backend's ``attention_runner``: records what the front end hands
+    to the backend, once per launch (the prepared launch's arguments with the arrays of
+    the call); the launch is kept under the front end's key, as the backends do."""
 
     def __init__(self):
         self.calls = []
 
-    def __call__(self, buffer, q, query_start_loc, block_tables, seq_lens, **kw):
+    def __call__(self, pool, q, query_start_loc, block_tables, seq_lens, *, key=None, **kw):
         def run(q, query_start_loc, block_tables, seq_lens, out, lse):
-            self.calls.append(dict(q=q, query_start_loc=query_start_loc,
+            self.calls.append(dict(pool=pool, q=q, query_start_loc=query_start_loc,
                                    block_tables=block_tables, seq_lens=seq_lens, out=out,
                                    lse=lse, **kw))
 
+        if key is not None:
+            pool.plans.put(key, run)
         return run
 
 
@@ -851,7 +853,7 @@ def recorded(monkeypatch):
     from fp4cache import _cuda
 
     rec = _Recorder()
-    monkeypatch.setattr(_cuda, "varlen_runner", rec)
+    monkeypatch.setattr(_cuda, "attention_runner", rec)
     return rec
 
 
@@ -910,8 +912,7 @@ def test_front_end_hands_over_the_arguments_and_takes_the_hot_path(recorded, mon
     assert len(recorded.calls) == 4
     for c in recorded.calls:
         assert c["q"] is q and c["query_start_loc"] is qsl and c["block_tables"] is bt
-        assert c["seq_lens"] is sl and c["stats"] is cache.pool.stats
-        assert c["scratch"] is cache.pool.state and c["geom"] == cache.geometry
+        assert c["seq_lens"] is sl and c["pool"] is cache.pool
     assert [c["max_query_len"] for c in recorded.calls] == [3, 3, 3, 7]
     assert recorded.calls[3]["causal"] is False and recorded.calls[3]["sm_scale"] == 0.5
     assert recorded.calls[0]["sm_scale"] == float(np.float32(1 / 8))

@@ -3,7 +3,7 @@
 The order (``fp4cache/_backend.py`` describes the layers), lowest first::
 
     constants   typing, _abi, formats
-    helpers     _arrays, layout, _plans, _device, _kernels, _hotpath
+    helpers     _arrays, layout, _plans, _device, _kernels, _hotpath, _pool
     backends    _cpu, _cuda.launch, _cuda.state, _cuda.paged, _cuda.decode,
                 _cuda.varlen, _cuda.pages, _cuda.window, _cuda.longlive, _cuda.runners,
                 _cuda
@@ -28,7 +28,7 @@ PKG = Path(__file__).resolve().parents[1] / "fp4cache"
 
 ORDER = [
     "typing", "_abi", "formats",
-    "_arrays", "layout", "_plans", "_device", "_kernels", "_hotpath",
+    "_arrays", "layout", "_plans", "_device", "_kernels", "_hotpath", "_pool",
     "_cpu", "_cuda.launch", "_cuda.state", "_cuda.paged", "_cuda.decode", "_cuda.varlen",
     "_cuda.pages", "_cuda.window", "_cuda.longlive", "_cuda.runners", "_cuda",
     "_backend",

@@ -93,11 +93,11 @@ def test_random_shapes_keep_memory_flat_and_results_right():
     cache = PagedKVCache(NB, T, H, D, device="cuda", **SCALES, **HINTS)
     cpu = PagedKVCache(NB, T, H, D, device="cpu", **SCALES)
     bound = ca.workspace_bound(cache.geometry, **HINTS)
-    ws = cache.pool.state.workspace
+    ws = cache.pool.workspace
     assert (ws.scratch_bytes, ws.tickets) == bound  # reserved at construction
     nbytes0 = cache.nbytes
     assert nbytes0 == cache.buffer.nbytes + cache.workspace_nbytes + sum(
-        a.nbytes for a in (cache.pool.stats, cache.pool.state.os_tab, cache.pool.state.claim))
+        a.nbytes for a in (cache.pool.stats, cache.pool.os_tab, cache.pool.claim))
     assert f"workspace {cache.workspace_nbytes / MiB:.1f} MiB" in repr(cache)
     pool = cp.get_default_memory_pool()
     steps, warm, sampled = 2000, 200, {0, 3, 401, 999, 1500, 1999}
@@ -112,7 +112,7 @@ def test_random_shapes_keep_memory_flat_and_results_right():
         if i >= warm:
             used.append(pool.used_bytes())
         assert cache.nbytes == nbytes0, f"step {i}: cache.nbytes grew"
-        assert len(cache.pool.state.plans) <= cache.pool.state.plans.maxsize
+        assert len(cache.pool.plans) <= cache.pool.plans.maxsize
     cp.cuda.Device().synchronize()
     assert max(used) - min(used) <= MiB, f"pool grew by {(max(used) - min(used)) / MiB} MiB"
     assert (ws.scratch_bytes, ws.tickets) == bound and not ws._retired
@@ -123,7 +123,7 @@ def test_without_hints_the_workspace_grows_to_the_largest_call_only():
     rng = np.random.default_rng(27)
     rs = cp.random.RandomState(27)
     cache = PagedKVCache(NB, T, H, D, device="cuda", **SCALES)
-    ws = cache.pool.state.workspace
+    ws = cache.pool.workspace
     assert cache.workspace_nbytes == 0
     bound_bytes, bound_tickets = ca.workspace_bound(cache.geometry, **HINTS)
     for _ in range(300):
@@ -134,9 +134,9 @@ def test_without_hints_the_workspace_grows_to_the_largest_call_only():
         # the hints' bound), outgrown ones at most as much again
         assert ws.scratch_bytes <= 2 * bound_bytes and ws.tickets <= 2 * bound_tickets
         assert cache.workspace_nbytes <= 2 * (ws.scratch_bytes + 4 * ws.tickets)
-    assert 0 < ws.scratch_bytes and cache.nbytes == cache.pool.state.nbytes
+    assert 0 < ws.scratch_bytes and cache.nbytes == cache.pool.nbytes
     cache.release_workspace()
-    assert cache.workspace_nbytes == 0 and len(cache.pool.state.plans) == 0
+    assert cache.workspace_nbytes == 0 and len(cache.pool.plans) == 0
     step(cache, draw(rng, rs))  # works again after a release: takes a new workspace
 
 
@@ -166,7 +166,7 @@ def test_captured_decode_step_survives_other_shapes_growth_and_eviction():
     stream = cp.cuda.Stream(non_blocking=True)
     with stream:
         cache.decode_attention(q, tab, lens, out=out, lse_out=lse, return_lse=True)  # warm
-        (plan,) = ca.attention_plans(cache.pool.state)
+        (plan,) = ca.attention_plans(cache.pool)
         assert plan.grid[0] > 1  # the captured step uses the workspace
         ws_before = cache.workspace_nbytes
         stream.begin_capture()
@@ -185,9 +185,9 @@ def test_captured_decode_step_survives_other_shapes_growth_and_eviction():
                                                  int(rng.integers(1, 513)))
             q2, tab2, lens2 = _decode_inputs(rng, cache, B, W, rng.integers(0, W * T + 1, B))
             cache.decode_attention(q2, tab2, lens2)
-        assert cache.workspace_nbytes > ws_before and cache.pool.state.workspace._retired
-        assert all(p is not plan for p in ca.attention_plans(cache.pool.state))  # evicted
-        assert len(cache.pool.state.plans) <= cache.pool.state.plans.maxsize
+        assert cache.workspace_nbytes > ws_before and cache.pool.workspace._retired
+        assert all(p is not plan for p in ca.attention_plans(cache.pool))  # evicted
+        assert len(cache.pool.plans) <= cache.pool.plans.maxsize
         out.fill(0)
         lse.fill(0)
         graph.launch(stream)
@@ -235,7 +235,7 @@ def test_growth_under_capture_raises_and_hints_make_capture_allocation_free():
         out.fill(0)
         graph.launch(stream)
         stream.synchronize()
-    (plan,) = ca.attention_plans(hinted.pool.state)
+    (plan,) = ca.attention_plans(hinted.pool)
     assert plan.grid[0] > 1
     cpu = PagedKVCache(nb, T, H, D, device="cpu", **SCALES)
     cpu.buffer[...] = cp.asnumpy(hinted.buffer)

@@ -657,7 +657,7 @@ def pair(nb, T, H, D, layout="HND", swizzle=True, *, seed=0, rule="static6"):
 
 def copy_tables(gpu):
     """The copy's uint32 tables (pending, dst_of) in the cache's workspace tickets."""
-    (t,) = gpu.pool.state.workspace.get([], tickets=_abi.COPY_TABLES * gpu.num_blocks)
+    (t,) = gpu.pool.workspace.get([], tickets=_abi.COPY_TABLES * gpu.num_blocks)
     return t
 
 
@@ -907,7 +907,7 @@ class TestGpu:
         gpu.read_blocks(cupy.asarray(blocks), out=host)
         cupy.cuda.get_current_stream().synchronize()
         assert np.array_equal(host, cpu.read_blocks(blocks))
-        assert gpu.pool.state.workspace.scratch_bytes >= 3 * P
+        assert gpu.pool.workspace.scratch_bytes >= 3 * P
         data = rng.integers(0, 256, (17, P), dtype=np.uint8)
         pinned = fp4cache.pinned_empty((17, P))
         pinned[...] = data

@@ -584,7 +584,7 @@ def test_store_one_or_two_heads_per_thread(dtype, rule, D, layout, swz, H, n):
     c_gpu.store(cp.asarray(slots), cp.asarray(k), cp.asarray(v), unique_slots=False)
     assert np.array_equal(cp.asnumpy(c_gpu.buffer), c_cpu.buffer)
     assert c_gpu.stats == c_cpu.stats
-    assert not c_gpu.pool.state.claim.any()  # the clear pass leaves the claim table zero
+    assert not c_gpu.pool.claim.any()  # the clear pass leaves the claim table zero
 
 
 @pytest.mark.gpu
@@ -768,7 +768,7 @@ def test_claim_table_across_calls_graph_replays_and_freed_caches():
             caches = [c for c in caches if c is not None]
             gc.collect()
     for gpu, *_ in caches:
-        assert not gpu.pool.state.claim.any()
+        assert not gpu.pool.claim.any()
 
 
 # -- the CuPy backend against the NumPy backend --------------------------------------------

@@ -34,7 +34,8 @@ from .._device import by_value, num_sms, resident_ctas
 from .._plans import PlanCache, Scratch, Workspace
 from ..layout import PageGeometry
 
-__all__ = ["decode_attention", "decode_runner", "attention_plans", "new_scratch",
+__all__ = ["decode_attention", "decode_runner", "make_decode_run", "attention_plans",
+           "new_scratch", "decode_plan_key",
            "split_plan", "max_splits", "workspace_parts", "workspace_bound",
            "make_decode_plan", "window_params", "window_key", "check_attention_args",
            "fill_shared_params", "RowsSpec", "NULL",
@@ -356,7 +357,8 @@ def window_key(window, rotate: bool) -> tuple:
 
 
 def decode_plan_key(buffer, q, block_tables, seq_lens, geom, k_s, v_s, sm_scale, stats,
-              decode_route, kernel_file, window=None, rotate: bool = False) -> tuple:
+                    decode_route="auto", kernel_file=None, window=None,
+                    rotate: bool = False) -> tuple:
     # id(geom): the plan keeps geom alive, so the id is not reused while the key exists.
     # No stream: the workspace is the owner's, shared by every stream (calls on different
     # streams are ordered by the caller, see Workspace).
@@ -419,36 +421,56 @@ def decode_attention(buffer, q, block_tables, seq_lens, out, lse, *, geom: PageG
         q, block_tables, seq_lens, out, lse)
 
 
-def decode_runner(buffer, q, block_tables, seq_lens, *, geom: PageGeometry, k_s, v_s,
-                     sm_scale, stats, scratch, decode_route: str = "auto",
-                     kernel_file: str | None = None, window=None, rotate: bool = False):
-    """``run(q, block_tables, seq_lens, out, lse)``: :func:`decode_attention` for arrays
-    like these (shapes, dtypes) on the current stream, prepared once (the front end keeps
-    it for its hot path: one launch, nothing else)."""
-    key = decode_plan_key(buffer, q, block_tables, seq_lens, geom, k_s, v_s, sm_scale, stats,
-                    decode_route, kernel_file, window, rotate)
-    plans = scratch.plans
-    plan = plans.get(key)
-    if plan is None:
-        plan = make_decode_plan(buffer, q, block_tables, seq_lens, geom, k_s, v_s, sm_scale, stats,
-                          scratch.workspace, decode_route, kernel_file, window=window,
-                          rotate=rotate)
-        plans.put(key, plan)
+def make_decode_run(buffer, q, block_tables, seq_lens, *, geom: PageGeometry, k_s, v_s,
+                    sm_scale, stats, scratch, decode_route: str = "auto",
+                    kernel_file: str | None = None, window=None, rotate: bool = False):
+    """``run(q, query_start_loc, block_tables, seq_lens, out, lse)``: the decode launch for
+    arrays like these (shapes, dtypes) on the current stream, prepared now (its split-KV
+    partials taken from ``scratch.workspace``); ``query_start_loc`` is not read (one query
+    token per sequence).  ``run.plan`` is the :class:`_AttnPlan`."""
+    plan = make_decode_plan(buffer, q, block_tables, seq_lens, geom, k_s, v_s, sm_scale, stats,
+                            scratch.workspace, decode_route, kernel_file, window=window,
+                            rotate=rotate)
     nsplit, H, B = plan.grid
     fn, grid, block, params, zero = plan.fn, (nsplit * H * B,), plan.block, plan.params, \
         NULL
 
-    def run(q, block_tables, seq_lens, out, lse, _keep=plan):
+    def run(q, query_start_loc, block_tables, seq_lens, out, lse, _keep=plan):
         fn(grid, block, (q, zero, block_tables, seq_lens, out, zero if lse is None else lse,
                          params))
 
+    run.plan = plan  # type: ignore[attr-defined]
     return run
+
+
+def decode_runner(buffer, q, block_tables, seq_lens, *, geom: PageGeometry, k_s, v_s,
+                  sm_scale, stats, scratch, decode_route: str = "auto",
+                  kernel_file: str | None = None, window=None, rotate: bool = False):
+    """``run(q, block_tables, seq_lens, out, lse)``: :func:`decode_attention` for arrays
+    like these, prepared once and kept in ``scratch.plans`` under
+    :func:`decode_plan_key` (the functional API; a cache's pool goes through
+    ``runners.attention_runner``)."""
+    key = decode_plan_key(buffer, q, block_tables, seq_lens, geom, k_s, v_s, sm_scale, stats,
+                          decode_route, kernel_file, window, rotate)
+    run = scratch.plans.get(key)
+    if run is None:
+        run = make_decode_run(buffer, q, block_tables, seq_lens, geom=geom, k_s=k_s, v_s=v_s,
+                              sm_scale=sm_scale, stats=stats, scratch=scratch,
+                              decode_route=decode_route, kernel_file=kernel_file,
+                              window=window, rotate=rotate)
+        scratch.plans.put(key, run)
+
+    def run_decode(q, block_tables, seq_lens, out, lse, _run=run):
+        _run(q, None, block_tables, seq_lens, out, lse)
+
+    return run_decode
 
 
 def attention_plans(scratch) -> list[_AttnPlan]:
     """The prepared decode-attention launches in ``scratch.plans``, least recently used
     first (tests and benchmarks read their grids)."""
-    return [p for p in scratch.plans.values() if isinstance(p, _AttnPlan)]
+    plans = (getattr(run, "plan", None) for run in scratch.plans.values())
+    return [p for p in plans if isinstance(p, _AttnPlan)]
 
 
 def new_scratch(device: int | None = None) -> Scratch:

@@ -5,7 +5,7 @@ depends on (shapes, strides, dtypes, pointer alignment, the state's device and b
 a plan is an immutable callable, so a decode step costs one dictionary lookup and one
 kernel launch of host time, and two threads may share plans and a stream.  Plans hold no
 device memory of their own: what a kernel needs between calls lives in the
-:class:`~fp4cache._cuda.state.CacheState`.  Nothing here synchronizes with the host or
+:class:`~fp4cache._cuda.state.DevicePool`.  Nothing here synchronizes with the host or
 allocates once a plan exists, so calls can be captured in CUDA graphs.  Non-contiguous
 K/V (any token and head strides) are read in place; pointers or strides that are not
 16-byte aligned select the ``_scalar`` kernel variants.
@@ -13,6 +13,7 @@ K/V (any token and head strides) are read in place; pointers or strides that are
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable
 from functools import lru_cache
 
@@ -23,7 +24,7 @@ from .. import _kernels as K
 from .._device import by_value
 from ..layout import GROUP, PageGeometry
 from .launch import BLOCK, MAX_THREADS, THREADS, aligned, contig, decode_grid, grid_of, index_name
-from .state import CacheState
+from .state import DevicePool
 
 __all__ = ["quantize", "dequantize", "store_plan", "store", "gather_plan", "gather_dequant",
            "STORE_PARAMS_DTYPE", "GATHER_PARAMS_DTYPE"]
@@ -112,7 +113,7 @@ def rotation_scale(head_dim: int) -> np.float32:
     return _F32(1.0 / np.sqrt(head_dim))
 
 
-def store_plan(st: CacheState, slots, k, v, *, rule: str, unique_slots: bool) -> Callable:
+def store_plan(st: DevicePool, slots, k, v, *, rule: str, unique_slots: bool) -> Callable:
     """``run(slots, k, v)``: store K/V ``[N, H, D]`` of arrays like these (same shapes,
     strides, dtypes, pointer alignment; ``slots`` C-contiguous) into ``st``'s pool.
 
@@ -198,16 +199,22 @@ def store_plan(st: CacheState, slots, k, v, *, rule: str, unique_slots: bool) ->
     return run_claimed
 
 
+def _pool_over(buffer, geom: PageGeometry, k_s, v_s, stats, rotate: bool, **kw) -> DevicePool:
+    """A pool over ``buffer`` and ``stats`` for one functional call."""
+    return DevicePool(sys.modules[__package__], buffer.data.device_id, geom, k_s, v_s,
+                      pages=buffer, stats=stats, rotation="hadamard" if rotate else "none",
+                      **kw)
+
+
 def store(buffer, slot_mapping, k, v, *, geom: PageGeometry, rule, k_s, k_g, v_s, v_g, stats,
           unique_slots: bool = False, rotate: bool = False, window=None) -> None:
     """The functional form of the protocol (as in the NumPy backend; tests, benchmarks):
-    store into ``buffer``/``stats`` through a :class:`CacheState` made for this call (it
+    store into ``buffer``/``stats`` through a :class:`DevicePool` made for this call (it
     allocates and uploads tables: not for CUDA-graph capture, which needs the owner's
     state, :class:`~fp4cache.PagedKVCache`).  ``rotate``: K rotated first; ``window``:
     ``(slots, map)`` of an exact window (cupy uint16 ``(S, 2, T, H, D)``, int32
     ``(num_blocks,)``)."""
-    st = CacheState(buffer.data.device_id, geom, buffer.shape[0], k_s, k_g, v_s, v_g,
-                    buffer=buffer, stats=stats, rotation="hadamard" if rotate else "none")
+    st = _pool_over(buffer, geom, k_s, v_s, stats, rotate, k_g=k_g, v_g=v_g)
     if window is not None:
         st.window, st.window_map = window
     slots = contig(slot_mapping)
@@ -218,14 +225,12 @@ def gather_dequant(buffer, blocks, out_k, out_v, *, geom: PageGeometry, k_s, v_s
                    stats, rotate: bool = False) -> None:
     """The functional form of the gather (as in the NumPy backend; tests, benchmarks;
     ``rotate``: K turned back to the original basis)."""
-    st = CacheState(buffer.data.device_id, geom, buffer.shape[0], k_s, 1.0, v_s, 1.0,
-                    buffer=buffer, stats=stats, tables=False,
-                    rotation="hadamard" if rotate else "none")
+    st = _pool_over(buffer, geom, k_s, v_s, stats, rotate, tables=False)
     blocks = contig(blocks)
     gather_plan(st, blocks, out_k, out_v)(blocks, out_k, out_v)
 
 
-def gather_plan(st: CacheState, blocks, out_k, out_v) -> Callable:
+def gather_plan(st: DevicePool, blocks, out_k, out_v) -> Callable:
     """``run(blocks, out_k, out_v)``: gather and decode pages ``blocks`` (C-contiguous,
     any length, of ``blocks``' dtype) into C-contiguous outputs ``[n*T, H, D]`` of
     ``out_k``'s dtype, 16-byte aligned if both of these are.  A rotating cache's K comes

@@ -3,7 +3,7 @@ pages and device rows, and page transfers to and from host memory
 (``kernels/page_copy.cu``).
 
 Every function takes the pool view of the cache (:class:`fp4cache._backend.Pool`): its
-``buffer``, ``stats``, ``geometry``, ``num_blocks`` and the ``workspace`` of its state.
+``buffer``, ``stats``, ``geometry``, ``num_blocks`` and its ``workspace``.
 No host synchronization and no allocation once the workspace fits (CUDA-graph safe).
 """
 
@@ -54,7 +54,7 @@ def copy_workspace(pool, n: int):
     uint32 tables pending, dst_of (tickets: zero before and after every call).
     Taken at the first call, kept (and grown to the largest ``n``) by the workspace."""
     P = pool.geometry.page_bytes
-    return pool.state.workspace.get(
+    return pool.workspace.get(
         [((n, P), _U8)], tickets=_abi.COPY_TABLES * pool.num_blocks,
         hint=f"copy_blocks of {n} pages: run one before capturing")
 
@@ -113,7 +113,7 @@ def _staging(pool, pages: int):
     """``(pages, page_bytes)`` uint8 staging rows in the cache's workspace (shared with
     every other launch of the cache, on the same stream-ordering terms)."""
     P = pool.geometry.page_bytes
-    (rows,) = pool.state.workspace.get([((pages, P), _U8)],
+    (rows,) = pool.workspace.get([((pages, P), _U8)],
                                        hint=f"page transfers of {pages} pages")
     return rows
 

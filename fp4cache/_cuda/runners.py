@@ -1,51 +1,75 @@
-"""Prepared calls of the engine API (:class:`fp4cache.AttentionPlan`): the store and the
-attention of one pool, for arrays like the ones given, as callables of one signature on
-both backends (``fp4cache._cpu`` has the same two functions).
+"""The CUDA backend's runners: the prepared store, gather and attention of one pool, kept
+in the pool's plan cache (``pool.plans``), the backend's one level of prepared launches.
 
-Each returned ``run`` launches on the current stream, allocates nothing and never
-synchronizes the host, so a plan's ``run`` can be captured in a CUDA graph.  The launches
-are kept in the pool's plan cache (``CacheState.plans``) under their backend keys.
+A runner returns the launch kept under ``key`` (the front end's signature of the
+arguments, :mod:`fp4cache._hotpath`, under which the front end's hot path finds it again;
+without one, a key of the backend's own), preparing and keeping it on a miss.  Each launch
+runs on the current stream, allocates nothing and never synchronizes the host, so it can
+be captured in a CUDA graph.  ``fp4cache._cpu`` has the same three functions.
 """
 
 from __future__ import annotations
 
 from .._hotpath import store_signature
-from .decode import decode_runner
-from .paged import store_plan
-from .varlen import varlen_runner
+from .decode import decode_plan_key, make_decode_run
+from .paged import gather_plan, store_plan
+from .state import DevicePool
+from .varlen import make_varlen_run, varlen_plan_key
 
-__all__ = ["store_runner", "attention_runner"]
+__all__ = ["store_runner", "gather_runner", "attention_runner"]
 
 
-def store_runner(pool, slots, k, v, *, unique_slots: bool):
-    """``run(slots, k, v)``: the store into ``pool`` (a :class:`~fp4cache._backend.Pool`)
-    for arrays like these (slots C-contiguous, K/V rows of contiguous values), kept in the
-    pool's plans under :func:`fp4cache._hotpath.store_signature` (where the cache's hot
-    path finds it)."""
-    sig = store_signature(slots, k, v, unique_slots)
-    plans = pool.state.plans
-    run = plans.get(sig) if sig is not None else None
+def store_runner(pool: DevicePool, slots, k, v, *, unique_slots: bool, key=None):
+    """``run(slots, k, v)``: the store into ``pool`` for arrays like these (slots
+    C-contiguous, K/V rows of contiguous values); ``key`` defaults to
+    :func:`fp4cache._hotpath.store_signature` of the arrays."""
+    if key is None:
+        key = store_signature(slots, k, v, unique_slots)
+    run = pool.plans.get(key) if key is not None else None
     if run is None:
-        run = store_plan(pool.state, slots, k, v, rule=pool.scale_rule,
-                         unique_slots=unique_slots)
-        if sig is not None:
-            plans.put(sig, run)
+        run = store_plan(pool, slots, k, v, rule=pool.scale_rule, unique_slots=unique_slots)
+        if key is not None:
+            pool.plans.put(key, run)
     return run
 
 
-def attention_runner(pool, q, query_start_loc, block_tables, seq_lens, *,
-                     max_query_len: int, causal: bool, sm_scale):
+def gather_runner(pool: DevicePool, blocks, out_k, out_v, *, key=None):
+    """``run(blocks, out_k, out_v)``: the gather of ``pool``'s pages (``blocks``
+    C-contiguous) into outputs of ``out_k``'s dtype and alignment, any number of pages."""
+    if key is None:
+        key = ("gather", blocks.dtype, out_k.dtype,
+               out_k.data.ptr % 16 == 0 and out_v.data.ptr % 16 == 0)
+    run = pool.plans.get(key)
+    if run is None:
+        run = gather_plan(pool, blocks, out_k, out_v)
+        pool.plans.put(key, run)
+    return run
+
+
+def attention_runner(pool: DevicePool, q, query_start_loc, block_tables, seq_lens, *,
+                     max_query_len: int, causal: bool, sm_scale, key=None):
     """``run(q, query_start_loc, block_tables, seq_lens, out, lse)``: attention over
     ``pool`` for arrays like these (``query_start_loc`` None: one query token per sequence,
     the decode launch)."""
     kw = {"geom": pool.geometry, "k_s": pool.k_s, "v_s": pool.v_s, "sm_scale": sm_scale,
-          "stats": pool.stats, "scratch": pool.state, **pool.window_args}
+          "stats": pool.stats, "scratch": pool, **pool.window_args}
     if query_start_loc is None:
-        run = decode_runner(pool.buffer, q, block_tables, seq_lens, **kw)
-
-        def run_decode(q, query_start_loc, block_tables, seq_lens, out, lse, _run=run):
-            _run(q, block_tables, seq_lens, out, lse)
-
-        return run_decode
-    return varlen_runner(pool.buffer, q, query_start_loc, block_tables, seq_lens,
-                         max_query_len=max_query_len, causal=causal, **kw)
+        if key is None:
+            key = decode_plan_key(pool.buffer, q, block_tables, seq_lens, pool.geometry,
+                                  pool.k_s, pool.v_s, sm_scale, pool.stats,
+                                  **pool.window_args)
+        run = pool.plans.get(key)
+        if run is None:
+            run = make_decode_run(pool.buffer, q, block_tables, seq_lens, **kw)
+            pool.plans.put(key, run)
+        return run
+    if key is None:
+        key = varlen_plan_key(pool.buffer, q, query_start_loc, block_tables, seq_lens,
+                              pool.geometry, max_query_len, causal, pool.k_s, pool.v_s,
+                              sm_scale, pool.stats, **pool.window_args)
+    run = pool.plans.get(key)
+    if run is None:
+        run = make_varlen_run(pool.buffer, q, query_start_loc, block_tables, seq_lens,
+                              max_query_len=max_query_len, causal=causal, **kw)
+        pool.plans.put(key, run)
+    return run

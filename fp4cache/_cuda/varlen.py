@@ -51,8 +51,8 @@ from .decode import (
     window_params,
 )
 
-__all__ = ["attention", "varlen_runner", "plan_shape", "row_warps_for", "wgmma_applies",
-           "GRID_WAVES",
+__all__ = ["attention", "varlen_runner", "make_varlen_run", "varlen_plan_key", "plan_shape",
+           "row_warps_for", "wgmma_applies", "GRID_WAVES",
            "VARLEN_PARAMS_DTYPE", "WORKSPACE_WAVES"]
 
 #: numpy twin of ``struct VarlenParams`` (generated from :mod:`fp4cache._abi`).
@@ -258,23 +258,18 @@ def varlen_plan_key(buffer, q, query_start_loc, block_tables, seq_lens, geom, ma
             window_key(window, rotate), route)
 
 
-def varlen_runner(buffer, q, query_start_loc, block_tables, seq_lens, *, max_query_len: int,
-                     causal: bool, geom: PageGeometry, k_s, v_s, sm_scale, stats,
-                     scratch, window=None, rotate: bool = False, route: str = "auto"):
+def make_varlen_run(buffer, q, query_start_loc, block_tables, seq_lens, *,
+                    max_query_len: int, causal: bool, geom: PageGeometry, k_s, v_s, sm_scale,
+                    stats, scratch, window=None, rotate: bool = False, route: str = "auto"):
     """``run(q, query_start_loc, block_tables, seq_lens, out, lse)``: :func:`attention` for
-    arrays like these on the current stream, prepared once (one to three launches per call;
-    the front end keeps it for its hot path).  ``window = (slots, map, pages)``: the cache's
-    exact window (keys from the window start on read from the bf16 slots,
-    ``docs/window.md``); ``rotate``: K is stored rotated, q is rotated in the kernels;
-    ``route``: ``_kernels.PREFILL_ROUTES``."""
-    key = varlen_plan_key(buffer, q, query_start_loc, block_tables, seq_lens, geom, max_query_len,
-                    causal, k_s, v_s, sm_scale, stats, window, rotate, route)
-    plan = scratch.plans.get(key)
-    if plan is None:
-        plan = make_varlen_plan(buffer, q, query_start_loc, block_tables, seq_lens, geom,
-                          max_query_len, causal, k_s, v_s, sm_scale, stats, scratch.workspace,
-                          window, rotate, route)
-        scratch.plans.put(key, plan)
+    arrays like these on the current stream, prepared now (one to three launches per
+    call).  ``window = (slots, map, pages)``: the cache's exact window (keys from the
+    window start on read from the bf16 slots, ``docs/window.md``); ``rotate``: K is
+    stored rotated, q is rotated in the kernels; ``route``: ``_kernels.PREFILL_ROUTES``.
+    ``run.plan`` is the plan."""
+    plan = make_varlen_plan(buffer, q, query_start_loc, block_tables, seq_lens, geom,
+                            max_query_len, causal, k_s, v_s, sm_scale, stats,
+                            scratch.workspace, window, rotate, route)
     zero = NULL
     launches = tuple((lp.fn, (lp.grid,), (lp.block,), lp.smem, lp.params)
                      for lp in plan.launches)
@@ -286,6 +281,26 @@ def varlen_runner(buffer, q, query_start_loc, block_tables, seq_lens, *, max_que
             fn(grid, block, (q, query_start_loc, block_tables, seq_lens) + args_tail + (params,),
                shared_mem=smem)
 
+    run.plan = plan  # type: ignore[attr-defined]
+    return run
+
+
+def varlen_runner(buffer, q, query_start_loc, block_tables, seq_lens, *, max_query_len: int,
+                  causal: bool, geom: PageGeometry, k_s, v_s, sm_scale, stats,
+                  scratch, window=None, rotate: bool = False, route: str = "auto"):
+    """:func:`make_varlen_run`, prepared once and kept in ``scratch.plans`` under
+    :func:`varlen_plan_key` (the functional API; a cache's pool goes through
+    ``runners.attention_runner``)."""
+    key = varlen_plan_key(buffer, q, query_start_loc, block_tables, seq_lens, geom,
+                          max_query_len, causal, k_s, v_s, sm_scale, stats, window, rotate,
+                          route)
+    run = scratch.plans.get(key)
+    if run is None:
+        run = make_varlen_run(buffer, q, query_start_loc, block_tables, seq_lens,
+                              max_query_len=max_query_len, causal=causal, geom=geom, k_s=k_s,
+                              v_s=v_s, sm_scale=sm_scale, stats=stats, scratch=scratch,
+                              window=window, rotate=rotate, route=route)
+        scratch.plans.put(key, run)
     return run
 
 

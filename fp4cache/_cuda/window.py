@@ -109,7 +109,7 @@ def window_workspace(pool, n: int):
     """The ``(n, 2*T*H*D)`` uint16 staging rows of a ``copy_window`` of ``n`` pairs: a view
     of the cache's workspace (scratch), kept and grown to the largest ``n``."""
     g = pool.geometry
-    (rows,) = pool.state.workspace.get(
+    (rows,) = pool.workspace.get(
         [((n, 2 * g.block_size * g.num_heads * g.head_dim), _U16)],
         hint=f"copy_blocks of {n} pages with a window: run one before capturing")
     return rows
