@@ -107,7 +107,7 @@ def time_variant(vb, call, out, scratch, first: tuple[str, np.ndarray] | None, n
     cp = vb.cp
     call()
     cp.cuda.Device().synchronize()
-    names = [lp.name for lp in next(iter(scratch.plans.values())).launches]
+    names = [lp.name for lp in next(iter(scratch.plans.values())).plan.launches]
     first, same = compare_bytes(first, name, out.view(cp.uint16).get())
     t = vb.time([call], batch=batch)
     return first, f"   {name:9s} {t * 1e6:9.1f} us  {' + '.join(names)}{same}"

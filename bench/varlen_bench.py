@@ -172,7 +172,7 @@ class VarlenBench(AttnBench):
             cp.cuda.Device().synchronize()
             t = self.time([call], batch=10)
             rel = self.check(cache, tab, lensd, qsl, q, out, sm_scale, H, D, T)
-            plan = next(iter(scratch.plans.values())).launches[-1]
+            plan = next(iter(scratch.plans.values())).plan.launches[-1]
             q4 = torch.from_dlpack(q.view(cp.int16)).view(torch.bfloat16).view(
                 B, n, Hq, D).transpose(1, 2)
             best = self.sdpa_best(q4, k4, v4, sm_scale)
@@ -248,7 +248,7 @@ class VarlenBench(AttnBench):
         pairs = B * (n * (L - n) + n * (n + 1) // 2)  # (query, key) pairs, causal mask
         flops = 4.0 * pairs * Hq * D
         rel = self.check(cache, tab, lensd, qsl, q, out, sm_scale, H, D, T)
-        plan = next(iter(scratch.plans.values())).launches[-1]
+        plan = next(iter(scratch.plans.values())).plan.launches[-1]
         row = dict(case=f"prefill B={B}, {n} after {cached}, D={D}", varlen_us=t * 1e6,
                    tflops=flops / t / 1e12, grid=plan.grid, regs=int(plan.fn.num_regs),
                    kernel=plan.name, max_row_rel_err=rel, check="ok" if rel <= 1e-2 else "FAIL")

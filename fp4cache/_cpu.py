@@ -15,8 +15,8 @@ from typing import NamedTuple
 
 import numpy as np
 
-from ._abi import SCALE_SATURATES_ABOVE, STAT, STAT_NAMES
 from . import _device
+from ._abi import SCALE_SATURATES_ABOVE, STAT, STAT_NAMES
 from ._pool import Pool
 from .formats import (
     C4,
@@ -680,6 +680,7 @@ class HostPool(Pool):
     every call checks them (``validate`` is always True)."""
 
     checks_are_free = True
+    __slots__ = ()
 
 
 #: What :func:`allocation_bytes` counts per page besides the page.

@@ -18,7 +18,6 @@ LongLive APIs, which have no owner object, in the two bounded caches of this mod
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import weakref
 from itertools import chain
@@ -30,7 +29,6 @@ from ._device import DeviceGuard
 from ._plans import PlanCache
 from .formats import resolve_dtype
 
-_NO_GUARD = contextlib.nullcontext()
 _F32 = np.dtype(np.float32)
 
 __all__ = ["MISS", "run", "gather", "attention", "store_signature", "gather_signature",
@@ -58,16 +56,11 @@ def _current_device() -> int:
     return _get_device()()
 
 
-def _launch(pool, sig):
-    """The launch kept under ``sig`` in ``pool.plans``, or None."""
-    return pool.plans.get(sig) if sig is not None else None
-
-
 def run(pool, sig, *args):
     """The launch a checked call left under signature ``sig`` in the plans of ``pool`` (a
     cache's :class:`~fp4cache._backend.Pool`), run with the pool's GPU current
     (switching only when another is); else :data:`MISS`."""
-    launch = _launch(pool, sig)
+    launch = pool.plans.get(sig) if sig is not None else None
     if launch is None:
         return MISS
     if _get_device()() == pool.device_id:
@@ -121,17 +114,19 @@ def _out_dtype(dtype) -> np.dtype:
 def gather(pool, sig, blocks, dtype, out):
     """The hot path of ``gather_dequant``: the kept launch for ``sig`` writes ``out`` (or
     new outputs of ``dtype``, on the pool's device) and returns them; else :data:`MISS`."""
-    launch = _launch(pool, sig)
+    launch = pool.plans.get(sig) if sig is not None else None
     if launch is None:
         return MISS
-    with DeviceGuard(pool.device_id) if _get_device()() != pool.device_id else _NO_GUARD:
-        if out is None:
-            g = pool.geometry
-            shape = (blocks.shape[0] * g.block_size, g.num_heads, g.head_dim)
-            dt = _out_dtype(dtype)
-            empty = _cupy().empty
-            out = (empty(shape, dtype=dt), empty(shape, dtype=dt))
-        launch(blocks, out[0], out[1])
+    if _get_device()() != pool.device_id:
+        with DeviceGuard(pool.device_id):
+            return gather(pool, sig, blocks, dtype, out)
+    if out is None:
+        g = pool.geometry
+        shape = (blocks.shape[0] * g.block_size, g.num_heads, g.head_dim)
+        dt = _out_dtype(dtype)
+        empty = _cupy().empty
+        out = (empty(shape, dtype=dt), empty(shape, dtype=dt))
+    launch(blocks, out[0], out[1])
     return out[0], out[1]
 
 
@@ -189,17 +184,22 @@ def attention(pool, sig, return_lse: bool, q, query_start_loc, block_tables, seq
     """The hot path of ``decode_attention`` (``query_start_loc`` None) and ``attention``:
     the kept launch for ``sig``, with the outputs not given allocated (on the pool's
     device); else :data:`MISS`."""
-    launch = _launch(pool, sig)
+    launch = pool.plans.get(sig) if sig is not None else None
     if launch is None:
         return MISS
-    with DeviceGuard(pool.device_id) if _get_device()() != pool.device_id else _NO_GUARD:
-        empty = _cupy().empty
-        if out is None:
-            out = empty(q.shape, dtype=q.dtype)
-        if return_lse and lse_out is None:
-            lse_out = empty(q.shape[:2], dtype=_F32)
+    if _get_device()() != pool.device_id:
+        with DeviceGuard(pool.device_id):
+            return attention(pool, sig, return_lse, q, query_start_loc, block_tables,
+                             seq_lens, out, lse_out)
+    if out is None:
+        out = _cupy().empty(q.shape, dtype=q.dtype)
+    if return_lse:
+        if lse_out is None:
+            lse_out = _cupy().empty(q.shape[:2], dtype=_F32)
         launch(q, query_start_loc, block_tables, seq_lens, out, lse_out)
-    return (out, lse_out) if return_lse else out
+        return out, lse_out
+    launch(q, query_start_loc, block_tables, seq_lens, out, None)
+    return out
 
 
 # -- LongLive --------------------------------------------------------------------------------

@@ -66,6 +66,10 @@ class Pool:
     #: synchronization: every call checks them and ``validate`` is always True.
     checks_are_free = False
 
+    __slots__ = ("backend", "device", "device_id", "geometry", "num_blocks", "buffer",
+                 "owns_pages", "k_s", "v_s", "k_g", "v_g", "stats", "plans", "workspace",
+                 "validate", "scale_rule", "rotation", "window_pages", "window", "window_map")
+
     def __init__(self, backend: Any, device: str, device_id: int | None,
                  geometry: PageGeometry, buffer, stats, k_s, v_s, *, owns_pages: bool,
                  validate: bool, scale_rule: str, rotation: str = "none",
@@ -83,20 +87,12 @@ class Pool:
         self.stats = stats
         self.plans = PlanCache() if plans is None else plans
         self.workspace = workspace
-        self.validate = validate
+        self.validate = bool(validate) or self.checks_are_free
         self.scale_rule = scale_rule
         self.rotation = rotation
         self.window_pages = window_pages
         self.window = window
         self.window_map = window_map
-
-    @property
-    def validate(self) -> bool:
-        return self._validate
-
-    @validate.setter
-    def validate(self, value: bool) -> None:
-        self._validate = bool(value) or self.checks_are_free
 
     @property
     def window_slots(self) -> int:

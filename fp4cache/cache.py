@@ -283,7 +283,7 @@ class PagedKVCache:
     @validate.setter
     def validate(self, value: bool) -> None:
         value = _arrays.check_bool(value, "validate")
-        self._pool.validate = value
+        self._pool.validate = value or self._pool.checks_are_free
 
     def _reserve_workspace(self) -> None:
         """The split-KV workspace every call within the hints needs (none without hints, or

@@ -1082,7 +1082,7 @@ class TestKernel:
                                             group=group, dtname=dtname, layout=layout,
                                             causal=causal)
         check(out, lse, ro, rl, dtname, f"many rows D={D} g={group} {route}")
-        (call,) = scratch.plans.values()
+        (call,) = [run.plan for run in scratch.plans.values()]
         wg = route == "auto" and wgmma_device() and D in _abi.VARLEN_WG_HEAD_DIMS
         assert ("_varlen_wgmma_" in call.launches[-1].name) == wg, call.launches[-1].name
 
@@ -1100,7 +1100,7 @@ class TestKernel:
         check(out, lse, ro, rl, "bfloat16", f"unaligned T={T} H={H} {itype.__name__}")
         geom = cache.geometry
         assert ((geom.side_bytes | geom.data_bytes) % 16 == 0) == (T == 16)
-        (call,) = scratch.plans.values()
+        (call,) = [run.plan for run in scratch.plans.values()]
         wg = route == "auto" and wgmma_device()
         assert ("_varlen_wgmma_" in call.launches[-1].name) == wg, call.launches[-1].name
 
@@ -1140,7 +1140,7 @@ class TestKernel:
         _, out, lse, ro, rl, scratch = case(rng, ns=[n] * 4, lens=lens, H=2, T=16, D=128,
                                             group=group)
         check(out, lse, ro, rl, "bfloat16", f"spec n={n}")
-        (call,) = scratch.plans.values()
+        (call,) = [run.plan for run in scratch.plans.values()]
         if n * group <= 32:
             (lp,) = call.launches
             (plan,) = lp.keep
@@ -1174,7 +1174,7 @@ class TestKernel:
         assert np.isnan(ro[:3 * n]).all() and not np.isnan(ro[3 * n:]).any()
         check(out, lse, ro, rl, "bfloat16", f"bad ids n={n}")
         assert int(cp.asnumpy(cache.pool.stats)[_abi.STAT["bad_block_ids"]]) == 3
-        (call,) = scratch.plans.values()
+        (call,) = [run.plan for run in scratch.plans.values()]
         (lp,) = call.launches
         (plan,) = lp.keep
         assert plan.spec.name.endswith("d128_wide4_paged16" if n == 6 else "d128_wide_paged16")
@@ -1200,7 +1200,7 @@ class TestKernel:
                                                 group=group, dtname=dtname, layout=layout,
                                                 swizzle=T % 4 == 0, causal=causal)
             check(out, lse, ro, rl, dtname, f"wide4 D={D} g={group} n={n} causal={causal}")
-            (call,) = scratch.plans.values()
+            (call,) = [run.plan for run in scratch.plans.values()]
             (lp,) = call.launches
             (plan,) = lp.keep
             assert plan.spec.name.endswith(f"_d{D}{form}" + "_paged16" * (T % 16 == 0))
@@ -1216,7 +1216,7 @@ class TestKernel:
         _, out, lse, ro, rl, scratch = case(rng, ns=ns.tolist(), lens=lens, H=1, T=16, D=64,
                                             group=4)
         check(out, lse, ro, rl, "bfloat16", "65540 sequences")
-        (call,) = scratch.plans.values()
+        (call,) = [run.plan for run in scratch.plans.values()]
         (lp,) = call.launches
         assert lp.grid >= B
 
@@ -1230,7 +1230,7 @@ class TestKernel:
         lens = [5000, 3000, 1000, 77, 50, 2, 4000]
         _, out, lse, ro, rl, scratch = case(rng, ns=ns, lens=lens, H=2, T=16, D=128, group=4)
         check(out, lse, ro, rl, "bfloat16", "mixed")
-        (call,) = scratch.plans.values()
+        (call,) = [run.plan for run in scratch.plans.values()]
         (narrow,), (wide,), big = (lp.keep for lp in call.launches)
         assert narrow.spec.name.endswith("_d128_paged16") and narrow.grid[0] > 1
         assert wide.spec.name.endswith("_wide_paged16") and wide.grid[0] > 1
@@ -1245,7 +1245,7 @@ class TestKernel:
         lens = [3000, 700, 500, 9, 2000]
         _, out, lse, ro, rl, scratch = case(rng, ns=ns, lens=lens, H=2, T=16, D=64, group=4)
         check(out, lse, ro, rl, "bfloat16", "one CTA")
-        (call,) = scratch.plans.values()
+        (call,) = [run.plan for run in scratch.plans.values()]
         assert call.launches[-1].grid == 1 and len(call.launches) == 3
 
     def test_rows_without_keys_and_empty_sequences(self):
@@ -1347,7 +1347,7 @@ class TestKernel:
         assert nan[40 + 10:70].all() and not nan[40:40 + 10].any() and not nan[70:].any()
         check(out, lse, ro, rl, "bfloat16", f"D={D} {layout} {swizzle} {route}")
         assert int(cp.asnumpy(cache.pool.stats)[_abi.STAT["bad_block_ids"]]) == 1
-        (call,) = scratch.plans.values()
+        (call,) = [run.plan for run in scratch.plans.values()]
         wg = route == "auto" and wgmma_device() and D in _abi.VARLEN_WG_HEAD_DIMS
         assert ("_varlen_wgmma_" in call.launches[-1].name) == wg, call.launches[-1].name
 
@@ -1467,7 +1467,7 @@ class TestKernel:
             cv.attention(cache.buffer, qd, qsld, td, ld, out, lse, **kw)
             graph = stream.end_capture()
             assert pool.used_bytes() == used
-        (call,) = scratch.plans.values()
+        (call,) = [run.plan for run in scratch.plans.values()]
         assert len(call.launches) == 1 and call.launches[0].grid > B * H
         for rep, (ns, lens) in enumerate((([4, 4, 4], [5000, 100, 4]), ([1, 3, 4], [7, 5000, 4000]),
                                           ([0, 4, 2], [0, 4, 4096]), ([4, 0, 1], [2, 9, 1]))):
@@ -1673,7 +1673,7 @@ class TestWindow:
                                                        causal=causal)
             check(out, lse, ro, rl, dtname, f"wide4 window D={D} causal={causal}",
                   lse_tol=WIN_LSE_TOL)
-            (call,) = scratch.plans.values()
+            (call,) = [run.plan for run in scratch.plans.values()]
             (lp,) = call.launches
             assert f"_d{D}{form}" in lp.name, lp.name
 
@@ -1730,7 +1730,7 @@ class TestWindow:
                                                    D=128, group=group, P=P)
         check(out, lse, ro, rl, "bfloat16", f"splits n={n} g={group} P={P}",
               lse_tol=WIN_LSE_TOL)
-        last = next(iter(scratch.plans.values())).launches[-1]
+        last = next(iter(scratch.plans.values())).plan.launches[-1]
         if n * group <= 32:
             (plan,) = last.keep
             assert "_wide4" in plan.spec.name and plan.grid[0] > 1  # splits
@@ -1846,7 +1846,7 @@ class TestWindow:
                 window=w, rotate=r)
         plans = list(scratch.plans.values())
         assert len(plans) == 4
-        fns = [p.launches[-1].fn for p in plans]
+        fns = [p.plan.launches[-1].fn for p in plans]
         assert fns[1] is fns[2] is fns[3] and fns[0] is not fns[1]
 
 

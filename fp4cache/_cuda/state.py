@@ -50,6 +50,8 @@ class DevicePool(Pool):
     ``plans`` and ``workspace``).  ``tables=False``: a gather-only pool (no store
     tables)."""
 
+    __slots__ = ("os_tab", "claim")
+
     def __init__(self, backend, device_id: int, geom: PageGeometry, k_s, v_s, *,
                  num_blocks: int | None = None, pages=None, stats=None, k_g=None, v_g=None,
                  tables: bool = True, validate: bool = False, scale_rule: str = "static6",
