@@ -268,10 +268,11 @@ class PagedKVCache:
 
     @property
     def pool(self) -> Pool:
-        """The view of the page pool that the front ends, integrations and benchmarks use:
-        the backend, the pages, the global scales, the counters and (GPU) the cache's
-        ``CacheState`` (prepared launches, workspace).  See :class:`fp4cache._backend.Pool`;
-        the pages and counters are the cache's own (writing them changes the cache)."""
+        """The cache's pool as its backend made and owns it (:class:`fp4cache._backend.Pool`:
+        pages, counters, global scales, exact window, prepared launches, workspace), which
+        the library's front ends (:class:`fp4cache.AttentionPlan` among them) and the
+        benchmarks take; integrations use this class's public methods instead.  The pages
+        and counters are the cache's own (writing them changes the cache)."""
         return self._pool
 
     @property

@@ -155,7 +155,7 @@ class AttentionPlan:
         self._checked: set[tuple[int, int]] = set()  # (block_size, num_blocks) checked
 
     def _guard(self):
-        return DeviceGuard(self.device_id) if self.device == "cuda" else _NO_GUARD
+        return DeviceGuard(self.device_id)
 
     @property
     def nbytes(self) -> int:
@@ -249,10 +249,9 @@ class AttentionPlan:
         with self._guard(), self._stream_of(torch_in) if torch_in is not None else _NO_GUARD:
             self._copy(self._qsl[:B + 1], qsl)
             self._copy(self._seq_lens[:B], sl)
-            if isinstance(bt, np.ndarray) and self.device == "cuda" and \
-                    bt.shape[1] < self.max_blocks_per_seq:
-                # whole rows: one contiguous host-to-device copy (the columns past a
-                # sequence's pages are never read)
+            if isinstance(bt, np.ndarray) and bt.shape[1] < self.max_blocks_per_seq:
+                # whole rows: one contiguous copy (the columns past a sequence's pages
+                # are never read)
                 wide = np.zeros((B, self.max_blocks_per_seq), np.int32)
                 wide[:, :bt.shape[1]] = bt
                 bt = wide
@@ -268,8 +267,8 @@ class AttentionPlan:
 
     def _intake(self, a, name: str, ndim: int):
         """Metadata as given (host, or device on a GPU plan), an int array of ``ndim``."""
-        where = "cpu" if self.device == "cpu" or isinstance(a, (list, tuple, range)) \
-            else _arrays.backend_of(a)
+        given = _arrays.backend_of(a)
+        where = given if given == self.device else "cpu"
         a = _arrays.to_backend(a, where, name, allow_convert=True)
         attention._check_int_dtype(a, name)
         if a.ndim != ndim:
@@ -279,13 +278,12 @@ class AttentionPlan:
     def _copy(self, dst, src) -> None:
         if dst.size == 0:
             return
-        if self.device == "cpu":
-            dst[...] = src
-        elif isinstance(src, np.ndarray):  # the destination is contiguous (whole rows)
+        if isinstance(src, np.ndarray) and not isinstance(dst, np.ndarray):
+            # host to device; the destination is contiguous (whole rows)
             dst.set(np.ascontiguousarray(src, dtype=dst.dtype))
         else:
             _arrays.check_device({"metadata": src}, dst)
-            dst[...] = src  # an asynchronous copy (and cast) on the current stream
+            dst[...] = src  # on a GPU: an asynchronous copy (and cast) on the current stream
 
     # -- run --------------------------------------------------------------------------------
     def run(self, cache, q: ArrayLike, k: ArrayLike | None = None, v: ArrayLike | None = None,
