@@ -13,8 +13,9 @@ The order (``fp4cache/_backend.py`` describes the layers), lowest first::
 
 Every import counts, also those inside functions or under ``TYPE_CHECKING``: a module may
 import only modules listed before it, so the imports form no circle.  Also: no front end
-reads a private attribute of ``PagedKVCache``, and front ends reach a backend only
-through :mod:`fp4cache._backend`.
+reads a private attribute of ``PagedKVCache``, front ends reach a backend only
+through :mod:`fp4cache._backend`, and the front ends over a pool never compare a device
+kind (what differs between devices is a method of the pool or the backend).
 """
 
 from __future__ import annotations
@@ -171,3 +172,38 @@ def test_private_attributes_of_the_cache_are_read_in_cache_py_only():
             if isinstance(node, ast.Attribute) and node.attr in private:
                 found.append(f"{path.relative_to(root)}:{node.lineno} .{node.attr}")
     assert not found, "\n".join(found)
+
+
+#: The front ends over a cache's pool: what differs between devices is the pool's (its
+#: methods) or the backend's, never a branch here.
+POOL_FRONT_ENDS = ("cache", "attention", "store", "pages", "engine")
+
+
+def _device_branches(tree: ast.AST) -> list[int]:
+    """Lines comparing a device kind (``x.device``, ``kind``) with ``"cpu"`` / ``"cuda"``."""
+    def names_device(node: ast.AST) -> bool:
+        return any((isinstance(n, ast.Attribute) and n.attr == "device")
+                   or (isinstance(n, ast.Name) and n.id == "kind") for n in ast.walk(node))
+
+    lines = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Compare):
+            sides = [node.left, *node.comparators]
+            if any(isinstance(s, ast.Constant) and s.value in ("cpu", "cuda") for s in sides) \
+                    and any(names_device(s) for s in sides):
+                lines.append(node.lineno)
+    return lines
+
+
+@pytest.mark.parametrize("name", POOL_FRONT_ENDS)
+def test_front_ends_do_not_branch_on_the_device(name):
+    path = modules()[name]
+    tree = ast.parse(path.read_text(), str(path))
+    assert not _device_branches(tree), (
+        f"fp4cache/{name}.py compares a device kind at lines {_device_branches(tree)}: ask "
+        "the pool (its methods, checks_are_free) or the backend instead")
+
+
+def test_the_device_branch_check_finds_a_branch():
+    tree = ast.parse('if pool.device == "cpu":\n    pass\nif kind != "cuda":\n    pass\n')
+    assert _device_branches(tree) == [1, 3]
