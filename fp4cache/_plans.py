@@ -1,7 +1,7 @@
 """What a cache keeps between calls: prepared launches (:class:`PlanCache`) and the device
 workspace its kernels share (:class:`Workspace`).
 
-Both are owned by one :class:`~fp4cache.PagedKVCache` (its ``CacheState``) and bounded:
+Both are owned by the pool of one :class:`~fp4cache.PagedKVCache` and bounded:
 
 * :class:`PlanCache` holds at most ``maxsize`` prepared launches (store, gather, decode
   attention; the LongLive module keeps two of its own), dropping the least recently used
@@ -315,7 +315,7 @@ class Workspace:
 
 class Scratch(NamedTuple):
     """What the backends' prepared launches take from their owner: its plan cache and its
-    workspace (a :class:`~fp4cache.PagedKVCache` passes its ``CacheState``, which has
+    workspace (a :class:`~fp4cache.PagedKVCache` passes its pool, which has
     both; tests and benchmarks make their own)."""
 
     plans: PlanCache
