@@ -65,8 +65,12 @@ class Backend(Protocol):
     def gather_runner(self, pool: Pool, blocks, out_k, out_v, *, key: Any = None) -> Any: ...
 
     def attention_runner(self, pool: Pool, q, query_start_loc, block_tables, seq_lens, *,
-                         max_query_len: int, causal: bool, sm_scale,
+                         max_query_len: int, causal: bool, sm_scale, exact_new: bool = False,
                          key: Any = None) -> Any: ...
+    # The launch: ``run(q, query_start_loc, block_tables, seq_lens, out, lse, new_kv=None)``,
+    # ``new_kv`` the exact new tokens ``(k, v)`` (``fp4cache._cpu.attention``); a backend
+    # without them raises NotImplementedError for ``exact_new`` (the caller will pass
+    # ``new_kv``) and for a launch given ``new_kv``, before anything runs.
 
     # -- page moves and the exact window ---------------------------------------------------
     def copy_pages(self, pool: Pool, src, dst, host_src, host_dst) -> None: ...

@@ -355,7 +355,7 @@ _ATTN_ITEM_ROWS = 64
 
 def attention(buffer, q, query_start_loc, block_tables, seq_lens, out, lse, *, geom: PageGeometry,
               k_s, v_s, sm_scale, stats, causal: bool = True, max_query_len=None,
-              scratch=None, window=None, rotate: bool = False) -> None:
+              scratch=None, window=None, rotate: bool = False, new_kv=None) -> None:
     """``softmax(sm_scale * q K^T) V`` for the query tokens of each sequence (any number).
 
     Parameters
@@ -372,6 +372,12 @@ def attention(buffer, q, query_start_loc, block_tables, seq_lens, out, lse, *, g
     causal : row ``i`` of sequence ``b`` sees keys ``0 .. seq_lens[b] - n_b + i``
         (bottom-right alignment); ``False``: every row sees all ``seq_lens[b]`` keys.
     max_query_len, scratch : unused (the GPU backend's launch bound and plans).
+    new_kv : ``(k_new, v_new)``, each (N, H, D) float32 / float16 / bfloat16, or None: the
+        exact new tokens.  With ``L_b = seq_lens[b]`` (after the clamp) the keys of
+        sequence ``b`` at positions ``p`` in ``[L_b - n_b, L_b)`` are read from the rows
+        ``query_start_loc[b] + p - (L_b - n_b)`` of ``k_new`` / ``v_new`` (their values
+        in float64; ``rotate``: that ``k`` rotated too, as q is), never from the pages or
+        the window; earlier positions as without it.  Masking is unchanged.
 
     K and V are the float32 values :func:`gather_dequant` returns; scores, softmax and
     the weighted sum are computed in float64 (online softmax over chunks of pages, all
@@ -380,8 +386,9 @@ def attention(buffer, q, query_start_loc, block_tables, seq_lens, out, lse, *, g
     end refuses) gives zeros and ``lse = -inf``.  A block id outside the pool in the used
     part of a row of a sequence with queries is counted once in
     ``stats[STAT["bad_block_ids"]]`` and its page reads as NaN: the rows that see one of
-    its tokens are NaN; nothing outside the pool is read.  A NaN group stored in a
-    token reaches exactly the rows that see that token.
+    its tokens are NaN (not the tokens ``new_kv`` serves: their page is not read, though
+    a bad id is still counted); nothing outside the pool is read.  A NaN group stored in
+    a token reaches exactly the rows that see that token.
     """
     N = q.shape[0]
     T = geom.block_size
@@ -401,6 +408,14 @@ def attention(buffer, q, query_start_loc, block_tables, seq_lens, out, lse, *, g
     if window is not None:
         win, win_map, wpages = window
         wsp, wslot = window_pages(ids, lens, T, win_map, win.shape[0], wpages)
+    # The exact new tokens: per sequence the first position read from new_kv and the row
+    # of new_kv holding position 0 (rows base + p for p >= first).
+    fresh = None
+    if new_kv is not None:
+        k_new = np.asarray(new_kv[0]).astype(np.float64)
+        first_new = lens - nq
+        fresh = (_hadamard64(k_new) if rotate else k_new,
+                 np.asarray(new_kv[1]).astype(np.float64), first_new, starts[:-1] - first_new)
     # The keys each query row sees: tokens [0, limit).
     seq = np.repeat(np.arange(nq.size), nq)
     limit = lens[seq]
@@ -433,9 +448,10 @@ def attention(buffer, q, query_start_loc, block_tables, seq_lens, out, lse, *, g
             lim = np.where(valid, limit[rows], 0)
             sq = seq[item0[sel]]
             exact = None if win is None else (win, wsp[sq], wslot[sq])
+            new = None if fresh is None else (fresh[0], fresh[1], fresh[2][sq], fresh[3][sq])
             res, row_lse = _attend(buffer, q[rows], lim, ids[sq], bad[sq], geom=geom,
                                    k_s=k_s, v_s=v_s, sm_scale=sm_scale, exact=exact,
-                                   rotate=rotate)
+                                   rotate=rotate, new=new)
             keep = valid & (lim > 0)
             out[rows[keep]] = float32_to(res[keep].astype(np.float32), out.dtype)
             if lse is not None:
@@ -481,13 +497,15 @@ def _window_rows(win, side: int, slots: np.ndarray) -> np.ndarray:
 
 
 def _attend(buffer, q, limit, ids, bad, *, geom: PageGeometry, k_s, v_s, sm_scale,
-            exact=None, rotate: bool = False):
+            exact=None, rotate: bool = False, new=None):
     """Attention of work items of ``R`` query rows each: ``q [S, R, Hq, D]``, row ``r`` of
     item ``i`` seeing tokens ``[0, limit[i, r])`` of the pages ``ids[i]`` (``bad[i]``:
     entries outside the pool).  ``exact``: ``(window, first, slot)``, page ``j >=
     first[i]`` of item ``i`` read from window slot ``slot[i, j]``; ``rotate``: q rotated
-    (K is stored rotated).  Returns float64 ``out [S, R, Hq, D]`` and ``lse [S, R, Hq]``
-    (undefined where ``limit`` is 0)."""
+    (K is stored rotated).  ``new``: ``(k, v, first, base)``, float64 rows ``(N, H, D)``
+    (``k`` rotated with q), token ``p >= first[i]`` of item ``i`` read from row
+    ``base[i] + p`` instead of its page.  Returns float64 ``out [S, R, Hq, D]`` and
+    ``lse [S, R, Hq]`` (undefined where ``limit`` is 0)."""
     S, R, Hq, D = q.shape
     H, T = geom.num_heads, geom.block_size
     G = Hq // H
@@ -499,6 +517,9 @@ def _attend(buffer, q, limit, ids, bad, *, geom: PageGeometry, k_s, v_s, sm_scal
     npages, ids, bad = npages[order], ids[order], bad[order]
     if exact is not None:
         win, wfirst, wslot = exact[0], exact[1][order], exact[2][order]
+    if new is not None:
+        k_new, v_new, nfirst, nbase = new[0], new[1], new[2][order], new[3][order]
+        nend = limit.max(axis=1)[order]  # no row sees a token past this (<= seq_lens)
     NB = int(npages[0])
     ids, bad = ids[:, :NB], bad[:, :NB]
     read = np.arange(NB)[None, :] < npages[:, None]
@@ -532,9 +553,18 @@ def _attend(buffer, q, limit, ids, bad, *, geom: PageGeometry, k_s, v_s, sm_scal
             if chunk_bad.any():  # what the kernels do: such a page reads as NaN
                 k[chunk_bad] = np.nan
                 v[chunk_bad] = np.nan
+            k = k.astype(np.float64)
+            v = v.astype(np.float64)
+            if new is not None:  # the exact new tokens: their rows, not their pages
+                pos = np.arange(j0 * T, j1 * T).reshape(1, j1 - j0, T)
+                hot = (pos >= nfirst[:na, None, None]) & (pos < nend[:na, None, None])
+                if hot.any():
+                    src = (nbase[:na, None, None] + pos)[hot]
+                    k.transpose(0, 1, 3, 2, 4)[hot] = k_new[src]  # [na, c, T, H, D] views
+                    v.transpose(0, 1, 3, 2, 4)[hot] = v_new[src]
             # The chunk's keys in order, [na, H, L = c*T, D]: one matmul per (item, head).
-            k = k.astype(np.float64).transpose(0, 2, 1, 3, 4).reshape(na, H, -1, D)
-            v = v.astype(np.float64).transpose(0, 2, 1, 3, 4).reshape(na, H, -1, D)
+            k = k.transpose(0, 2, 1, 3, 4).reshape(na, H, -1, D)
+            v = v.transpose(0, 2, 1, 3, 4).reshape(na, H, -1, D)
             seen = np.arange(j0 * T, j1 * T) < lim[:na]  # [na, 1, M, L]
             s = np.matmul(q64[:na], k.swapaxes(-1, -2))  # [na, H, M, L]
             s *= sm_scale
@@ -565,15 +595,16 @@ def _attend(buffer, q, limit, ids, bad, *, geom: PageGeometry, k_s, v_s, sm_scal
 
 def decode_attention(buffer, q, block_tables, seq_lens, out, lse, *, geom: PageGeometry, k_s,
                      v_s, sm_scale, stats, scratch=None, window=None,
-                     rotate: bool = False) -> None:
+                     rotate: bool = False, new_kv=None) -> None:
     """``softmax(sm_scale * q K^T) V`` over the first ``seq_lens[b]`` tokens of each row:
-    :func:`attention` with one query token per sequence (``q`` is ``(B, Hq, D)``), whose
+    :func:`attention` with one query token per sequence (``q`` is ``(B, Hq, D)``; with
+    ``new_kv``, rows ``(B, H, D)``, the token at ``seq_lens[b] - 1`` is row ``b``), whose
     notes apply (a sequence of length 0 gives zeros and ``lse = -inf``; a bad block id
     in the used part of a row makes that sequence's outputs NaN)."""
     B = q.shape[0]
     attention(buffer, q, np.arange(B + 1), block_tables, seq_lens, out, lse, geom=geom,
               k_s=k_s, v_s=v_s, sm_scale=sm_scale, stats=stats, causal=False, window=window,
-              rotate=rotate)
+              rotate=rotate, new_kv=new_kv)
 
 
 # -- page moves ------------------------------------------------------------------------------
@@ -757,20 +788,23 @@ def gather_runner(pool, blocks, out_k, out_v, *, key=None):
 
 
 def attention_runner(pool, q, query_start_loc, block_tables, seq_lens, *,
-                     max_query_len: int, causal: bool, sm_scale, key=None):
-    """``run(q, query_start_loc, block_tables, seq_lens, out, lse)``: :func:`attention`
-    over ``pool`` for arrays like these (``query_start_loc`` None: one query token per
-    sequence, :func:`decode_attention`)."""
+                     max_query_len: int, causal: bool, sm_scale, exact_new: bool = False,
+                     key=None):
+    """``run(q, query_start_loc, block_tables, seq_lens, out, lse, new_kv=None)``:
+    :func:`attention` over ``pool`` for arrays like these (``query_start_loc`` None: one
+    query token per sequence, :func:`decode_attention`); ``new_kv``: the exact new
+    tokens (``exact_new``: the caller will pass them, which the CPU always can)."""
     kw = {"geom": pool.geometry, "k_s": pool.k_s, "v_s": pool.v_s, "sm_scale": sm_scale,
           "stats": pool.stats, **pool.window_args}
     if query_start_loc is None:
-        def run_decode(q, query_start_loc, block_tables, seq_lens, out, lse):
-            decode_attention(pool.buffer, q, block_tables, seq_lens, out, lse, **kw)
+        def run_decode(q, query_start_loc, block_tables, seq_lens, out, lse, new_kv=None):
+            decode_attention(pool.buffer, q, block_tables, seq_lens, out, lse, new_kv=new_kv,
+                             **kw)
 
         return run_decode
 
-    def run(q, query_start_loc, block_tables, seq_lens, out, lse):
+    def run(q, query_start_loc, block_tables, seq_lens, out, lse, new_kv=None):
         attention(pool.buffer, q, query_start_loc, block_tables, seq_lens, out, lse,
-                  causal=causal, max_query_len=max_query_len, **kw)
+                  causal=causal, max_query_len=max_query_len, new_kv=new_kv, **kw)
 
     return run

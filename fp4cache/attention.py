@@ -41,36 +41,46 @@ class _Args(NamedTuple):
 def decode_attention(pool: Pool, q: ArrayLike, block_tables: IndexLike,
                      seq_lens: IndexLike, sm_scale: float | None = None, out: Array | None = None,
                      lse_out: Array | None = None, return_lse: bool = False,
-                     validate: bool | None = None) -> Array | tuple[Array, Array]:
+                     validate: bool | None = None,
+                     new_kv: tuple[ArrayLike, ArrayLike] | None = None
+                     ) -> Array | tuple[Array, Array]:
     """The checked path of :meth:`PagedKVCache.decode_attention` (see its docstring), run
     with the cache's device current.  The backend keeps the launch of these arguments in
     the pool's plans under :func:`fp4cache._hotpath.decode_signature`: the method's hot
-    path runs it for the next unvalidated call like this."""
+    path runs it for the next unvalidated call like this (never one given ``new_kv``)."""
     if validate.__class__ not in _FLAG or return_lse.__class__ is not bool:
         validate = _arrays.check_bool(validate, "validate", optional=True)
         return_lse = _arrays.check_bool(return_lse, "return_lse")
     check = pool.validate if validate is None else validate
     a = _check_args(pool, q, block_tables, seq_lens, sm_scale, out, lse_out, return_lse)
+    nk = None if new_kv is None else check_new_kv(pool, new_kv, a.q)
     if check or pool.checks_are_free:
         _check_values(pool, a.block_tables, a.seq_lens, block_ids=check)
+        if nk is not None:
+            check_new_lengths(np.ones(a.q.shape[0], np.int64), _host(a.seq_lens))
     res = (a.out, a.lse) if return_lse else a.out
     if not a.q.shape[0]:
         return res
     key = _hotpath.decode_signature(a.q, a.block_tables, a.seq_lens, sm_scale,
                                     out if out is None else a.out,
                                     lse_out if lse_out is None else a.lse, return_lse)
+    exact = {} if nk is None else {"exact_new": True}
     run = pool.backend.attention_runner(pool, a.q, None, a.block_tables, a.seq_lens,
                                         max_query_len=1, causal=False, sm_scale=a.sm_scale,
-                                        key=key)
-    run(a.q, None, a.block_tables, a.seq_lens, a.out, a.lse)
+                                        key=key, **exact)
+    if nk is None:
+        run(a.q, None, a.block_tables, a.seq_lens, a.out, a.lse)
+    else:
+        run(a.q, None, a.block_tables, a.seq_lens, a.out, a.lse, new_kv=nk)
     return res
 
 
 def attention(pool: Pool, q: ArrayLike, query_start_loc: IndexLike,
               block_tables: IndexLike, seq_lens: IndexLike, max_query_len: int | None,
               causal: bool, sm_scale: float | None, out: Array | None,
-              lse_out: Array | None, return_lse: bool,
-              validate: bool | None) -> Array | tuple[Array, Array]:
+              lse_out: Array | None, return_lse: bool, validate: bool | None,
+              new_kv: tuple[ArrayLike, ArrayLike] | None = None
+              ) -> Array | tuple[Array, Array]:
     """Implementation of :meth:`PagedKVCache.attention` (see its docstring); the method
     passes every argument by position.  The backend keeps the launch under
     :func:`fp4cache._hotpath.varlen_signature` (when ``max_query_len`` is given)."""
@@ -82,6 +92,7 @@ def attention(pool: Pool, q: ArrayLike, query_start_loc: IndexLike,
     if bound is not None and (type(bound) is not int or bound < 0):
         bound = _check_max_query_len(bound)
     q = _check_q(pool, q, "num_tokens")
+    nk = None if new_kv is None else check_new_kv(pool, new_kv, q)
     qsl = _check_query_start_loc(pool, query_start_loc)
     bt, sl = _check_tables(pool, block_tables, seq_lens, qsl.shape[0] - 1, "query_start_loc")
     a = _finish_args(pool, q, bt, sl, sm_scale, out, lse_out, return_lse)
@@ -90,6 +101,8 @@ def attention(pool: Pool, q: ArrayLike, query_start_loc: IndexLike,
         sl = _host(a.seq_lens)
         _check_lengths(a.block_tables, sl, pool.block_size)
         n = _check_query_values(qsl, sl, a.q.shape[0], causal, bound)
+        if nk is not None:
+            check_new_lengths(n, sl)
         longest = int(n.max()) if n.size else 0
         bound = longest if bound is None else bound
         if check:
@@ -112,10 +125,14 @@ def attention(pool: Pool, q: ArrayLike, query_start_loc: IndexLike,
                                         causal, bound)
     if bound <= 0:
         return res
+    exact = {} if nk is None else {"exact_new": True}
     run = pool.backend.attention_runner(pool, a.q, qsl, a.block_tables, a.seq_lens,
                                         max_query_len=bound, causal=causal,
-                                        sm_scale=a.sm_scale, key=key)
-    run(a.q, qsl, a.block_tables, a.seq_lens, a.out, a.lse)
+                                        sm_scale=a.sm_scale, key=key, **exact)
+    if nk is None:
+        run(a.q, qsl, a.block_tables, a.seq_lens, a.out, a.lse)
+    else:
+        run(a.q, qsl, a.block_tables, a.seq_lens, a.out, a.lse, new_kv=nk)
     return res
 
 
@@ -288,6 +305,41 @@ def _check_block_ids(pool: Pool, block_tables, sl: np.ndarray, *,
             "each row" + (" of a sequence with query tokens" if reads is not None else "")
             + " (later entries are ignored); nothing was computed"
         )
+
+
+def check_new_kv(pool: Pool, new_kv, q) -> tuple[Any, Any]:
+    """``new_kv``: a ``(k, v)`` pair of bf16 / f16 / f32 arrays of one dtype on the cache's
+    backend and device, each ``(q.shape[0], num_heads, head_dim)`` (``q`` checked);
+    touches no values."""
+    if not isinstance(new_kv, (tuple, list)) or len(new_kv) != 2:
+        raise TypeError("new_kv must be a (k, v) pair of arrays (num_tokens, num_heads, "
+                        f"head_dim) or None, got {type(new_kv).__name__}")
+    g = pool.geometry
+    shape = (q.shape[0], g.num_heads, g.head_dim)
+    k = _arrays.to_backend(new_kv[0], pool.device, "new_kv[0]")
+    v = _arrays.to_backend(new_kv[1], pool.device, "new_kv[1]")
+    for name, a in (("new_kv[0]", k), ("new_kv[1]", v)):
+        try:
+            _arrays.check_values(a, name, shape)
+        except ValueError as e:
+            raise ValueError(f"{e} (one row per query token of q)") from None
+    if k.dtype != v.dtype:
+        raise TypeError(f"new_kv's k and v must have the same dtype, got {k.dtype} and "
+                        f"{v.dtype}")
+    _arrays.check_device({"new_kv[0]": k, "new_kv[1]": v}, pool.buffer)
+    return k, v
+
+
+def check_new_lengths(n: np.ndarray, sl: np.ndarray) -> None:
+    """With ``new_kv`` the query tokens are the last ``n_b`` cached ones: ``n_b <=
+    seq_lens[b]`` whatever ``causal``."""
+    wrong = n > sl.astype(np.int64)
+    if wrong.any():
+        b = int(wrong.argmax())
+        raise ValueError(
+            f"sequence {b} has {int(n[b])} query tokens but seq_lens[{b}] = {int(sl[b])}: "
+            "with new_kv the query tokens are the last n_b cached tokens (store them first),"
+            " so each sequence needs n_b <= seq_lens[b]")
 
 
 def _check_query_start_loc(pool: Pool, query_start_loc):

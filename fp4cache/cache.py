@@ -645,7 +645,9 @@ class PagedKVCache:
     def decode_attention(self, q: ArrayLike, block_tables: IndexLike, seq_lens: IndexLike, *,
                          sm_scale: float | None = None, out: Array | None = None,
                          lse_out: Array | None = None, return_lse: bool = False,
-                         validate: bool | None = None) -> Array | tuple[Array, Array]:
+                         validate: bool | None = None,
+                         new_kv: tuple[ArrayLike, ArrayLike] | None = None
+                         ) -> Array | tuple[Array, Array]:
         """Attention of one query token per sequence over its cached K/V pages.
 
         ``softmax(sm_scale * q K^T) V`` over the first ``seq_lens[b]`` tokens of sequence
@@ -675,6 +677,13 @@ class PagedKVCache:
             Also return ``lse``, the natural log of each softmax denominator.
         validate : bool, optional
             Override the cache's ``validate`` for this call.
+        new_kv : (k, v) pair of arrays, shape (B, num_heads, D) each, optional
+            The exact new tokens: each sequence's query token is its last cached token
+            (at ``seq_lens[b] - 1``, stored first), and its key and value are read from
+            row ``b`` of ``k`` / ``v`` (the values the model just computed, in their
+            dtype: bfloat16, float16 or float32, one dtype for both) instead of the
+            pages, as :meth:`attention` describes.  CPU only for now (the GPU raises
+            ``NotImplementedError``).
 
         Returns
         -------
@@ -709,7 +718,7 @@ class PagedKVCache:
             validate = _arrays.check_bool(validate, "validate", optional=True)
             return_lse = _arrays.check_bool(return_lse, "return_lse")
         pool = self._pool
-        if not (pool.validate if validate is None else validate):
+        if new_kv is None and not (pool.validate if validate is None else validate):
             res = _hotpath.attention(pool, _hotpath.decode_signature(
                 q, block_tables, seq_lens, sm_scale, out, lse_out, return_lse), return_lse,
                 q, None, block_tables, seq_lens, out, lse_out)
@@ -717,14 +726,15 @@ class PagedKVCache:
                 return res
         with self._guard():
             return attention.decode_attention(pool, q, block_tables, seq_lens, sm_scale, out,
-                                              lse_out, return_lse, validate)
+                                              lse_out, return_lse, validate, new_kv)
 
     def attention(self, q: ArrayLike, query_start_loc: IndexLike, block_tables: IndexLike,
                   seq_lens: IndexLike, *, max_query_len: int | None = None,
                   causal: bool = True, sm_scale: float | None = None,
                   out: Array | None = None, lse_out: Array | None = None,
-                  return_lse: bool = False,
-                  validate: bool | None = None) -> Array | tuple[Array, Array]:
+                  return_lse: bool = False, validate: bool | None = None,
+                  new_kv: tuple[ArrayLike, ArrayLike] | None = None
+                  ) -> Array | tuple[Array, Array]:
         """Attention of any number of query tokens per sequence over its cached K/V pages.
 
         Serves speculative-decoding verification (a few query tokens per sequence),
@@ -778,6 +788,20 @@ class PagedKVCache:
             Also return ``lse``, the natural log of each softmax denominator.
         validate : bool, optional
             Override the cache's ``validate`` for this call.
+        new_kv : (k, v) pair of arrays, shape (num_tokens, num_heads, D) each, optional
+            The exact new tokens: the keys and values of this step's query tokens as the
+            model computed them (bfloat16, float16 or float32, one dtype for both; row
+            ``i`` belongs to query row ``i``), stored in the pages first as usual.  With
+            ``L_b = seq_lens[b]``, sequence ``b`` reads its keys at positions ``p >= L_b -
+            n_b`` from row ``query_start_loc[b] + p - (L_b - n_b)`` (their value in
+            float64; with ``rotation="hadamard"`` that key is rotated too, as ``q`` is,
+            which leaves the scores unchanged) and the earlier ones from the pages and the
+            exact window as without it; masking as above, one softmax over both.  A
+            one-pass prefill is then attention over the model's K/V.  Needs ``n_b <=
+            seq_lens[b]`` (checked on the CPU or when validating).  The pages of those tokens are
+            not read (a bad block id there is still counted, and does not make them
+            NaN).  Default None: every key is read through the pages.  CPU only for now
+            (the GPU raises ``NotImplementedError``).
 
         Returns
         -------
@@ -832,7 +856,8 @@ class PagedKVCache:
         True
         """
         pool = self._pool
-        if max_query_len is not None and not (pool.validate if validate is None else validate):
+        if new_kv is None and max_query_len is not None and not (
+                pool.validate if validate is None else validate):
             res = _hotpath.attention(pool, _hotpath.varlen_signature(
                 q, query_start_loc, block_tables, seq_lens, sm_scale, out, lse_out, return_lse,
                 causal, max_query_len), return_lse, q, query_start_loc, block_tables, seq_lens,
@@ -842,7 +867,7 @@ class PagedKVCache:
         with self._guard():
             return attention.attention(pool, q, query_start_loc, block_tables, seq_lens,
                                        max_query_len, causal, sm_scale, out, lse_out,
-                                       return_lse, validate)
+                                       return_lse, validate, new_kv)
 
     # -- moving pages (fp4cache/pages.py) --------------------------------------------------
     def page_format(self) -> PageFormat:

@@ -82,13 +82,14 @@ def _signature(a) -> Any:
 
 
 class _Run:
-    """A prepared ``run`` of one layer: its store and attention launches."""
+    """A prepared ``run`` of one layer: its store and attention launches (``exact``: the
+    attention reads the stored ``k`` / ``v`` as given, ``new_kv``)."""
 
-    __slots__ = ("pool", "store", "attend", "alloc", "stream")
+    __slots__ = ("pool", "store", "attend", "alloc", "stream", "exact")
 
-    def __init__(self, pool, store, attend, alloc, stream) -> None:
+    def __init__(self, pool, store, attend, alloc, stream, exact=False) -> None:
         self.pool, self.store, self.attend = pool, store, attend
-        self.alloc, self.stream = alloc, stream
+        self.alloc, self.stream, self.exact = alloc, stream, exact
 
 
 class AttentionPlan:
@@ -288,7 +289,7 @@ class AttentionPlan:
     # -- run --------------------------------------------------------------------------------
     def run(self, cache, q: ArrayLike, k: ArrayLike | None = None, v: ArrayLike | None = None,
             *, out: Array | None = None, sm_scale: float | None = None,
-            unique_slots: bool = True) -> Array:
+            unique_slots: bool = True, exact_new: bool = False) -> Array:
         """One layer of the planned step: store ``k`` / ``v`` at the planned slots (when
         given) and attend over ``cache``'s pages.
 
@@ -306,6 +307,12 @@ class AttentionPlan:
             Score scale (default ``1 / sqrt(D)``).
         unique_slots : bool
             As in :meth:`PagedKVCache.store`.
+        exact_new : bool, default False
+            Attend with the exact new tokens: ``k`` / ``v`` (needed) are stored as
+            always, and the step's queries read them as given
+            (:meth:`PagedKVCache.attention`'s ``new_kv``) and the earlier tokens through
+            the pages.  CPU only for now (the GPU raises ``NotImplementedError`` before
+            anything is stored).
 
         Returns
         -------
@@ -315,7 +322,7 @@ class AttentionPlan:
         if step is None:
             raise RuntimeError("AttentionPlan.run before plan(): describe the step first")
         key = (id(cache), step, _signature(q), _signature(k), _signature(v),
-               _signature(out), sm_scale, unique_slots)
+               _signature(out), sm_scale, unique_slots, exact_new)
         try:
             if _UNCACHED in key:
                 key = None
@@ -323,7 +330,7 @@ class AttentionPlan:
             key = None
         prep = self._runs.get(key) if key is not None else None
         if prep is None or prep.pool is not getattr(cache, "pool", None):
-            prep = self._prepare(cache, q, k, v, out, sm_scale, unique_slots)
+            prep = self._prepare(cache, q, k, v, out, sm_scale, unique_slots, exact_new)
             if key is not None:
                 self._runs.put(key, prep)
         elif self._host is not None and (cache.block_size, cache.num_blocks) not in \
@@ -342,9 +349,13 @@ class AttentionPlan:
             qa = _arrays.to_backend(q, be, "q")
             oa = _arrays.to_backend(out, be, "out")
             if prep.store is not None:
-                prep.store(slots, _arrays.to_backend(k, be, "k"), _arrays.to_backend(v, be, "v"))
+                ka, va = _arrays.to_backend(k, be, "k"), _arrays.to_backend(v, be, "v")
+                prep.store(slots, ka, va)
             if prep.attend is not None:
-                prep.attend(qa, qsl, bt, sl, oa, None)
+                if prep.exact:
+                    prep.attend(qa, qsl, bt, sl, oa, None, new_kv=(ka, va))
+                else:
+                    prep.attend(qa, qsl, bt, sl, oa, None)
         return out
 
     def _stream_of(self, a):
@@ -357,7 +368,7 @@ class AttentionPlan:
                 handle, self.device_id)
         return ctx
 
-    def _prepare(self, cache, q, k, v, out, sm_scale, unique_slots) -> _Run:
+    def _prepare(self, cache, q, k, v, out, sm_scale, unique_slots, exact_new) -> _Run:
         """The checked path: every argument checked against the cache and the plan, the
         launches prepared (kernels compiled, workspace taken) for arrays like these."""
         from .cache import PagedKVCache
@@ -369,6 +380,9 @@ class AttentionPlan:
             raise ValueError(f"cache is on {_where(pool.device, pool.device_id)}; this plan "
                              f"on {_where(self.device, self.device_id)}")
         unique_slots = _arrays.check_bool(unique_slots, "unique_slots")
+        exact_new = _arrays.check_bool(exact_new, "exact_new")
+        if exact_new and (k is None or v is None):
+            raise ValueError("exact_new=True attends with the step's new tokens: pass k and v")
         B, N, max_q, causal = self._step
         qsl, sl, bt, slots = self._views
         torch_stream = _torch_stream(q) is not None
@@ -396,13 +410,16 @@ class AttentionPlan:
                 store = self._prepare_store(pool, k, v, tokens, unique_slots)
             if self._host is not None:
                 self._check_ids(cache)
+                if exact_new:
+                    attention.check_new_lengths(self._host[2], self._host[0])
             attend = None
             if tokens and B and max_q > 0:
                 decode = max_q == 1 and tokens == B
+                exact = {"exact_new": True} if exact_new else {}
                 attend = pool.backend.attention_runner(
                     pool, qa, None if decode else qsl, bt, sl, max_query_len=max_q,
-                    causal=causal, sm_scale=scale)
-        return _Run(pool, store, attend, alloc, torch_stream)
+                    causal=causal, sm_scale=scale, **exact)
+        return _Run(pool, store, attend, alloc, torch_stream, exact_new)
 
     def _prepare_store(self, pool, k, v, tokens: int, unique_slots: bool):
         slots = self._views[3]

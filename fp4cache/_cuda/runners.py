@@ -46,11 +46,33 @@ def gather_runner(pool: DevicePool, blocks, out_k, out_v, *, key=None):
     return run
 
 
+#: Why the GPU refuses the exact new tokens (``new_kv``).
+_NO_NEW_KV = ("exact new tokens (new_kv) on the GPU: the kernels read every key through the "
+              "pages; attend without new_kv, or on the CPU")
+
+
+def _refusing_new_kv(run):
+    """``run`` as the runner hands it out: a launch given ``new_kv`` raises
+    ``NotImplementedError`` before launching anything (the kept launch, which the hot
+    paths call, is ``run`` itself)."""
+    def launch(q, query_start_loc, block_tables, seq_lens, out, lse, new_kv=None):
+        if new_kv is not None:
+            raise NotImplementedError(_NO_NEW_KV)
+        run(q, query_start_loc, block_tables, seq_lens, out, lse)
+
+    return launch
+
+
 def attention_runner(pool: DevicePool, q, query_start_loc, block_tables, seq_lens, *,
-                     max_query_len: int, causal: bool, sm_scale, key=None):
-    """``run(q, query_start_loc, block_tables, seq_lens, out, lse)``: attention over
-    ``pool`` for arrays like these (``query_start_loc`` None: one query token per sequence,
-    the decode launch)."""
+                     max_query_len: int, causal: bool, sm_scale, exact_new: bool = False,
+                     key=None):
+    """``run(q, query_start_loc, block_tables, seq_lens, out, lse, new_kv=None)``:
+    attention over ``pool`` for arrays like these (``query_start_loc`` None: one query
+    token per sequence, the decode launch).  The exact new tokens are not implemented on
+    the GPU: ``exact_new`` (the caller would pass ``new_kv``) raises
+    ``NotImplementedError`` here, and so does a launch given ``new_kv``."""
+    if exact_new:
+        raise NotImplementedError(_NO_NEW_KV)
     kw = {"geom": pool.geometry, "k_s": pool.k_s, "v_s": pool.v_s, "sm_scale": sm_scale,
           "stats": pool.stats, "scratch": pool, **pool.window_args}
     if query_start_loc is None:
@@ -62,7 +84,7 @@ def attention_runner(pool: DevicePool, q, query_start_loc, block_tables, seq_len
         if run is None:
             run = make_decode_run(pool.buffer, q, block_tables, seq_lens, **kw)
             pool.plans.put(key, run)
-        return run
+        return _refusing_new_kv(run)
     if key is None:
         key = varlen_plan_key(pool.buffer, q, query_start_loc, block_tables, seq_lens,
                               pool.geometry, max_query_len, causal, pool.k_s, pool.v_s,
@@ -72,4 +94,4 @@ def attention_runner(pool: DevicePool, q, query_start_loc, block_tables, seq_len
         run = make_varlen_run(pool.buffer, q, query_start_loc, block_tables, seq_lens,
                               max_query_len=max_query_len, causal=causal, **kw)
         pool.plans.put(key, run)
-    return run
+    return _refusing_new_kv(run)

@@ -1,0 +1,258 @@
+"""The exact new tokens (``new_kv``) on the CPU backend: a step's queries read the step's
+own K/V as the model computed them and the earlier tokens through the pages (and the
+exact window), in one softmax.
+
+Tolerance: the oracle computes in float64 and rounds the result to the output dtype
+(float32 here), so it agrees with the float64 reference below to float32 rounding
+(about 6e-8 relative) plus float64 summation order; 1e-5 leaves room for that and is
+far below what reading the new tokens through NVFP4 pages changes (about 1e-2).
+"""
+
+from __future__ import annotations
+
+import math
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+import fp4cache
+from fp4cache import PagedKVCache
+
+RTOL = ATOL = 1e-5
+BF16 = np.dtype(ml_dtypes.bfloat16)
+
+
+def hadamard(d: int) -> np.ndarray:
+    """The normalized Hadamard matrix of order ``d`` in float64."""
+    h = np.ones((1, 1))
+    while h.shape[0] < d:
+        h = np.block([[h, h], [h, -h]])
+    return h / math.sqrt(d)
+
+
+def kv(rng, n, H, D, dtype=np.float32):
+    k = rng.standard_normal((n, H, D), dtype=np.float32)
+    k[:, :, ::8] *= 6  # outliers: NVFP4's error on K is visible
+    v = rng.standard_normal((n, H, D), dtype=np.float32)
+    return k.astype(dtype), v.astype(dtype)
+
+
+def reference(c: PagedKVCache, q, qsl, tab, lens, new_kv, causal=True):
+    """float64 attention: keys ``p >= L_b - n_b`` from ``new_kv`` (rotated with q where the
+    cache rotates), earlier ones from the pages decoded in the stored basis, the newest
+    mapped pages (at most ``window_pages``) from the bf16 window."""
+    T, H, D = c.block_size, c.num_heads, c.head_dim
+    twin = PagedKVCache(c.num_blocks, T, H, D, device="cpu", k_scale=c.k_scale,
+                        v_scale=c.v_scale, layout=c.layout, scale_rule=c.scale_rule)
+    twin.buffer[:] = c.buffer
+    kd, vd = (x.astype(np.float64) for x in
+              twin.gather_dequant(np.arange(c.num_blocks), dtype="float32"))
+    q = q.astype(np.float64)
+    kn = None if new_kv is None else new_kv[0].astype(np.float64)
+    vn = None if new_kv is None else new_kv[1].astype(np.float64)
+    if c.rotation == "hadamard":
+        q = q @ hadamard(D).T
+        kn = None if kn is None else kn @ hadamard(D).T
+    N, Hq, _ = q.shape
+    g = Hq // H
+    out = np.zeros((N, Hq, D))
+    scale = float(np.float32(1 / math.sqrt(D)))
+    for b in range(len(qsl) - 1):
+        s0, s1 = int(qsl[b]), int(qsl[b + 1])
+        n, L = s1 - s0, int(lens[b])
+        if n == 0 or L == 0:
+            continue
+        pos = np.arange(L)
+        K = kd[tab[b, pos // T] * T + pos % T].copy()
+        V = vd[tab[b, pos // T] * T + pos % T].copy()
+        if c.window_slots:
+            npg = -(-L // T)
+            p = npg - 1
+            wmap = c.window_map
+            while p >= max(0, npg - c.window_pages) and 0 <= wmap[tab[b, p]] < c.window_slots:
+                sl = wmap[tab[b, p]]
+                toks = np.arange(p * T, min(L, (p + 1) * T))
+                K[toks] = (c.window[sl, 0, :len(toks)].astype(np.uint32) << 16).view(np.float32)
+                V[toks] = (c.window[sl, 1, :len(toks)].astype(np.uint32) << 16).view(np.float32)
+                p -= 1
+        if kn is not None:
+            K[L - n:] = kn[s0:s1]
+            V[L - n:] = vn[s0:s1]
+        for t in range(n):
+            lim = L - n + t + 1 if causal else L
+            for h in range(H):
+                s = q[s0 + t, h * g:(h + 1) * g] @ K[:lim, h].T * scale
+                w = np.exp(s - s.max(axis=1, keepdims=True))
+                out[s0 + t, h * g:(h + 1) * g] = w @ V[:lim, h] / w.sum(axis=1, keepdims=True)
+    return out
+
+
+def filled(rng, *, prior, new, rotation="none", window=0, T=16, H=2, D=64, dtype=np.float32):
+    """A cache with sequences of ``prior[b]`` earlier tokens and ``new[b]`` new ones (all
+    stored; the window ring, when on, mapped as a model runner does): ``(cache, table,
+    lens, qsl, (k_new, v_new))``."""
+    B = len(prior)
+    lens = np.array([p + n for p, n in zip(prior, new)])
+    width = int(max(-(-lens // T)))
+    num_blocks = B * width + 2
+    c = PagedKVCache(num_blocks, T, H, D, device="cpu", rotation=rotation,
+                     window_pages=window, window_slots=window * B, k_scale=0.05, v_scale=0.02)
+    tab = np.full((B, width), -1, np.int32)
+    perm = rng.permutation(num_blocks)
+    for b in range(B):
+        npg = -(-int(lens[b]) // T)
+        tab[b, :npg] = perm[b * width:b * width + npg]
+        if window:
+            for p in range(npg):
+                blocks, slots = [int(tab[b, p])], [b * window + p % window]
+                if p >= window:
+                    blocks.append(int(tab[b, p - window]))
+                    slots.append(-1)
+                c.map_window(blocks, slots)
+    slot = lambda b, pos: tab[b, pos // T].astype(np.int64) * T + pos % T  # noqa: E731
+    for b in range(B):  # the earlier tokens, stored by earlier steps
+        if prior[b]:
+            k, v = kv(rng, prior[b], H, D, dtype)
+            c.store(slot(b, np.arange(prior[b])), k, v)
+    k_new, v_new = kv(rng, sum(new), H, D, dtype)
+    slots = np.concatenate([slot(b, np.arange(prior[b], lens[b])) for b in range(B)])
+    c.store(slots, k_new, v_new)  # this step's tokens, stored first
+    qsl = np.concatenate([[0], np.cumsum(new)])
+    return c, tab, lens, qsl, (k_new, v_new)
+
+
+CASES = [
+    dict(rotation="none", window=0),
+    dict(rotation="hadamard", window=0),
+    dict(rotation="none", window=2),
+    dict(rotation="hadamard", window=2),
+]
+
+
+@pytest.mark.parametrize("opts", CASES, ids=lambda o: f"{o['rotation']}-win{o['window']}")
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("dtype", [np.float32, BF16])
+def test_attention_reads_new_tokens_exactly(opts, causal, dtype):
+    rng = np.random.default_rng(1)
+    # prior context, several n_b (0, 1, a chunk crossing pages, a prefill without context)
+    c, tab, lens, qsl, new_kv = filled(rng, prior=[37, 20, 5, 0], new=[0, 1, 30, 21],
+                                       dtype=dtype, **opts)
+    q = rng.standard_normal((int(qsl[-1]), 4 * c.num_heads, c.head_dim), dtype=np.float32)
+    out = c.attention(q, qsl, tab, lens, causal=causal, new_kv=new_kv)
+    want = reference(c, q, qsl, tab, lens, new_kv, causal=causal)
+    np.testing.assert_allclose(out, want, rtol=RTOL, atol=ATOL)
+    # without new_kv the new tokens are read through the pages: the result moves
+    old = c.attention(q, qsl, tab, lens, causal=causal)
+    np.testing.assert_allclose(old, reference(c, q, qsl, tab, lens, None, causal=causal),
+                               rtol=RTOL, atol=ATOL)
+    assert np.abs(old - out).max() > 100 * ATOL
+
+
+def test_decode_attention_reads_the_new_token_exactly():
+    rng = np.random.default_rng(2)
+    c, tab, lens, qsl, new_kv = filled(rng, prior=[40, 3, 16], new=[1, 1, 1],
+                                       rotation="hadamard", window=2)
+    q = rng.standard_normal((3, 4 * c.num_heads, c.head_dim), dtype=np.float32)
+    out = c.decode_attention(q, tab, lens, new_kv=new_kv)
+    np.testing.assert_allclose(out, reference(c, q, qsl, tab, lens, new_kv, causal=False),
+                               rtol=RTOL, atol=ATOL)
+    assert np.array_equal(out, c.attention(q, qsl, tab, lens, new_kv=new_kv))
+
+
+def test_one_pass_prefill_is_float32_attention():
+    """No earlier tokens: with new_kv every key is the model's own, so the result is
+    attention over the float32 K/V; without it NVFP4's error shows."""
+    rng = np.random.default_rng(3)
+    c, tab, lens, qsl, (k, v) = filled(rng, prior=[0, 0], new=[48, 19], rotation="hadamard")
+    q = rng.standard_normal((int(qsl[-1]), 8, c.head_dim), dtype=np.float32)
+    scale = 1 / math.sqrt(c.head_dim)
+    want = np.zeros(q.shape)
+    for b in range(2):
+        s0, s1 = qsl[b], qsl[b + 1]
+        n = s1 - s0
+        kk = np.repeat(k[s0:s1].astype(np.float64), 4, axis=1)  # GQA: head h reads h // 4
+        vv = np.repeat(v[s0:s1].astype(np.float64), 4, axis=1)
+        s = np.einsum("qhd,khd->hqk", q[s0:s1].astype(np.float64), kk) * scale
+        s[:, np.triu(np.ones((n, n), bool), 1)] = -np.inf
+        w = np.exp(s - s.max(axis=-1, keepdims=True))
+        want[s0:s1] = np.einsum("hqk,khd->qhd", w / w.sum(axis=-1, keepdims=True), vv)
+    exact = c.attention(q, qsl, tab, lens, new_kv=(k, v))
+    np.testing.assert_allclose(exact, want, rtol=RTOL, atol=ATOL)
+    paged = c.attention(q, qsl, tab, lens)
+    assert np.abs(paged - want).max() > 100 * ATOL
+
+
+def test_bad_page_id_spares_new_tokens():
+    """A bad id on a page of new tokens only: counted, and those tokens still exact."""
+    rng = np.random.default_rng(4)
+    c, tab, lens, qsl, new_kv = filled(rng, prior=[16], new=[16])
+    q = rng.standard_normal((16, 2, c.head_dim), dtype=np.float32)
+    want = reference(c, q, qsl, tab, lens, new_kv)
+    bad = tab.copy()
+    bad[0, 1] = c.num_blocks + 5
+    out = c.attention(q, qsl, bad, lens, new_kv=new_kv, validate=False)
+    np.testing.assert_allclose(out, want, rtol=RTOL, atol=ATOL)
+    assert c.stats["bad_block_ids"] == 1
+
+
+@pytest.mark.parametrize("new_kv, exc, match", [
+    ("kv", TypeError, r"new_kv must be a \(k, v\) pair"),
+    ((np.zeros((5, 2, 64), np.float32),), TypeError, r"new_kv must be a \(k, v\) pair"),
+    ((np.zeros((4, 2, 64), np.float32),) * 2, ValueError, r"new_kv\[0\] must have shape"),
+    ((np.zeros((5, 2, 64), np.float32), np.zeros((5, 1, 64), np.float32)), ValueError,
+     r"new_kv\[1\] must have shape"),
+    ((np.zeros((5, 2, 64), np.float32), np.zeros((5, 2, 64), np.float16)), TypeError,
+     r"new_kv's k and v must have the same dtype"),
+    ((np.zeros((5, 2, 64), np.int32),) * 2, TypeError, r"new_kv\[0\] must have dtype"),
+    ((np.zeros((5, 2, 64)).tolist(),) * 2, TypeError, r"new_kv\[0\] must be"),
+])
+def test_bad_new_kv_is_refused(new_kv, exc, match):
+    c = PagedKVCache(4, 16, 2, 64, device="cpu")
+    k, v = kv(np.random.default_rng(5), 20, 2, 64)
+    c.store(np.arange(20), k, v)
+    before = c.buffer.copy()
+    q = np.zeros((5, 4, 64), np.float32)
+    with pytest.raises(exc, match=match):
+        c.attention(q, [0, 5], [[0, 1]], [20], max_query_len=5, new_kv=new_kv)
+    with pytest.raises(exc, match=match):
+        c.decode_attention(q, np.zeros((5, 2), np.int32), np.full(5, 20), new_kv=new_kv)
+    assert np.array_equal(c.buffer, before)
+
+
+def test_new_kv_needs_the_new_tokens_cached():
+    c = PagedKVCache(4, 16, 2, 64, device="cpu")
+    q = np.zeros((5, 4, 64), np.float32)
+    k = np.zeros((5, 2, 64), np.float32)
+    with pytest.raises(ValueError, match="with new_kv the query tokens are the last"):
+        c.attention(q, [0, 5], [[0, 1]], [3], causal=False, new_kv=(k, k))
+
+
+def test_plan_run_exact_new_is_store_then_attention():
+    rng = np.random.default_rng(6)
+    T, H, D = 16, 2, 64
+    plan = fp4cache.AttentionPlan(max_batch_size=4, max_num_tokens=64, max_blocks_per_seq=4,
+                                  device="cpu")
+    lens = np.array([21, 3, 1])
+    qsl = np.array([0, 1, 4, 5])
+    tab = np.array([[0, 1, -1, -1], [2, -1, -1, -1], [3, -1, -1, -1]])
+    slots = np.array([20, 32, 33, 34, 48])
+    a, b = (PagedKVCache(8, T, H, D, device="cpu", rotation="hadamard", window_pages=1,
+                         window_slots=3) for _ in range(2))
+    for cache in (a, b):
+        cache.map_window([1, 2, 3], [0, 1, 2])
+    k0, v0 = kv(rng, 20, H, D)
+    a.store(np.arange(20), k0, v0)
+    b.store(np.arange(20), k0, v0)
+    plan.plan(query_start_loc=qsl, seq_lens=lens, block_tables=tab, slot_mapping=slots)
+    q = rng.standard_normal((5, 4 * H, D), dtype=np.float32)
+    k, v = kv(rng, 5, H, D, BF16)
+    got = plan.run(a, q, k, v, exact_new=True)
+    b.store(slots, k, v)
+    want = b.attention(q, qsl, tab, lens, new_kv=(k, v))
+    assert np.array_equal(got, want)
+    assert np.array_equal(a.buffer, b.buffer)
+    plain = plan.run(b, q, exact_new=False)  # another memo entry: through the pages
+    assert not np.array_equal(plain, want)
+    with pytest.raises(ValueError, match="exact_new"):
+        plan.run(a, q, exact_new=True)
