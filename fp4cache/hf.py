@@ -381,7 +381,7 @@ class FP4CacheLayer(CacheLayerMixin):
                 with rows.on_stream():
                     self.pages.map_window(*step.moves, validate=False)
             rows.plan.run(self.pages, qf.contiguous(), kf, vf, out=res,
-                          sm_scale=float(scaling))
+                          sm_scale=float(scaling), exact_new=self._owner.exact_prompt)
             if step.rows is not None:
                 out[step.rows] = res
         self.positions += q
@@ -439,6 +439,15 @@ class FP4Cache(Cache):
         +1.42 % over float32 K/V perplexity on SmolLM2 for decode steps after a prompt,
         +6.19 % for a prompt's one forward pass (``docs/quality.md``).
         ``0`` and ``rotation="none"``: the plain NVFP4 cache, byte-compatible with vLLM.
+    exact_prompt : bool, default False
+        The queries of a forward pass read that pass's own K/V exactly (the tensors the
+        model just computed, in its dtype) and the earlier tokens through the NVFP4 pages
+        (and the exact window); the pages are written as always, so later steps read
+        those tokens from there.  A one-pass forward of a prompt is then the model's
+        attention over its own K/V, and every decode step reads its own token exactly
+        (:meth:`fp4cache.PagedKVCache.attention`'s ``new_kv``).  Read by the fused
+        attention (``attn_implementation="fp4cache"``).  On the CPU only for now: a
+        cache placed on a CUDA device raises ``NotImplementedError``.
 
     Notes
     -----
@@ -471,7 +480,7 @@ class FP4Cache(Cache):
                  device: Any = None, block_size: int = 16, layout: str = "HND",
                  scale_rule: str = "4over6", k_scales: float | Sequence[float] | None = None,
                  v_scales: float | Sequence[float] | None = None, rotation: str | None = None,
-                 window_pages: int | None = None) -> None:
+                 window_pages: int | None = None, exact_prompt: bool = False) -> None:
         text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") \
             else config
         for name, value in (("max_batch_size", max_batch_size),
@@ -520,6 +529,9 @@ class FP4Cache(Cache):
                 or window_pages < 0):
             raise ValueError(f"window_pages must be a non-negative integer, got "
                              f"{window_pages!r}")
+        if not isinstance(exact_prompt, (bool, np.bool_)):
+            raise TypeError(f"exact_prompt must be True or False, got {exact_prompt!r}")
+        self.exact_prompt = bool(exact_prompt)
         self.rotation = rotation
         self.window_pages = min(int(window_pages), self.pages_per_row)
         self._rows = _Rows(self.max_batch_size, self.pages_per_row, self.block_size,
@@ -550,6 +562,11 @@ class FP4Cache(Cache):
     def allocate(self, device: torch.device) -> None:
         """Allocate every layer's pages on ``device`` (done by the first update; once)."""
         if device.type == "cuda":
+            if self.exact_prompt:
+                raise NotImplementedError(
+                    "FP4Cache(exact_prompt=True) on a GPU: the kernels read every key "
+                    "through the pages (exact new tokens are not implemented there yet); "
+                    "use device='cpu', or exact_prompt=False")
             if not torch.cuda.is_available():
                 why = "was built without CUDA" if torch.version.cuda is None else "sees no GPU"
                 raise RuntimeError(

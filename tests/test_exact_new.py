@@ -256,3 +256,61 @@ def test_plan_run_exact_new_is_store_then_attention():
     assert not np.array_equal(plain, want)
     with pytest.raises(ValueError, match="exact_new"):
         plan.run(a, q, exact_new=True)
+
+
+# -- transformers: FP4Cache(exact_prompt=True) ---------------------------------------------
+def _tiny_llama():
+    transformers = pytest.importorskip("transformers")
+    return transformers, transformers.LlamaConfig(
+        vocab_size=96, hidden_size=256, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=8, num_key_value_heads=2, head_dim=64,
+        max_position_embeddings=512, pad_token_id=0)
+
+
+def _model(transformers, cfg, impl):
+    import copy
+
+    import torch
+
+    torch.manual_seed(0)  # the same weights for both models
+    model = transformers.AutoModelForCausalLM.from_config(copy.deepcopy(cfg),
+                                                          dtype=torch.float32)
+    model = model.eval()
+    model.set_attn_implementation(impl)
+    return model
+
+
+def test_hf_exact_prompt_one_pass_is_the_float32_forward():
+    torch = pytest.importorskip("torch")
+    pytest.importorskip("transformers")
+    import fp4cache.hf as fh
+
+    transformers, cfg = _tiny_llama()
+    fused, ref = _model(transformers, cfg, "fp4cache"), _model(transformers, cfg, "sdpa")
+    ids = torch.randint(1, cfg.vocab_size, (2, 40), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        want = ref(input_ids=ids, past_key_values=transformers.DynamicCache(),
+                   use_cache=True).logits
+        exact = fused(input_ids=ids, past_key_values=fh.FP4Cache(
+            fused.config, 2, 64, device="cpu", exact_prompt=True), use_cache=True).logits
+        paged = fused(input_ids=ids, past_key_values=fh.FP4Cache(
+            fused.config, 2, 64, device="cpu"), use_cache=True).logits
+    scale = float(want.abs().max())
+    assert float((exact - want).abs().max()) <= 1e-4 * scale
+    assert float((paged - want).abs().max()) > 1e-4 * scale  # the pages' error shows
+    cache = fh.FP4Cache(fused.config, 2, 64, device="cpu", exact_prompt=True)
+    out = fused.generate(ids, past_key_values=cache, max_new_tokens=5, do_sample=False,
+                         attention_mask=torch.ones_like(ids))
+    assert out.shape == (2, 45) and cache.get_seq_length() == 44
+
+
+def test_hf_exact_prompt_is_refused_on_a_gpu_and_checked():
+    torch = pytest.importorskip("torch")
+    pytest.importorskip("transformers")
+    import fp4cache.hf as fh
+
+    _, cfg = _tiny_llama()
+    with pytest.raises(NotImplementedError, match="exact_prompt=True"):
+        fh.FP4Cache(cfg, 1, 32, device=torch.device("cuda"), exact_prompt=True)
+    with pytest.raises(TypeError, match="exact_prompt must be True or False"):
+        fh.FP4Cache(cfg, 1, 32, exact_prompt="yes")
