@@ -332,6 +332,9 @@ class FP4CacheLayer(CacheLayerMixin):
                                            _array(vt.view(-1, h, d), "values")))
             if rows.window_pages:
                 self._read_window(kt, vt, nb)
+        if self._owner.exact_prompt:  # this pass's own positions as the model computed them
+            kt[:, p:n] = key_states.transpose(1, 2)
+            vt[:, p:n] = value_states.transpose(1, 2)
         self.positions = n
         self.lens = self.lens.copy()
         self.lens[:b] = n
@@ -445,9 +448,10 @@ class FP4Cache(Cache):
         (and the exact window); the pages are written as always, so later steps read
         those tokens from there.  A one-pass forward of a prompt is then the model's
         attention over its own K/V, and every decode step reads its own token exactly
-        (:meth:`fp4cache.PagedKVCache.attention`'s ``new_kv``).  Read by the fused
-        attention (``attn_implementation="fp4cache"``).  On the CPU only for now: a
-        cache placed on a CUDA device raises ``NotImplementedError``.
+        (:meth:`fp4cache.PagedKVCache.attention`'s ``new_kv``).  The fused attention
+        reads them so, and the dequantizing path returns them in place of the pass's
+        positions.  On the CPU only for now: a cache placed on a CUDA device raises
+        ``NotImplementedError``.
 
     Notes
     -----

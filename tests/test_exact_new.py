@@ -314,3 +314,24 @@ def test_hf_exact_prompt_is_refused_on_a_gpu_and_checked():
         fh.FP4Cache(cfg, 1, 32, device=torch.device("cuda"), exact_prompt=True)
     with pytest.raises(TypeError, match="exact_prompt must be True or False"):
         fh.FP4Cache(cfg, 1, 32, exact_prompt="yes")
+
+
+def test_hf_exact_prompt_dequantize_path_returns_the_pass_kv():
+    """The dequantizing path (any other attention) with exact_prompt: a one-pass forward
+    is the float32 forward as well, and the fused path agrees with it."""
+    torch = pytest.importorskip("torch")
+    pytest.importorskip("transformers")
+    import fp4cache.hf as fh
+
+    transformers, cfg = _tiny_llama()
+    ref, fused = _model(transformers, cfg, "sdpa"), _model(transformers, cfg, "fp4cache")
+    ids = torch.randint(1, cfg.vocab_size, (1, 33), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        want = ref(input_ids=ids, past_key_values=transformers.DynamicCache()).logits
+        deq = ref(input_ids=ids, past_key_values=fh.FP4Cache(
+            ref.config, 1, 48, device="cpu", exact_prompt=True)).logits
+        fus = fused(input_ids=ids, past_key_values=fh.FP4Cache(
+            fused.config, 1, 48, device="cpu", exact_prompt=True)).logits
+    scale = float(want.abs().max())
+    assert float((deq - want).abs().max()) <= 1e-4 * scale
+    assert float((fus - deq).abs().max()) <= 1e-4 * scale
