@@ -278,13 +278,15 @@ def _fp4cache(ctx: Context, max_len: int, rule: str, calibrated: bool) -> Cache:
                         k_scales=ks, v_scales=vs, rotation="none", window_pages=0)
 
 
-def _fp4cache_decode(ctx: Context, max_len: int, calibrated: bool) -> Cache:
+def _fp4cache_decode(ctx: Context, max_len: int, calibrated: bool,
+                     exact_prompt: bool = False) -> Cache:
     """``FP4Cache`` with its defaults (4over6, Hadamard-rotated K, 3 exact pages per row),
     read as decode steps read it: the window evaluated in chunks of one page
-    (:func:`hidden_states`)."""
+    (:func:`hidden_states`); ``exact_prompt``: each forward pass reads its own K/V
+    exactly."""
     ks, vs = ctx.rotated_scales if calibrated else (None, None)
     cache = fhf.FP4Cache(ctx.model.config, 1, max_len, device="cpu", k_scales=ks,
-                         v_scales=vs)
+                         v_scales=vs, exact_prompt=exact_prompt)
     cache.chunk = cache.block_size  # type: ignore[attr-defined]
     return cache
 
@@ -295,6 +297,11 @@ register("fp4cache", "fp4cache.hf.FP4Cache's defaults: NVFP4 4over6, K rotated (
 register("fp4cache-cal", "fp4cache's FP4Cache defaults with per-layer scales from "
          "calibrate_scales (K rotated); chunks of 16 tokens")(
     lambda ctx, max_len: _fp4cache_decode(ctx, max_len, True))
+register("fp4cache-exact", "fp4cache's FP4Cache defaults with exact_prompt=True: a forward "
+         "pass reads its own K/V exactly, earlier tokens from the pages", default=False)(
+    lambda ctx, max_len: _fp4cache_decode(ctx, max_len, False, exact_prompt=True))
+register("fp4cache-cal-exact", "fp4cache-cal with exact_prompt=True", default=False)(
+    lambda ctx, max_len: _fp4cache_decode(ctx, max_len, True, exact_prompt=True))
 
 
 @register("float32", "float32 K/V (DynamicCache): the reference")
