@@ -67,10 +67,10 @@ class Backend(Protocol):
     def attention_runner(self, pool: Pool, q, query_start_loc, block_tables, seq_lens, *,
                          max_query_len: int, causal: bool, sm_scale, exact_new: bool = False,
                          key: Any = None) -> Any: ...
-    # The launch: ``run(q, query_start_loc, block_tables, seq_lens, out, lse, new_kv=None)``,
-    # ``new_kv`` the exact new tokens ``(k, v)`` (``fp4cache._cpu.attention``); a backend
-    # without them raises NotImplementedError for ``exact_new`` (the caller will pass
-    # ``new_kv``) and for a launch given ``new_kv``, before anything runs.
+    # The launch: ``run(q, query_start_loc, block_tables, seq_lens, out, lse)``; prepared
+    # with ``exact_new``, also ``new_kv=(k, v)``, the exact new tokens
+    # (``fp4cache._cpu.attention``).  A backend without them raises NotImplementedError for
+    # ``exact_new``, before anything is prepared or runs.
 
     # -- page moves and the exact window ---------------------------------------------------
     def copy_pages(self, pool: Pool, src, dst, host_src, host_dst) -> None: ...

@@ -335,3 +335,24 @@ def test_hf_exact_prompt_dequantize_path_returns_the_pass_kv():
     scale = float(want.abs().max())
     assert float((deq - want).abs().max()) <= 1e-4 * scale
     assert float((fus - deq).abs().max()) <= 1e-4 * scale
+
+
+@pytest.mark.gpu
+def test_gpu_refuses_new_kv_before_any_work():
+    """The GPU kernels read every key through the pages: ``new_kv`` and ``exact_new``
+    raise ``NotImplementedError`` before anything is stored or launched."""
+    import cupy
+
+    cache = PagedKVCache(4, 16, 2, 64, device="cuda")
+    q = cupy.zeros((3, 4, 64), cupy.float32)
+    k = cupy.ones((3, 2, 64), cupy.float32)
+    before = cache.buffer.copy()
+    with pytest.raises(NotImplementedError, match="new_kv"):
+        cache.attention(q, [0, 3], [[0]], [3], new_kv=(k, k))
+    with pytest.raises(NotImplementedError, match="new_kv"):
+        cache.decode_attention(q, [[0], [1], [2]], [1, 1, 1], new_kv=(k, k))
+    plan = fp4cache.AttentionPlan(4, 8, 1, device="cuda")
+    plan.plan([0, 3], [3], [[0]], [0, 1, 2])
+    with pytest.raises(NotImplementedError, match="new_kv"):
+        plan.run(cache, q, k, k, exact_new=True)
+    assert bool((cache.buffer == before).all())

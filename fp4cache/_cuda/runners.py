@@ -51,26 +51,14 @@ _NO_NEW_KV = ("exact new tokens (new_kv) on the GPU: the kernels read every key 
               "pages; attend without new_kv, or on the CPU")
 
 
-def _refusing_new_kv(run):
-    """``run`` as the runner hands it out: a launch given ``new_kv`` raises
-    ``NotImplementedError`` before launching anything (the kept launch, which the hot
-    paths call, is ``run`` itself)."""
-    def launch(q, query_start_loc, block_tables, seq_lens, out, lse, new_kv=None):
-        if new_kv is not None:
-            raise NotImplementedError(_NO_NEW_KV)
-        run(q, query_start_loc, block_tables, seq_lens, out, lse)
-
-    return launch
-
-
 def attention_runner(pool: DevicePool, q, query_start_loc, block_tables, seq_lens, *,
                      max_query_len: int, causal: bool, sm_scale, exact_new: bool = False,
                      key=None):
-    """``run(q, query_start_loc, block_tables, seq_lens, out, lse, new_kv=None)``:
-    attention over ``pool`` for arrays like these (``query_start_loc`` None: one query
-    token per sequence, the decode launch).  The exact new tokens are not implemented on
-    the GPU: ``exact_new`` (the caller would pass ``new_kv``) raises
-    ``NotImplementedError`` here, and so does a launch given ``new_kv``."""
+    """``run(q, query_start_loc, block_tables, seq_lens, out, lse)``: attention over
+    ``pool`` for arrays like these (``query_start_loc`` None: one query token per
+    sequence, the decode launch).  The exact new tokens are not implemented on the GPU:
+    ``exact_new`` (the caller would pass ``new_kv`` to the run) raises
+    ``NotImplementedError`` before anything is prepared."""
     if exact_new:
         raise NotImplementedError(_NO_NEW_KV)
     kw = {"geom": pool.geometry, "k_s": pool.k_s, "v_s": pool.v_s, "sm_scale": sm_scale,
@@ -84,7 +72,7 @@ def attention_runner(pool: DevicePool, q, query_start_loc, block_tables, seq_len
         if run is None:
             run = make_decode_run(pool.buffer, q, block_tables, seq_lens, **kw)
             pool.plans.put(key, run)
-        return _refusing_new_kv(run)
+        return run
     if key is None:
         key = varlen_plan_key(pool.buffer, q, query_start_loc, block_tables, seq_lens,
                               pool.geometry, max_query_len, causal, pool.k_s, pool.v_s,
@@ -94,4 +82,4 @@ def attention_runner(pool: DevicePool, q, query_start_loc, block_tables, seq_len
         run = make_varlen_run(pool.buffer, q, query_start_loc, block_tables, seq_lens,
                               max_query_len=max_query_len, causal=causal, **kw)
         pool.plans.put(key, run)
-    return _refusing_new_kv(run)
+    return run
