@@ -768,7 +768,7 @@ def store_runner(pool, slots, k, v, *, unique_slots: bool, key=None):
     prepare on the CPU: ``key`` is not used)."""
     kw = {"geom": pool.geometry, "rule": pool.scale_rule, "k_s": pool.k_s, "k_g": pool.k_g,
           "v_s": pool.v_s, "v_g": pool.v_g, "stats": pool.stats, "unique_slots": unique_slots,
-          "rotate": pool.window_args["rotate"], "window": pool.store_window}
+          "rotate": pool.rotated, "window": pool.store_window}
 
     def run(slots, k, v):
         store(pool.buffer, slots, k, v, **kw)
@@ -779,7 +779,7 @@ def store_runner(pool, slots, k, v, *, unique_slots: bool, key=None):
 def gather_runner(pool, blocks, out_k, out_v, *, key=None):
     """``run(blocks, out_k, out_v)``: :func:`gather_dequant` of ``pool``'s pages."""
     kw = {"geom": pool.geometry, "k_s": pool.k_s, "v_s": pool.v_s, "stats": pool.stats,
-          "rotate": pool.rotation == "hadamard"}
+          "rotate": pool.rotated}
 
     def run(blocks, out_k, out_v):
         gather_dequant(pool.buffer, blocks, out_k, out_v, **kw)

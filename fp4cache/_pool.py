@@ -104,12 +104,17 @@ class Pool:
         return self.geometry.block_size
 
     @property
+    def rotated(self) -> bool:
+        """K is stored rotated by the normalized Hadamard transform (``rotation``)."""
+        return self.rotation == "hadamard"
+
+    @property
     def window_args(self) -> dict:
         """The attention backends' keyword arguments for the exact window and the rotation
         (``docs/window.md``): ``window`` = ``(slots, map, pages)`` or None, ``rotate``."""
         window = None if self.window is None else (self.window, self.window_map,
                                                    self.window_pages)
-        return {"window": window, "rotate": self.rotation == "hadamard"}
+        return {"window": window, "rotate": self.rotated}
 
     @property
     def store_window(self):

@@ -57,7 +57,8 @@ def decode_attention(pool: Pool, q: ArrayLike, block_tables: IndexLike,
     if check or pool.checks_are_free:
         _check_values(pool, a.block_tables, a.seq_lens, block_ids=check)
         if nk is not None:
-            check_new_lengths(np.ones(a.q.shape[0], np.int64), _host(a.seq_lens))
+            check_queries_cached(np.ones(a.q.shape[0], np.int64), _host(a.seq_lens),
+                                 NEW_KV_LENGTHS)
     res = (a.out, a.lse) if return_lse else a.out
     if not a.q.shape[0]:
         return res
@@ -102,7 +103,7 @@ def attention(pool: Pool, q: ArrayLike, query_start_loc: IndexLike,
         _check_lengths(a.block_tables, sl, pool.block_size)
         n = _check_query_values(qsl, sl, a.q.shape[0], causal, bound)
         if nk is not None:
-            check_new_lengths(n, sl)
+            check_queries_cached(n, sl, NEW_KV_LENGTHS)
         longest = int(n.max()) if n.size else 0
         bound = longest if bound is None else bound
         if check:
@@ -330,16 +331,20 @@ def check_new_kv(pool: Pool, new_kv, q) -> tuple[Any, Any]:
     return k, v
 
 
-def check_new_lengths(n: np.ndarray, sl: np.ndarray) -> None:
-    """With ``new_kv`` the query tokens are the last ``n_b`` cached ones: ``n_b <=
-    seq_lens[b]`` whatever ``causal``."""
-    wrong = n > sl.astype(np.int64)
+def check_queries_cached(n: np.ndarray, sl, why: str) -> None:
+    """Each sequence's ``n_b`` query tokens are among its ``seq_lens[b]`` cached ones
+    (``n_b <= seq_lens[b]``): ``ValueError`` naming the first that is not, ending with
+    ``why`` (what needs it)."""
+    wrong = n > np.asarray(sl).astype(np.int64)
     if wrong.any():
         b = int(wrong.argmax())
-        raise ValueError(
-            f"sequence {b} has {int(n[b])} query tokens but seq_lens[{b}] = {int(sl[b])}: "
-            "with new_kv the query tokens are the last n_b cached tokens (store them first),"
-            " so each sequence needs n_b <= seq_lens[b]")
+        raise ValueError(f"sequence {b} has {int(n[b])} query tokens but seq_lens[{b}] = "
+                         f"{int(np.asarray(sl)[b])}: {why}")
+
+
+#: Why ``new_kv`` needs ``n_b <= seq_lens[b]``.
+NEW_KV_LENGTHS = ("with new_kv the query tokens are the last n_b cached tokens (store them "
+                  "first), so each sequence needs n_b <= seq_lens[b]")
 
 
 def _check_query_start_loc(pool: Pool, query_start_loc):
@@ -381,14 +386,9 @@ def _check_query_values(query_start_loc, seq_lens, num_tokens: int, causal: bool
             f"max_query_len = {max_query_len} is smaller than the {longest} query tokens "
             f"of sequence {b} (query_start_loc[{b + 1}] - query_start_loc[{b}])")
     if causal:
-        sl = _host(seq_lens).astype(np.int64)
-        wrong = n > sl
-        if wrong.any():
-            b = int(wrong.argmax())
-            raise ValueError(
-                f"sequence {b} has {int(n[b])} query tokens but seq_lens[{b}] = {int(sl[b])}:"
-                " seq_lens counts the cached tokens including this step's queries (store "
-                "them first), so with causal=True each sequence needs n_b <= seq_lens[b]")
+        check_queries_cached(n, _host(seq_lens), "seq_lens counts the cached tokens "
+                             "including this step's queries (store them first), so with "
+                             "causal=True each sequence needs n_b <= seq_lens[b]")
     return n
 
 

@@ -574,7 +574,7 @@ class PagedKVCache:
             if not sat + under:
                 continue
             groups = np.asarray(x)[keep].reshape(-1, self.head_dim // 16, 16)
-            if side == "k" and self._pool.rotation == "hadamard":  # stored rotated: a
+            if side == "k" and self._pool.rotated:  # stored rotated: a
                 # nonzero row's groups are all nonzero
                 groups = groups.reshape(groups.shape[0], 1, -1)
             nonzero = int((groups != 0).any(axis=-1).sum()) * (groups.shape[-1] // 16)

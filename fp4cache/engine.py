@@ -411,7 +411,8 @@ class AttentionPlan:
             if self._host is not None:
                 self._check_ids(cache)
                 if exact_new:
-                    attention.check_new_lengths(self._host[2], self._host[0])
+                    attention.check_queries_cached(self._host[2], self._host[0],
+                                                   attention.NEW_KV_LENGTHS)
             attend = None
             if tokens and B and max_q > 0:
                 decode = max_q == 1 and tokens == B

@@ -409,3 +409,95 @@ def window_cpu_cache(rng, *, H, T, D, lens, P, rotation, layout="HND", swizzle=T
     for b, p in unmapped:
         cpu.map_window([int(tab[b, p])], [-1])
     return cpu, tab, lens
+
+
+# -- the exact window, the rotation and the exact new tokens ----------------------------------
+def sylvester(d: int) -> np.ndarray:
+    """The normalized Hadamard matrix of order ``d`` in float64."""
+    h = np.ones((1, 1))
+    while h.shape[0] < d:
+        h = np.block([[h, h], [h, -h]])
+    return h / math.sqrt(d)
+
+
+def bf16_values(bits: np.ndarray) -> np.ndarray:
+    """float32 values of bfloat16 bit patterns (uint16)."""
+    return (bits.astype(np.uint32) << 16).view(np.float32)
+
+
+def window_reference(c: PagedKVCache, q, qsl, tab, lens, causal=True, new_kv=None):
+    """float64 attention with the window split of ``docs/window.md`` written out on its
+    own: per sequence the suffix of at most ``window_pages`` mapped pages read from the
+    bf16 slots, the rest from the pages decoded in the stored basis; q rotated by the
+    Hadamard matrix when the cache rotates.  ``new_kv``: the keys ``p >= L_b - n_b`` from
+    those rows instead (K rotated with q).  Returns ``(out, lse)``."""
+    T, H, D = c.block_size, c.num_heads, c.head_dim
+    twin = PagedKVCache(c.num_blocks, T, H, D, device="cpu", k_scale=c.k_scale,
+                        v_scale=c.v_scale, layout=c.layout, scale_rule=c.scale_rule)
+    twin.buffer[:] = c.buffer
+    kd, vd = (x.astype(np.float64) for x in
+              twin.gather_dequant(np.arange(c.num_blocks), dtype="float32"))
+    q = q.astype(np.float64)
+    kn = None if new_kv is None else new_kv[0].astype(np.float64)
+    vn = None if new_kv is None else new_kv[1].astype(np.float64)
+    if c.rotation == "hadamard":
+        q = q @ sylvester(D).T
+        kn = None if kn is None else kn @ sylvester(D).T
+    N, Hq, _ = q.shape
+    g = Hq // H
+    out = np.zeros((N, Hq, D))
+    lse = np.full((N, Hq), -np.inf)
+    scale = float(np.float32(1 / math.sqrt(D)))
+    wmap = c.window_map
+    for b in range(len(qsl) - 1):
+        s0, s1 = int(qsl[b]), int(qsl[b + 1])
+        n = s1 - s0
+        L = int(min(lens[b], tab.shape[1] * T))
+        if n == 0 or L == 0:
+            continue
+        K = kd[tab[b, np.arange(L) // T] * T + np.arange(L) % T].copy()
+        V = vd[tab[b, np.arange(L) // T] * T + np.arange(L) % T].copy()
+        npg = -(-L // T)
+        p = npg - 1
+        while (c.window_slots and p >= max(0, npg - c.window_pages)
+               and 0 <= wmap[tab[b, p]] < c.window_slots):
+            sl = wmap[tab[b, p]]
+            toks = np.arange(p * T, min(L, (p + 1) * T))
+            K[toks] = bf16_values(c.window[sl, 0, : len(toks)])
+            V[toks] = bf16_values(c.window[sl, 1, : len(toks)])
+            p -= 1
+        if kn is not None:
+            K[L - n:] = kn[s0:s1]
+            V[L - n:] = vn[s0:s1]
+        for t in range(n):
+            lim = max(0, L - n + t + 1) if causal else L
+            if lim == 0:
+                continue
+            for h in range(H):
+                s = q[s0 + t, h * g:(h + 1) * g] @ K[:lim, h].T * scale
+                m = s.max(axis=1, keepdims=True)
+                w = np.exp(s - m)
+                out[s0 + t, h * g:(h + 1) * g] = w @ V[:lim, h] / w.sum(axis=1, keepdims=True)
+                lse[s0 + t, h * g:(h + 1) * g] = (m + np.log(w.sum(axis=1, keepdims=True)))[:, 0]
+    return out, lse
+
+
+# -- the front ends' calls into a backend ------------------------------------------------------
+class RecordingRunner:
+    """Stands in for a backend's ``attention_runner``: records what the front end hands to
+    the backend, once per run of the returned launch (the runner's arguments with the
+    arrays of the call); the launch is kept under the front end's key in the pool's plans,
+    as the backends do."""
+
+    def __init__(self):
+        self.calls = []
+
+    def __call__(self, pool, q, query_start_loc, block_tables, seq_lens, *, key=None, **kw):
+        def run(q, query_start_loc, block_tables, seq_lens, out, lse):
+            self.calls.append(dict(pool=pool, q=q, query_start_loc=query_start_loc,
+                                   block_tables=block_tables, seq_lens=seq_lens, out=out,
+                                   lse=lse, **kw))
+
+        if key is not None:
+            pool.plans.put(key, run)
+        return run

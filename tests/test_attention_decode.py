@@ -46,6 +46,7 @@ from helpers import (
     ATTENTION_CASES,
     DT,
     TOL,
+    RecordingRunner,
     assert_close,
     assert_lse_close,
     check,
@@ -517,23 +518,12 @@ def test_max_group_is_the_limit_the_front_end_enforces():
 
 # -- the GPU front end (any backend: a recording stand-in takes the kernels' place) --------
 class _RecordingBackend:
-    """Records what the front end hands to the backend's ``attention_runner``: each run of
-    the returned launch is recorded as a call; the launch is kept under the front end's
-    key in the pool's plans, as the backends do."""
+    """A backend whose ``attention_runner`` records the front end's calls
+    (:class:`helpers.RecordingRunner`)."""
 
     def __init__(self):
-        self.calls = []
-
-    def attention_runner(self, pool, q, query_start_loc, block_tables, seq_lens, *, key=None,
-                         **kw):
-        def run(q, query_start_loc, block_tables, seq_lens, out, lse):
-            self.calls.append(dict(pool=pool, q=q, query_start_loc=query_start_loc,
-                                   block_tables=block_tables, seq_lens=seq_lens, out=out,
-                                   lse=lse, **kw))
-
-        if key is not None:
-            pool.plans.put(key, run)
-        return run
+        self.attention_runner = RecordingRunner()
+        self.calls = self.attention_runner.calls
 
 
 @pytest.fixture

@@ -42,6 +42,7 @@ import pytest
 from conftest import DEVICES, DLPackProducer
 from helpers import (
     ATTENTION_CASES,
+    RecordingRunner,
     assert_close,
     assert_lse_close,
     attention_reference,
@@ -829,30 +830,11 @@ def test_nan_groups_propagate():
     check_rows(out, lse, ro, rl, "bfloat16", "nan groups", maybe_nan=maybe)
 
 
-class _Recorder:
-    """Stands in for the backend's ``attention_runner``: records what the front end hands
-    to the backend, once per launch (the prepared launch's arguments with the arrays of
-    the call); the launch is kept under the front end's key, as the backends do."""
-
-    def __init__(self):
-        self.calls = []
-
-    def __call__(self, pool, q, query_start_loc, block_tables, seq_lens, *, key=None, **kw):
-        def run(q, query_start_loc, block_tables, seq_lens, out, lse):
-            self.calls.append(dict(pool=pool, q=q, query_start_loc=query_start_loc,
-                                   block_tables=block_tables, seq_lens=seq_lens, out=out,
-                                   lse=lse, **kw))
-
-        if key is not None:
-            pool.plans.put(key, run)
-        return run
-
-
 @pytest.fixture
 def recorded(monkeypatch):
     from fp4cache import _cuda
 
-    rec = _Recorder()
+    rec = RecordingRunner()
     monkeypatch.setattr(_cuda, "attention_runner", rec)
     return rec
 

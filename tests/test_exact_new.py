@@ -15,20 +15,13 @@ import math
 import ml_dtypes
 import numpy as np
 import pytest
+from helpers import window_reference
 
 import fp4cache
 from fp4cache import PagedKVCache
 
 RTOL = ATOL = 1e-5
 BF16 = np.dtype(ml_dtypes.bfloat16)
-
-
-def hadamard(d: int) -> np.ndarray:
-    """The normalized Hadamard matrix of order ``d`` in float64."""
-    h = np.ones((1, 1))
-    while h.shape[0] < d:
-        h = np.block([[h, h], [h, -h]])
-    return h / math.sqrt(d)
 
 
 def kv(rng, n, H, D, dtype=np.float32):
@@ -39,53 +32,9 @@ def kv(rng, n, H, D, dtype=np.float32):
 
 
 def reference(c: PagedKVCache, q, qsl, tab, lens, new_kv, causal=True):
-    """float64 attention: keys ``p >= L_b - n_b`` from ``new_kv`` (rotated with q where the
-    cache rotates), earlier ones from the pages decoded in the stored basis, the newest
-    mapped pages (at most ``window_pages``) from the bf16 window."""
-    T, H, D = c.block_size, c.num_heads, c.head_dim
-    twin = PagedKVCache(c.num_blocks, T, H, D, device="cpu", k_scale=c.k_scale,
-                        v_scale=c.v_scale, layout=c.layout, scale_rule=c.scale_rule)
-    twin.buffer[:] = c.buffer
-    kd, vd = (x.astype(np.float64) for x in
-              twin.gather_dequant(np.arange(c.num_blocks), dtype="float32"))
-    q = q.astype(np.float64)
-    kn = None if new_kv is None else new_kv[0].astype(np.float64)
-    vn = None if new_kv is None else new_kv[1].astype(np.float64)
-    if c.rotation == "hadamard":
-        q = q @ hadamard(D).T
-        kn = None if kn is None else kn @ hadamard(D).T
-    N, Hq, _ = q.shape
-    g = Hq // H
-    out = np.zeros((N, Hq, D))
-    scale = float(np.float32(1 / math.sqrt(D)))
-    for b in range(len(qsl) - 1):
-        s0, s1 = int(qsl[b]), int(qsl[b + 1])
-        n, L = s1 - s0, int(lens[b])
-        if n == 0 or L == 0:
-            continue
-        pos = np.arange(L)
-        K = kd[tab[b, pos // T] * T + pos % T].copy()
-        V = vd[tab[b, pos // T] * T + pos % T].copy()
-        if c.window_slots:
-            npg = -(-L // T)
-            p = npg - 1
-            wmap = c.window_map
-            while p >= max(0, npg - c.window_pages) and 0 <= wmap[tab[b, p]] < c.window_slots:
-                sl = wmap[tab[b, p]]
-                toks = np.arange(p * T, min(L, (p + 1) * T))
-                K[toks] = (c.window[sl, 0, :len(toks)].astype(np.uint32) << 16).view(np.float32)
-                V[toks] = (c.window[sl, 1, :len(toks)].astype(np.uint32) << 16).view(np.float32)
-                p -= 1
-        if kn is not None:
-            K[L - n:] = kn[s0:s1]
-            V[L - n:] = vn[s0:s1]
-        for t in range(n):
-            lim = L - n + t + 1 if causal else L
-            for h in range(H):
-                s = q[s0 + t, h * g:(h + 1) * g] @ K[:lim, h].T * scale
-                w = np.exp(s - s.max(axis=1, keepdims=True))
-                out[s0 + t, h * g:(h + 1) * g] = w @ V[:lim, h] / w.sum(axis=1, keepdims=True)
-    return out
+    """float64 attention: keys ``p >= L_b - n_b`` from ``new_kv``, the rest as the window
+    reference reads them (:func:`helpers.window_reference`)."""
+    return window_reference(c, q, qsl, tab, lens, causal=causal, new_kv=new_kv)[0]
 
 
 def filled(rng, *, prior, new, rotation="none", window=0, T=16, H=2, D=64, dtype=np.float32):

@@ -9,6 +9,7 @@ import math
 import ml_dtypes
 import numpy as np
 import pytest
+from helpers import bf16_values, sylvester, window_reference
 
 from fp4cache import PagedKVCache, formats
 
@@ -22,24 +23,12 @@ F16 = np.dtype(np.float16)
 F32 = np.dtype(np.float32)
 
 
-def sylvester(d: int) -> np.ndarray:
-    """The normalized Hadamard matrix of order ``d`` in float64."""
-    h = np.ones((1, 1))
-    while h.shape[0] < d:
-        h = np.block([[h, h], [h, -h]])
-    return h / math.sqrt(d)
-
-
 def kv(rng, n, H, D, dtype=F32, outliers=True):
     k = rng.standard_normal((n, H, D), dtype=np.float32)
     if outliers:
         k[:, :, :: max(1, D // 4)] *= 8
     v = rng.standard_normal((n, H, D), dtype=np.float32)
     return k.astype(dtype), v.astype(dtype)
-
-
-def bf16_values(bits: np.ndarray) -> np.ndarray:
-    return (bits.astype(np.uint32) << 16).view(np.float32)
 
 
 # -- the transform ---------------------------------------------------------------------------
@@ -225,55 +214,6 @@ def test_map_window_bad_input_changes_nothing():
 
 
 # -- attention -------------------------------------------------------------------------------
-def window_reference(c: PagedKVCache, q, qsl, tab, lens, causal=True):
-    """float64 attention with the window split of ``docs/window.md`` written out on its
-    own: per sequence the suffix of at most ``window_pages`` mapped pages read from the
-    bf16 slots, the rest from the pages decoded in the stored basis; q rotated by the
-    Hadamard matrix when the cache rotates."""
-    T, H, D = c.block_size, c.num_heads, c.head_dim
-    twin = PagedKVCache(c.num_blocks, T, H, D, device="cpu", k_scale=c.k_scale,
-                        v_scale=c.v_scale, layout=c.layout, scale_rule=c.scale_rule)
-    twin.buffer[:] = c.buffer
-    kd, vd = (x.astype(np.float64) for x in
-              twin.gather_dequant(np.arange(c.num_blocks), dtype="float32"))
-    q = q.astype(np.float64)
-    if c.rotation == "hadamard":
-        q = q @ sylvester(D).T
-    N, Hq, _ = q.shape
-    g = Hq // H
-    out = np.zeros((N, Hq, D))
-    lse = np.full((N, Hq), -np.inf)
-    scale = float(np.float32(1 / math.sqrt(D)))
-    wmap = c.window_map
-    for b in range(len(qsl) - 1):
-        s0, s1 = int(qsl[b]), int(qsl[b + 1])
-        n = s1 - s0
-        L = int(min(lens[b], tab.shape[1] * T))
-        if n == 0 or L == 0:
-            continue
-        K = kd[tab[b, np.arange(L) // T] * T + np.arange(L) % T].copy()
-        V = vd[tab[b, np.arange(L) // T] * T + np.arange(L) % T].copy()
-        npg = -(-L // T)
-        p = npg - 1
-        while p >= max(0, npg - c.window_pages) and 0 <= wmap[tab[b, p]] < c.window_slots:
-            sl = wmap[tab[b, p]]
-            toks = np.arange(p * T, min(L, (p + 1) * T))
-            K[toks] = bf16_values(c.window[sl, 0, : len(toks)])
-            V[toks] = bf16_values(c.window[sl, 1, : len(toks)])
-            p -= 1
-        for t in range(n):
-            lim = max(0, L - n + t + 1) if causal else L
-            if lim == 0:
-                continue
-            for h in range(H):
-                s = q[s0 + t, h * g:(h + 1) * g] @ K[:lim, h].T * scale
-                m = s.max(axis=1, keepdims=True)
-                w = np.exp(s - m)
-                out[s0 + t, h * g:(h + 1) * g] = w @ V[:lim, h] / w.sum(axis=1, keepdims=True)
-                lse[s0 + t, h * g:(h + 1) * g] = (m + np.log(w.sum(axis=1, keepdims=True)))[:, 0]
-    return out, lse
-
-
 def filled_window_cache(rng, *, rotation, T=16, H=2, D=64, num_blocks=24, P=3, lens=(),
                         unmapped=(), layout="HND"):
     """A cache whose sequences (one table row each) were stored with the window ring in

@@ -128,7 +128,7 @@ def store_plan(st: DevicePool, slots, k, v, *, rule: str, unique_slots: bool) ->
     pa = _page_args(geom, st.num_blocks)
     G, H = geom.head_dim // GROUP, geom.num_heads
     dt = K.value_type(k.dtype, "k")
-    rot = st.rotation == "hadamard"
+    rot = st.rotated
     # two heads per thread where they pay: a rotating or windowed store of few tokens is
     # latency-bound and runs faster with one head per thread (bench/window_store.py)
     pair = (H % 2 == 0 and (dt, rule) in K.STORE_PAIR
@@ -238,7 +238,7 @@ def gather_plan(st: DevicePool, blocks, out_k, out_v) -> Callable:
     geom = st.geom
     pa = _page_args(geom, st.num_blocks)
     itemsize = out_k.itemsize
-    rot = st.rotation == "hadamard"
+    rot = st.rotated
     chunk = 16 // itemsize  # values per 16-byte output piece; itemsize pieces per group
     per_page = geom.block_size * int(pa["HG"][0]) * itemsize
     max_pages = MAX_THREADS // per_page
