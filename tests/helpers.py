@@ -249,6 +249,16 @@ ATTENTION_CASES = [
 ]
 
 
+def capture_stream():
+    """A non-blocking CuPy stream for a test that captures or orders work itself, made
+    once the current device is idle: such a stream does not wait for the default stream,
+    so inputs built there (``cupy.zeros``, ``arange``, a store) must be finished first."""
+    import cupy
+
+    cupy.cuda.Device().synchronize()
+    return cupy.cuda.Stream(non_blocking=True)
+
+
 def kv_values(rng, n, H, D, *, nan_k=(), nan_v=()):
     """Realistic K/V: unit normal with a few outlier channels (x8) and RoPE-like
     structure ignored; optional NaN entries (token, head, d) that make groups NaN."""

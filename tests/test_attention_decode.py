@@ -49,6 +49,7 @@ from helpers import (
     RecordingRunner,
     assert_close,
     assert_lse_close,
+    capture_stream,
     check,
     decode_f64,
     decode_reference,
@@ -815,7 +816,7 @@ class TestKernel:
         out = cp.empty((B, H * group, D), dtype=BF16)
         lse = cp.empty((B, H * group), dtype=cp.float32)
         scratch = ca.new_scratch()
-        stream = cp.cuda.Stream(non_blocking=True)
+        stream = capture_stream()
         kw = dict(geom=cache.geometry, k_s=cache.pool.k_s, v_s=cache.pool.v_s,
                   sm_scale=1 / np.sqrt(D), stats=cache.pool.stats, scratch=scratch)
         with stream:
@@ -1144,7 +1145,7 @@ class TestWindow:
                                   scratch=scratch, window=(win, wmap, 3), rotate=True)
         runner(qg, tg, lg, out, lse)  # warm: plan and workspace exist
         cp.cuda.get_current_stream().synchronize()
-        stream = cp.cuda.Stream(non_blocking=True)
+        stream = capture_stream()
         with stream:
             stream.begin_capture()
             runner(qg, tg, lg, out, lse)

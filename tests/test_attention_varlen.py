@@ -46,6 +46,7 @@ from helpers import (
     assert_close,
     assert_lse_close,
     attention_reference,
+    capture_stream,
     check,
     check_rows,
     make_cache,
@@ -952,7 +953,7 @@ def test_cuda_graph_capture_and_replay():
         ([61, 0, 2, 1], [3000, 7, 2, 1]),
         ([4, 4, 4, 52], [17, 4096, 4, 1000]),
     ]
-    stream = cp.cuda.Stream(non_blocking=True)
+    stream = capture_stream()
     with stream:
         nq, lens = steps[0]
         qsld[...] = cp.asarray(starts_of(nq))
@@ -1386,7 +1387,7 @@ class TestKernel:
         ld = cp.empty((B,), dtype=cp.int32)
         out = cp.empty((N, H * group, D), dtype=BF16)
         lse = cp.empty((N, H * group), dtype=cp.float32)
-        stream = cp.cuda.Stream(non_blocking=True)
+        stream = capture_stream()
         kw = dict(max_query_len=200, causal=True, geom=cache.geometry, k_s=cache.pool.k_s,
                   v_s=cache.pool.v_s, sm_scale=1 / np.sqrt(D), stats=cache.pool.stats,
                   scratch=new_scratch(), route=route)
@@ -1432,7 +1433,7 @@ class TestKernel:
         out = cp.empty((N, H * group, D), dtype=BF16)
         lse = cp.empty((N, H * group), dtype=cp.float32)
         scratch = new_scratch()
-        stream = cp.cuda.Stream(non_blocking=True)
+        stream = capture_stream()
         kw = dict(max_query_len=4, causal=True, geom=cache.geometry, k_s=cache.pool.k_s,
                   v_s=cache.pool.v_s, sm_scale=1 / np.sqrt(D), stats=cache.pool.stats,
                   scratch=scratch)
@@ -1767,7 +1768,7 @@ class TestWindow:
         out = cp.empty((N, H * group, D), dtype=BF16)
         lse = cp.empty((N, H * group), dtype=cp.float32)
         scratch = new_scratch()
-        stream = cp.cuda.Stream(non_blocking=True)
+        stream = capture_stream()
         steps = [([20, 20, 20], [600, 20, 100]), ([5, 30, 25], [200, 31, 620]),
                  ([60, 0, 0], [640, 0, 0]), ([10, 10, 40], [17, 300, 40])]
         if not few_rows_window():

@@ -13,6 +13,7 @@ import threading
 import ml_dtypes
 import numpy as np
 import pytest
+from helpers import capture_stream
 
 import fp4cache._backend
 from fp4cache import PagedKVCache, gpu_available
@@ -227,7 +228,7 @@ def test_two_threads_share_one_stream():
             k = rng.standard_normal((16, H, D)).astype(BF16)
             work.append((t, slots, k))
             ref.store(slots, k, k)
-    stream = cupy.cuda.Stream(non_blocking=True)
+    stream = capture_stream()
     errors = []
 
     def worker(t):
@@ -360,7 +361,7 @@ def test_graph_on_gpu1_while_gpu0_holds_a_cache():
         ref = PagedKVCache(16, 16, 2, 64, device="cpu")
         slots = cupy.arange(24, dtype=cupy.int64)
         k = cupy.zeros((24, 2, 64), BF16)
-        stream = cupy.cuda.Stream(non_blocking=True)
+        stream = capture_stream()
         with stream:
             c1.store(slots, k, k)
             c1.store(slots, k, k)
@@ -485,8 +486,8 @@ def test_store_on_one_stream_gather_on_another(rule):
     cpu.store(slots, k, v)
     k_ref, v_ref = cpu.gather_dequant(blocks)
 
-    producer = cupy.cuda.Stream(non_blocking=True)
-    consumer = cupy.cuda.Stream(non_blocking=True)
+    producer = capture_stream()
+    consumer = capture_stream()
     with producer:
         kd, vd, sd = cupy.asarray(k), cupy.asarray(v), cupy.asarray(slots)
         gpu.store(sd, kd, vd)
@@ -516,7 +517,7 @@ def test_calls_on_one_stream_are_ordered():
     gpu = PagedKVCache(nb, T, H, D, device="cuda")
     cpu = PagedKVCache(nb, T, H, D, device="cpu")
     cpu.store(slots, k2, v2)
-    stream = cupy.cuda.Stream(non_blocking=True)
+    stream = capture_stream()
     with stream:
         sd = cupy.asarray(slots)
         gpu.store(sd, cupy.asarray(k1), cupy.asarray(v1))

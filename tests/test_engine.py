@@ -12,6 +12,7 @@ from __future__ import annotations
 import ml_dtypes
 import numpy as np
 import pytest
+from helpers import capture_stream
 
 import fp4cache
 from fp4cache import AttentionPlan, PagedKVCache, WindowRing
@@ -255,7 +256,7 @@ def test_cupy_graph_of_a_step_replays_the_next_plan():
     q = cupy.zeros((layers, B, 2 * H, D), dt)
     k = cupy.zeros((layers, B, H, D), dt)
     out = cupy.zeros((layers, B, 2 * H, D), dt)
-    stream = cupy.cuda.Stream(non_blocking=True)
+    stream = capture_stream()
     lens = [5, 16, 40]
     graph = None
     with stream:

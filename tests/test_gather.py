@@ -16,6 +16,7 @@ import nvfp4_ref as ref
 import pytest
 from conftest import DEVICES
 from helpers import (
+    capture_stream,
     check_against_model,
     host,
     make_pair,
@@ -197,7 +198,7 @@ class TestCupyBackend:
         ok, ov = cp.empty(shape, BF16), cp.empty(shape, BF16)
         st = cp.zeros(NSTATS, cp.uint64)
         ks, vs = np.float32(0.5), np.float32(2.0)
-        stream = cp.cuda.Stream(non_blocking=True)
+        stream = capture_stream()
         with stream:
             cb.gather_dequant(buf, blocks, ok, ov, geom=geom, k_s=ks, v_s=vs, stats=st)  # warm
             stream.synchronize()

@@ -13,12 +13,13 @@ NumPy backend's).
 from __future__ import annotations
 
 import gc
+import weakref
 
 import ml_dtypes
 import numpy as np
 import nvfp4_ref as ref
 import pytest
-from helpers import make_values, poisoned_elements, same_bytes, same_values
+from helpers import capture_stream, make_values, poisoned_elements, same_bytes, same_values
 from nvfp4_ref import (
     assert_same_values,
     longlive_dequantize,
@@ -424,13 +425,18 @@ def test_longlive_list_hot_path_matches_checked_call_and_reads_new_contents(rule
     exp = ref.copy()
     exp[0, 2 * Tb:3 * Tb] = ref[0, :Tb]
     assert_same_values(longlive.dequantize(vals, sfs, ams, H, Tb, e4m3_max=m), exp)
+    # an entry goes with its arrays (checked before any exception's traceback, whose frames
+    # may hold the arrays for as long as the exception lives)
+    n = len(_hotpath.LONGLIVE_LISTS)
+    gone = weakref.ref(vals[3])
+    del blocks, vals[3], sfs[3], ams[3]
+    gc.collect()
+    assert gone() is None
+    assert len(_hotpath.LONGLIVE_LISTS) < n
     # a mismatch is refused on the hot path too (the counts are part of the key)
+    longlive.dequantize(vals, sfs, ams, H, Tb, e4m3_max=m)
     with pytest.raises(ValueError, match="do not match the blocks"):
         longlive.dequantize(vals, sfs, ams, 4, Tb, e4m3_max=m)
-    n = len(_hotpath.LONGLIVE_LISTS)
-    del blocks, vals[3]
-    gc.collect()
-    assert len(_hotpath.LONGLIVE_LISTS) < n  # the entries that held the dead array are gone
 
 
 @pytest.mark.gpu
@@ -534,7 +540,7 @@ def test_dequantize_pool_one_launch_ids_out_and_graph(id_dtype, dtype, D):
         exp[0, j * Tb:(j + 1) * Tb] = np.nan
     assert_same_values(got, exp)
     # captured once, replayed with new ids in the same device array
-    stream = cp.cuda.Stream(non_blocking=True)
+    stream = capture_stream()
     with stream:
         out[...] = 0
         stream.begin_capture()

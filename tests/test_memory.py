@@ -21,6 +21,7 @@ from __future__ import annotations
 import ml_dtypes
 import numpy as np
 import pytest
+from helpers import capture_stream
 
 from fp4cache import PagedKVCache
 
@@ -163,7 +164,7 @@ def test_captured_decode_step_survives_other_shapes_growth_and_eviction():
     q, tab, lens = _decode_inputs(rng, cache, 1, 64, [1000])  # 1024 tokens: split-KV
     out = cp.empty(q.shape, BF16)
     lse = cp.empty(q.shape[:2], np.float32)
-    stream = cp.cuda.Stream(non_blocking=True)
+    stream = capture_stream()
     with stream:
         cache.decode_attention(q, tab, lens, out=out, lse_out=lse, return_lse=True)  # warm
         (plan,) = ca.attention_plans(cache.pool)
@@ -200,7 +201,7 @@ def test_growth_under_capture_raises_and_hints_make_capture_allocation_free():
     rng = np.random.default_rng(29)
     nb = 1024
     out = cp.empty((8, HQ, D), BF16)
-    stream = cp.cuda.Stream(non_blocking=True)
+    stream = capture_stream()
     # no hints, a shape never run: its workspace does not exist yet
     cache = PagedKVCache(nb, T, H, D, device="cuda", **SCALES)
     _fill(cache, rng, nb * T)

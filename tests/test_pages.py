@@ -17,6 +17,7 @@ import json
 
 import numpy as np
 import pytest
+from helpers import capture_stream
 
 import fp4cache
 from fp4cache import PagedKVCache, _abi, pages
@@ -840,7 +841,7 @@ class TestGpu:
         n = 20
         src = cupy.arange(n, dtype=ids)
         dst = cupy.arange(n, 2 * n, dtype=ids)
-        stream = cupy.cuda.Stream(non_blocking=True)
+        stream = capture_stream()
         rng = np.random.default_rng(8)
         with stream:
             gpu.copy_blocks(src, dst)  # compiles the kernels, takes the workspace

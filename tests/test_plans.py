@@ -15,6 +15,7 @@ from __future__ import annotations
 import ml_dtypes
 import numpy as np
 import pytest
+from helpers import capture_stream
 
 import fp4cache
 from fp4cache import PagedKVCache
@@ -312,11 +313,11 @@ def test_prepared_store_in_a_cuda_graph():
     nb, T, H, D, n = 32, 16, 2, 64, 24
     gpu = PagedKVCache(nb, T, H, D, device="cuda")
     cpu = PagedKVCache(nb, T, H, D, device="cpu")
-    slots = cupy.arange(n, dtype=cupy.int64)
-    k = cupy.ones((n, H, D), ml_dtypes.bfloat16)
-    v = cupy.ones((n, H, D), ml_dtypes.bfloat16)
-    stream = cupy.cuda.Stream(non_blocking=True)
-    with stream:
+    stream = capture_stream()
+    with stream:  # the inputs are made on the capture stream (it does not wait for others)
+        slots = cupy.arange(n, dtype=cupy.int64)
+        k = cupy.ones((n, H, D), ml_dtypes.bfloat16)
+        v = cupy.ones((n, H, D), ml_dtypes.bfloat16)
         gpu.store(slots, k, v)  # validated once: the next calls take the prepared launch
         gpu.store(slots, k, v)
         cpu.store(np.arange(n), np.ones((n, H, D), ml_dtypes.bfloat16),
@@ -392,7 +393,7 @@ def test_prepared_gather_in_a_cuda_graph():
     blocks = cupy.zeros(n, cupy.int32)
     out = (cupy.empty((n * T, H, D), ml_dtypes.bfloat16),
            cupy.empty((n * T, H, D), ml_dtypes.bfloat16))
-    stream = cupy.cuda.Stream(non_blocking=True)
+    stream = capture_stream()
     with stream:
         gpu.gather_dequant(blocks, out=out)  # validated once: then the prepared launch
         stream.begin_capture()

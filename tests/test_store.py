@@ -25,6 +25,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 from helpers import (
+    capture_stream,
     check_against_model,
     make_pair,
     make_values,
@@ -539,7 +540,7 @@ def test_store_plan_made_during_graph_capture():
     slots = cp.asarray(rng.permutation(96)[:n])
     k = cp.asarray(rng.standard_normal((n, 2, 64)).astype(np.float32))
     v = cp.asarray(rng.standard_normal((n, 2, 64)).astype(np.float32))
-    stream = cp.cuda.Stream(non_blocking=True)
+    stream = capture_stream()
     with stream:
         stream.begin_capture()
         c_gpu.store(slots, k, v)
@@ -727,7 +728,7 @@ def test_claim_table_across_calls_graph_replays_and_freed_caches():
 
     rng = np.random.default_rng(99)
     H, D, T, n = 2, 64, 16, 300
-    stream = cp.cuda.Stream(non_blocking=True)
+    stream = capture_stream()
     caches = []
     for nbk in (40, 64, 23):  # several caches, several sizes, one stream
         kw = dict(num_blocks=nbk, block_size=T, num_heads=H, head_dim=D, layout="NHD",

@@ -9,7 +9,7 @@ import math
 import ml_dtypes
 import numpy as np
 import pytest
-from helpers import bf16_values, sylvester, window_reference
+from helpers import bf16_values, capture_stream, sylvester, window_reference
 
 from fp4cache import PagedKVCache, formats
 
@@ -517,7 +517,7 @@ class TestGpu:
         gpu.copy_blocks(src, dst, validate=False)
         gpu.store(ds, dk, dv)
         cp.cuda.Device().synchronize()
-        stream = cp.cuda.Stream(non_blocking=True)
+        stream = capture_stream()
         with stream:
             stream.begin_capture()
             gpu.map_window(b, s, validate=False)
