@@ -13,6 +13,12 @@
 #   bash bench/device_check.sh varlen-probe  # the wgmma kernel with its loads, decode or
 #                                      # MMAs switched off (bench/wgmma_decode_probe.py)
 #   bash bench/device_check.sh varlen-bench  # the varlen_bench table beside SDPA (JSON in $OUT)
+#   bash bench/device_check.sh vllm    # fp4cache.vllm: tests/test_vllm.py on the GPU, then
+#                                      # bench/vllm_bench.py agree (greedy tokens against
+#                                      # vLLM's bf16 backend); needs the vLLM kit carried as
+#                                      # .vllm-kit (cp -r ../shared/vllm-kit .vllm-kit)
+#   bash bench/device_check.sh vllm-bench  # bench/vllm_bench.py throughput (KV capacity,
+#                                      # prefill, decode tok/s beside bf16 and fp8)
 # Logs go to $OUT (default /tmp/fp4cache-device).
 set -u
 export PYTHONUNBUFFERED=1 PYTHONPATH=.
@@ -61,6 +67,17 @@ if __name__ == "__main__":
         list(pool.imap_unordered(one, range(n)))
     print(f"compiled {n} kernel specializations in {time.time() - t:.0f} s", flush=True)
 PY
+}
+
+install_vllm_kit() {  # vLLM 0.25 and its missing dependencies into /tmp/vsite, once
+  [ -f .vllm-kit/vllm_slim.tar.xz ] || { echo "carry the vLLM kit as .vllm-kit"; exit 2; }
+  if [ ! -f /tmp/vsite/.vllm25_ok ]; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/vsite \
+        .vllm-kit/whl/*.whl
+    tar -xJf .vllm-kit/vllm_slim.tar.xz -C /tmp/vsite && touch /tmp/vsite/.vllm25_ok
+  fi
+  export PYTHONPATH=/tmp/vsite:$PWD VLLM_USE_FLASHINFER_SAMPLER=0 VLLM_NO_USAGE_STATS=1 \
+      TVM_FFI_DISABLE_TORCH_C_DLPACK=1 HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
 }
 
 case "${1:-tests}" in
@@ -122,5 +139,17 @@ varlen-bench)
   timeout 540 python3 bench/varlen_bench.py --only spec prefill prefill_shapes mixed --reps 5 \
       --out "$OUT/varlen.json" 2>&1 \
       | tee "$OUT/varlen-bench.log" | tail -40
+  ;;
+vllm)
+  install_vllm_kit
+  timeout 240 python3 -m pytest -q -rs -p no:cacheprovider tests/test_vllm.py 2>&1 \
+      | tee "$OUT/vllm-tests.log" | tail -8
+  timeout 330 python3 bench/vllm_bench.py agree --layers 4 --out "$OUT/vllm-agree.json" \
+      2>&1 | tee "$OUT/vllm-agree.log" | tail -40
+  ;;
+vllm-bench)
+  install_vllm_kit
+  timeout 560 python3 bench/vllm_bench.py throughput --cells 32x8192 --new 256 \
+      --out "$OUT/vllm-throughput.json" 2>&1 | tee "$OUT/vllm-throughput.log" | tail -30
   ;;
 esac

@@ -2,7 +2,7 @@
 
 Imports run one way (``tests/test_layering.py`` checks it)::
 
-    public      __init__, __main__, hf
+    public      __init__, __main__, hf, vllm
     front ends  codec, calibrate, attention, store, pages, longlive, cache, engine
     protocol    _backend (this module)
     backends    _cpu | _cuda (state, paged, decode, varlen, pages, window, longlive,

@@ -9,7 +9,7 @@ The order (``fp4cache/_backend.py`` describes the layers), lowest first::
                 _cuda
     protocol    _backend
     front ends  codec, calibrate, attention, store, pages, longlive, cache, engine
-    public      fp4cache (__init__), __main__, hf
+    public      fp4cache (__init__), __main__, hf, vllm
 
 Every import counts, also those inside functions or under ``TYPE_CHECKING``: a module may
 import only modules listed before it, so the imports form no circle.  Also: no front end
@@ -34,12 +34,12 @@ ORDER = [
     "_cuda.pages", "_cuda.window", "_cuda.longlive", "_cuda.runners", "_cuda",
     "_backend",
     "codec", "calibrate", "attention", "store", "pages", "longlive", "cache", "engine",
-    "", "__main__", "hf",
+    "", "__main__", "hf", "vllm",
 ]
 RANK = {name: i for i, name in enumerate(ORDER)}
 BACKENDS = {"_cpu", "_cuda"}
 FRONT_ENDS = {"codec", "calibrate", "attention", "store", "pages", "longlive", "cache",
-              "engine", "hf",
+              "engine", "hf", "vllm",
               "__main__", ""}
 
 

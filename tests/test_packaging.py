@@ -309,7 +309,7 @@ def test_bench_scripts_run_on_the_cpu(tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     env["PYTHONPATH"] = str(REPO)
     for script in ("attention_bench.py", "attn_kernel.py", "seed_longlive.py", "bench.py",
-                   "pages_bench.py", "soak_bench.py", "sweep_bench.py"):
+                   "pages_bench.py", "soak_bench.py", "sweep_bench.py", "vllm_bench.py"):
         r = subprocess.run([sys.executable, f"bench/{script}", "--help"], cwd=REPO, env=env,
                            capture_output=True, text=True, timeout=60)
         assert r.returncode == 0 and r.stdout.startswith("usage: "), (script, r.stderr)

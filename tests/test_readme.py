@@ -282,7 +282,7 @@ def test_ci_runs_the_readme_lines_as_written():
     pip installs, and the same demo or pytest command (``-rs``: the skips' reasons)."""
     suites = ci_suites()
     lines = readme_commands()
-    assert len(lines) == 4, lines
+    assert len(lines) == 5, lines
     for cmds in lines:
         first, *rest = cmds
         assert first[:2] == ["pip", "install"], first

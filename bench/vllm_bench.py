@@ -1,0 +1,223 @@
+"""vLLM end to end with fp4cache's backend beside vLLM's own (GPU machine, vLLM 0.25).
+
+Each configuration runs in its own process (one vLLM engine per process), on a
+random-weight model built from a config (``load_format="dummy"``, token-id prompts, no
+tokenizer):
+
+- ``agree``: greedy decoding of the same prompts with fp4cache (nvfp4 pages) and vLLM's
+  TRITON_ATTN over bf16 K/V; per step the top-2 logprobs.  A step's token is compared
+  where bf16's margin (top-1 minus top-2 logprob) is at least ``--margin`` nats, up to
+  the first step where the two runs differ (after that the contexts differ); reports the
+  agreement there and the logprob differences of the chosen tokens.  Also fp4cache with
+  prefix caching on and off, and eager against CUDA graphs: the same tokens.
+- ``throughput``: KV capacity at ``gpu_memory_utilization`` (vLLM's blocks x block size),
+  prefill time (``max_tokens=1``) and decode tokens/s (the rest of a ``--new``-token
+  generation) for ``B x L`` random prompts, per KV format.
+
+Run on the GPU machine from the repository root, with the vLLM kit installed
+(``bash bench/device_check.sh vllm``), e.g.::
+
+    PYTHONPATH=/tmp/vsite:. python3 bench/vllm_bench.py agree --out $OUT/agree.json
+    PYTHONPATH=/tmp/vsite:. python3 bench/vllm_bench.py throughput --cells 32x8192 \\
+        --new 256 --out $OUT/throughput.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ENV = {"VLLM_USE_FLASHINFER_SAMPLER": "0", "TVM_FFI_DISABLE_TORCH_C_DLPACK": "1",
+       "VLLM_NO_USAGE_STATS": "1", "VLLM_DO_NOT_TRACK": "1", "HF_HUB_OFFLINE": "1",
+       "TRANSFORMERS_OFFLINE": "1"}
+#: KV formats: (vLLM attention backend, kv_cache_dtype)
+FORMATS = {"fp4cache": ("CUSTOM", "nvfp4"), "bf16": ("TRITON_ATTN", "auto"),
+           "fp8": ("TRITON_ATTN", "fp8")}
+#: Llama-3-8B's geometry (random weights)
+LLAMA3_8B = {"architectures": ["LlamaForCausalLM"], "model_type": "llama",
+             "hidden_size": 4096, "intermediate_size": 14336, "num_hidden_layers": 32,
+             "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128,
+             "vocab_size": 128256, "rms_norm_eps": 1e-5, "rope_theta": 500000.0,
+             "max_position_embeddings": 65536, "hidden_act": "silu",
+             "tie_word_embeddings": False, "torch_dtype": "bfloat16"}
+
+
+def model_dir(layers: int) -> str:
+    """A folder holding only the config of a Llama-3-8B-shaped model (weights: dummy)."""
+    d = Path(f"/tmp/fp4cache_vllm_llama3_8b_{layers}l")
+    d.mkdir(exist_ok=True)
+    (d / "config.json").write_text(json.dumps({**LLAMA3_8B, "num_hidden_layers": layers}))
+    return str(d)
+
+
+def prompts(n: int, length: int, seed: int, vocab: int = 128256):
+    rng = random.Random(seed)
+    return [[rng.randrange(vocab) for _ in range(length)] for _ in range(n)]
+
+
+# -- one engine (a child process) --------------------------------------------------------------
+def engine(args) -> dict:
+    """Run one configuration; returns its results (printed as one JSON line)."""
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    if args.format == "fp4cache":
+        import fp4cache.vllm
+
+        fp4cache.vllm.register()  # the entry point does it too, where the wheel is installed
+    backend, kv = FORMATS[args.format]
+    t = time.perf_counter()
+    llm = LLM(model=model_dir(args.layers), load_format="dummy", skip_tokenizer_init=True,
+              dtype="bfloat16", kv_cache_dtype=kv, attention_config={"backend": backend},
+              gpu_memory_utilization=args.mem, max_model_len=args.max_model_len,
+              enforce_eager=args.eager, enable_prefix_caching=args.prefix_caching, seed=0)
+    cfg = llm.llm_engine.vllm_config.cache_config
+    out = {"format": args.format, "backend": backend, "kv_cache_dtype": kv,
+           "eager": args.eager, "prefix_caching": args.prefix_caching,
+           "start_s": time.perf_counter() - t,
+           "kv_capacity_tokens": int(cfg.num_gpu_blocks) * int(cfg.block_size)}
+    if args.mode == "agree":
+        sp = SamplingParams(max_tokens=args.new, temperature=0.0, logprobs=2,
+                            ignore_eos=True, detokenize=False)
+        ps = [TokensPrompt(prompt_token_ids=p) for p in prompts(args.batch, args.length, 1)]
+        res = llm.generate(ps, sp, use_tqdm=False)
+        out["tokens"] = [list(r.outputs[0].token_ids) for r in res]
+        out["logprobs"] = [[sorted((lp.logprob for lp in step.values()), reverse=True)
+                            for step in r.outputs[0].logprobs] for r in res]
+        out["chosen_logprob"] = [[step[tok].logprob for tok, step in
+                                  zip(r.outputs[0].token_ids, r.outputs[0].logprobs,
+                                      strict=True)] for r in res]
+    else:
+        ps = [TokensPrompt(prompt_token_ids=p) for p in prompts(args.batch, args.length, 2)]
+        llm.generate(ps[:2], SamplingParams(max_tokens=4, ignore_eos=True, detokenize=False),
+                     use_tqdm=False)  # warm-up
+        for label, n_new, seed in (("prefill", 1, 3), ("full", args.new + 1, 4)):
+            ps = [TokensPrompt(prompt_token_ids=p) for p in prompts(args.batch, args.length,
+                                                                    seed)]
+            sp = SamplingParams(max_tokens=n_new, ignore_eos=True, temperature=0.0,
+                                detokenize=False)
+            t = time.perf_counter()
+            res = llm.generate(ps, sp, use_tqdm=False)
+            out[f"{label}_s"] = time.perf_counter() - t
+            assert all(len(r.outputs[0].token_ids) == n_new for r in res)
+        decode_s = out["full_s"] - out["prefill_s"]
+        out["decode_tok_s"] = args.batch * args.new / decode_s
+        out["prefill_tok_s"] = args.batch * args.length / out["prefill_s"]
+    return out
+
+
+def child(mode: str, fmt: str, a, **over) -> dict:
+    """One configuration in a fresh process (a vLLM engine per process)."""
+    cmd = [sys.executable, __file__, "--child", mode, "--format", fmt,
+           "--layers", str(a.layers), "--batch", str(over.get("batch", a.batch)),
+           "--length", str(over.get("length", a.length)), "--new", str(a.new),
+           "--mem", str(a.mem), "--max-model-len", str(a.max_model_len)]
+    if over.get("eager", a.eager):
+        cmd.append("--eager")
+    if over.get("prefix_caching", False):
+        cmd.append("--prefix-caching")
+    print("$", " ".join(cmd[1:]), flush=True)
+    r = subprocess.run(cmd, env={**os.environ, **ENV}, capture_output=True, text=True)
+    lines = [ln for ln in r.stdout.splitlines() if ln.startswith("RESULT ")]
+    if r.returncode or not lines:
+        sys.stderr.write(r.stdout[-4000:] + r.stderr[-8000:])
+        return {"format": fmt, "error": f"exit {r.returncode}", **over}
+    return json.loads(lines[-1][len("RESULT "):])
+
+
+# -- the comparisons ---------------------------------------------------------------------------
+def agreement(ref: dict, got: dict, margin: float) -> dict:
+    """Tokens of ``got`` against ``ref`` up to each sequence's first difference."""
+    clear = same = steps = 0
+    diffs = []
+    for t_ref, t_got, lp_ref, c_ref, c_got in zip(ref["tokens"], got["tokens"],
+                                                  ref["logprobs"], ref["chosen_logprob"],
+                                                  got["chosen_logprob"], strict=True):
+        for i, (a, b) in enumerate(zip(t_ref, t_got, strict=True)):
+            steps += 1
+            top = lp_ref[i]
+            if len(top) > 1 and top[0] - top[1] >= margin:
+                clear += 1
+                same += a == b
+            if a != b:
+                break
+            diffs.append(abs(c_ref[i] - c_got[i]))
+    return {"steps_compared": steps, "clear_margin_steps": clear,
+            "clear_margin_agreement": same / clear if clear else None,
+            "logprob_diff_max": max(diffs) if diffs else None,
+            "logprob_diff_mean": sum(diffs) / len(diffs) if diffs else None}
+
+
+def run_agree(a) -> dict:
+    ref = child("agree", "bf16", a)
+    runs = {"fp4cache graphs": child("agree", "fp4cache", a),
+            "fp4cache eager": child("agree", "fp4cache", a, eager=True),
+            "fp4cache graphs, prefix caching": child("agree", "fp4cache", a,
+                                                     prefix_caching=True),
+            "fp8 graphs": child("agree", "fp8", a)}
+    out = {"reference": "bf16 TRITON_ATTN", "margin_nats": a.margin, "runs": {}}
+    for name, r in runs.items():
+        if "error" in r or "error" in ref:
+            out["runs"][name] = {"error": r.get("error") or ref.get("error")}
+            continue
+        out["runs"][name] = agreement(ref, r, a.margin)
+    fp4 = runs["fp4cache graphs"]
+    for name in ("fp4cache eager", "fp4cache graphs, prefix caching"):
+        if "tokens" in fp4 and "tokens" in runs[name]:
+            out["runs"][name]["same_tokens_as_fp4cache_graphs"] = \
+                fp4["tokens"] == runs[name]["tokens"]
+    return out
+
+
+def run_throughput(a) -> dict:
+    rows = []
+    for cell in a.cells:
+        b, length = (int(x) for x in cell.split("x"))
+        for fmt in a.formats:
+            r = child("throughput", fmt, a, batch=b, length=length)
+            r["cell"] = cell
+            rows.append(r)
+            print(json.dumps(r), flush=True)
+    return {"rows": rows}
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("mode", nargs="?", choices=["agree", "throughput"], default="agree")
+    ap.add_argument("--child", choices=["agree", "throughput"], help=argparse.SUPPRESS)
+    ap.add_argument("--format", choices=sorted(FORMATS), help=argparse.SUPPRESS)
+    ap.add_argument("--formats", nargs="+", default=["fp4cache", "bf16", "fp8"],
+                    choices=sorted(FORMATS))
+    ap.add_argument("--cells", nargs="+", default=["32x8192"], help="B x prompt length")
+    ap.add_argument("--layers", type=int, default=32)
+    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--length", type=int, default=1024)
+    ap.add_argument("--new", type=int, default=64)
+    ap.add_argument("--margin", type=float, default=0.5)
+    ap.add_argument("--mem", type=float, default=0.9, help="gpu_memory_utilization")
+    ap.add_argument("--max-model-len", type=int, default=40960)
+    ap.add_argument("--eager", action="store_true")
+    ap.add_argument("--prefix-caching", action="store_true")
+    ap.add_argument("--out")
+    a = ap.parse_args(argv)
+    if a.child:
+        a.mode = a.child
+        print("RESULT " + json.dumps(engine(a)), flush=True)
+        return
+    res = run_agree(a) if a.mode == "agree" else run_throughput(a)
+    res["gpu"] = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"],
+                                capture_output=True, text=True).stdout.strip()
+    res["date"] = time.strftime("%Y-%m-%d")
+    print(json.dumps(res, indent=1))
+    if a.out:
+        Path(a.out).write_text(json.dumps(res, indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,269 @@
+"""fp4cache.vllm against vLLM's own classes, on the CPU backend: vLLM's attention layer
+builds the backend's impl, vLLM's allocation code shapes the pages, vLLM's
+``CommonAttentionMetadata`` describes the steps.
+
+The translation (metadata -> plan, vLLM's page tensor -> pool) and the results are
+checked against :class:`fp4cache.PagedKVCache` doing the same steps by hand on the CPU
+backend, exactly; the ``cuda`` cases run the same on the GPU (vLLM's GPU machine kit on
+the path).  vLLM's engine end to end is ``bench/vllm_bench.py``.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import sys
+from pathlib import Path
+
+import ml_dtypes
+import numpy as np
+import pytest
+from conftest import DEVICES
+from helpers import TOL
+
+for _name, _value in (("VLLM_USE_FLASHINFER_SAMPLER", "0"),
+                      ("TVM_FFI_DISABLE_TORCH_C_DLPACK", "1"), ("VLLM_NO_USAGE_STATS", "1")):
+    os.environ.setdefault(_name, _value)
+torch = pytest.importorskip("torch")
+pytest.importorskip("vllm", reason="the vLLM backend tests need vLLM (the 'vllm' extra)")
+
+from vllm.config import CacheConfig, DeviceConfig, VllmConfig, set_current_vllm_config  # noqa: E402
+from vllm.model_executor.layers.attention import Attention  # noqa: E402
+from vllm.platforms.interface import DeviceCapability  # noqa: E402
+from vllm.utils.torch_utils import nvfp4_kv_cache_split_views  # noqa: E402
+from vllm.v1.attention.backend import AttentionType, CommonAttentionMetadata  # noqa: E402
+from vllm.v1.attention.backends.registry import AttentionBackendEnum  # noqa: E402
+from vllm.v1.worker.gpu.attn_utils import _reshape_attention_kv_cache  # noqa: E402
+
+import fp4cache.vllm as fv  # noqa: E402
+from fp4cache import PagedKVCache  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+BF16 = np.dtype(ml_dtypes.bfloat16)
+BS, HQ, H, D = 16, 8, 2, 128
+
+
+def _config():
+    return VllmConfig(device_config=DeviceConfig(device="cpu"),
+                      cache_config=CacheConfig(cache_dtype="nvfp4", block_size=BS))
+
+
+@pytest.fixture
+def layout(request, monkeypatch):
+    """vLLM's KV cache layout (``VLLM_KV_CACHE_LAYOUT``), both tried."""
+    import vllm.v1.attention.backends.utils as vutils
+
+    value = getattr(request, "param", "NHD")
+    monkeypatch.setattr(vutils, "get_kv_cache_layout", lambda: value)
+    monkeypatch.setattr(fv, "get_kv_cache_layout", lambda: value)
+    return value
+
+
+def _layer(config, index=0, **kw):
+    with set_current_vllm_config(config):
+        return Attention(HQ, D, D ** -0.5, num_kv_heads=H, cache_config=config.cache_config,
+                         prefix=f"model.layers.{index}.self_attn.attn",
+                         attn_backend=fv.FP4CacheBackend, **kw)
+
+
+def _kv_cache(layer, config, num_blocks, device="cpu"):
+    """A layer's page tensor exactly as vLLM's model runner makes it: one int8 buffer,
+    viewed through the backend's shape and stride order."""
+    spec = layer.get_kv_cache_spec(config)
+    shape = fv.FP4CacheBackend.get_kv_cache_shape(num_blocks, BS, H, D, "nvfp4")
+    raw = torch.zeros(num_blocks * spec.page_size_bytes, dtype=torch.int8, device=device)
+    return _reshape_attention_kv_cache(raw, spec, shape,
+                                       fv.FP4CacheBackend.get_kv_cache_stride_order(),
+                                       num_blocks, None)
+
+
+def _metadata(qsl, lens, tables, slots, device="cpu"):
+    """vLLM's step metadata, its tensors on ``device`` as vLLM's runner keeps them."""
+    qsl_cpu = torch.tensor(qsl, dtype=torch.int32)
+    return CommonAttentionMetadata(
+        query_start_loc=qsl_cpu.to(device), query_start_loc_cpu=qsl_cpu,
+        seq_lens=torch.tensor(lens, dtype=torch.int32, device=device),
+        num_reqs=len(lens), num_actual_tokens=int(qsl[-1]),
+        max_query_len=int((qsl_cpu[1:] - qsl_cpu[:-1]).max()), max_seq_len=max(lens),
+        block_table_tensor=torch.tensor(tables, dtype=torch.int32, device=device),
+        slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device))
+
+
+def _steps(rng, num_blocks):
+    """vLLM-like steps: two prompts prefilled (one chunked), then decodes, a
+    speculative verification of 3 tokens and a new prompt mixed in.  Each step:
+    (query_start_loc, seq_lens, block tables, slot_mapping)."""
+    free = list(rng.permutation(num_blocks))
+    tables: dict[int, list[int]] = {}
+    lens: dict[int, int] = {}
+    plan = [{0: 37, 1: 20}, {1: 25}, {0: 1, 1: 1}, {0: 3, 1: 1, 2: 18}, {0: 1, 1: 1, 2: 1}]
+    out = []
+    for step in plan:
+        qsl, sl, bt, slots = [0], [], [], []
+        for r, n in step.items():
+            start = lens.get(r, 0)
+            lens[r] = start + n
+            need = -(-lens[r] // BS)
+            tables.setdefault(r, [])
+            while len(tables[r]) < need:
+                tables[r].append(int(free.pop()))
+            qsl.append(qsl[-1] + n)
+            sl.append(lens[r])
+            slots += [tables[r][p // BS] * BS + p % BS for p in range(start, lens[r])]
+        width = max(len(tables[r]) for r in step)
+        bt = [tables[r] + [0] * (width - len(tables[r])) for r in step]
+        out.append((qsl, sl, bt, slots))
+    return out
+
+
+def _host(t):
+    """A torch tensor's values as NumPy (bf16 as ml_dtypes.bfloat16)."""
+    t = t.detach().cpu().contiguous()
+    if t.dtype == torch.bfloat16:
+        return t.view(torch.int16).numpy().view(BF16)
+    return t.numpy()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("layout", ["NHD", "HND"], indirect=True)
+def test_steps_through_vllm_classes_equal_the_cache_by_hand(layout, device):
+    """Two layers, five steps (prefill, chunked prefill, decode, mixed with a verification
+    and a new prompt), through vLLM's layer, allocation and metadata: the pages hold
+    exactly the bytes ``PagedKVCache.store`` writes on the CPU (the store is bit-exact on
+    both backends), rows past ``num_actual_tokens`` are left alone, and the outputs equal
+    ``PagedKVCache.attention`` on the CPU: bit for bit on the CPU backend, within the GPU
+    attention tests' bound on the GPU (other kernels, same pages)."""
+    config = _config()
+    rng = np.random.default_rng(0)
+    nb = 24
+    layers = [_layer(config, i) for i in range(2)]
+    caches = [_kv_cache(la, config, nb, device) for la in layers]
+    refs = [PagedKVCache(nb, BS, H, D, layout=layout, device="cpu") for _ in layers]
+    spec = layers[0].get_kv_cache_spec(config)
+    builder = fv.FP4CacheBackend.get_builder_cls()(spec, ["l0", "l1"], config,
+                                                    torch.device(device))
+    for qsl, sl, bt, slots in _steps(rng, nb):
+        md = builder.build(0, _metadata(qsl, sl, bt, slots, device))
+        n = qsl[-1]
+        for layer, kv, ref in zip(layers, caches, refs, strict=True):
+            q, k, v = (torch.randn(n + 3, h, D, dtype=torch.bfloat16).to(device)
+                       for h in (HQ, H, H))  # 3 padding rows
+            out = torch.full((n + 3, HQ, D), 7.0, dtype=torch.bfloat16, device=device)
+            layer.impl.forward(layer, q, k, v, kv, md, output=out)
+            assert bool((out[n:] == 7.0).all())
+            ref.store(np.array(slots), _host(k[:n]), _host(v[:n]))
+            want = ref.attention(_host(q[:n]), np.array(qsl), np.array(bt), np.array(sl))
+            got = _host(out[:n])
+            if device == "cpu":
+                assert np.array_equal(got.view(np.int16), want.view(np.int16))
+            else:
+                g, w = got.astype(np.float64), want.astype(np.float64)
+                err = np.linalg.norm(g - w, axis=-1) / np.maximum(
+                    np.linalg.norm(w, axis=-1), 1e-30)
+                assert err.max() <= TOL["bfloat16"], err.max()
+            physical = kv if layout == "NHD" else kv.permute(0, 1, 3, 2, 4)
+            assert np.array_equal(physical.contiguous().cpu().numpy().reshape(nb, -1),
+                                  ref.buffer.reshape(nb, -1))
+
+
+@pytest.mark.parametrize("layout", ["NHD", "HND"], indirect=True)
+def test_pages_read_through_vllms_own_views(layout):
+    """vLLM's ``nvfp4_kv_cache_split_views`` over the backend's pages: K decodes (E2M1
+    pairs, element 2i in the low nibble, times the E4M3 scale and ``k_scale``) to what
+    ``PagedKVCache.gather_dequant`` returns, and V's data bytes are where vLLM reads them."""
+    config = _config()
+    layer = _layer(config)
+    nb = 4
+    kv = _kv_cache(layer, config, nb)
+    spec = layer.get_kv_cache_spec(config)
+    builder = fv.FP4CacheBackend.get_builder_cls()(spec, ["l0"], config, torch.device("cpu"))
+    n = nb * BS
+    slots = list(range(n))
+    md = builder.build(0, _metadata([0, n], [n], [list(range(nb))], slots))
+    rng = np.random.default_rng(1)
+    k = torch.from_numpy(rng.standard_normal((n, H, D)).astype(np.float32)).bfloat16()
+    v = torch.from_numpy(rng.standard_normal((n, H, D)).astype(np.float32)).bfloat16()
+    q = torch.zeros(n, HQ, D, dtype=torch.bfloat16)
+    layer.impl.forward(layer, q, k, v, kv, md, output=torch.empty_like(q))
+    # vLLM's views index (block, token, head, byte) whatever the layout in memory
+    (kd, vd), (ks, _) = nvfp4_kv_cache_split_views(kv)
+    e2m1 = np.array([0, .5, 1, 1.5, 2, 3, 4, 6, -0., -.5, -1, -1.5, -2, -3, -4, -6], np.float32)
+    codes = kd.numpy()
+    vals = np.stack([e2m1[codes & 15], e2m1[codes >> 4]], -1).reshape(nb, BS, H, D)
+    scales = ks.view(torch.uint8).numpy().view(ml_dtypes.float8_e4m3fn).astype(np.float32)
+    k_vllm = vals * np.repeat(scales, 16, -1) * layer._k_scale_float
+    k_ours, _ = layer.impl.pages(layer, kv).gather_dequant(np.arange(nb), dtype=np.float32)
+    assert np.array_equal(k_vllm.reshape(n, H, D), k_ours.reshape(n, H, D))
+    # V's data: the first block_size * H * D / 2 bytes of each page's V side
+    page = (kv if layout == "NHD" else kv.permute(0, 1, 3, 2, 4)).contiguous().numpy()
+    v_data = page.reshape(nb, 2, -1)[:, 1, :BS * H * D // 2]
+    v_data = v_data.reshape(nb, BS, H, D // 2) if layout == "NHD" else \
+        v_data.reshape(nb, H, BS, D // 2).transpose(0, 2, 1, 3)
+    assert np.array_equal(vd.numpy(), v_data)
+
+
+def test_backend_is_registered_and_validated_as_vllm_selects_it():
+    fv.register()
+    fv.register()  # every vLLM process calls it; twice is harmless
+    assert AttentionBackendEnum.CUSTOM.get_class() is fv.FP4CacheBackend
+    assert AttentionBackendEnum[fv.FP4CacheBackend.get_name()] is AttentionBackendEnum.CUSTOM
+    kw = dict(head_size=128, dtype=torch.bfloat16, kv_cache_dtype="nvfp4", block_size=16,
+              use_mla=False, has_sink=False, use_sparse=False, use_mm_prefix=False,
+              use_per_head_quant_scales=False, attn_type=AttentionType.DECODER)
+    validate = fv.FP4CacheBackend.validate_configuration
+    assert validate(device_capability=DeviceCapability(9, 0), **kw) == []
+    assert validate(device_capability=DeviceCapability(8, 0), **kw) == []
+    assert validate(device_capability=DeviceCapability(7, 5), **kw) != []
+    for change in ({"kv_cache_dtype": "auto"}, {"kv_cache_dtype": "fp8"}, {"head_size": 96},
+                   {"block_size": 8}, {"has_sink": True}, {"use_mla": True},
+                   {"attn_type": AttentionType.ENCODER_DECODER}):
+        assert validate(device_capability=DeviceCapability(9, 0), **{**kw, **change}) != [], \
+            change
+
+
+def test_page_bytes_are_vllms_nvfp4_sizing():
+    config = _config()
+    layer = _layer(config)
+    spec = layer.get_kv_cache_spec(config)
+    shape = fv.FP4CacheBackend.get_kv_cache_shape(10, BS, H, D, "nvfp4")
+    assert math.prod(shape) == 10 * spec.page_size_bytes
+    assert spec.page_size_bytes == PagedKVCache(1, BS, H, D, device="cpu").buffer.nbytes
+    with pytest.raises(ValueError, match="kv_cache_dtype='nvfp4'"):
+        fv.FP4CacheBackend.get_kv_cache_shape(10, BS, H, D, "auto")
+    with pytest.raises(NotImplementedError, match="contiguous"):
+        fv.FP4CacheBackend.get_kv_cache_stride_order(include_num_layers_dimension=True)
+
+
+@pytest.mark.parametrize("kw, match", [
+    ({"sliding_window": 4096}, "sliding_window"),
+    ({"logits_soft_cap": 30.0}, "logits_soft_cap"),
+    ({"alibi_slopes": [1.0] * HQ}, "ALiBi"),
+    ({"attn_type": AttentionType.ENCODER_DECODER}, "decoder attention only"),
+])
+def test_unsupported_features_are_refused_when_the_model_is_built(kw, match):
+    impl_cls = fv.FP4CacheBackend.get_impl_cls()
+    with set_current_vllm_config(_config()), pytest.raises(NotImplementedError, match=match):
+        impl_cls(HQ, D, D ** -0.5, H, kv_cache_dtype="nvfp4",
+                 **{"alibi_slopes": None, "sliding_window": None, **kw})
+    with set_current_vllm_config(_config()), pytest.raises(ValueError, match="nvfp4"):
+        impl_cls(HQ, D, D ** -0.5, H, None, None, "auto")
+    with set_current_vllm_config(_config()), pytest.raises(ValueError, match="head_size"):
+        impl_cls(HQ, 96, 96 ** -0.5, H, None, None, "nvfp4")
+
+
+def test_profiling_run_without_metadata_writes_zeros():
+    config = _config()
+    layer = _layer(config)
+    out = torch.ones(5, HQ, D, dtype=torch.bfloat16)
+    q = torch.zeros(5, HQ, D, dtype=torch.bfloat16)
+    k = torch.zeros(5, H, D, dtype=torch.bfloat16)
+    layer.impl.forward(layer, q, k, k, torch.tensor([]), None, output=out)
+    assert not out.any()
+
+
+def test_entry_point_registers_in_every_vllm_process():
+    tomllib = pytest.importorskip("tomllib")
+    meta = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    assert meta["entry-points"]["vllm.general_plugins"] == {"fp4cache": "fp4cache.vllm:register"}
+    assert any(d.startswith("vllm") for d in meta["optional-dependencies"]["vllm"])
+    assert "fp4cache.vllm" in sys.modules
