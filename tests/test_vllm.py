@@ -125,8 +125,9 @@ def _host(t):
 
 
 @pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
 @pytest.mark.parametrize("layout", ["NHD", "HND"], indirect=True)
-def test_steps_through_vllm_classes_equal_the_cache_by_hand(layout, device):
+def test_steps_through_vllm_classes_equal_the_cache_by_hand(layout, dtype, device):
     """Two layers, five steps (prefill, chunked prefill, decode, mixed with a verification
     and a new prompt), through vLLM's layer, allocation and metadata: the pages hold
     exactly the bytes ``PagedKVCache.store`` writes on the CPU (the store is bit-exact on
@@ -146,9 +147,9 @@ def test_steps_through_vllm_classes_equal_the_cache_by_hand(layout, device):
         md = builder.build(0, _metadata(qsl, sl, bt, slots, device))
         n = qsl[-1]
         for layer, kv, ref in zip(layers, caches, refs, strict=True):
-            q, k, v = (torch.randn(n + 3, h, D, dtype=torch.bfloat16).to(device)
+            q, k, v = (torch.randn(n + 3, h, D, dtype=getattr(torch, dtype)).to(device)
                        for h in (HQ, H, H))  # 3 padding rows
-            out = torch.full((n + 3, HQ, D), 7.0, dtype=torch.bfloat16, device=device)
+            out = torch.full((n + 3, HQ, D), 7.0, dtype=q.dtype, device=device)
             layer.impl.forward(layer, q, k, v, kv, md, output=out)
             assert bool((out[n:] == 7.0).all())
             ref.store(np.array(slots), _host(k[:n]), _host(v[:n]))
@@ -160,10 +161,27 @@ def test_steps_through_vllm_classes_equal_the_cache_by_hand(layout, device):
                 g, w = got.astype(np.float64), want.astype(np.float64)
                 err = np.linalg.norm(g - w, axis=-1) / np.maximum(
                     np.linalg.norm(w, axis=-1), 1e-30)
-                assert err.max() <= TOL["bfloat16"], err.max()
+                assert err.max() <= TOL[dtype], err.max()
             physical = kv if layout == "NHD" else kv.permute(0, 1, 3, 2, 4)
             assert np.array_equal(physical.contiguous().cpu().numpy().reshape(nb, -1),
                                   ref.buffer.reshape(nb, -1))
+
+
+def test_the_plan_grows_to_a_step_beyond_vllms_limits():
+    """A step wider than the limits the builder read from vLLM's configuration (more
+    sequences, tokens or block-table columns) gets a larger plan, not an error; steps
+    within them keep the same plan (its buffers are what a captured step reads)."""
+    config = _config()
+    layer = _layer(config)
+    spec = layer.get_kv_cache_spec(config)
+    builder = fv.FP4CacheBackend.get_builder_cls()(spec, ["l0"], config, torch.device("cpu"))
+    first = builder.build(0, _metadata([0, 1], [5], [[0]], [4])).plan
+    assert builder.build(0, _metadata([0, 1, 2], [5, 3], [[0], [1]], [4, 18])).plan is first
+    wide = config.scheduler_config.max_num_batched_tokens + 1
+    grown = builder.build(0, _metadata([0, wide], [wide], [list(range(-(-wide // BS)))],
+                                       list(range(wide)))).plan
+    assert grown is not first and grown.max_num_tokens >= wide
+    assert grown.max_batch_size >= first.max_batch_size
 
 
 @pytest.mark.parametrize("layout", ["NHD", "HND"], indirect=True)
