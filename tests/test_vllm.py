@@ -28,6 +28,7 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("vllm", reason="the vLLM backend tests need vLLM (the 'vllm' extra)")
 
 from vllm.config import CacheConfig, DeviceConfig, VllmConfig, set_current_vllm_config  # noqa: E402
+from vllm.forward_context import set_forward_context  # noqa: E402
 from vllm.model_executor.layers.attention import Attention  # noqa: E402
 from vllm.platforms.interface import DeviceCapability  # noqa: E402
 from vllm.utils.torch_utils import nvfp4_kv_cache_split_views  # noqa: E402
@@ -165,6 +166,34 @@ def test_steps_through_vllm_classes_equal_the_cache_by_hand(layout, dtype, devic
             physical = kv if layout == "NHD" else kv.permute(0, 1, 3, 2, 4)
             assert np.array_equal(physical.contiguous().cpu().numpy().reshape(nb, -1),
                                   ref.buffer.reshape(nb, -1))
+
+
+def test_attention_layer_forward_as_vllms_model_runs_it(layout):
+    """The model's call: ``Attention.forward`` with 2-D q/k/v, the step's metadata and
+    slot mapping in vLLM's forward context, the page tensor bound to the layer; its
+    reshapes and output buffer reach the backend, which stores and attends as
+    ``PagedKVCache`` does by hand (bit for bit)."""
+    config = _config()
+    layer = _layer(config)
+    layer.kv_cache = _kv_cache(layer, config, 8)
+    spec = layer.get_kv_cache_spec(config)
+    builder = fv.FP4CacheBackend.get_builder_cls()(spec, [layer.layer_name], config,
+                                                    torch.device("cpu"))
+    slots = [3 * BS + i for i in range(16)] + [5 * BS + i for i in range(4)]
+    md = builder.build(0, _metadata([0, 20], [20], [[3, 5]], slots))
+    q = torch.randn(20, HQ * D, dtype=torch.bfloat16)
+    k = torch.randn(20, H * D, dtype=torch.bfloat16)
+    v = torch.randn(20, H * D, dtype=torch.bfloat16)
+    with set_current_vllm_config(config), set_forward_context(
+            {layer.layer_name: md}, config, slot_mapping={layer.layer_name: torch.tensor(slots)}):
+        out = layer(q, k, v)
+    assert out.shape == (20, HQ * D) and out.dtype == torch.bfloat16
+    ref = PagedKVCache(8, BS, H, D, layout=layout, device="cpu")
+    ref.store(np.array(slots), _host(k.view(20, H, D)), _host(v.view(20, H, D)))
+    want = ref.attention(_host(q.view(20, HQ, D)), np.array([0, 20]), np.array([[3, 5]]),
+                         np.array([20]))
+    assert np.array_equal(_host(out.view(20, HQ, D)).view(np.int16), want.view(np.int16))
+    assert np.array_equal(layer.kv_cache.numpy().reshape(8, -1), ref.buffer.reshape(8, -1))
 
 
 def test_the_plan_grows_to_a_step_beyond_vllms_limits():
