@@ -9,7 +9,9 @@ tokenizer):
   where bf16's margin (top-1 minus top-2 logprob) is at least ``--margin`` nats, up to
   the first step where the two runs differ (after that the contexts differ); reports the
   agreement there and the logprob differences of the chosen tokens.  Also fp4cache with
-  prefix caching on and off, and eager against CUDA graphs: the same tokens.
+  prefix caching on and off, eager against CUDA graphs (piecewise, and full graphs for
+  decode steps, ``--full-decode-graphs``: the backend's builder then declares them): the
+  same tokens.
 - ``throughput``: KV capacity at ``gpu_memory_utilization`` (vLLM's blocks x block size),
   prefill time (``max_tokens=1``) and decode tokens/s (the rest of a ``--new``-token
   generation) for ``B x L`` random prompts, per KV format.
@@ -35,7 +37,11 @@ from pathlib import Path
 
 ENV = {"VLLM_USE_FLASHINFER_SAMPLER": "0", "TVM_FFI_DISABLE_TORCH_C_DLPACK": "1",
        "VLLM_NO_USAGE_STATS": "1", "VLLM_DO_NOT_TRACK": "1", "HF_HUB_OFFLINE": "1",
-       "TRANSFORMERS_OFFLINE": "1"}
+       "TRANSFORMERS_OFFLINE": "1",
+       # the engine in this process, for every format alike: the backend registered here
+       # is the one it resolves (an installed wheel's entry point would register it in
+       # every process vLLM starts)
+       "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
 #: KV formats: (vLLM attention backend, kv_cache_dtype)
 FORMATS = {"fp4cache": ("CUSTOM", "nvfp4"), "bf16": ("TRITON_ATTN", "auto"),
            "fp8": ("TRITON_ATTN", "fp8")}
@@ -46,6 +52,33 @@ LLAMA3_8B = {"architectures": ["LlamaForCausalLM"], "model_type": "llama",
              "vocab_size": 128256, "rms_norm_eps": 1e-5, "rope_theta": 500000.0,
              "max_position_embeddings": 65536, "hidden_act": "silu",
              "tie_word_embeddings": False, "torch_dtype": "bfloat16"}
+
+
+_FULL_DECODE = None
+
+
+def __getattr__(name: str):
+    """``vllm_bench.FullDecodeBackend``: the experiment of full CUDA graphs for decode
+    steps, fp4cache's backend with a builder that declares
+    ``UNIFORM_SINGLE_TOKEN_DECODE`` (made on first use: vLLM is imported then)."""
+    global _FULL_DECODE
+    if name != "FullDecodeBackend":
+        raise AttributeError(name)
+    if _FULL_DECODE is None:
+        from vllm.v1.attention.backend import AttentionCGSupport
+
+        import fp4cache.vllm as fv
+
+        class FullDecodeBuilder(fv.FP4CacheMetadataBuilder):
+            _cudagraph_support = AttentionCGSupport.UNIFORM_SINGLE_TOKEN_DECODE
+
+        class FullDecodeBackend(fv.FP4CacheBackend):
+            @staticmethod
+            def get_builder_cls():
+                return FullDecodeBuilder
+
+        _FULL_DECODE = FullDecodeBackend
+    return _FULL_DECODE
 
 
 def model_dir(layers: int) -> str:
@@ -71,6 +104,10 @@ def engine(args) -> dict:
         import fp4cache.vllm
 
         fp4cache.vllm.register()  # the entry point does it too, where the wheel is installed
+        if args.full_decode_graphs:
+            from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
+
+            register_backend(AttentionBackendEnum.CUSTOM, "vllm_bench.FullDecodeBackend")
     backend, kv = FORMATS[args.format]
     t = time.perf_counter()
     llm = LLM(model=model_dir(args.layers), load_format="dummy", skip_tokenizer_init=True,
@@ -80,6 +117,8 @@ def engine(args) -> dict:
     cfg = llm.llm_engine.vllm_config.cache_config
     out = {"format": args.format, "backend": backend, "kv_cache_dtype": kv,
            "eager": args.eager, "prefix_caching": args.prefix_caching,
+           "full_decode_graphs": args.full_decode_graphs,
+           "cudagraph_mode": str(llm.llm_engine.vllm_config.compilation_config.cudagraph_mode),
            "start_s": time.perf_counter() - t,
            "kv_capacity_tokens": int(cfg.num_gpu_blocks) * int(cfg.block_size)}
     if args.mode == "agree":
@@ -122,6 +161,8 @@ def child(mode: str, fmt: str, a, **over) -> dict:
         cmd.append("--eager")
     if over.get("prefix_caching", False):
         cmd.append("--prefix-caching")
+    if over.get("full_decode_graphs", False):
+        cmd.append("--full-decode-graphs")
     print("$", " ".join(cmd[1:]), flush=True)
     r = subprocess.run(cmd, env={**os.environ, **ENV}, capture_output=True, text=True)
     lines = [ln for ln in r.stdout.splitlines() if ln.startswith("RESULT ")]
@@ -160,6 +201,8 @@ def run_agree(a) -> dict:
             "fp4cache eager": child("agree", "fp4cache", a, eager=True),
             "fp4cache graphs, prefix caching": child("agree", "fp4cache", a,
                                                      prefix_caching=True),
+            "fp4cache full decode graphs": child("agree", "fp4cache", a,
+                                                 full_decode_graphs=True),
             "fp8 graphs": child("agree", "fp8", a)}
     out = {"reference": "bf16 TRITON_ATTN", "margin_nats": a.margin, "runs": {}}
     for name, r in runs.items():
@@ -168,7 +211,8 @@ def run_agree(a) -> dict:
             continue
         out["runs"][name] = agreement(ref, r, a.margin)
     fp4 = runs["fp4cache graphs"]
-    for name in ("fp4cache eager", "fp4cache graphs, prefix caching"):
+    for name in ("fp4cache eager", "fp4cache graphs, prefix caching",
+                 "fp4cache full decode graphs"):
         if "tokens" in fp4 and "tokens" in runs[name]:
             out["runs"][name]["same_tokens_as_fp4cache_graphs"] = \
                 fp4["tokens"] == runs[name]["tokens"]
@@ -204,6 +248,8 @@ def main(argv=None) -> None:
     ap.add_argument("--max-model-len", type=int, default=40960)
     ap.add_argument("--eager", action="store_true")
     ap.add_argument("--prefix-caching", action="store_true")
+    ap.add_argument("--full-decode-graphs", action="store_true",
+                    help="fp4cache's builder declares full CUDA graphs for decode steps")
     ap.add_argument("--out")
     a = ap.parse_args(argv)
     if a.child:
