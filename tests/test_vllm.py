@@ -148,8 +148,10 @@ def test_steps_through_vllm_classes_equal_the_cache_by_hand(layout, dtype, devic
         md = builder.build(0, _metadata(qsl, sl, bt, slots, device))
         n = qsl[-1]
         for layer, kv, ref in zip(layers, caches, refs, strict=True):
-            q, k, v = (torch.randn(n + 3, h, D, dtype=getattr(torch, dtype)).to(device)
-                       for h in (HQ, H, H))  # 3 padding rows
+            # views of one fused qkv projection, as vLLM's Llama hands them over (strided
+            # along tokens), with 3 padding rows
+            qkv = torch.randn(n + 3, (HQ + 2 * H) * D, dtype=getattr(torch, dtype)).to(device)
+            q, k, v = (t.view(n + 3, -1, D) for t in qkv.split([HQ * D, H * D, H * D], -1))
             out = torch.full((n + 3, HQ, D), 7.0, dtype=q.dtype, device=device)
             layer.impl.forward(layer, q, k, v, kv, md, output=out)
             assert bool((out[n:] == 7.0).all())
