@@ -167,6 +167,14 @@ class FP4CacheMetadataBuilder(AttentionMetadataBuilder[FP4CacheMetadata]):
                 or width > plan.max_blocks_per_seq:
             b, n, w = self._limits
             if plan is not None:
+                if self._cudagraph_support != AttentionCGSupport.NEVER:
+                    # a captured step reads the first plan's buffers: never swap them
+                    raise RuntimeError(
+                        f"{_NAME}: a step of {batch} sequences, {tokens} tokens and "
+                        f"{width} block-table columns exceeds the plan made for "
+                        f"max_batch_size={plan.max_batch_size}, max_num_tokens="
+                        f"{plan.max_num_tokens}, max_blocks_per_seq="
+                        f"{plan.max_blocks_per_seq}, which CUDA graphs may have captured")
                 b, n, w = (max(b, plan.max_batch_size), max(n, plan.max_num_tokens),
                            max(w, plan.max_blocks_per_seq))
             plan = self.plan = AttentionPlan(max(b, batch), max(n, tokens, 1), max(w, width),
@@ -227,12 +235,14 @@ class FP4CacheImpl(AttentionImpl[FP4CacheMetadata]):
         self._workspace_hints = {"max_batch_size": int(config.scheduler_config.max_num_seqs),
                        "max_seq_len": _max_model_len(config)}
         self._layout = get_kv_cache_layout()
-        self._pages: tuple[int, PagedKVCache] | None = None
+        self._pages: tuple[tuple, PagedKVCache] | None = None
 
     def pages(self, layer, kv_cache: torch.Tensor) -> PagedKVCache:
         """This layer's pages: vLLM's ``kv_cache`` tensor as a :class:`PagedKVCache`
-        (made at the first call with vLLM's memory, and again only if that moves)."""
-        key = kv_cache.data_ptr()
+        (made at the first call with vLLM's memory, and again only if that moves or the
+        layer's global scales change: ``calculate_kv_scales`` sets them at the first step,
+        and vLLM's own kernels read the current ones too)."""
+        key = (kv_cache.data_ptr(), layer._k_scale_float, layer._v_scale_float)
         if self._pages is None or self._pages[0] != key:
             if self._layout == "NHD":
                 physical = kv_cache

@@ -32,7 +32,11 @@ from vllm.forward_context import set_forward_context  # noqa: E402
 from vllm.model_executor.layers.attention import Attention  # noqa: E402
 from vllm.platforms.interface import DeviceCapability  # noqa: E402
 from vllm.utils.torch_utils import nvfp4_kv_cache_split_views  # noqa: E402
-from vllm.v1.attention.backend import AttentionType, CommonAttentionMetadata  # noqa: E402
+from vllm.v1.attention.backend import (  # noqa: E402
+    AttentionCGSupport,
+    AttentionType,
+    CommonAttentionMetadata,
+)
 from vllm.v1.attention.backends.registry import AttentionBackendEnum  # noqa: E402
 from vllm.v1.worker.gpu.attn_utils import _reshape_attention_kv_cache  # noqa: E402
 
@@ -214,6 +218,15 @@ def test_the_plan_grows_to_a_step_beyond_vllms_limits():
     assert grown is not first and grown.max_num_tokens >= wide
     assert grown.max_batch_size >= first.max_batch_size
 
+    class Captured(fv.FP4CacheMetadataBuilder):  # a builder whose steps graphs may capture
+        _cudagraph_support = AttentionCGSupport.UNIFORM_SINGLE_TOKEN_DECODE
+
+    captured = Captured(spec, ["l0"], config, torch.device("cpu"))
+    captured.build(0, _metadata([0, 1], [5], [[0]], [4]))
+    with pytest.raises(RuntimeError, match="CUDA graphs may have captured"):
+        captured.build(0, _metadata([0, wide], [wide], [list(range(-(-wide // BS)))],
+                                    list(range(wide))))
+
 
 @pytest.mark.parametrize("layout", ["NHD", "HND"], indirect=True)
 def test_pages_read_through_vllms_own_views(layout):
@@ -298,6 +311,22 @@ def test_unsupported_features_are_refused_when_the_model_is_built(kw, match):
         impl_cls(HQ, D, D ** -0.5, H, None, None, "auto")
     with set_current_vllm_config(_config()), pytest.raises(ValueError, match="head_size"):
         impl_cls(HQ, 96, 96 ** -0.5, H, None, None, "nvfp4")
+
+
+def test_pages_follow_the_layers_global_scales():
+    """The layer's ``_k_scale_float`` / ``_v_scale_float`` are the cache's global scales
+    (dequantization multipliers); when vLLM sets new ones (``calculate_kv_scales``, at the
+    first step) the next step stores and reads with them, over the same memory."""
+    config = _config()
+    layer = _layer(config)
+    kv = _kv_cache(layer, config, 2)
+    first = layer.impl.pages(layer, kv)
+    assert (first.k_scale, first.v_scale) == (1.0, 1.0)
+    assert layer.impl.pages(layer, kv) is first
+    layer._k_scale_float, layer._v_scale_float = 0.25, 0.5
+    again = layer.impl.pages(layer, kv)
+    assert (again.k_scale, again.v_scale) == (0.25, 0.5)
+    assert again.buffer.__array_interface__["data"][0] == kv.data_ptr()
 
 
 def test_profiling_run_without_metadata_writes_zeros():
