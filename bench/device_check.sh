@@ -144,12 +144,16 @@ vllm)
   install_vllm_kit
   timeout 240 python3 -m pytest -q -rs -p no:cacheprovider tests/test_vllm.py 2>&1 \
       | tee "$OUT/vllm-tests.log" | tail -8
-  timeout 330 python3 bench/vllm_bench.py agree --layers 4 --out "$OUT/vllm-agree.json" \
+  timeout 480 python3 bench/vllm_bench.py agree --layers 4 --out "$OUT/vllm-agree.json" \
       2>&1 | tee "$OUT/vllm-agree.log" | tail -40
   ;;
 vllm-bench)
   install_vllm_kit
-  timeout 560 python3 bench/vllm_bench.py throughput --cells 32x8192 --new 256 \
-      --out "$OUT/vllm-throughput.json" 2>&1 | tee "$OUT/vllm-throughput.log" | tail -30
+  # one engine per format, a few minutes each: FORMATS="fp4cache" ... splits the table
+  # over device calls
+  # shellcheck disable=SC2086
+  timeout 570 python3 bench/vllm_bench.py throughput --cells ${CELLS:-32x8192} --new 256 \
+      --formats ${FORMATS:-fp4cache bf16 fp8} --out "$OUT/vllm-throughput.json" 2>&1 \
+      | tee "$OUT/vllm-throughput.log" | tail -30
   ;;
 esac
