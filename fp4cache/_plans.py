@@ -182,6 +182,7 @@ class Workspace:
         self._scratch: Any = None
         self._tickets: Any = None
         self._retired: list = []  # outgrown buffers: plans and graphs may hold them
+        self._users = 1  # owners using it (share / leave)
         #: What the caller of :meth:`reserve` said (shown by errors and ``repr``).
         self.reserved_for = ""
 
@@ -205,6 +206,11 @@ class Workspace:
     def tickets(self) -> int:
         """Tickets of the current ticket buffer."""
         return 0 if self._tickets is None else int(self._tickets.size)
+
+    @property
+    def users(self) -> int:
+        """Owners using this workspace (1 unless :meth:`share` added some)."""
+        return self._users
 
     @property
     def nbytes(self) -> int:
@@ -294,10 +300,30 @@ class Workspace:
             self._retired.append(old)
         return new
 
+    def share(self) -> Workspace:
+        """One more owner uses this workspace; returns it.  Owners whose launches are
+        ordered on one stream (the layers of one model) need one workspace between them,
+        not one each: each launch finishes with its scratch before the next begins, and
+        leaves the tickets zero."""
+        self._users += 1
+        return self
+
+    def leave(self) -> Workspace:
+        """An owner of a shared workspace stops using it: the others keep the buffers
+        (and the launches prepared over them stay valid); returns a new, empty workspace
+        for the leaving owner."""
+        if self._users < 2:
+            raise RuntimeError("leave() is for a shared workspace; release() frees one")
+        self._users -= 1
+        return Workspace(self.device, alloc=self._alloc, capturing=self._capturing)
+
     def release(self) -> None:
         """Free every buffer (synchronizes the device first, so no launch in flight uses
         them).  Plans and CUDA graphs that took views of them must not run again: the
-        owner drops its plans with them (``PagedKVCache.release_workspace``)."""
+        owner drops its plans with them (``PagedKVCache.release_workspace``).  A shared
+        workspace is freed by its last owner: the others :meth:`leave` it."""
+        if self._users > 1:
+            raise RuntimeError(f"this workspace has {self._users} owners: leave() it")
         if self._alloc is None and self.nbytes:
             import cupy
 

@@ -128,8 +128,10 @@ class Pool:
         and workspace."""
         owned = (self.buffer if self.owns_pages else None, self.stats, self.window,
                  self.window_map, *self.tables())
-        ws = 0 if self.workspace is None else self.workspace.nbytes
-        return ws + sum(a.nbytes for a in owned if a is not None)
+        ws = self.workspace
+        # a shared workspace counts a share in each pool: once, over the pools
+        ws_bytes = 0 if ws is None else -(-ws.nbytes // ws.users)
+        return ws_bytes + sum(a.nbytes for a in owned if a is not None)
 
     def tables(self) -> tuple:
         """The backend's own device tables (counted in :attr:`nbytes`)."""
@@ -156,11 +158,25 @@ class Pool:
     def synchronize(self) -> None:
         """Wait for the pool's work queued on the current stream (nothing on the CPU)."""
 
+    def share_workspace(self, other: Pool) -> None:
+        """Launch with ``other``'s workspace from now on (this pool's own is freed and its
+        prepared launches dropped); nothing where the pools have no workspace."""
+        ws = other.workspace
+        if ws is None or self.workspace is None or self.workspace is ws:
+            return
+        self.release()
+        self.workspace = ws.share()
+
     def release(self) -> None:
-        """Drop the prepared launches and free the workspace."""
+        """Drop the prepared launches and free the workspace (leave it, where other pools
+        share it: they keep it, and this pool gets a new one)."""
         self.plans.clear()
-        if self.workspace is not None:
-            self.workspace.release()
+        ws = self.workspace
+        if ws is not None:
+            if ws.users > 1:
+                self.workspace = ws.leave()
+            else:
+                ws.release()
 
     def __repr__(self) -> str:
         return (f"{type(self).__name__}(device={self.device!r}, device_id={self.device_id}, "

@@ -297,6 +297,33 @@ class PagedKVCache:
             ws.reserve(nbytes, tickets, hint=", ".join(f"{k}={v}" for k, v in
                                                       self._hints.items()))
 
+    def share_workspace(self, other: PagedKVCache) -> None:
+        """Run this cache's attention with ``other``'s workspace from now on.
+
+        For caches whose calls are ordered on one stream, such as the layers of one
+        model: each call is done with the split-KV scratch before the next begins, so one
+        workspace serves them all instead of one per layer.  This cache's own workspace is
+        freed and its prepared launches dropped (run the calls before capturing them in a
+        CUDA graph again); ``nbytes`` counts a share of the shared one in each cache.
+        :meth:`release_workspace` on any of them leaves it to the others.  Nothing
+        happens on the CPU (no workspace there).
+
+        Examples
+        --------
+        >>> import fp4cache
+        >>> layers = [fp4cache.PagedKVCache(8, 16, 2, 64, device="cpu") for _ in range(3)]
+        >>> for layer in layers[1:]:
+        ...     layer.share_workspace(layers[0])
+        """
+        if not isinstance(other, PagedKVCache):
+            raise TypeError(f"other must be a PagedKVCache, got {type(other).__name__}")
+        if (other._pool.device, other._pool.device_id) != (self._pool.device,
+                                                           self._pool.device_id):
+            raise ValueError("other is on another device than this cache: a workspace is "
+                             "shared on one device")
+        with self._guard():
+            self._pool.share_workspace(other._pool)
+
     def release_workspace(self) -> None:
         """Free the decode-attention workspace and drop the prepared launches.
 
@@ -366,7 +393,8 @@ class PagedKVCache:
     @property
     def workspace_nbytes(self) -> int:
         """Device bytes of the decode-attention workspace: what the hints reserved or the
-        largest call needed, plus outgrown buffers kept for graphs (0 on the CPU)."""
+        largest call needed, plus outgrown buffers kept for graphs (0 on the CPU; the
+        whole of a workspace shared with other caches, :meth:`share_workspace`)."""
         ws = self._pool.workspace
         return 0 if ws is None else ws.nbytes
 

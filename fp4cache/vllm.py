@@ -57,7 +57,7 @@ except ImportError as e:
 from . import AttentionPlan, PagedKVCache
 
 __all__ = ["BACKEND_PATH", "FP4CacheBackend", "FP4CacheImpl", "FP4CacheMetadata",
-           "FP4CacheMetadataBuilder", "register"]
+           "FP4CacheMetadataBuilder", "LayerGroup", "register"]
 
 #: What ``register`` hands vLLM's registry (an importable path: every process resolves it).
 BACKEND_PATH = "fp4cache.vllm.FP4CacheBackend"
@@ -133,6 +133,17 @@ class FP4CacheBackend(AttentionBackend):
         return (0, 1, 2, 3, 4) if get_kv_cache_layout() == "NHD" else (0, 1, 3, 2, 4)
 
 
+class LayerGroup:
+    """What the layers of one KV-cache group share besides the plan: the first layer's
+    cache, whose attention workspace the others use (the layers run one after another on
+    one stream, so one split-KV workspace serves them all, not one per layer)."""
+
+    __slots__ = ("first",)
+
+    def __init__(self) -> None:
+        self.first: PagedKVCache | None = None
+
+
 @dataclass
 class FP4CacheMetadata:
     """One step's attention metadata: the planned step every layer runs."""
@@ -141,6 +152,7 @@ class FP4CacheMetadata:
     num_actual_tokens: int
     max_query_len: int
     max_seq_len: int
+    layers: LayerGroup | None = None
 
 
 class FP4CacheMetadataBuilder(AttentionMetadataBuilder[FP4CacheMetadata]):
@@ -160,6 +172,7 @@ class FP4CacheMetadataBuilder(AttentionMetadataBuilder[FP4CacheMetadata]):
                         1 if max_len is None else -(-max_len // self.block_size))
         self._device = _fp4cache_device(device)
         self.plan: AttentionPlan | None = None
+        self.layers = LayerGroup()
 
     def _plan_for(self, batch: int, tokens: int, width: int) -> AttentionPlan:
         plan = self.plan
@@ -191,7 +204,8 @@ class FP4CacheMetadataBuilder(AttentionMetadataBuilder[FP4CacheMetadata]):
         plan = self._plan_for(B, n, int(tables.shape[1]))
         plan.plan(m.query_start_loc[:B + 1], m.seq_lens[:B], tables, m.slot_mapping[:n],
                   max_query_len=int(m.max_query_len))
-        return FP4CacheMetadata(plan, n, int(m.max_query_len), int(m.max_seq_len))
+        return FP4CacheMetadata(plan, n, int(m.max_query_len), int(m.max_seq_len),
+                                self.layers)
 
 
 class FP4CacheImpl(AttentionImpl[FP4CacheMetadata]):
@@ -233,15 +247,19 @@ class FP4CacheImpl(AttentionImpl[FP4CacheMetadata]):
         self.kv_sharing_target_layer_name = None
         config = get_current_vllm_config()
         self._workspace_hints = {"max_batch_size": int(config.scheduler_config.max_num_seqs),
-                       "max_seq_len": _max_model_len(config)}
+                                 "max_seq_len": _max_model_len(config),
+                                 "num_query_heads": self.num_heads}
         self._layout = get_kv_cache_layout()
         self._pages: tuple[tuple, PagedKVCache] | None = None
 
-    def pages(self, layer, kv_cache: torch.Tensor) -> PagedKVCache:
+    def pages(self, layer, kv_cache: torch.Tensor,
+              layers: LayerGroup | None = None) -> PagedKVCache:
         """This layer's pages: vLLM's ``kv_cache`` tensor as a :class:`PagedKVCache`
         (made at the first call with vLLM's memory, and again only if that moves or the
         layer's global scales change: ``calculate_kv_scales`` sets them at the first step,
-        and vLLM's own kernels read the current ones too)."""
+        and vLLM's own kernels read the current ones too).  Within ``layers`` the first
+        cache reserves the attention workspace for vLLM's limits and the others share
+        it."""
         key = (kv_cache.data_ptr(), layer._k_scale_float, layer._v_scale_float)
         if self._pages is None or self._pages[0] != key:
             if self._layout == "NHD":
@@ -249,12 +267,17 @@ class FP4CacheImpl(AttentionImpl[FP4CacheMetadata]):
             else:  # (blocks, 2, heads, block_size, bytes) in memory
                 physical = kv_cache.permute(0, 1, 3, 2, 4)
             block_size = int(kv_cache.shape[2])
+            first = None if layers is None else layers.first
+            hints = self._workspace_hints if first is None else {}
             cache = PagedKVCache(
                 None, block_size, self.num_kv_heads, self.head_size, layout=self._layout,
                 swizzle_v_scales=True,  # vLLM's nvfp4 order: V scales swizzled, K linear
                 k_scale=float(layer._k_scale_float), v_scale=float(layer._v_scale_float),
-                device=_fp4cache_device(kv_cache.device), buffer=physical,
-                num_query_heads=self.num_heads, **self._workspace_hints)
+                device=_fp4cache_device(kv_cache.device), buffer=physical, **hints)
+            if first is not None:
+                cache.share_workspace(first)
+            elif layers is not None:
+                layers.first = cache
             self._pages = (key, cache)
         return self._pages[1]
 
@@ -276,8 +299,9 @@ class FP4CacheImpl(AttentionImpl[FP4CacheMetadata]):
         q = query[:n]
         if not q.is_contiguous():
             q = q.contiguous()
-        attn_metadata.plan.run(self.pages(layer, kv_cache), q, key[:n], value[:n],
-                               out=output[:n], sm_scale=self.scale)
+        pages = self.pages(layer, kv_cache, attn_metadata.layers)
+        attn_metadata.plan.run(pages, q, key[:n], value[:n], out=output[:n],
+                               sm_scale=self.scale)
         return output
 
 

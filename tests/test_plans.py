@@ -15,7 +15,8 @@ from __future__ import annotations
 import ml_dtypes
 import numpy as np
 import pytest
-from helpers import capture_stream
+from conftest import DEVICES
+from helpers import capture_stream, host, xp_of
 
 import fp4cache
 from fp4cache import PagedKVCache
@@ -127,6 +128,28 @@ def test_workspace_reuses_for_smaller_requests_and_grows_at_least_twofold():
     assert ws.nbytes == 80 * ALIGN <= 2 * ws.scratch_bytes
     ws.release()
     assert ws.nbytes == 0 and ws._retired == []
+
+
+def test_shared_workspace_is_freed_by_its_last_owner():
+    """``share`` adds an owner, ``leave`` takes one away (the buffers stay for the
+    others, the leaving owner gets a new empty workspace), ``release`` frees only an
+    unshared one."""
+    fake = _Fake()
+    ws = fake.workspace()
+    (v,) = ws.get([(4 * ALIGN, np.uint8)])
+    assert ws.share() is ws and ws.share() is ws and ws.users == 3
+    with pytest.raises(RuntimeError, match="3 owners: leave"):
+        ws.release()
+    mine = ws.leave()
+    assert ws.users == 2 and mine is not ws and mine.users == 1 and mine.nbytes == 0
+    assert ws.nbytes == 4 * ALIGN and _base(ws.get([(ALIGN, np.uint8)])[0]) is _base(v)
+    ws.leave()
+    with pytest.raises(RuntimeError, match="leave\\(\\) is for a shared workspace"):
+        ws.leave()
+    ws.release()
+    assert ws.nbytes == 0
+    (w,) = mine.get([(ALIGN, np.uint8)])  # the new one allocates as any workspace
+    assert mine.nbytes == ALIGN and len(fake.allocs) == 2
 
 
 def test_workspace_refuses_to_grow_while_capturing():
@@ -336,6 +359,49 @@ def test_prepared_store_in_a_cuda_graph():
             cpu.store(s_h, k_h, v_h)
         stream.synchronize()
     assert np.array_equal(gpu.buffer.get(), cpu.buffer)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_layers_share_one_workspace(device):
+    """Three caches (the layers of a model) on one workspace: their attention equals that
+    of caches with their own, bit for bit; ``nbytes`` counts the shared workspace once
+    over the three; a cache that releases it leaves the others theirs, and they go on.
+    On the CPU there is no workspace: sharing changes nothing."""
+    rng = np.random.default_rng(5)
+    nb, T, H, D, B = 32, 16, 2, 64, 4
+    xp = xp_of(device)
+    lens = np.array([200, 17, 64, 100])
+    tables = np.arange(B * 13).reshape(B, 13) % nb
+    hints = {"max_batch_size": B, "max_seq_len": 13 * T, "num_query_heads": 8}
+    shared = [PagedKVCache(nb, T, H, D, device=device, **hints) for _ in range(3)]
+    alone = [PagedKVCache(nb, T, H, D, device=device, **hints) for _ in range(3)]
+    for layer in shared[1:]:
+        layer.share_workspace(shared[0])
+    qs = []
+    for a, b in zip(shared, alone, strict=True):
+        k = rng.standard_normal((nb * T, H, D)).astype(ml_dtypes.bfloat16)
+        a.store(xp.arange(nb * T), xp.asarray(k), xp.asarray(k))
+        b.store(xp.arange(nb * T), xp.asarray(k), xp.asarray(k))
+        qs.append(xp.asarray(rng.standard_normal((B, 8, D)).astype(ml_dtypes.bfloat16)))
+    for _ in range(2):  # the second round: the prepared launches
+        for a, b, q in zip(shared, alone, qs, strict=True):
+            got = a.decode_attention(q, xp.asarray(tables), xp.asarray(lens))
+            want = b.decode_attention(q, xp.asarray(tables), xp.asarray(lens))
+            assert np.array_equal(host(got).view(np.uint16), host(want).view(np.uint16))
+    if device == "cpu":
+        assert all(c.workspace_nbytes == 0 for c in shared)
+    else:
+        ws = shared[0].workspace_nbytes
+        assert ws > 0 and all(c.workspace_nbytes == ws for c in shared)
+        own = alone[0].nbytes - alone[0].workspace_nbytes
+        assert abs(sum(c.nbytes for c in shared) - (3 * own + ws)) <= 3
+    shared[0].release_workspace()  # leaves it to the others, takes a new one
+    for a, b, q in zip(shared, alone, qs, strict=True):
+        got = a.decode_attention(q, xp.asarray(tables), xp.asarray(lens))
+        want = b.decode_attention(q, xp.asarray(tables), xp.asarray(lens))
+        assert np.array_equal(host(got).view(np.uint16), host(want).view(np.uint16))
+    with pytest.raises(TypeError, match="other must be a PagedKVCache"):
+        shared[1].share_workspace("layer 0")
 
 
 @pytest.mark.gpu

@@ -172,6 +172,10 @@ def test_steps_through_vllm_classes_equal_the_cache_by_hand(layout, dtype, devic
             physical = kv if layout == "NHD" else kv.permute(0, 1, 3, 2, 4)
             assert np.array_equal(physical.contiguous().cpu().numpy().reshape(nb, -1),
                                   ref.buffer.reshape(nb, -1))
+    # the layers of the group: the first one's cache holds the workspace the others share
+    first, second = (la.impl.pages(la, kv) for la, kv in zip(layers, caches, strict=True))
+    assert builder.layers.first is first and second is not first
+    assert second.workspace_nbytes == first.workspace_nbytes
 
 
 def test_attention_layer_forward_as_vllms_model_runs_it(layout):
