@@ -343,6 +343,27 @@ def test_profiling_run_without_metadata_writes_zeros():
     assert not out.any()
 
 
+def test_vllm_loads_the_installed_plugin(monkeypatch):
+    """What each vLLM process does at start: its plugin loader finds the installed
+    package's entry point (``pip install -e .`` writes it) and the call registers the
+    backend as ``CUSTOM``."""
+    from importlib.metadata import entry_points
+
+    from vllm.plugins import DEFAULT_PLUGINS_GROUP, load_plugins_by_group
+    from vllm.v1.attention.backends import registry
+
+    if not any(ep.value == "fp4cache.vllm:register"
+               for ep in entry_points(group=DEFAULT_PLUGINS_GROUP)):
+        pytest.skip("fp4cache's entry points are not installed (pip install -e . again "
+                    "after a change to pyproject.toml)")
+    monkeypatch.setattr(registry, "_ATTN_OVERRIDES", {})
+    monkeypatch.delenv("VLLM_PLUGINS", raising=False)
+    plugins = load_plugins_by_group(DEFAULT_PLUGINS_GROUP)
+    assert plugins["fp4cache"] is fv.register
+    plugins["fp4cache"]()
+    assert AttentionBackendEnum.CUSTOM.get_class() is fv.FP4CacheBackend
+
+
 def test_entry_point_registers_in_every_vllm_process():
     tomllib = pytest.importorskip("tomllib")
     meta = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
