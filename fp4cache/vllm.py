@@ -54,7 +54,7 @@ except ImportError as e:
     raise ImportError(f"fp4cache.vllm needs vLLM ({e}): pip install 'fp4cache[vllm]' (in a "
                       "checkout: pip install -e \".[vllm]\")") from None
 
-from . import AttentionPlan, PagedKVCache
+from . import AttentionPlan, PagedKVCache, PageGeometry
 
 __all__ = ["BACKEND_PATH", "FP4CacheBackend", "FP4CacheImpl", "FP4CacheMetadata",
            "FP4CacheMetadataBuilder", "LayerGroup", "register"]
@@ -73,12 +73,6 @@ def register() -> None:
     process (the API server, the engine core, each worker); calling it again is harmless.
     """
     register_backend(AttentionBackendEnum.CUSTOM, BACKEND_PATH)
-
-
-def nvfp4_side_bytes(head_size: int) -> int:
-    """Bytes of one token and head on one side (K or V): packed E2M1 values and their
-    E4M3 scales, one per 16 values."""
-    return head_size // 2 + head_size // 16
 
 
 class FP4CacheBackend(AttentionBackend):
@@ -120,7 +114,9 @@ class FP4CacheBackend(AttentionBackend):
         if cache_dtype_str != "nvfp4":
             raise ValueError(f"{_NAME} keeps NVFP4 pages: start vLLM with "
                              f"kv_cache_dtype='nvfp4', got {cache_dtype_str!r}")
-        return (num_blocks, 2, block_size, num_kv_heads, nvfp4_side_bytes(head_size))
+        # a (token, head) row of one side: D/2 bytes of E2M1 pairs and D/16 E4M3 scales
+        row = PageGeometry(num_kv_heads, block_size, head_size).bytes_per_row
+        return (num_blocks, 2, block_size, num_kv_heads, row)
 
     @staticmethod
     def get_kv_cache_stride_order(include_num_layers_dimension: bool = False
