@@ -533,9 +533,7 @@ class FP4Cache(Cache):
                 or window_pages < 0):
             raise ValueError(f"window_pages must be a non-negative integer, got "
                              f"{window_pages!r}")
-        if not isinstance(exact_prompt, (bool, np.bool_)):
-            raise TypeError(f"exact_prompt must be True or False, got {exact_prompt!r}")
-        self.exact_prompt = bool(exact_prompt)
+        self.exact_prompt = _arrays.check_bool(exact_prompt, "exact_prompt")
         self.rotation = rotation
         self.window_pages = min(int(window_pages), self.pages_per_row)
         self._rows = _Rows(self.max_batch_size, self.pages_per_row, self.block_size,

@@ -55,14 +55,13 @@ except ImportError as e:
                       "checkout: pip install -e \".[vllm]\")") from None
 
 from . import AttentionPlan, PagedKVCache, PageGeometry
+from ._kernels import ATTN_HEAD_DIMS  # the head sizes the attention kernels are built for
 
 __all__ = ["BACKEND_PATH", "FP4CacheBackend", "FP4CacheImpl", "FP4CacheMetadata",
            "FP4CacheMetadataBuilder", "LayerGroup", "register"]
 
 #: What ``register`` hands vLLM's registry (an importable path: every process resolves it).
 BACKEND_PATH = "fp4cache.vllm.FP4CacheBackend"
-#: The head sizes the attention kernels are built for.
-HEAD_SIZES = (64, 128, 256)
 _NAME = "fp4cache's vLLM backend"
 
 
@@ -102,7 +101,7 @@ class FP4CacheBackend(AttentionBackend):
 
     @classmethod
     def get_supported_head_sizes(cls) -> list[int]:
-        return list(HEAD_SIZES)
+        return list(ATTN_HEAD_DIMS)
 
     @classmethod
     def supports_compute_capability(cls, capability) -> bool:
@@ -193,7 +192,7 @@ class FP4CacheMetadataBuilder(AttentionMetadataBuilder[FP4CacheMetadata]):
     def build(self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata,
               fast_build: bool = False) -> FP4CacheMetadata:
         m = common_attn_metadata
-        if not (m.causal is True or (isinstance(m.causal, bool) and m.causal)):
+        if m.causal is not True:  # a per-request tensor: encoder attention
             raise NotImplementedError(f"{_NAME} runs causal decoder attention only")
         B, n = int(m.num_reqs), int(m.num_actual_tokens)
         tables = m.block_table_tensor[:B]
@@ -233,8 +232,8 @@ class FP4CacheImpl(AttentionImpl[FP4CacheMetadata]):
         if kv_cache_dtype != "nvfp4":
             raise ValueError(f"{_NAME} keeps NVFP4 pages: start vLLM with "
                              f"kv_cache_dtype='nvfp4', got {kv_cache_dtype!r}")
-        if head_size not in HEAD_SIZES:
-            raise ValueError(f"{_NAME} supports head_size in {HEAD_SIZES}, got {head_size}")
+        if head_size not in ATTN_HEAD_DIMS:
+            raise ValueError(f"{_NAME} supports head_size in {ATTN_HEAD_DIMS}, got {head_size}")
         self.num_heads = int(num_heads)
         self.head_size = int(head_size)
         self.scale = float(scale)
@@ -292,12 +291,10 @@ class FP4CacheImpl(AttentionImpl[FP4CacheMetadata]):
         if attn_metadata is None:  # vLLM's memory-profiling run: no pages, no plan
             return output.fill_(0)
         n = attn_metadata.num_actual_tokens
-        q = query[:n]
-        if not q.is_contiguous():
-            q = q.contiguous()
         pages = self.pages(layer, kv_cache, attn_metadata.layers)
-        attn_metadata.plan.run(pages, q, key[:n], value[:n], out=output[:n],
-                               sm_scale=self.scale)
+        # q is read in place: a view of vLLM's fused projection is copied
+        attn_metadata.plan.run(pages, query[:n].contiguous(), key[:n], value[:n],
+                               out=output[:n], sm_scale=self.scale)
         return output
 
 

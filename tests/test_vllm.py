@@ -41,10 +41,9 @@ from vllm.v1.attention.backends.registry import AttentionBackendEnum  # noqa: E4
 from vllm.v1.worker.gpu.attn_utils import _reshape_attention_kv_cache  # noqa: E402
 
 import fp4cache.vllm as fv  # noqa: E402
-from fp4cache import PagedKVCache  # noqa: E402
+from fp4cache import PagedKVCache, _arrays  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
-BF16 = np.dtype(ml_dtypes.bfloat16)
 BS, HQ, H, D = 16, 8, 2, 128
 
 
@@ -122,11 +121,9 @@ def _steps(rng, num_blocks):
 
 
 def _host(t):
-    """A torch tensor's values as NumPy (bf16 as ml_dtypes.bfloat16)."""
-    t = t.detach().cpu().contiguous()
-    if t.dtype == torch.bfloat16:
-        return t.view(torch.int16).numpy().view(BF16)
-    return t.numpy()
+    """A torch tensor's values as NumPy (bf16 as ml_dtypes.bfloat16), as fp4cache takes
+    them in."""
+    return _arrays.to_backend(t.detach().cpu().contiguous(), "cpu", "t")
 
 
 @pytest.mark.parametrize("device", DEVICES)
