@@ -142,9 +142,10 @@ varlen-bench)
   ;;
 vllm)
   install_vllm_kit
-  timeout 240 python3 -m pytest -q -rs -p no:cacheprovider tests/test_vllm.py 2>&1 \
+  timeout 120 python3 -m pytest -q -rs -p no:cacheprovider tests/test_vllm.py 2>&1 \
       | tee "$OUT/vllm-tests.log" | tail -8
-  timeout 480 python3 bench/vllm_bench.py agree --layers 4 --out "$OUT/vllm-agree.json" \
+  timeout 440 python3 bench/vllm_bench.py agree --layers 4 --child-timeout 150 \
+      --out "$OUT/vllm-agree.json" \
       2>&1 | tee "$OUT/vllm-agree.log" | tail -40
   ;;
 vllm-bench)
@@ -152,8 +153,9 @@ vllm-bench)
   # one engine per format, a few minutes each: FORMATS="fp4cache" ... splits the table
   # over device calls
   # shellcheck disable=SC2086
-  timeout 570 python3 bench/vllm_bench.py throughput --cells ${CELLS:-32x8192} --new 256 \
-      --formats ${FORMATS:-fp4cache bf16 fp8} --out "$OUT/vllm-throughput.json" 2>&1 \
+  timeout 570 python3 bench/vllm_bench.py throughput \
+      --cells ${CELLS:-32x8192 16x32768 256x8192 256x1024:128} \
+      --formats ${FORMATS:-fp4cache bf16} --out "$OUT/vllm-throughput.json" 2>&1 \
       | tee "$OUT/vllm-throughput.log" | tail -30
   ;;
 esac

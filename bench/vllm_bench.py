@@ -5,7 +5,8 @@ random-weight model built from a config (``load_format="dummy"``, token-id promp
 tokenizer):
 
 - ``agree``: greedy decoding of the same prompts with fp4cache (nvfp4 pages) and vLLM's
-  TRITON_ATTN over bf16 K/V; per step the top-2 logprobs.  A step's token is compared
+  TRITON_ATTN over bf16 K/V (prompts sharing their first half); per step the top-2
+  logprobs.  A step's token is compared
   where bf16's margin (top-1 minus top-2 logprob) is at least ``--margin`` nats, up to
   the first step where the two runs differ (after that the contexts differ); reports the
   agreement there and the logprob differences of the chosen tokens.  Also fp4cache with
@@ -13,15 +14,16 @@ tokenizer):
   decode steps, ``--full-decode-graphs``: the backend's builder then declares them): the
   same tokens.
 - ``throughput``: KV capacity at ``gpu_memory_utilization`` (vLLM's blocks x block size),
-  prefill time (``max_tokens=1``) and decode tokens/s (the rest of a ``--new``-token
-  generation) for ``B x L`` random prompts, per KV format.
+  prefill time (``max_tokens=1``), decode tokens/s (the rest of a generation of new
+  tokens) and total tokens/s for each ``BxL[:new]`` cell of random prompts; one engine
+  per KV format runs every cell.
 
 Run on the GPU machine from the repository root, with the vLLM kit installed
 (``bash bench/device_check.sh vllm``), e.g.::
 
     PYTHONPATH=/tmp/vsite:. python3 bench/vllm_bench.py agree --out $OUT/agree.json
-    PYTHONPATH=/tmp/vsite:. python3 bench/vllm_bench.py throughput --cells 32x8192 \\
-        --new 256 --out $OUT/throughput.json
+    PYTHONPATH=/tmp/vsite:. python3 bench/vllm_bench.py throughput \\
+        --cells 32x8192 16x32768 256x8192 256x1024:128 --out $OUT/throughput.json
 """
 
 from __future__ import annotations
@@ -54,31 +56,24 @@ LLAMA3_8B = {"architectures": ["LlamaForCausalLM"], "model_type": "llama",
              "tie_word_embeddings": False, "torch_dtype": "bfloat16"}
 
 
-_FULL_DECODE = None
+def random_weights(model) -> None:
+    """Weights a random model computes with: vLLM's dummy weights (uniform in +-1e-3)
+    make every logit about 0, so no step has a margin to compare.  Seeded per parameter:
+    norms 1, embeddings N(0, 1), projections N(0, 1 / fan_in), the LM head 4x that
+    (sharper next-token distributions)."""
+    import torch
 
-
-def __getattr__(name: str):
-    """``vllm_bench.FullDecodeBackend``: the experiment of full CUDA graphs for decode
-    steps, fp4cache's backend with a builder that declares
-    ``UNIFORM_SINGLE_TOKEN_DECODE`` (made on first use: vLLM is imported then)."""
-    global _FULL_DECODE
-    if name != "FullDecodeBackend":
-        raise AttributeError(name)
-    if _FULL_DECODE is None:
-        from vllm.v1.attention.backend import AttentionCGSupport
-
-        import fp4cache.vllm as fv
-
-        class FullDecodeBuilder(fv.FP4CacheMetadataBuilder):
-            _cudagraph_support = AttentionCGSupport.UNIFORM_SINGLE_TOKEN_DECODE
-
-        class FullDecodeBackend(fv.FP4CacheBackend):
-            @staticmethod
-            def get_builder_cls():
-                return FullDecodeBuilder
-
-        _FULL_DECODE = FullDecodeBackend
-    return _FULL_DECODE
+    with torch.no_grad():
+        for i, (name, p) in enumerate(model.named_parameters()):
+            g = torch.Generator(device=p.device).manual_seed(i)
+            if "norm" in name:
+                p.fill_(1.0)
+            elif p.dim() < 2:
+                p.zero_()
+            else:
+                std = 1.0 if "embed" in name else \
+                    p.shape[1] ** -0.5 * (4 if "lm_head" in name else 1)
+                p.copy_(torch.randn(p.shape, generator=g, device=p.device) * std)
 
 
 def model_dir(layers: int) -> str:
@@ -94,6 +89,14 @@ def prompts(n: int, length: int, seed: int, vocab: int = 128256):
     return [[rng.randrange(vocab) for _ in range(length)] for _ in range(n)]
 
 
+def shared_prefix_prompts(args):
+    """``--batch`` prompts of ``--length`` tokens whose first half is one shared prefix
+    (what prefix caching reuses)."""
+    half = args.length // 2
+    head = prompts(1, half, 0)[0]
+    return [head + p for p in prompts(args.batch, args.length - half, 1)]
+
+
 # -- one engine (a child process) --------------------------------------------------------------
 def engine(args) -> dict:
     """Run one configuration; returns its results (printed as one JSON line)."""
@@ -107,13 +110,15 @@ def engine(args) -> dict:
         if args.full_decode_graphs:
             from vllm.v1.attention.backends.registry import AttentionBackendEnum, register_backend
 
-            register_backend(AttentionBackendEnum.CUSTOM, "vllm_bench.FullDecodeBackend")
+            register_backend(AttentionBackendEnum.CUSTOM, "vllm_full_decode.FullDecodeBackend")
     backend, kv = FORMATS[args.format]
     t = time.perf_counter()
     llm = LLM(model=model_dir(args.layers), load_format="dummy", skip_tokenizer_init=True,
               dtype="bfloat16", kv_cache_dtype=kv, attention_config={"backend": backend},
               gpu_memory_utilization=args.mem, max_model_len=args.max_model_len,
               enforce_eager=args.eager, enable_prefix_caching=args.prefix_caching, seed=0)
+    if args.mode == "agree":
+        llm.apply_model(random_weights)
     cfg = llm.llm_engine.vllm_config.cache_config
     out = {"format": args.format, "backend": backend, "kv_cache_dtype": kv,
            "eager": args.eager, "prefix_caching": args.prefix_caching,
@@ -124,7 +129,10 @@ def engine(args) -> dict:
     if args.mode == "agree":
         sp = SamplingParams(max_tokens=args.new, temperature=0.0, logprobs=2,
                             ignore_eos=True, detokenize=False)
-        ps = [TokensPrompt(prompt_token_ids=p) for p in prompts(args.batch, args.length, 1)]
+        ps = [TokensPrompt(prompt_token_ids=p) for p in shared_prefix_prompts(args)]
+        if args.prefix_caching:  # the shared prefix's pages computed first, then reused
+            llm.generate(ps[:1], SamplingParams(max_tokens=1, detokenize=False),
+                         use_tqdm=False)
         res = llm.generate(ps, sp, use_tqdm=False)
         out["tokens"] = [list(r.outputs[0].token_ids) for r in res]
         out["logprobs"] = [[sorted((lp.logprob for lp in step.values()), reverse=True)
@@ -133,22 +141,42 @@ def engine(args) -> dict:
                                   zip(r.outputs[0].token_ids, r.outputs[0].logprobs,
                                       strict=True)] for r in res]
     else:
-        ps = [TokensPrompt(prompt_token_ids=p) for p in prompts(args.batch, args.length, 2)]
-        llm.generate(ps[:2], SamplingParams(max_tokens=4, ignore_eos=True, detokenize=False),
+        llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts(2, 1024, 2)],
+                     SamplingParams(max_tokens=4, ignore_eos=True, detokenize=False),
                      use_tqdm=False)  # warm-up
-        for label, n_new, seed in (("prefill", 1, 3), ("full", args.new + 1, 4)):
-            ps = [TokensPrompt(prompt_token_ids=p) for p in prompts(args.batch, args.length,
-                                                                    seed)]
-            sp = SamplingParams(max_tokens=n_new, ignore_eos=True, temperature=0.0,
-                                detokenize=False)
-            t = time.perf_counter()
-            res = llm.generate(ps, sp, use_tqdm=False)
-            out[f"{label}_s"] = time.perf_counter() - t
-            assert all(len(r.outputs[0].token_ids) == n_new for r in res)
-        decode_s = out["full_s"] - out["prefill_s"]
-        out["decode_tok_s"] = args.batch * args.new / decode_s
-        out["prefill_tok_s"] = args.batch * args.length / out["prefill_s"]
+        out["cells"] = [measure(llm, cell) for cell in args.cells]
     return out
+
+
+def parse_cell(cell: str) -> tuple[int, int, int]:
+    """``BxL`` or ``BxL:new`` (new tokens; 256 when not given) -> (B, L, new)."""
+    shape, _, new = cell.partition(":")
+    b, length = (int(x) for x in shape.split("x"))
+    return b, length, int(new or 256)
+
+
+def measure(llm, cell: str) -> dict:
+    """One cell on a running engine: prefill time (``max_tokens=1``), then the whole
+    generation of other prompts of the same shape; decode is the difference."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    b, length, new = parse_cell(cell)
+    row = {"cell": cell, "batch": b, "prompt_len": length, "new_tokens": new}
+    for label, n_new, seed in (("prefill", 1, 3), ("full", new + 1, 4)):
+        ps = [TokensPrompt(prompt_token_ids=p) for p in prompts(b, length, seed)]
+        sp = SamplingParams(max_tokens=n_new, ignore_eos=True, temperature=0.0,
+                            detokenize=False)
+        t = time.perf_counter()
+        res = llm.generate(ps, sp, use_tqdm=False)
+        row[f"{label}_s"] = time.perf_counter() - t
+        assert all(len(r.outputs[0].token_ids) == n_new for r in res)
+    row["decode_s"] = row["full_s"] - row["prefill_s"]
+    row["decode_tok_s"] = b * new / row["decode_s"]
+    row["prefill_tok_s"] = b * length / row["prefill_s"]
+    row["total_tok_s"] = b * (length + new) / row["full_s"]
+    print(json.dumps(row), flush=True)
+    return row
 
 
 def child(mode: str, fmt: str, a, **over) -> dict:
@@ -164,11 +192,20 @@ def child(mode: str, fmt: str, a, **over) -> dict:
     if over.get("full_decode_graphs", False):
         cmd.append("--full-decode-graphs")
     print("$", " ".join(cmd[1:]), flush=True)
-    r = subprocess.run(cmd, env={**os.environ, **ENV}, capture_output=True, text=True)
+    t = time.perf_counter()
+    if mode == "throughput":
+        cmd += ["--cells", *a.cells]
+    try:
+        r = subprocess.run(cmd, env={**os.environ, **ENV}, capture_output=True, text=True,
+                           timeout=a.child_timeout)
+    except subprocess.TimeoutExpired as e:
+        sys.stderr.write(str(e.stdout or "")[-4000:] + str(e.stderr or "")[-4000:])
+        return {"format": fmt, "error": f"timed out after {a.child_timeout} s", **over}
     lines = [ln for ln in r.stdout.splitlines() if ln.startswith("RESULT ")]
     if r.returncode or not lines:
         sys.stderr.write(r.stdout[-4000:] + r.stderr[-8000:])
         return {"format": fmt, "error": f"exit {r.returncode}", **over}
+    print(f"  done in {time.perf_counter() - t:.0f} s", flush=True)
     return json.loads(lines[-1][len("RESULT "):])
 
 
@@ -197,37 +234,35 @@ def agreement(ref: dict, got: dict, margin: float) -> dict:
 
 def run_agree(a) -> dict:
     ref = child("agree", "bf16", a)
-    runs = {"fp4cache graphs": child("agree", "fp4cache", a),
-            "fp4cache eager": child("agree", "fp4cache", a, eager=True),
-            "fp4cache graphs, prefix caching": child("agree", "fp4cache", a,
-                                                     prefix_caching=True),
-            "fp4cache full decode graphs": child("agree", "fp4cache", a,
-                                                 full_decode_graphs=True),
-            "fp8 graphs": child("agree", "fp8", a)}
+    if "error" in ref:
+        return {"reference": "bf16 TRITON_ATTN", "error": ref["error"]}
+    configs = {"fp4cache graphs": ("fp4cache", {}),
+               "fp4cache eager": ("fp4cache", {"eager": True}),
+               "fp4cache graphs, prefix caching": ("fp4cache", {"prefix_caching": True}),
+               "fp4cache full decode graphs": ("fp4cache", {"full_decode_graphs": True}),
+               "fp8 graphs": ("fp8", {})}
     out = {"reference": "bf16 TRITON_ATTN", "margin_nats": a.margin, "runs": {}}
-    for name, r in runs.items():
-        if "error" in r or "error" in ref:
-            out["runs"][name] = {"error": r.get("error") or ref.get("error")}
-            continue
-        out["runs"][name] = agreement(ref, r, a.margin)
-    fp4 = runs["fp4cache graphs"]
-    for name in ("fp4cache eager", "fp4cache graphs, prefix caching",
-                 "fp4cache full decode graphs"):
-        if "tokens" in fp4 and "tokens" in runs[name]:
-            out["runs"][name]["same_tokens_as_fp4cache_graphs"] = \
-                fp4["tokens"] == runs[name]["tokens"]
+    first = None
+    for name, (fmt, over) in configs.items():
+        r = child("agree", fmt, a, **over)
+        row = out["runs"][name] = {"cudagraph_mode": r.get("cudagraph_mode")}
+        if "error" in r:
+            row["error"] = r["error"]
+        else:
+            row.update(agreement(ref, r, a.margin))
+            if fmt == "fp4cache":
+                first = first or r  # the graphs run: the others' tokens against it
+                row["same_tokens_as_fp4cache_graphs"] = first["tokens"] == r["tokens"]
+        print(name, json.dumps(row), flush=True)
     return out
 
 
 def run_throughput(a) -> dict:
     rows = []
-    for cell in a.cells:
-        b, length = (int(x) for x in cell.split("x"))
-        for fmt in a.formats:
-            r = child("throughput", fmt, a, batch=b, length=length)
-            r["cell"] = cell
-            rows.append(r)
-            print(json.dumps(r), flush=True)
+    for fmt in a.formats:  # one engine per format runs every cell
+        r = child("throughput", fmt, a)
+        for cell in r.pop("cells", [{"error": r.get("error")}]):
+            rows.append({**r, **cell})
     return {"rows": rows}
 
 
@@ -238,7 +273,10 @@ def main(argv=None) -> None:
     ap.add_argument("--format", choices=sorted(FORMATS), help=argparse.SUPPRESS)
     ap.add_argument("--formats", nargs="+", default=["fp4cache", "bf16", "fp8"],
                     choices=sorted(FORMATS))
-    ap.add_argument("--cells", nargs="+", default=["32x8192"], help="B x prompt length")
+    ap.add_argument("--cells", nargs="+", default=["32x8192"],
+                    help="B x prompt length[:new tokens, 256 when not given]")
+    ap.add_argument("--child-timeout", type=float, default=540,
+                    help="seconds one engine may run")
     ap.add_argument("--layers", type=int, default=32)
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--length", type=int, default=1024)
