@@ -144,8 +144,9 @@ vllm)
   install_vllm_kit
   timeout 120 python3 -m pytest -q -rs -p no:cacheprovider tests/test_vllm.py 2>&1 \
       | tee "$OUT/vllm-tests.log" | tail -8
+  # shellcheck disable=SC2086
   timeout 440 python3 bench/vllm_bench.py agree --layers 4 --child-timeout 150 \
-      --out "$OUT/vllm-agree.json" \
+      --runs ${RUNS:-prefix full-decode eager fp8} --out "$OUT/vllm-agree.json" \
       2>&1 | tee "$OUT/vllm-agree.log" | tail -40
   ;;
 vllm-bench)

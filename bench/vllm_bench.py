@@ -232,18 +232,23 @@ def agreement(ref: dict, got: dict, margin: float) -> dict:
             "logprob_diff_mean": sum(diffs) / len(diffs) if diffs else None}
 
 
+#: agree's runs beside the reference and fp4cache with CUDA graphs: (format, options)
+AGREE_RUNS = {
+    "prefix": ("fp4cache graphs, prefix caching", "fp4cache", {"prefix_caching": True}),
+    "full-decode": ("fp4cache full decode graphs", "fp4cache", {"full_decode_graphs": True}),
+    "eager": ("fp4cache eager", "fp4cache", {"eager": True}),
+    "fp8": ("fp8 graphs", "fp8", {})}
+
+
 def run_agree(a) -> dict:
     ref = child("agree", "bf16", a)
     if "error" in ref:
         return {"reference": "bf16 TRITON_ATTN", "error": ref["error"]}
-    configs = {"fp4cache graphs": ("fp4cache", {}),
-               "fp4cache eager": ("fp4cache", {"eager": True}),
-               "fp4cache graphs, prefix caching": ("fp4cache", {"prefix_caching": True}),
-               "fp4cache full decode graphs": ("fp4cache", {"full_decode_graphs": True}),
-               "fp8 graphs": ("fp8", {})}
     out = {"reference": "bf16 TRITON_ATTN", "margin_nats": a.margin, "runs": {}}
     first = None
-    for name, (fmt, over) in configs.items():
+    runs = [("fp4cache graphs", "fp4cache", {})] + [v for k, v in AGREE_RUNS.items()
+                                                      if k in a.runs]
+    for name, fmt, over in runs:
         r = child("agree", fmt, a, **over)
         row = out["runs"][name] = {"cudagraph_mode": r.get("cudagraph_mode")}
         if "error" in r:
@@ -273,6 +278,8 @@ def main(argv=None) -> None:
     ap.add_argument("--format", choices=sorted(FORMATS), help=argparse.SUPPRESS)
     ap.add_argument("--formats", nargs="+", default=["fp4cache", "bf16", "fp8"],
                     choices=sorted(FORMATS))
+    ap.add_argument("--runs", nargs="*", default=list(AGREE_RUNS), choices=list(AGREE_RUNS),
+                    help="agree: the runs besides bf16 and fp4cache with CUDA graphs")
     ap.add_argument("--cells", nargs="+", default=["32x8192"],
                     help="B x prompt length[:new tokens, 256 when not given]")
     ap.add_argument("--child-timeout", type=float, default=540,
