@@ -146,7 +146,7 @@ vllm)
       | tee "$OUT/vllm-tests.log" | tail -8
   # shellcheck disable=SC2086
   timeout 440 python3 bench/vllm_bench.py agree --layers 4 --child-timeout 150 \
-      --runs ${RUNS-prefix full-decode eager fp8} --out "$OUT/vllm-agree.json" \
+      --runs ${RUNS-prefix full-decode eager fp8} ${AGREE_ARGS-} --out "$OUT/vllm-agree.json" \
       2>&1 | tee "$OUT/vllm-agree.log" | tail -40
   ;;
 vllm-bench)
