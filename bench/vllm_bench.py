@@ -234,7 +234,7 @@ def agreement(ref: dict, got: dict, margin: float) -> dict:
 
 #: agree's runs beside the reference and fp4cache with CUDA graphs: (format, options)
 AGREE_RUNS = {
-    "prefix": ("fp4cache graphs, prefix caching", "fp4cache", {"prefix_caching": True}),
+    "prefix": ("fp4cache, prefix caching", "fp4cache", {"prefix_caching": True}),
     "full-decode": ("fp4cache full decode graphs", "fp4cache", {"full_decode_graphs": True}),
     "eager": ("fp4cache eager", "fp4cache", {"eager": True}),
     "fp8": ("fp8 graphs", "fp8", {})}
@@ -246,7 +246,9 @@ def run_agree(a) -> dict:
         return {"reference": "bf16 TRITON_ATTN", "error": ref["error"]}
     out = {"reference": "bf16 TRITON_ATTN", "margin_nats": a.margin, "runs": {}}
     first = None
-    runs = [("fp4cache graphs", "fp4cache", {})] + [v for k, v in AGREE_RUNS.items()
+    # everything eager with --eager (no compilation: quicker engines)
+    base = "fp4cache eager" if a.eager else "fp4cache graphs"
+    runs = [(base, "fp4cache", {})] + [v for k, v in AGREE_RUNS.items()
                                                       if k in a.runs]
     for name, fmt, over in runs:
         r = child("agree", fmt, a, **over)
@@ -257,7 +259,7 @@ def run_agree(a) -> dict:
             row.update(agreement(ref, r, a.margin))
             if fmt == "fp4cache":
                 first = first or r  # the graphs run: the others' tokens against it
-                row["same_tokens_as_fp4cache_graphs"] = first["tokens"] == r["tokens"]
+                row[f"same_tokens_as_{base.replace(' ', '_')}"] = first["tokens"] == r["tokens"]
         print(name, json.dumps(row), flush=True)
     return out
 
