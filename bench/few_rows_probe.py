@@ -6,11 +6,10 @@ variant's.
 Variants: ``base`` (the shipped source; ``PATCHES`` holds the patched copies of candidate
 changes while they wait for a GPU: none now) and ``rows16`` (``ROUTES``: routes as the
 library did before the four-tile form, sequences of 17 to 32 rows to the varlen kernels).
-The candidates
-measured and dropped are in ``docs/kernels.md`` ("What was tried"); ``--baseline DIR``
-adds the variant ``baseline``, the kernel built from DIR's copies of kernel files (an
-older ``decode_attention.cu`` and the headers it changed with), for an A/B of a kernel
-change in one process.
+The candidates measured and dropped are in ``docs/kernels.md`` ("Alternatives measured and
+not taken"); ``--baseline DIR`` adds the variant ``baseline``, the kernel built from DIR's
+copies of kernel files (an older ``decode_attention.cu`` and the headers it changed with),
+for an A/B of a kernel change in one process.
 
 Rows: B sequences of L cached tokens (Hq 32, H 8, block 16, bf16, pages in random order),
 n query tokens each (``--n``), through ``attention``'s launch plan (the few-row kernel

@@ -4,10 +4,11 @@ the same calls on the same cache, each variant's time and whether its output byt
 the first variant's.
 
 Variants (``PATCHES``): ``base`` (the shipped source) and the patched copies of candidate
-changes while they wait for a GPU (none now).  The candidates measured are in
-``docs/kernels.md`` ("What was tried").  ``--baseline DIR`` adds the variant ``baseline``,
-the kernel built from DIR's copies of kernel files (of the shared-memory layout that
-``_abi.varlen_smem_bytes`` gives), for an A/B of a kernel change in one process.
+changes while they wait for a GPU (none now). The candidates measured are in
+``docs/kernels.md`` ("Alternatives measured and not taken"). ``--baseline DIR`` adds the
+variant ``baseline``, the kernel built from DIR's copies of kernel files (of the
+shared-memory layout that ``_abi.varlen_smem_bytes`` gives), for an A/B of a kernel change
+in one process.
 
 Rows (``kernel_patch.PREFILL_ROWS``; Hq 32, H 8, D ``--head-dim``, block 16, bf16): a
 2,048-token chunk after 30,720 cached, a plain 8,192-token prefill (``--rows``; four plain

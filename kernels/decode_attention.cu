@@ -85,7 +85,7 @@
 // and dropped; two: the accumulators double, D = 128 with 3 and 4 measured and dropped,
 // D = 64 with 4 against 3 measured faster for 16-bit q (float32 q's second MMA spills
 // there); four: q's fragments in shared memory, the O accumulators alone 128 registers at
-// D = 128; see docs/kernels.md, "What was tried")
+// D = 128; see docs/kernels.md, "Alternatives measured and not taken")
 #define FP4C_ATTN_MINB(D, PAGED16, TILES, SPLIT)                             \
   ((TILES) == 4   ? ((D) == 64 ? 2 : 1)                                      \
    : (TILES) == 2 ? ((D) == 64 ? ((SPLIT) ? 3 : 4) : (D) == 128 ? 2 : 1)     \
