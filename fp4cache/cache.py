@@ -1,8 +1,8 @@
 """``PagedKVCache``: a paged NVFP4 KV cache in vLLM's byte layout.
 
-Over 600 lines because the public class keeps its NumPy docstrings and examples with its
-methods; the work is elsewhere (argument checks in ``_arrays``, attention in
-``attention``, the backends, plans and workspace in ``_plans``).
+The class holds the public methods with their NumPy docstrings and examples; the work is
+elsewhere: argument checks in ``_arrays``, attention in ``attention``, the pool and the
+launches in the backends (``_cpu``, ``_cuda``), plans and workspace in ``_plans``.
 """
 
 from __future__ import annotations

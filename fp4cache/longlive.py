@@ -18,9 +18,8 @@ list of such blocks and picks (or checks) ``e4m3_max``, ``num_heads`` and
 :func:`dequantize_pool` then need the rule said (``scale_rule=`` or ``e4m3_max=``; no
 default), and only the product ``Tb*H`` (padded to 128) can be checked against them.
 
-Over 600 lines because the module is LongLive's whole API surface (the block type, the
-quantizer, the list and pool decoders with their prepared launches) with its NumPy
-docstrings and examples; the arithmetic is in the backends.
+The module is LongLive's API surface: the block type, the quantizer, the list and pool
+decoders with their prepared launches; the arithmetic is in the backends.
 """
 
 from __future__ import annotations
