@@ -18,7 +18,7 @@
 #                                      # vLLM's bf16 backend); needs the vLLM kit carried as
 #                                      # .vllm-kit (cp -r ../shared/vllm-kit .vllm-kit)
 #   bash bench/device_check.sh vllm-bench  # bench/vllm_bench.py throughput (KV capacity,
-#                                      # prefill, decode tok/s beside bf16 and fp8)
+#                                      # prefill, decode tok/s beside bf16; FORMATS, CELLS)
 # Logs go to $OUT (default /tmp/fp4cache-device).
 set -u
 export PYTHONUNBUFFERED=1 PYTHONPATH=.

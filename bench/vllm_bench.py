@@ -182,19 +182,18 @@ def measure(llm, cell: str) -> dict:
 def child(mode: str, fmt: str, a, **over) -> dict:
     """One configuration in a fresh process (a vLLM engine per process)."""
     cmd = [sys.executable, __file__, "--child", mode, "--format", fmt,
-           "--layers", str(a.layers), "--batch", str(over.get("batch", a.batch)),
-           "--length", str(over.get("length", a.length)), "--new", str(a.new),
-           "--mem", str(a.mem), "--max-model-len", str(a.max_model_len)]
+           "--layers", str(a.layers), "--batch", str(a.batch), "--length", str(a.length),
+           "--new", str(a.new), "--mem", str(a.mem), "--max-model-len", str(a.max_model_len)]
     if over.get("eager", a.eager):
         cmd.append("--eager")
     if over.get("prefix_caching", False):
         cmd.append("--prefix-caching")
     if over.get("full_decode_graphs", False):
         cmd.append("--full-decode-graphs")
-    print("$", " ".join(cmd[1:]), flush=True)
-    t = time.perf_counter()
     if mode == "throughput":
         cmd += ["--cells", *a.cells]
+    print("$", " ".join(cmd[1:]), flush=True)
+    t = time.perf_counter()
     try:
         r = subprocess.run(cmd, env={**os.environ, **ENV}, capture_output=True, text=True,
                            timeout=a.child_timeout)
