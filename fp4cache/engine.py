@@ -345,11 +345,15 @@ class AttentionPlan:
             out = prep.alloc(q)
         # the stream first: a DLPack import names the consumer's current stream, and
         # PyTorch's own needs no ordering against itself (nothing recorded in a capture)
+        if prep.stream:  # on PyTorch's current stream: its tensors are viewed in place
+            view = _arrays.stream_view
+        else:
+            def view(a, name):
+                return _arrays.to_backend(a, be, name)
         with self._stream_of(q) if prep.stream else _NO_GUARD:
-            qa = _arrays.to_backend(q, be, "q")
-            oa = _arrays.to_backend(out, be, "out")
+            qa, oa = view(q, "q"), view(out, "out")
             if prep.store is not None:
-                ka, va = _arrays.to_backend(k, be, "k"), _arrays.to_backend(v, be, "v")
+                ka, va = view(k, "k"), view(v, "v")
                 prep.store(slots, ka, va)
             if prep.attend is not None:
                 if prep.exact:

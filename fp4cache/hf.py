@@ -594,16 +594,24 @@ class FP4Cache(Cache):
                 "device='cpu', or another attention implementation (e.g. 'sdpa', which "
                 "reads this cache dequantized)")
         self._rows.allocate(device, self.max_cache_len)
+        # the layers attend one after another on one stream: the first layer's attention
+        # workspace, reserved for the cache's limits, serves them all
+        hints = {"max_batch_size": self.max_batch_size, "max_seq_len": self.max_cache_len,
+                 "num_query_heads": self.num_query_heads}
+        first = None
         for layer in self.layers:
             layer.pages = PagedKVCache(
                 self.max_batch_size * self.pages_per_row, self.block_size, self.num_heads,
                 self.head_dim, layout=self.layout, scale_rule=self.scale_rule,
                 k_scale=layer.k_scale, v_scale=layer.v_scale, device=where,
-                max_batch_size=self.max_batch_size, max_seq_len=self.max_cache_len,
-                num_query_heads=self.num_query_heads, rotation=self.rotation,
-                window_pages=self.window_pages,
+                rotation=self.rotation, window_pages=self.window_pages,
                 window_slots=self.max_batch_size * self.window_pages,
-                swizzle_v_scales=self.head_dim % 64 == 0 and self.block_size % 4 == 0)
+                swizzle_v_scales=self.head_dim % 64 == 0 and self.block_size % 4 == 0,
+                **(hints if first is None else {}))
+            if first is None:
+                first = layer.pages
+            else:
+                layer.pages.share_workspace(first)
 
     @property
     def fused(self) -> bool:

@@ -467,6 +467,13 @@ def test_gpu_fused_equals_sdpa_over_the_dequantized_cache(kind, heads, kv_heads,
     # tests/test_attention_*.py), amplified through the layers.
     _close(l_f.cpu(), l_r.cpu(), rtol=1e-2)
     assert c_f.layers[0].pages.device == "cuda" and c_f.layers[0].mode == "fused"
+    # the layers attend with the first layer's workspace (reserved for the cache's
+    # limits), and nbytes counts it once over the layers (each a share, rounded up)
+    ws = [layer.pages.workspace_nbytes for layer in c_f.layers]
+    assert ws[0] > 0 and ws == [ws[0]] * len(ws)
+    own = fh.FP4Cache(fused.config, 2, 80, device="cuda").layers[0].pages
+    pages = len(ws) * (own.nbytes - own.workspace_nbytes) + c_f._rows.plan.nbytes
+    assert 0 <= c_f.nbytes - pages - ws[0] < len(ws)
 
 
 @pytest.mark.gpu

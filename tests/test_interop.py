@@ -210,6 +210,31 @@ LAYOUTS = {
 
 
 # --- tests --------------------------------------------------------------------------------
+@pytest.mark.gpu
+def test_stream_view_is_dlpacks_array_without_the_export():
+    """``stream_view`` (prepared launches on PyTorch's stream) gives the array DLPack's
+    import gives: same address, shape, strides and dtype, for strided views too; what
+    DLPack refuses still goes through ``to_backend`` and its errors."""
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available():
+        pytest.skip("torch has no CUDA here")
+    import cupy
+
+    base = torch.randn(6, 40, 3, 128, device="cuda").to(torch.bfloat16)
+    cases = [base, base[1:5, ::3, 1:, 64:], base.float().transpose(0, 1),
+             base.half()[2], torch.arange(37, device="cuda", dtype=torch.int32)[5:],
+             torch.arange(9, device="cuda")]
+    for t in cases * 2:  # the second round: dtypes already seen
+        got, want = _arrays.stream_view(t, "q"), cupy.from_dlpack(t)
+        assert (got.data.ptr, got.shape, got.strides, got.dtype) == \
+            (want.data.ptr, want.shape, want.strides, want.dtype)
+        assert bool((got == want).all())
+    with pytest.raises(TypeError, match="q is a tensor with requires_grad"):
+        _arrays.stream_view(torch.zeros(4, device="cuda", requires_grad=True), "q")
+    with pytest.raises(TypeError, match="k must be a CuPy"):
+        _arrays.stream_view(torch.zeros(4, dtype=torch.bfloat16), "k")  # host memory
+
+
 def test_struct_layout_is_dlpack_h():
     """Offsets and sizes of dlpack.h (DLPack 1.x) on a 64-bit platform."""
     T, M, V = _arrays._DLTensor, _arrays._DLManagedTensor, _arrays._DLManagedTensorVersioned
