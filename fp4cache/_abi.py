@@ -21,7 +21,8 @@ __all__ = ["RULES", "LAYOUTS", "STAT_NAMES", "STAT", "STRUCTS", "struct_dtype", 
            "ATTN_MAX_SPLITS", "PAIR_SCALE_SHIFT", "ATTN_CHUNK_TILES", "COPY_UNROLL",
            "COPY_MIN_CTAS", "COPY_TABLES", "PAGE_MOVE_THREADS", "SCALE_SATURATES_ABOVE",
            "MMA_ROWS", "VARLEN_WARPS", "VARLEN_TILE_KEYS", "VARLEN_ROW_WARPS",
-           "VARLEN_MAX_SPLITS", "VARLEN_MIN_SPLIT", "VARLEN_SMEM_PAD", "varlen_smem_bytes",
+           "VARLEN_MAX_SPLITS", "VARLEN_MIN_SPLIT", "NEW_KV_KINDS", "VARLEN_SMEM_PAD",
+           "varlen_smem_bytes",
            "VARLEN_WG_HEAD_DIMS", "VARLEN_WG_ROW_WARPS", "VARLEN_WG_DECODE_WARPS",
            "VARLEN_WG_GEOMETRY", "varlen_wg_smem_bytes",
            "varlen_warps"]
@@ -108,6 +109,9 @@ VARLEN_ROW_WARPS = (1, 2, 4, 8)
 #: at least VARLEN_MIN_SPLIT keys (partials of the CTA's rows in the workspace).
 VARLEN_MAX_SPLITS = 32
 VARLEN_MIN_SPLIT = 256
+#: The exact new tokens' element types in the any-length kernel (``VarlenParams.new_kind``;
+#: 0: the call has none).
+NEW_KV_KINDS: dict[str, int] = {"bf16": 1, "f16": 2, "f32": 3}
 #: f16 elements of padding per shared-memory row of decoded K / V / q (conflict-free ldmatrix).
 VARLEN_SMEM_PAD = 8
 
@@ -244,8 +248,9 @@ STRUCTS: dict[str, tuple[tuple, ...]] = {
         ("out_scale", "float"),  # v_scale * 2^7
         ("win_pages", "u32"), ("win_slots", "u32"),  # window: pages per sequence, slots
         ("rotate", "u32"),  # q rotated by the normalized Hadamard transform (rotation)
-        ("win_k_mul", "float"), ("win_v_mul", "float"),  # window K/V -> decoded units
-        ("_pad", "u32"),
+        ("win_k_mul", "float"), ("win_v_mul", "float"),  # window / new K/V -> decoded units
+        ("new_kind", "u32"),  # exact new tokens: NEW_KV_KINDS of new_k / new_v, 0: none
+        ("new_k_ld", "u32"), ("new_v_ld", "u32"),  # their token strides (elements)
     ),
     # kernels/longlive.cu, where the blocks of a LongLive decode come from
     "LLSource": (
@@ -346,6 +351,7 @@ def header() -> str:
             f"#define FP4C_VARLEN_TILE_KEYS {VARLEN_TILE_KEYS}",
             f"#define FP4C_VARLEN_MAX_SPLITS {VARLEN_MAX_SPLITS}",
             f"#define FP4C_VARLEN_MIN_SPLIT {VARLEN_MIN_SPLIT}",
+            *(f"#define FP4C_NEW_{k.upper()} {v}" for k, v in NEW_KV_KINDS.items()),
             f"#define FP4C_VARLEN_SMEM_PAD {VARLEN_SMEM_PAD}",
             f"#define FP4C_VARLEN_WG_ROW_WARPS {VARLEN_WG_ROW_WARPS}",
             f"#define FP4C_VARLEN_WG_DECODE_WARPS {VARLEN_WG_DECODE_WARPS}",

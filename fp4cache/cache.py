@@ -710,8 +710,7 @@ class PagedKVCache:
             (at ``seq_lens[b] - 1``, stored first), and its key and value are read from
             row ``b`` of ``k`` / ``v`` (the values the model just computed, in their
             dtype: bfloat16, float16 or float32, one dtype for both) instead of the
-            pages, as :meth:`attention` describes.  CPU only for now (the GPU raises
-            ``NotImplementedError``).
+            pages, as :meth:`attention` describes.
 
         Returns
         -------
@@ -828,8 +827,13 @@ class PagedKVCache:
             one-pass prefill is then attention over the model's K/V.  Needs ``n_b <=
             seq_lens[b]`` (checked on the CPU or when validating).  The pages of those tokens are
             not read (a bad block id there is still counted, and does not make them
-            NaN).  Default None: every key is read through the pages.  CPU only for now
-            (the GPU raises ``NotImplementedError``).
+            NaN).  On the GPU the new values enter the kernels' f16 inputs as the
+            window's do (times the global scale's inverse, saturated at f16's range; K
+            rotated in float32), and a NaN in a new V row makes its group of 16 columns NaN
+            for the rows that see that token (the pages' rule); the sm_90 wgmma kernel
+            and the few-row decode kernel do not read new rows, so every sequence of such
+            a call runs in the mma.sync any-length kernel.  Default None: every key is
+            read through the pages.
 
         Returns
         -------

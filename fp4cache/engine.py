@@ -311,8 +311,7 @@ class AttentionPlan:
             Attend with the exact new tokens: ``k`` / ``v`` (needed) are stored as
             always, and the step's queries read them as given
             (:meth:`PagedKVCache.attention`'s ``new_kv``) and the earlier tokens through
-            the pages.  CPU only for now (the GPU raises ``NotImplementedError`` before
-            anything is stored).
+            the pages.
 
         Returns
         -------

@@ -450,8 +450,7 @@ class FP4Cache(Cache):
         attention over its own K/V, and every decode step reads its own token exactly
         (:meth:`fp4cache.PagedKVCache.attention`'s ``new_kv``).  The fused attention
         reads them so, and the dequantizing path returns them in place of the pass's
-        positions.  On the CPU only for now: a cache placed on a CUDA device raises
-        ``NotImplementedError``.
+        positions.
 
     Notes
     -----
@@ -564,11 +563,6 @@ class FP4Cache(Cache):
     def allocate(self, device: torch.device) -> None:
         """Allocate every layer's pages on ``device`` (done by the first update; once)."""
         if device.type == "cuda":
-            if self.exact_prompt:
-                raise NotImplementedError(
-                    "FP4Cache(exact_prompt=True) on a GPU: the kernels read every key "
-                    "through the pages (exact new tokens are not implemented there yet); "
-                    "use device='cpu', or exact_prompt=False")
             if not torch.cuda.is_available():
                 why = "was built without CUDA" if torch.version.cuda is None else "sees no GPU"
                 raise RuntimeError(

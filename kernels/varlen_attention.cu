@@ -26,10 +26,11 @@
 // Kernels _r16, _r32, _r64, _r128 (MW = 1, 2, 4, 8 row warps; CTAs of max(4, MW) warps):
 // warp w owns rows 16 (w / KW) .. + 15 and the tiles w % KW, w % KW + KW, ... of each step
 // (KW = warps / MW; _r128: every tile of its 128-key step, in two calls of 4 tiles); the
-// KW warps of a row block are merged in shared memory at the end.  Their _win variants (WIN) add the
-// exact window and the q rotation (docs/window.md; the plain kernels have neither's code):
-// the steps wholly before the window start run the plain loop, the later ones the window
-// step below for their tiles at or past it.
+// KW warps of a row block are merged in shared memory at the end.  Their _win variants
+// (WIN) add the exact window, the q rotation and the exact new tokens (docs/window.md,
+// docs/engines.md; the plain kernels have none of their code): the steps wholly before
+// the window start and the first new key run the plain loop, the later ones the window
+// and new steps below for their tiles at or past them.
 //
 // A step covers one tile of FP4C_VARLEN_TILE_KEYS keys per warp; the decoded tiles are one
 // set (decode, barrier, compute, barrier) or, in _r128 with q's fragments in registers
@@ -51,6 +52,10 @@
 //            units) in the decode step's column order (attn_window.cuh); tiles are 16
 //            keys and ws a multiple of the block size (itself of 16 with a window), so a
 //            tile is all-NVFP4 or all-window.
+//   new:     with the exact new tokens (new_k / new_v, the _win variants), the keys of a
+//            tile at or past the sequence's first new key (len - n, anywhere in a page)
+//            are the caller's rows in the same units (K rotated as q is), written over
+//            the decoded or window rows; the pages are not read for them.
 //   scores:  S = Q K^T (A = q from registers or ldmatrix, B = K tile by ldmatrix).
 //   softmax: online, per row, with the row's own key limit (causal and split end) applied
 //            only in the tiles that reach it; FlashAttention-3's arithmetic (vl_weights_fma,
@@ -143,6 +148,88 @@ FP4C_DEVICE void vl_window(const VarlenParams& P, const VlSeq& S, u32 key, u32 e
   }
 }
 // ---------------------------------------------------------------------------------------
+// new: the exact new tokens (VarlenParams.new_kind != 0; docs/engines.md).  The keys of
+// the warp's tile at or past the sequence's first new key `first` (len - n) are written
+// over what the decode or window step left: a key before s1 from the caller's row
+// qs0 + key - first of new_k (rotated with P.rotate, as q is) or new_v, times
+// win_k_mul / win_v_mul (the decoded units, as the window's rows), a key at or past s1 as
+// zeros.  G = D / 16 consecutive lanes hold a row, 16 values each (lane g: d = 16 g ..),
+// 32 / G rows a pass, K rows (0..15) then V rows, so a pass is one side.  A V group holding
+// a NaN is written as zeros and its key kept in s_vnan, a K NaN stays NaN, as the window's;
+// a bad page whose first key is new is counted (vl_load counts the pages it reads).
+// ---------------------------------------------------------------------------------------
+// the 16 values of a new row's group at p (16-byte aligned; kind: FP4C_NEW_*)
+FP4C_DEVICE void new_group(u32 kind, const u8* p, float (&x)[16]) {
+  if (kind == FP4C_NEW_F32) {
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const U32x4 a = ldg16(p + 16 * i);
+      x[4 * i] = __uint_as_float(a.x);
+      x[4 * i + 1] = __uint_as_float(a.y);
+      x[4 * i + 2] = __uint_as_float(a.z);
+      x[4 * i + 3] = __uint_as_float(a.w);
+    }
+    return;
+  }
+  const U32x4 a = ldg16(p), b = ldg16(p + 16);
+  const u32 w[8] = {a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w};
+#pragma unroll
+  for (int i = 0; i < 8; ++i) {
+    x[2 * i] = kind == FP4C_NEW_BF16 ? lo_of(bf16_t(), w[i]) : lo_of(f16_t(), w[i]);
+    x[2 * i + 1] = kind == FP4C_NEW_BF16 ? hi_of(bf16_t(), w[i]) : hi_of(f16_t(), w[i]);
+  }
+}
+
+template <int D, int LD>
+FP4C_DEVICE void vl_new_rows(const VarlenParams& P, const VlWork& W, const VlSeq& S, u32 first,
+                             u32 key0, const void* new_k, const void* new_v, u16* tile,
+                             u32* s_vnan) {
+  constexpr int G = D / 16, RPP = 32 / G;  // lanes per row, rows per pass
+  const u32 lane = threadIdx.x & 31u, g = lane % G, rr = lane / G;
+  const u32 ebytes = P.new_kind == FP4C_NEW_F32 ? 4u : 2u;
+#pragma unroll 2
+  for (u32 r0 = 0; r0 < 32u; r0 += RPP) {
+    const u32 side = r0 >> 4, t = (r0 & 15u) + rr, key = key0 + t;  // side: warp-uniform
+    const bool mine = key >= first, live = mine && key < W.s1;
+    float x[16];
+    if (live) {
+      const u64 row = (u64)(W.qs0 + key - first) * (side ? P.new_v_ld : P.new_k_ld) +
+                      (u64)S.h * D + 16u * g;
+      new_group(P.new_kind, (const u8*)(side ? new_v : new_k) + row * ebytes, x);
+      const u32 pe = fdiv(key, S.fT);
+      if (side == 0u && g == 0u && key == pe * S.fT.d && !page_ok(S, load_id(S, pe)))
+        count_bad_block(S);
+    } else {
+#pragma unroll
+      for (int i = 0; i < 16; ++i) x[i] = 0.0f;
+    }
+    if (side == 0u && P.rotate) hadamard_rows<1>((float(*)[16])x, g, G, hadamard_norm<D>());
+    const float mul = window_mul(P, side);
+    bool nan = false;
+#pragma unroll
+    for (int i = 0; i < 16; ++i) {
+      x[i] = f_mul(x[i], mul);
+      nan |= x[i] != x[i];
+    }
+    if (side == 1u && nan) {  // (only a live row holds a NaN)
+      atomicMin(&s_vnan[g], key);
+#pragma unroll
+      for (int i = 0; i < 16; ++i) x[i] = 0.0f;
+    }
+    if (mine) {
+      u16* dst = tile + (side * 16u + t) * LD + 16u * g;
+#pragma unroll
+      for (int hw = 0; hw < 2; ++hw) {
+        u32 o[4];
+#pragma unroll
+        for (int p = 0; p < 4; ++p)
+          o[p] = f16x2_sat(x[8 * hw + pair_nibble(p, 0)], x[8 * hw + pair_nibble(p, 1)]);
+        *(U32x4*)(dst + 8 * hw) = U32x4{o[0], o[1], o[2], o[3]};
+      }
+    }
+  }
+}
+// ---------------------------------------------------------------------------------------
 // One warp, NTL decoded tiles of 16 keys (tile j: keys key0 + j * kstride .., at smem
 // address tiles + j * tile_bytes, K rows then V rows): scores, softmax, P.V for the warp's
 // 16 rows (lane rows g, g + 8).  lim: the rows' key limits (split end included); rs: score
@@ -215,6 +302,7 @@ template <typename T, int D, int MW, bool WIN>
 FP4C_DEVICE void varlen_item(u32 item, const void* __restrict__ q, const void* __restrict__ qsl,
                              const void* __restrict__ tables, const void* __restrict__ seq_lens,
                              void* __restrict__ out, float* __restrict__ lse,
+                             const void* __restrict__ new_k, const void* __restrict__ new_v,
                              const VarlenParams& P) {
   constexpr bool SPLIT = T::kBytes == 4;
   using A = VlDims<D, MW, SPLIT>;
@@ -268,8 +356,28 @@ FP4C_DEVICE void varlen_item(u32 item, const void* __restrict__ q, const void* _
   u16* my_tile = (u16*)(s_kv + warp * A::TILE);  // (the single set's)
   const u32 kv_s = smem_u32(s_kv);
   // the keys read from the pages: [s0, nv_end); the window's from nv_end on (a 16-key tile
-  // is one or the other: ws is a multiple of the block size, itself of 16)
-  const u32 nv_end = WIN ? min(W.s1, window_start(P, S, W.len)) : W.s1;
+  // is one or the other: ws is a multiple of the block size, itself of 16); the new
+  // tokens' from `first` on (new: written over a tile that reaches them)
+  const bool fresh = WIN && P.new_kind != 0u;
+  const u32 first = fresh ? W.len - W.n : W.len;  // (n <= len: the host checks)
+  const u32 nv_end = WIN ? min(min(W.s1, first), window_start(P, S, W.len)) : W.s1;
+  // the tile of keys [k0, k0 + 16): decoded (or the window's) below `first`, then the new
+  // rows over it (warp-uniform)
+  auto fill_tile = [&](u32 k0, u16* tile, const VlRaw<D>& R) {
+    if (fresh && k0 >= first) {
+      vl_new_rows<D, LD>(P, W, S, first, k0, new_k, new_v, tile, s_vnan);
+      return;
+    }
+    if (WIN && k0 >= nv_end && k0 < W.s1)
+      vl_window<D, LD>(P, S, k0 + (lane & 15u), min(W.s1, first), tile, s_vnan);
+    else
+      vl_decode<D>(R, k0 + (lane & 15u), P.swizzle, my_stage, PaddedTile<LD>{tile}, nan_key,
+                   s_vnan);
+    if (fresh && k0 + 16u > first) {
+      __syncwarp();  // the decoded rows are written before the new rows replace some
+      vl_new_rows<D, LD>(P, W, S, first, k0, new_k, new_v, tile, s_vnan);
+    }
+  };
   if constexpr (A::DBUF) {
     // two sets: step i + 1 decoded into one while step i is computed from the other (free:
     // the barrier ending step i - 1 follows its last read), one barrier per step; warps
@@ -277,12 +385,7 @@ FP4C_DEVICE void varlen_item(u32 item, const void* __restrict__ q, const void* _
     // warp of each (the decode's loads and conversions beside the other's MMAs)
     VlRaw<D> R;
     auto decode_into = [&](u32 k0, u32 set) {  // step k0's tile of this warp
-      u16* tile = (u16*)(s_kv + set * A::KVSET + warp * A::TILE);
-      if (WIN && k0 + 16u * warp >= nv_end && k0 + 16u * warp < W.s1)  // warp-uniform
-        vl_window<D, LD>(P, S, k0 + my_key, W.s1, tile, s_vnan);
-      else
-        vl_decode<D>(R, k0 + my_key, P.swizzle, my_stage, PaddedTile<LD>{tile}, nan_key,
-                     s_vnan);
+      fill_tile(k0 + 16u * warp, (u16*)(s_kv + set * A::KVSET + warp * A::TILE), R);
       if (k0 + A::STEP < W.s1) vl_load<D>(S, k0 + A::STEP + my_key, nv_end, R);
     };
     if (W.s0 < W.s1) {
@@ -319,9 +422,8 @@ FP4C_DEVICE void varlen_item(u32 item, const void* __restrict__ q, const void* _
 #pragma unroll
     for (int phase = 0; phase < (WIN ? 2 : 1); ++phase) {
       for (; WIN && phase == 0 ? step + A::STEP <= nv_end : step < W.s1; step += A::STEP) {
-        const u32 tile0 = step + 16u * warp;
-        if (WIN && phase == 1 && tile0 >= nv_end && tile0 < W.s1)  // warp-uniform
-          vl_window<D, LD>(P, S, step + my_key, W.s1, my_tile, s_vnan);
+        if (WIN && phase == 1)
+          fill_tile(step + 16u * warp, my_tile, R);
         else
           vl_decode<D>(R, step + my_key, P.swizzle, my_stage, PaddedTile<LD>{my_tile},
                        nan_key, s_vnan);
@@ -360,14 +462,15 @@ template <typename T, int D, int MW, bool WIN>
 FP4C_DEVICE void varlen_attn_impl(const void* __restrict__ q, const void* __restrict__ qsl,
                                   const void* __restrict__ tables,
                                   const void* __restrict__ seq_lens, void* __restrict__ out,
-                                  float* __restrict__ lse, const VarlenParams& P) {
+                                  float* __restrict__ lse, const void* __restrict__ new_k,
+                                  const void* __restrict__ new_v, const VarlenParams& P) {
   using A = VlDims<D, MW, T::kBytes == 4>;
   u32 dyn;
   asm("mov.u32 %0, %%dynamic_smem_size;" : "=r"(dyn));
   // the host sized it by _abi.varlen_smem_bytes: it must be this layout
   if (dyn < (u32)A::SMEM || P.smem != (u32)A::SMEM) __trap();
   for (u32 item = blockIdx.x; item < P.items; item += gridDim.x) {
-    varlen_item<T, D, MW, WIN>(item, q, qsl, tables, seq_lens, out, lse, P);
+    varlen_item<T, D, MW, WIN>(item, q, qsl, tables, seq_lens, out, lse, new_k, new_v, P);
     __syncthreads();  // the next item reuses the shared memory
   }
 }
@@ -379,8 +482,10 @@ FP4C_DEVICE void varlen_attn_impl(const void* __restrict__ q, const void* __rest
   extern "C" __global__ void __launch_bounds__(FP4C_VL_THREADS(MW), FP4C_VL_MINB(D, MW))     \
       NAME(const void* __restrict__ q, const void* __restrict__ qsl,                         \
            const void* __restrict__ tables, const void* __restrict__ seq_lens,               \
-           void* __restrict__ out, float* __restrict__ lse, const VarlenParams params) {     \
-    varlen_attn_impl<T, D, MW, (WIN) != 0>(q, qsl, tables, seq_lens, out, lse, params);      \
+           void* __restrict__ out, float* __restrict__ lse, const void* __restrict__ new_k,  \
+           const void* __restrict__ new_v, const VarlenParams params) {                      \
+    varlen_attn_impl<T, D, MW, (WIN) != 0>(q, qsl, tables, seq_lens, out, lse, new_k, new_v, \
+                                           params);                                          \
   }
 
 #ifdef FP4C_INSTANTIATIONS

@@ -253,16 +253,43 @@ def test_hf_exact_prompt_one_pass_is_the_float32_forward():
     assert out.shape == (2, 45) and cache.get_seq_length() == 44
 
 
-def test_hf_exact_prompt_is_refused_on_a_gpu_and_checked():
-    torch = pytest.importorskip("torch")
+def test_hf_exact_prompt_is_checked():
+    pytest.importorskip("torch")
     pytest.importorskip("transformers")
     import fp4cache.hf as fh
 
     _, cfg = _tiny_llama()
-    with pytest.raises(NotImplementedError, match="exact_prompt=True"):
-        fh.FP4Cache(cfg, 1, 32, device=torch.device("cuda"), exact_prompt=True)
     with pytest.raises(TypeError, match="exact_prompt must be True or False"):
         fh.FP4Cache(cfg, 1, 32, exact_prompt="yes")
+
+
+@pytest.mark.gpu
+def test_gpu_hf_exact_prompt_one_pass_is_the_forward_over_its_own_kv():
+    """On the GPU a one-pass forward with exact_prompt is the model's attention over its
+    own K/V up to the kernels' f16 inputs (about 1e-3 relative), well inside the error
+    the pages alone give."""
+    torch = pytest.importorskip("torch")
+    pytest.importorskip("transformers")
+    import fp4cache.hf as fh
+
+    transformers, cfg = _tiny_llama()
+    fused = _model(transformers, cfg, "fp4cache").cuda()
+    ref = _model(transformers, cfg, "sdpa").cuda()
+    ids = torch.randint(1, cfg.vocab_size, (2, 40), generator=torch.Generator().manual_seed(1))
+    ids = ids.cuda()
+    with torch.no_grad():
+        want = ref(input_ids=ids, past_key_values=transformers.DynamicCache()).logits
+        exact = fused(input_ids=ids, past_key_values=fh.FP4Cache(
+            fused.config, 2, 64, exact_prompt=True)).logits
+        paged = fused(input_ids=ids, past_key_values=fh.FP4Cache(fused.config, 2, 64)).logits
+        out = fused.generate(ids, past_key_values=fh.FP4Cache(fused.config, 2, 64,
+                                                              exact_prompt=True),
+                             max_new_tokens=5, do_sample=False,
+                             attention_mask=torch.ones_like(ids))
+    scale = float(want.abs().max())
+    err, err_paged = float((exact - want).abs().max()), float((paged - want).abs().max())
+    assert err <= 5e-3 * scale and err < err_paged / 2, (err, err_paged, scale)
+    assert out.shape == (2, 45)
 
 
 def test_hf_exact_prompt_dequantize_path_returns_the_pass_kv():
@@ -286,22 +313,145 @@ def test_hf_exact_prompt_dequantize_path_returns_the_pass_kv():
     assert float((fus - deq).abs().max()) <= 1e-4 * scale
 
 
-@pytest.mark.gpu
-def test_gpu_refuses_new_kv_before_any_work():
-    """The GPU kernels read every key through the pages: ``new_kv`` and ``exact_new``
-    raise ``NotImplementedError`` before anything is stored or launched."""
-    import cupy
+# -- the GPU: the any-length kernel reads the new rows (kernels/varlen_attention.cu) --------
+#: Tolerance of the GPU against the float64 reference: helpers.check's bound (the kernels'
+#: MMA inputs are f16; a new value times win_k_mul / win_v_mul, and the rotated K, are
+#: rounded to f16 there, as the window's values), lse within 1e-2 (the window's bound,
+#: test_attention_varlen.WIN_LSE_TOL).
+GPU_LSE_TOL = 1e-2
 
-    cache = PagedKVCache(4, 16, 2, 64, device="cuda")
-    q = cupy.zeros((3, 4, 64), cupy.float32)
-    k = cupy.ones((3, 2, 64), cupy.float32)
-    before = cache.buffer.copy()
-    with pytest.raises(NotImplementedError, match="new_kv"):
-        cache.attention(q, [0, 3], [[0]], [3], new_kv=(k, k))
-    with pytest.raises(NotImplementedError, match="new_kv"):
-        cache.decode_attention(q, [[0], [1], [2]], [1, 1, 1], new_kv=(k, k))
-    plan = fp4cache.AttentionPlan(4, 8, 1, device="cuda")
-    plan.plan([0, 3], [3], [[0]], [0, 1, 2])
-    with pytest.raises(NotImplementedError, match="new_kv"):
-        plan.run(cache, q, k, k, exact_new=True)
-    assert bool((cache.buffer == before).all())
+
+def gpu_twin(c: PagedKVCache) -> PagedKVCache:
+    """A CUDA cache holding ``c``'s pages, window slots and window map byte for byte."""
+    import cupy as cp
+
+    g = PagedKVCache(c.num_blocks, c.block_size, c.num_heads, c.head_dim, device="cuda",
+                     rotation=c.rotation, window_pages=c.window_pages,
+                     window_slots=c.window_slots, k_scale=c.k_scale, v_scale=c.v_scale,
+                     layout=c.layout, scale_rule=c.scale_rule)
+    g.buffer[...] = cp.asarray(c.buffer)
+    if c.window_slots:
+        g.window[...] = cp.asarray(c.window)
+        g.window_map[...] = cp.asarray(c.window_map)
+    return g
+
+
+def on_gpu(*arrays):
+    import cupy as cp
+
+    return tuple(cp.asarray(a) for a in arrays)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("opts", CASES, ids=lambda o: f"{o['rotation']}-win{o['window']}")
+@pytest.mark.parametrize("qdt, newdt, D, group, T", [
+    ("bfloat16", BF16, 128, 4, 16), ("float32", np.float32, 64, 1, 32),
+    ("float16", BF16, 256, 2, 16), ("bfloat16", np.float16, 64, 8, 64)])
+def test_gpu_new_kv_within_the_bound_of_float64(opts, qdt, newdt, D, group, T):
+    """Every tile kind: a chunk starting mid-page, one token after a long context (split
+    keys), a prefill without context, a long chunk (several query tiles), a sequence
+    without query tokens; either mask."""
+    from helpers import DT, check
+
+    rng = np.random.default_rng(7)
+    c, tab, lens, qsl, (k, v) = filled(rng, prior=[37, 20, 5, 0, 2000, 300],
+                                       new=[0, 1, 70, 21, 1, 200], T=T, D=D, dtype=newdt,
+                                       **opts)
+    g = gpu_twin(c)
+    q = (rng.standard_normal((int(qsl[-1]), group * c.num_heads, D), dtype=np.float32)
+         .astype(DT[qdt]))
+    for causal in (True, False):
+        out, lse = g.attention(*on_gpu(q, qsl, tab, lens), causal=causal,
+                               new_kv=on_gpu(k, v), return_lse=True)
+        ro, rl = window_reference(c, q, qsl, tab, lens, causal=causal, new_kv=(k, v))
+        check(out, lse, ro, rl, qdt, f"causal={causal}", lse_tol=GPU_LSE_TOL)
+    # the new tokens change what the pages alone give
+    paged = g.attention(*on_gpu(q, qsl, tab, lens), causal=False)
+    assert float(abs(paged - out).max()) > 0
+
+
+@pytest.mark.gpu
+def test_gpu_decode_attention_reads_the_new_token_exactly():
+    from helpers import check
+
+    rng = np.random.default_rng(8)
+    c, tab, lens, qsl, (k, v) = filled(rng, prior=[40, 3, 16, 3000], new=[1, 1, 1, 1],
+                                       rotation="hadamard", window=2, D=128)
+    g = gpu_twin(c)
+    q = rng.standard_normal((4, 4 * c.num_heads, c.head_dim), dtype=np.float32)
+    out, lse = g.decode_attention(*on_gpu(q, tab, lens), new_kv=on_gpu(k, v),
+                                  return_lse=True)
+    ro, rl = window_reference(c, q, qsl, tab, lens, causal=False, new_kv=(k, v))
+    check(out, lse, ro, rl, "float32", "decode", lse_tol=GPU_LSE_TOL)
+
+
+@pytest.mark.gpu
+def test_gpu_nan_new_values_reach_the_rows_that_see_them():
+    """A new V group holding NaN makes the group's columns NaN for the rows that see its
+    token (the pages' and the window's rule), a new K NaN those rows entirely."""
+    from helpers import check
+
+    rng = np.random.default_rng(9)
+    c, tab, lens, qsl, (k, v) = filled(rng, prior=[20, 40], new=[30, 25], D=64,
+                                       rotation="hadamard")
+    v[5, 1, 16:32] = np.nan  # sequence 0, new token 5 (position 25), head 1, group 1
+    k[30 + 10, 0, 3] = np.nan  # sequence 1, new token 10 (position 50), head 0
+    g = gpu_twin(c)
+    q = rng.standard_normal((int(qsl[-1]), 2 * c.num_heads, 64), dtype=np.float32)
+    out, lse = g.attention(*on_gpu(q, qsl, tab, lens), new_kv=on_gpu(k, v),
+                           return_lse=True)
+    ro, rl = window_reference(c, q, qsl, tab, lens, new_kv=(k, v))
+    assert np.isnan(ro).any()
+    check(out, lse, ro, rl, "float32", "nan", lse_tol=GPU_LSE_TOL)
+
+
+@pytest.mark.gpu
+def test_gpu_bad_page_id_spares_new_tokens():
+    from helpers import check
+
+    rng = np.random.default_rng(4)
+    c, tab, lens, qsl, (k, v) = filled(rng, prior=[16], new=[16])
+    q = rng.standard_normal((16, 2, c.head_dim), dtype=np.float32)
+    ro, rl = window_reference(c, q, qsl, tab, lens, new_kv=(k, v))
+    bad = tab.copy()
+    bad[0, 1] = c.num_blocks + 5
+    g = gpu_twin(c)
+    out, lse = g.attention(*on_gpu(q, qsl, bad, lens), new_kv=on_gpu(k, v), validate=False,
+                           return_lse=True)
+    check(out, lse, ro, rl, "float32", "bad page", lse_tol=GPU_LSE_TOL)
+    assert int(g.stats["bad_block_ids"]) == 1
+
+
+@pytest.mark.gpu
+def test_gpu_plan_run_exact_new_is_store_then_attention():
+    """``AttentionPlan.run(..., exact_new=True)`` with PyTorch's strided K/V views (one
+    fused projection, as vLLM's) is the store, then ``attention(new_kv=...)``."""
+    torch = pytest.importorskip("torch")
+    import cupy as cp
+
+    rng = np.random.default_rng(6)
+    T, H, D = 16, 2, 64
+    plan = fp4cache.AttentionPlan(max_batch_size=4, max_num_tokens=64, max_blocks_per_seq=4,
+                                  device="cuda")
+    lens = np.array([21, 3, 1])
+    qsl = np.array([0, 1, 4, 5])
+    tab = np.array([[0, 1, -1, -1], [2, -1, -1, -1], [3, -1, -1, -1]], np.int32)
+    slots = np.array([20, 32, 33, 34, 48])
+    a, b = (PagedKVCache(8, T, H, D, device="cuda", rotation="hadamard", window_pages=1,
+                         window_slots=3) for _ in range(2))
+    k0, v0 = kv(rng, 20, H, D)
+    for cache in (a, b):
+        cache.map_window([1, 2, 3], [0, 1, 2])
+        cache.store(cp.arange(20), *on_gpu(k0, v0))
+    plan.plan(query_start_loc=qsl, seq_lens=lens, block_tables=tab, slot_mapping=slots)
+    q = torch.randn(5, 4 * H, D, device="cuda", dtype=torch.bfloat16)
+    qkv = torch.randn(5, (4 + 2) * H * D, device="cuda", dtype=torch.bfloat16)
+    k = qkv[:, 4 * H * D:5 * H * D].view(5, H, D)  # token stride (4 + 2) * H * D
+    v = qkv[:, 5 * H * D:].view(5, H, D)
+    got = plan.run(a, q, k, v, exact_new=True)
+    b.store(cp.asarray(slots), cp.from_dlpack(k.contiguous()), cp.from_dlpack(v.contiguous()))
+    want = b.attention(cp.from_dlpack(q), qsl, tab, lens,
+                       new_kv=(cp.from_dlpack(k.contiguous()), cp.from_dlpack(v.contiguous())))
+    torch.cuda.synchronize()
+    assert bool((cp.from_dlpack(got) == want).all())
+    assert bool((a.buffer == b.buffer).all())

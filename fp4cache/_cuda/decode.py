@@ -254,17 +254,23 @@ def fill_shared_params(p, buffer, geom: PageGeometry, stats, workspace: tuple[in
         p[name] = value
 
 
-def window_params(window, geom: PageGeometry, num_blocks: int, k_s, v_s) -> dict:
+def window_params(window, geom: PageGeometry, num_blocks: int, k_s, v_s,
+                  exact_new: bool = False) -> dict:
     """The ``AttnParams`` fields of the exact window (``docs/window.md``): ``window = (win,
     win_map, pages)`` (cupy uint16 ``(S, 2, T, H, D)`` bf16 bits, int32 ``(num_blocks,)``
     block -> slot, pages per sequence) or None (no window: ``win_pages = 0``).
-    ``win_k_mul`` / ``win_v_mul`` turn an exact K / V value into the units of the kernel's
-    decoded NVFP4 values (e2m1 * sf * 2^-PAIR_SCALE_SHIFT, :func:`attention_scales`):
+    ``win_k_mul`` / ``win_v_mul`` turn an exact K / V value (the window's, or with
+    ``exact_new`` the new tokens') into the units of the kernel's decoded NVFP4 values
+    (e2m1 * sf * 2^-PAIR_SCALE_SHIFT, :func:`attention_scales`):
     ``2^-PAIR_SCALE_SHIFT / k_scale`` (``v_scale``), so that the score and output scales
     apply to both (the kernel multiplies in its decode route's power of two)."""
+    unscale = 2.0 ** -_abi.PAIR_SCALE_SHIFT
+    big = float(np.finfo(np.float32).max)
+    muls = {"win_k_mul": _F32(min(unscale / float(np.float32(k_s)), big)),
+            "win_v_mul": _F32(min(unscale / float(np.float32(v_s)), big))}
     if window is None:
         return {"win": 0, "win_map": 0, "win_pages": 0, "win_slots": 0,
-                "win_k_mul": _F32(0), "win_v_mul": _F32(0)}
+                **(muls if exact_new else {"win_k_mul": _F32(0), "win_v_mul": _F32(0)})}
     win, win_map, pages = window
     T, H, D = geom.block_size, geom.num_heads, geom.head_dim
     if T % 16:
@@ -279,12 +285,9 @@ def window_params(window, geom: PageGeometry, num_blocks: int, k_s, v_s) -> dict
                          f"{win_map.dtype} {tuple(win_map.shape)}")
     if win.data.ptr % 16:
         raise ValueError("the window slots must be 16-byte aligned")
-    unscale = 2.0 ** -_abi.PAIR_SCALE_SHIFT
-    big = float(np.finfo(np.float32).max)
     return {"win": win.data.ptr, "win_map": win_map.data.ptr,
             "win_pages": max(0, min(int(pages), 0xFFFFFFFF)), "win_slots": int(win.shape[0]),
-            "win_k_mul": _F32(min(unscale / float(np.float32(k_s)), big)),
-            "win_v_mul": _F32(min(unscale / float(np.float32(v_s)), big))}
+            **muls}
 
 
 def make_decode_plan(buffer, q, block_tables, seq_lens, geom: PageGeometry, k_s, v_s, sm_scale,

@@ -10,6 +10,9 @@ be captured in a CUDA graph.  ``fp4cache._cpu`` has the same three functions.
 
 from __future__ import annotations
 
+import cupy
+import numpy as np
+
 from .._hotpath import store_signature
 from .decode import decode_plan_key, make_decode_run
 from .paged import gather_plan, store_plan
@@ -46,23 +49,18 @@ def gather_runner(pool: DevicePool, blocks, out_k, out_v, *, key=None):
     return run
 
 
-#: Why the GPU refuses the exact new tokens (``new_kv``).
-_NO_NEW_KV = ("exact new tokens (new_kv) on the GPU: the kernels read every key through the "
-              "pages; attend without new_kv, or on the CPU")
-
-
 def attention_runner(pool: DevicePool, q, query_start_loc, block_tables, seq_lens, *,
                      max_query_len: int, causal: bool, sm_scale, exact_new: bool = False,
                      key=None):
     """``run(q, query_start_loc, block_tables, seq_lens, out, lse)``: attention over
     ``pool`` for arrays like these (``query_start_loc`` None: one query token per
-    sequence, the decode launch).  The exact new tokens are not implemented on the GPU:
-    ``exact_new`` (the caller would pass ``new_kv`` to the run) raises
-    ``NotImplementedError`` before anything is prepared."""
-    if exact_new:
-        raise NotImplementedError(_NO_NEW_KV)
+    sequence, the decode launch).  ``exact_new``: the run also takes ``new_kv=(k, v)``,
+    the exact new tokens, read by the any-length kernel (a decode's too)."""
     kw = {"geom": pool.geometry, "k_s": pool.k_s, "v_s": pool.v_s, "sm_scale": sm_scale,
           "stats": pool.stats, "scratch": pool, **pool.window_args}
+    if exact_new:
+        return _exact_new_runner(pool, q, query_start_loc, block_tables, seq_lens,
+                                 max_query_len, causal, key, kw)
     if query_start_loc is None:
         if key is None:
             key = decode_plan_key(pool.buffer, q, block_tables, seq_lens, pool.geometry,
@@ -82,4 +80,33 @@ def attention_runner(pool: DevicePool, q, query_start_loc, block_tables, seq_len
         run = make_varlen_run(pool.buffer, q, query_start_loc, block_tables, seq_lens,
                               max_query_len=max_query_len, causal=causal, **kw)
         pool.plans.put(key, run)
+    return run
+
+
+def _exact_new_runner(pool: DevicePool, q, query_start_loc, block_tables, seq_lens,
+                      max_query_len: int, causal: bool, key, kw):
+    """The any-length kernel's run with the exact new tokens; a decode (no
+    ``query_start_loc``) runs it with one token per sequence (its own ``arange``)."""
+    decode = query_start_loc is None
+    if key is None:
+        key = ("decode" if decode else "varlen", id(pool), q.shape, q.dtype,
+               None if decode else (query_start_loc.shape, query_start_loc.dtype),
+               block_tables.shape[1], block_tables.dtype, seq_lens.dtype, int(max_query_len),
+               bool(causal), float(kw["sm_scale"]))
+    key = ("exact_new", key)
+    run = pool.plans.get(key)
+    if run is not None:
+        return run
+    if decode:
+        qsl = cupy.arange(q.shape[0] + 1, dtype=np.int32)
+        inner = make_varlen_run(pool.buffer, q, qsl, block_tables, seq_lens, max_query_len=1,
+                                causal=False, exact_new=True, **kw)
+
+        def run(q, query_start_loc, block_tables, seq_lens, out, lse, new_kv=None):
+            inner(q, qsl, block_tables, seq_lens, out, lse, new_kv=new_kv)
+    else:
+        run = make_varlen_run(pool.buffer, q, query_start_loc, block_tables, seq_lens,
+                              max_query_len=max_query_len, causal=causal, exact_new=True,
+                              **kw)
+    pool.plans.put(key, run)
     return run

@@ -110,6 +110,7 @@ class _VarlenPlan(NamedTuple):
     keep: tuple  # the workspace, what the params point to, and the PlanShape last
     block: int = 32 * _abi.VARLEN_WARPS
     name: str = ""  # the kernel's name
+    raw: Any = None  # the mma.sync varlen kernel's params as filled (it takes new_k, new_v)
 
 
 class _VarlenCall(NamedTuple):
@@ -120,17 +121,19 @@ class _VarlenCall(NamedTuple):
 def _make_launch(buffer, q, query_start_loc, block_tables, seq_lens, geom: PageGeometry,
                  row_warps: int, rows: int, rows_lo: int, rows_hi: int, causal: bool, k_s,
                  v_s, sm_scale, stats, workspace, window=None,
-                 rotate: bool = False, wgmma: bool = False) -> _VarlenPlan:
+                 rotate: bool = False, wgmma: bool = False,
+                 exact_new: bool = False) -> _VarlenPlan:
     """One launch for the sequences of ``rows_lo < rows <= rows_hi`` rows, the longest
-    ``rows``; with a window or the rotation the kernel variant that has them
-    (``decode.window_params``; q rotated in the kernel, its 1/sqrt(head_dim) included);
+    ``rows``; with a window, the rotation or the exact new tokens the kernel variant that
+    has them (``decode.window_params``; q rotated in the kernel, its 1/sqrt(head_dim)
+    included; the new rows' kind and strides are set per call, :func:`new_params`);
     ``wgmma``: the sm_90a kernel in place of the 128-row one (:func:`wgmma_applies`)."""
     _, Hq, D = q.shape
     B = int(query_start_loc.shape[0]) - 1
     H, T = geom.num_heads, geom.block_size
     group = Hq // H
     max_blocks = int(block_tables.shape[1])
-    extras = window is not None or bool(rotate)
+    extras = window is not None or bool(rotate) or exact_new
     dtype = K.value_type(q.dtype, "q.dtype")
     if wgmma:
         spec = K.varlen_wgmma_spec(dtype, D)
@@ -164,14 +167,15 @@ def _make_launch(buffer, q, query_start_loc, block_tables, seq_lens, geom: PageG
     fill_shared_params(p, buffer, geom, stats, (ws_o, ws_ml, counters), group, block_tables,
                        seq_lens, query_start_loc.dtype.itemsize == 8, causal, rows_lo, rows_hi,
                        q.shape[0], attention_scales(sm_scale, k_s, v_s))
-    for name, value in window_params(window, geom, int(buffer.shape[0]), k_s, v_s).items():
+    for name, value in window_params(window, geom, int(buffer.shape[0]), k_s, v_s,
+                                     exact_new).items():
         p[name] = value
     p["rotate"] = 1 if rotate else 0
     for name, value in (("slots", ps.slots), ("max_splits", ps.max_splits), ("smem", smem),
                         ("items", items)):
         p[name] = value
     return _VarlenPlan(fn, grid, smem, by_value(p), (buffer, stats, geom, window, ps), threads,
-                       spec.name)
+                       spec.name, None if wgmma else p)
 
 
 def wgmma_applies(q, row_warps: int, extras: bool, smem_max: int, route: str = "auto") -> bool:
@@ -190,7 +194,7 @@ def wgmma_applies(q, row_warps: int, extras: bool, smem_max: int, route: str = "
 def make_varlen_plan(buffer, q, query_start_loc, block_tables, seq_lens, geom: PageGeometry,
                max_query_len: int, causal: bool, k_s, v_s, sm_scale, stats,
                workspace, window=None, rotate: bool = False,
-               route: str = "auto") -> _VarlenCall:
+               route: str = "auto", exact_new: bool = False) -> _VarlenCall:
     if route not in K.PREFILL_ROUTES:
         raise ValueError(f"route must be one of {K.PREFILL_ROUTES}, got {route!r}")
     _, Hq, D = q.shape
@@ -199,6 +203,12 @@ def make_varlen_plan(buffer, q, query_start_loc, block_tables, seq_lens, geom: P
     rows = max(1, int(max_query_len)) * group
     args = (buffer, q, query_start_loc, block_tables, seq_lens, geom)
     small = _abi.MMA_ROWS
+    if exact_new:
+        # the exact new tokens: every sequence in the mma.sync kernel's variant that reads
+        # them (neither the few-row nor the wgmma kernel does)
+        return _VarlenCall((_make_launch(
+            *args, _fitting_row_warps(q, rows), rows, 0, 0xFFFFFFFF, causal, k_s, v_s,
+            sm_scale, stats, workspace, window, rotate, exact_new=True),))
     if rows <= K.attn_max_rows(K.value_type(q.dtype, "q.dtype"), D):
         # decode / speculative verification: one launch of the few-row kernel
         return _VarlenCall((_few_rows_launch(*args, 0, 0xFFFFFFFF, max_query_len, causal, k_s,
@@ -206,15 +216,8 @@ def make_varlen_plan(buffer, q, query_start_loc, block_tables, seq_lens, geom: P
                                              rotate),))
     # mixed: sequences of <= 16 rows in the few-row kernel, the others in the smallest
     # varlen kernel that holds the longest (and whose shared memory this device has)
-    split_q = np.dtype(q.dtype).itemsize == 4
-    smem_max = int(cupy.cuda.Device().attributes["MaxSharedMemoryPerBlockOptin"]) - 4096
-    big = row_warps_for(rows)
-    while big > 1 and _abi.varlen_smem_bytes(D, big, split_q) > smem_max:
-        big //= 2  # e.g. head_dim 256 with float32 q on sm_80 (163 KB per CTA)
-    if _abi.varlen_smem_bytes(D, 1, split_q) > smem_max:
-        raise ValueError(f"head_dim {D} with {q.dtype} q needs more shared memory per CTA "
-                         f"than this device has ({smem_max + 4096} bytes)")
-    wgmma = wgmma_applies(q, big, window is not None or bool(rotate), smem_max, route)
+    big = _fitting_row_warps(q, rows)
+    wgmma = wgmma_applies(q, big, window is not None or bool(rotate), _smem_max(), route)
     # the few-row kernel in two launches where a one-token sequence fits its one-n8-tile
     # form (the decodes of a mixed batch: the two-tile form costs them 1.5x)
     half = small // 2
@@ -224,6 +227,26 @@ def make_varlen_plan(buffer, q, query_start_loc, block_tables, seq_lens, geom: P
     return _VarlenCall(few + (
         _make_launch(*args, big, rows, small, 0xFFFFFFFF, causal, k_s, v_s, sm_scale,
                      stats, workspace, window, rotate, wgmma),))
+
+
+def _smem_max() -> int:
+    """Shared memory per CTA this device offers a kernel (less the static part's bound)."""
+    return int(cupy.cuda.Device().attributes["MaxSharedMemoryPerBlockOptin"]) - 4096
+
+
+def _fitting_row_warps(q, rows: int) -> int:
+    """Row warps of the smallest varlen kernel that holds ``rows`` and whose shared memory
+    this device has (``ValueError`` when not even the 16-row one fits)."""
+    D = q.shape[2]
+    split_q = np.dtype(q.dtype).itemsize == 4
+    smem_max = _smem_max()
+    big = row_warps_for(rows)
+    while big > 1 and _abi.varlen_smem_bytes(D, big, split_q) > smem_max:
+        big //= 2  # e.g. head_dim 256 with float32 q on sm_80 (163 KB per CTA)
+    if _abi.varlen_smem_bytes(D, 1, split_q) > smem_max:
+        raise ValueError(f"head_dim {D} with {q.dtype} q needs more shared memory per CTA "
+                         f"than this device has ({smem_max + 4096} bytes)")
+    return big
 
 
 def _few_rows_launch(buffer, q, query_start_loc, block_tables, seq_lens, geom: PageGeometry,
@@ -247,7 +270,7 @@ def _few_rows_launch(buffer, q, query_start_loc, block_tables, seq_lens, geom: P
 
 def varlen_plan_key(buffer, q, query_start_loc, block_tables, seq_lens, geom, max_query_len, causal,
               k_s, v_s, sm_scale, stats, window=None, rotate: bool = False,
-              route: str = "auto") -> tuple:
+              route: str = "auto", exact_new: bool = False) -> tuple:
     # id(geom): the plan keeps geom alive, so the id is not reused while the key exists.
     # No stream: the workspace is the owner's, shared by every stream (calls on different
     # streams are ordered by the caller, see Workspace).
@@ -255,34 +278,71 @@ def varlen_plan_key(buffer, q, query_start_loc, block_tables, seq_lens, geom, ma
             id(geom), q.shape, q.dtype, query_start_loc.shape[0], query_start_loc.dtype,
             block_tables.shape[1], block_tables.dtype, seq_lens.dtype, int(max_query_len),
             bool(causal), float(k_s), float(v_s), float(sm_scale), stats.data.ptr,
-            window_key(window, rotate), route)
+            window_key(window, rotate), route, bool(exact_new))
 
 
 def make_varlen_run(buffer, q, query_start_loc, block_tables, seq_lens, *,
                     max_query_len: int, causal: bool, geom: PageGeometry, k_s, v_s, sm_scale,
-                    stats, scratch, window=None, rotate: bool = False, route: str = "auto"):
-    """``run(q, query_start_loc, block_tables, seq_lens, out, lse)``: :func:`attention` for
-    arrays like these on the current stream, prepared now (one to three launches per
-    call).  ``window = (slots, map, pages)``: the cache's exact window (keys from the
-    window start on read from the bf16 slots, ``docs/window.md``); ``rotate``: K is
-    stored rotated, q is rotated in the kernels; ``route``: ``_kernels.PREFILL_ROUTES``.
-    ``run.plan`` is the plan."""
+                    stats, scratch, window=None, rotate: bool = False, route: str = "auto",
+                    exact_new: bool = False):
+    """``run(q, query_start_loc, block_tables, seq_lens, out, lse, new_kv=None)``:
+    :func:`attention` for arrays like these on the current stream, prepared now (one to
+    three launches per call).  ``window = (slots, map, pages)``: the cache's exact window
+    (keys from the window start on read from the bf16 slots, ``docs/window.md``);
+    ``rotate``: K is stored rotated, q is rotated in the kernels; ``route``:
+    ``_kernels.PREFILL_ROUTES``; ``exact_new``: the run takes ``new_kv = (k, v)``, the
+    exact new tokens (the keys ``[seq_lens[b] - n_b, seq_lens[b])`` read from their rows
+    ``query_start_loc[b] ..``, :func:`new_params`).  ``run.plan`` is the plan."""
     plan = make_varlen_plan(buffer, q, query_start_loc, block_tables, seq_lens, geom,
                             max_query_len, causal, k_s, v_s, sm_scale, stats,
-                            scratch.workspace, window, rotate, route)
+                            scratch.workspace, window, rotate, route, exact_new)
     zero = NULL
-    launches = tuple((lp.fn, (lp.grid,), (lp.block,), lp.smem, lp.params)
+    launches = tuple((lp.fn, (lp.grid,), (lp.block,), lp.smem, lp.params, lp.raw is not None)
                      for lp in plan.launches)
+    by_rows: dict = {}  # (dtype, token strides) of new_kv -> the launch's params
 
-    def run(q, query_start_loc, block_tables, seq_lens, out, lse, _keep=plan):
-        # both kernels take (q, query_start_loc, block_tables, seq_lens, out, lse, params)
-        args_tail = (out, zero if lse is None else lse)
-        for fn, grid, block, smem, params in launches:
-            fn(grid, block, (q, query_start_loc, block_tables, seq_lens) + args_tail + (params,),
-               shared_mem=smem)
+    def run(q, query_start_loc, block_tables, seq_lens, out, lse, new_kv=None, _keep=plan):
+        # (q, query_start_loc, block_tables, seq_lens, out, lse), then new_k, new_v for the
+        # mma.sync varlen kernel, then the params
+        head = (q, query_start_loc, block_tables, seq_lens, out, zero if lse is None else lse)
+        tail = (zero, zero)
+        if new_kv is not None:
+            if not exact_new:
+                raise ValueError("new_kv given to a run prepared without exact_new")
+            k, v = (_new_rows(a) for a in new_kv)
+            sig = (k.dtype, k.strides[0], v.strides[0])
+            params = by_rows.get(sig)
+            if params is None:
+                params = by_rows[sig] = new_params(plan.launches[0].raw, k, v)
+            (fn, grid, block, smem, _, _), = launches
+            fn(grid, block, head + (k, v, params), shared_mem=smem)
+            return
+        for fn, grid, block, smem, params, takes_new in launches:
+            fn(grid, block, head + (tail if takes_new else ()) + (params,), shared_mem=smem)
 
     run.plan = plan  # type: ignore[attr-defined]
     return run
+
+
+def _new_rows(a):
+    """An exact-new-tokens array as the kernel reads it: rows ``(N, H, D)`` whose heads and
+    values are contiguous and whose start and token stride are 16-byte aligned (any other
+    is copied)."""
+    e = a.dtype.itemsize
+    if (a.strides[1:] == (a.shape[2] * e, e) and a.data.ptr % 16 == 0
+            and a.strides[0] % 16 == 0 and a.strides[0] >= 0):
+        return a
+    return cupy.ascontiguousarray(a)
+
+
+def new_params(raw, k, v):
+    """The launch's params (``raw``, as :func:`_make_launch` filled them) for the exact new
+    rows ``k``, ``v`` (:func:`_new_rows`): their kind and token strides."""
+    p = raw.copy()
+    p["new_kind"] = _abi.NEW_KV_KINDS[K.value_type(k.dtype, "new_kv dtype")]
+    p["new_k_ld"] = k.strides[0] // k.dtype.itemsize
+    p["new_v_ld"] = v.strides[0] // v.dtype.itemsize
+    return by_value(p)
 
 
 def varlen_runner(buffer, q, query_start_loc, block_tables, seq_lens, *, max_query_len: int,
