@@ -10,6 +10,10 @@
 #                                      # racecheck over the wgmma, few-row and 128-row
 #                                      # mma.sync kernels' cases
 #                                      # (~7 min)
+#   bash bench/device_check.sh exact-new  # the exact new tokens: their GPU tests with the
+#                                      # any-length, decode, window, plan, interop and hf
+#                                      # tests, compute-sanitizer memcheck / racecheck over
+#                                      # theirs, the prefill row with and without them
 #   bash bench/device_check.sh varlen-probe  # the wgmma kernel with its loads, decode or
 #                                      # MMAs switched off (bench/wgmma_decode_probe.py)
 #   bash bench/device_check.sh varlen-bench  # the varlen_bench table beside SDPA (JSON in $OUT)
@@ -131,6 +135,22 @@ varlen)
     echo "compute-sanitizer $tool exit=$? $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY|passed|failed' \
         "$OUT/varlen-sanitizer-$tool.log" | tr '\n' ' ')"
   done
+  ;;
+exact-new)
+  compile_every_kernel
+  timeout 260 python3 -m pytest -q -n 16 -p no:cacheprovider -W ignore::FutureWarning \
+      tests/test_exact_new.py tests/test_attention_varlen.py tests/test_attention_decode.py \
+      tests/test_window.py tests/test_plans.py tests/test_interop.py tests/test_hf.py \
+      2>&1 | tee "$OUT/exact-new-tests.log" | tail -25
+  for tool in memcheck racecheck; do
+    timeout 60 compute-sanitizer --tool "$tool" --error-exitcode 9 \
+        python3 -m pytest -q -p no:cacheprovider tests/test_exact_new.py -k "gpu and not hf" \
+        > "$OUT/exact-new-sanitizer-$tool.log" 2>&1
+    echo "compute-sanitizer $tool exit=$? $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY|passed|failed' \
+        "$OUT/exact-new-sanitizer-$tool.log" | tr '\n' ' ')"
+  done
+  timeout 100 python3 bench/varlen_bench.py --only prefill --window 3 --rotate --reps 5 \
+      --out "$OUT/exact-new-bench.json" 2>&1 | tee "$OUT/exact-new-bench.log" | tail -12
   ;;
 varlen-probe)
   timeout 300 python3 bench/wgmma_decode_probe.py 2>&1 | tee "$OUT/wgmma-probe.log"

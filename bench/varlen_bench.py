@@ -285,9 +285,44 @@ class VarlenBench(AttnBench):
             f"{plan.fn.num_regs}; err {rel:.1e} ({row['check']})")
         self.variants(row, cache, tab, lensd, lambda w, r: self.varlen(
             cache, q, qsl, tab, lensd, out, new_scratch(), sm_scale, n, window=w, rotate=r), 3)
+        self.exact_new(row, cache, q, qsl, tab, lensd, out, sm_scale, n)
         self.rows.append(row)
         self.write()
         del k4, v4
+
+    def exact_new(self, row, cache, q, qsl, tab, lens, out, sm_scale, n):
+        """The row with the exact new tokens (``new_kv``: the chunk's K/V read from bf16
+        rows, the mma.sync route's _win kernel), with --window / --rotate as given; adds
+        exact_new_us and its ratios to the row's routes."""
+        from fp4cache._cuda import varlen as cv
+
+        g = cache.geometry
+        P, rot = self.args.window, self.args.rotate
+        win = self.window_of(cache, tab, lens, P) if P else None
+        k = self.env.randn_bf16((q.shape[0], g.num_heads, g.head_dim), 17)
+        v = self.env.randn_bf16((q.shape[0], g.num_heads, g.head_dim), 19)
+        run = cv.make_varlen_run(cache.buffer, q, qsl, tab, lens, max_query_len=n, causal=True,
+                                 geom=g, k_s=cache.pool.k_s, v_s=cache.pool.v_s,
+                                 sm_scale=sm_scale, stats=cache.pool.stats,
+                                 scratch=new_scratch(), window=win, rotate=rot, exact_new=True)
+
+        def call():
+            run(q, qsl, tab, lens, out, None, new_kv=(k, v))
+        call()
+        self.cp.cuda.Device().synchronize()
+        t = self.time([call], batch=3)
+        row.update(exact_new_us=t * 1e6, exact_new_vs_auto=t * 1e6 / row["varlen_us"])
+        if "mma_us" in row:
+            row["exact_new_vs_mma"] = t * 1e6 / row["mma_us"]
+        for name in ("window_rot", "rot", "window"):
+            if f"{name}_us" in row:  # the same cache options without new_kv
+                row["exact_new_vs_same_options"] = t * 1e6 / row[f"{name}_us"]
+                break
+        log(f"   exact new tokens (P={P}, rotate={rot}): {t * 1e6:.1f} us = "
+            f"{row['exact_new_vs_auto']:.3f}x auto"
+            + (f", {row['exact_new_vs_mma']:.3f}x mma" if "mma_us" in row else "")
+            + (f", {row['exact_new_vs_same_options']:.3f}x same options"
+               if "exact_new_vs_same_options" in row else ""))
 
     def prefill_shapes(self):
         """The prefill row at head_dim 64 and 256, a plain 8,192-token prefill, and four
