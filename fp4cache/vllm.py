@@ -15,6 +15,13 @@ attends from that memory with fp4cache's kernels:
   by ``slot_mapping``, attention over the pages for every kind of batch vLLM builds
   (decode, speculative verification, chunked prefill, mixed).
 
+A step with more than one query token per sequence somewhere (a prompt, a chunk, a
+verification) attends with the exact new tokens (``AttentionPlan.run(...,
+exact_new=True)``): its queries read the K/V vLLM hands over for that step as computed and
+only the earlier tokens through the pages, so a prompt's attention loses nothing to NVFP4.
+``FP4CACHE_EXACT_PROMPT=0`` in the environment turns that off (every key through the
+pages, the sm_90 wgmma kernel for long chunks); decode-only steps never use it.
+
 The page bytes are vLLM's, so pages can move between this backend and vLLM's own: the K
 and V data and scales in vLLM's order for the configured KV layout (``NHD`` or ``HND``,
 ``VLLM_KV_CACHE_LAYOUT``), V scales in the swizzled order vLLM's writer uses, the global
@@ -33,6 +40,7 @@ cross attention, MLA, fused output quantization.  PyTorch and vLLM are imported 
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -246,6 +254,7 @@ class FP4CacheImpl(AttentionImpl[FP4CacheMetadata]):
                                  "num_query_heads": self.num_heads}
         self._layout = get_kv_cache_layout()
         self._pages: tuple[tuple, PagedKVCache] | None = None
+        self.exact_prompt = _exact_prompt_setting()
 
     def pages(self, layer, kv_cache: torch.Tensor,
               layers: LayerGroup | None = None) -> PagedKVCache:
@@ -294,8 +303,17 @@ class FP4CacheImpl(AttentionImpl[FP4CacheMetadata]):
         pages = self.pages(layer, kv_cache, attn_metadata.layers)
         # q is read in place: a view of vLLM's fused projection is copied
         attn_metadata.plan.run(pages, query[:n].contiguous(), key[:n], value[:n],
-                               out=output[:n], sm_scale=self.scale)
+                               out=output[:n], sm_scale=self.scale,
+                               exact_new=self.exact_prompt and attn_metadata.max_query_len > 1)
         return output
+
+
+def _exact_prompt_setting() -> bool:
+    """``FP4CACHE_EXACT_PROMPT`` from the environment: "1" (the default) or "0"."""
+    value = os.environ.get("FP4CACHE_EXACT_PROMPT", "1").strip()
+    if value not in ("0", "1"):
+        raise ValueError(f"FP4CACHE_EXACT_PROMPT must be 0 or 1, got {value!r}")
+    return value == "1"
 
 
 def _max_model_len(vllm_config) -> int | None:

@@ -169,7 +169,10 @@ def test_steps_through_vllm_classes_equal_the_cache_by_hand(layout, dtype, devic
             layer.impl.forward(layer, q, k, v, kv, md, output=out)
             assert bool((out[n:] == 7.0).all())
             ref.store(np.array(slots), _host(k[:n]), _host(v[:n]))
-            want = ref.attention(_host(q[:n]), np.array(qsl), np.array(bt), np.array(sl))
+            # a step with a prompt or chunk reads its own K/V exactly (exact prompt)
+            prompt = max(np.diff(qsl)) > 1
+            want = ref.attention(_host(q[:n]), np.array(qsl), np.array(bt), np.array(sl),
+                                 new_kv=(_host(k[:n]), _host(v[:n])) if prompt else None)
             _assert_output(_host(out[:n]), want, dtype, device)
             physical = kv if layout == "NHD" else kv.permute(0, 1, 3, 2, 4)
             assert np.array_equal(physical.contiguous().cpu().numpy().reshape(nb, -1),
@@ -206,7 +209,8 @@ def test_attention_layer_forward_as_vllms_model_runs_it(layout):
     ref = PagedKVCache(8, BS, H, D, layout=layout, device="cpu")
     ref.store(np.array(slots), _host(k.view(20, H, D)), _host(v.view(20, H, D)))
     want = ref.attention(_host(q.view(20, HQ, D)), np.array([0, 20]), np.array([[3, 5]]),
-                         np.array([20]))
+                         np.array([20]), new_kv=(_host(k.view(20, H, D)),
+                                                 _host(v.view(20, H, D))))
     _assert_output(_host(out.view(20, HQ, D)), want, "bfloat16", device)
     assert np.array_equal(layer.kv_cache.cpu().numpy().reshape(8, -1), ref.buffer.reshape(8, -1))
 
@@ -375,3 +379,17 @@ def test_entry_point_registers_in_every_vllm_process():
     assert meta["entry-points"]["vllm.general_plugins"] == {"fp4cache": "fp4cache.vllm:register"}
     assert any(d.startswith("vllm") for d in meta["optional-dependencies"]["vllm"])
     assert "fp4cache.vllm" in sys.modules
+
+
+@pytest.mark.parametrize("value, exact", [("0", False), ("1", True), (None, True)])
+def test_exact_prompt_follows_the_environment(monkeypatch, value, exact):
+    """``FP4CACHE_EXACT_PROMPT``: a prompt step reads its own K/V exactly unless it is 0;
+    another value is refused when the layer is built."""
+    if value is None:
+        monkeypatch.delenv("FP4CACHE_EXACT_PROMPT", raising=False)
+    else:
+        monkeypatch.setenv("FP4CACHE_EXACT_PROMPT", value)
+    assert _layer(_config()).impl.exact_prompt is exact
+    monkeypatch.setenv("FP4CACHE_EXACT_PROMPT", "yes")
+    with pytest.raises(ValueError, match="FP4CACHE_EXACT_PROMPT must be 0 or 1"):
+        _layer(_config())
