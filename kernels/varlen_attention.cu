@@ -209,7 +209,7 @@ FP4C_DEVICE void vl_new_rows(const VarlenParams& P, const VlWork& W, const VlSeq
 #pragma unroll
     for (int i = 0; i < 16; ++i) {
       x[i] = f_mul(x[i], mul);
-      nan |= x[i] != x[i];
+      nan |= (__float_as_uint(x[i]) & 0x7FFFFFFFu) > 0x7F800000u;  // (no .ftz compare)
     }
     if (side == 1u && nan) {  // (only a live row holds a NaN)
       atomicMin(&s_vnan[g], key);
