@@ -279,11 +279,11 @@ def _fp4cache(ctx: Context, max_len: int, rule: str, calibrated: bool) -> Cache:
 
 
 def _fp4cache_decode(ctx: Context, max_len: int, calibrated: bool,
-                     exact_prompt: bool = False) -> Cache:
-    """``FP4Cache`` with its defaults (4over6, Hadamard-rotated K, 3 exact pages per row),
-    read as decode steps read it: the window evaluated in chunks of one page
-    (:func:`hidden_states`); ``exact_prompt``: each forward pass reads its own K/V
-    exactly."""
+                     exact_prompt: bool = True) -> Cache:
+    """``FP4Cache`` with its defaults (4over6, Hadamard-rotated K, 3 exact pages per row, a
+    pass of several tokens reading its own K/V exactly), read as decode steps read it: the
+    window evaluated in chunks of one page (:func:`hidden_states`); ``exact_prompt=False``:
+    every key through the pages."""
     ks, vs = ctx.rotated_scales if calibrated else (None, None)
     cache = fhf.FP4Cache(ctx.model.config, 1, max_len, device="cpu", k_scales=ks,
                          v_scales=vs, exact_prompt=exact_prompt)
@@ -292,16 +292,17 @@ def _fp4cache_decode(ctx: Context, max_len: int, calibrated: bool,
 
 
 register("fp4cache", "fp4cache.hf.FP4Cache's defaults: NVFP4 4over6, K rotated (Hadamard), "
-         "the newest 3 pages of the row exact; default scale; chunks of 16 tokens")(
+         "the newest 3 pages of the row exact, a pass's own K/V exact; default scale; "
+         "chunks of 16 tokens")(
     lambda ctx, max_len: _fp4cache_decode(ctx, max_len, False))
 register("fp4cache-cal", "fp4cache's FP4Cache defaults with per-layer scales from "
          "calibrate_scales (K rotated); chunks of 16 tokens")(
     lambda ctx, max_len: _fp4cache_decode(ctx, max_len, True))
-register("fp4cache-exact", "fp4cache's FP4Cache defaults with exact_prompt=True: a forward "
-         "pass reads its own K/V exactly, earlier tokens from the pages", default=False)(
-    lambda ctx, max_len: _fp4cache_decode(ctx, max_len, False, exact_prompt=True))
-register("fp4cache-cal-exact", "fp4cache-cal with exact_prompt=True", default=False)(
-    lambda ctx, max_len: _fp4cache_decode(ctx, max_len, True, exact_prompt=True))
+register("fp4cache-paged", "fp4cache's FP4Cache defaults with exact_prompt=False: every "
+         "key through the pages (and the window), a pass's own ones too", default=False)(
+    lambda ctx, max_len: _fp4cache_decode(ctx, max_len, False, exact_prompt=False))
+register("fp4cache-cal-paged", "fp4cache-cal with exact_prompt=False", default=False)(
+    lambda ctx, max_len: _fp4cache_decode(ctx, max_len, True, exact_prompt=False))
 
 
 @register("float32", "float32 K/V (DynamicCache): the reference")

@@ -332,7 +332,7 @@ class FP4CacheLayer(CacheLayerMixin):
                                            _array(vt.view(-1, h, d), "values")))
             if rows.window_pages:
                 self._read_window(kt, vt, nb)
-        if self._owner.exact_prompt:  # this pass's own positions as the model computed them
+        if self._owner.exact_prompt and q > 1:  # the pass's own positions as computed
             kt[:, p:n] = key_states.transpose(1, 2)
             vt[:, p:n] = value_states.transpose(1, 2)
         self.positions = n
@@ -384,7 +384,7 @@ class FP4CacheLayer(CacheLayerMixin):
                 with rows.on_stream():
                     self.pages.map_window(*step.moves, validate=False)
             rows.plan.run(self.pages, qf.contiguous(), kf, vf, out=res,
-                          sm_scale=float(scaling), exact_new=self._owner.exact_prompt)
+                          sm_scale=float(scaling), exact_new=self._owner.exact_prompt and q > 1)
             if step.rows is not None:
                 out[step.rows] = res
         self.positions += q
@@ -438,19 +438,20 @@ class FP4Cache(Cache):
         The newest pages of each row kept exact in bf16 as well and read from there by
         the fused attention (``PagedKVCache(window_pages=...)``, one ring of that many
         slots per row; ``docs/window.md``).  Default 3 (0 when ``block_size % 16``,
-        which the window needs).  With ``rotation="hadamard"`` the default measured
-        +1.42 % over float32 K/V perplexity on SmolLM2 for decode steps after a prompt,
-        +6.19 % for a prompt's one forward pass (``docs/quality.md``).
-        ``0`` and ``rotation="none"``: the plain NVFP4 cache, byte-compatible with vLLM.
-    exact_prompt : bool, default False
-        The queries of a forward pass read that pass's own K/V exactly (the tensors the
-        model just computed, in its dtype) and the earlier tokens through the NVFP4 pages
-        (and the exact window); the pages are written as always, so later steps read
-        those tokens from there.  A one-pass forward of a prompt is then the model's
-        attention over its own K/V, and every decode step reads its own token exactly
-        (:meth:`fp4cache.PagedKVCache.attention`'s ``new_kv``).  The fused attention
-        reads them so, and the dequantizing path returns them in place of the pass's
-        positions.
+        which the window needs).  ``0`` and ``rotation="none"``: the plain NVFP4 cache,
+        byte-compatible with vLLM.
+    exact_prompt : bool, default True
+        The queries of a forward pass of more than one token (a prompt, a chunk) read
+        that pass's own K/V exactly (the tensors the model just computed, in its dtype)
+        and the earlier tokens through the NVFP4 pages (and the exact window); the pages
+        are written as always, so later steps read those tokens from there
+        (:meth:`fp4cache.PagedKVCache.attention`'s ``new_kv``).  A one-pass forward of a
+        prompt is then the model's attention over its own K/V; a decode step (one token)
+        reads its token from the window.  The fused attention reads them so, and the
+        dequantizing path returns them in place of the pass's positions.  On the GPU
+        such a pass runs in the mma.sync any-length kernel (not sm_90's wgmma one).
+        ``False``: every key through the pages.  The defaults measured on SmolLM2:
+        ``docs/quality.md``.
 
     Notes
     -----
@@ -483,7 +484,7 @@ class FP4Cache(Cache):
                  device: Any = None, block_size: int = 16, layout: str = "HND",
                  scale_rule: str = "4over6", k_scales: float | Sequence[float] | None = None,
                  v_scales: float | Sequence[float] | None = None, rotation: str | None = None,
-                 window_pages: int | None = None, exact_prompt: bool = False) -> None:
+                 window_pages: int | None = None, exact_prompt: bool = True) -> None:
         text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") \
             else config
         for name, value in (("max_batch_size", max_batch_size),
