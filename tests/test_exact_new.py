@@ -243,7 +243,7 @@ def test_hf_exact_prompt_one_pass_is_the_float32_forward():
         exact = fused(input_ids=ids, past_key_values=fh.FP4Cache(
             fused.config, 2, 64, device="cpu", exact_prompt=True), use_cache=True).logits
         paged = fused(input_ids=ids, past_key_values=fh.FP4Cache(
-            fused.config, 2, 64, device="cpu"), use_cache=True).logits
+            fused.config, 2, 64, device="cpu", exact_prompt=False), use_cache=True).logits
     scale = float(want.abs().max())
     assert float((exact - want).abs().max()) <= 1e-4 * scale
     assert float((paged - want).abs().max()) > 1e-4 * scale  # the pages' error shows
@@ -251,6 +251,33 @@ def test_hf_exact_prompt_one_pass_is_the_float32_forward():
     out = fused.generate(ids, past_key_values=cache, max_new_tokens=5, do_sample=False,
                          attention_mask=torch.ones_like(ids))
     assert out.shape == (2, 45) and cache.get_seq_length() == 44
+
+
+def test_hf_exact_prompt_is_on_by_default_for_passes_of_several_tokens(monkeypatch):
+    """The default cache reads a prompt's own K/V exactly; a decode step (one token) reads
+    its token from the window, as without exact_prompt."""
+    torch = pytest.importorskip("torch")
+    pytest.importorskip("transformers")
+    import fp4cache.hf as fh
+
+    seen = []
+    run = fp4cache.AttentionPlan.run
+
+    def spy(self, *args, exact_new=False, **kwargs):
+        seen.append(exact_new)
+        return run(self, *args, exact_new=exact_new, **kwargs)
+
+    monkeypatch.setattr(fp4cache.AttentionPlan, "run", spy)
+    transformers, cfg = _tiny_llama()
+    model = _model(transformers, cfg, "fp4cache")
+    ids = torch.randint(1, cfg.vocab_size, (1, 20), generator=torch.Generator().manual_seed(3))
+    cache = fh.FP4Cache(model.config, 1, 32, device="cpu")
+    assert cache.exact_prompt is True
+    with torch.no_grad():
+        model.generate(ids, past_key_values=cache, max_new_tokens=3, do_sample=False,
+                       attention_mask=torch.ones_like(ids))
+    layers = cfg.num_hidden_layers
+    assert seen == [True] * layers + [False] * (2 * layers)  # the prompt, two decode steps
 
 
 def test_hf_exact_prompt_is_checked():
@@ -281,7 +308,8 @@ def test_gpu_hf_exact_prompt_one_pass_is_the_forward_over_its_own_kv():
         want = ref(input_ids=ids, past_key_values=transformers.DynamicCache()).logits
         exact = fused(input_ids=ids, past_key_values=fh.FP4Cache(
             fused.config, 2, 64, exact_prompt=True)).logits
-        paged = fused(input_ids=ids, past_key_values=fh.FP4Cache(fused.config, 2, 64)).logits
+        paged = fused(input_ids=ids, past_key_values=fh.FP4Cache(
+            fused.config, 2, 64, exact_prompt=False)).logits
         out = fused.generate(ids, past_key_values=fh.FP4Cache(fused.config, 2, 64,
                                                               exact_prompt=True),
                              max_new_tokens=5, do_sample=False,

@@ -82,7 +82,7 @@ def _close(a, b, rtol=LOGIT_RTOL):
 
 
 #: The plain NVFP4 cache (no rotation, no exact window): vLLM's pages.
-PLAIN = {"rotation": "none", "window_pages": 0}
+PLAIN = {"rotation": "none", "window_pages": 0, "exact_prompt": False}
 
 CASES = [("llama", 8, 2, 64), ("qwen2", 6, 2, 128), ("mistral", 4, 4, 64),
          ("llama", 12, 4, 128)]  # GQA 4, 3, 1, 3; head_dim 64 and 128
@@ -145,7 +145,8 @@ def test_gpu_fused_attention_refuses_head_dim_96_at_construction():
 def test_dequantize_mode_returns_the_exact_window():
     cfg = _config("llama")
     model = _model(cfg, "eager")
-    cache = fh.FP4Cache(model.config, 1, 64, device="cpu")  # rotation and window (default)
+    # rotation and window (default), every key read through the pages and the window
+    cache = fh.FP4Cache(model.config, 1, 64, device="cpu", exact_prompt=False)
     assert (cache.rotation, cache.window_pages) == ("hadamard", 3)
     k = torch.randn(1, 2, 40, 64)
     v = torch.randn(1, 2, 40, 64)
