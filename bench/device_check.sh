@@ -14,8 +14,6 @@
 #                                      # any-length, decode, window, plan, interop and hf
 #                                      # tests, compute-sanitizer memcheck / racecheck over
 #                                      # theirs, the prefill row with and without them
-#   bash bench/device_check.sh varlen-probe  # the wgmma kernel with its loads, decode or
-#                                      # MMAs switched off (bench/wgmma_decode_probe.py)
 #   bash bench/device_check.sh varlen-bench  # the varlen_bench table beside SDPA (JSON in $OUT)
 #   bash bench/device_check.sh vllm    # fp4cache.vllm: tests/test_vllm.py on the GPU, then
 #                                      # bench/vllm_bench.py agree (greedy tokens against
@@ -151,9 +149,6 @@ exact-new)
   done
   timeout 100 python3 bench/varlen_bench.py --only prefill --window 3 --rotate --reps 5 \
       --out "$OUT/exact-new-bench.json" 2>&1 | tee "$OUT/exact-new-bench.log" | tail -12
-  ;;
-varlen-probe)
-  timeout 300 python3 bench/wgmma_decode_probe.py 2>&1 | tee "$OUT/wgmma-probe.log"
   ;;
 varlen-bench)
   timeout 540 python3 bench/varlen_bench.py --only spec prefill prefill_shapes mixed --reps 5 \

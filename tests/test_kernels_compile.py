@@ -10,7 +10,6 @@ every family.
 
 from __future__ import annotations
 
-import dataclasses
 import re
 
 import pytest
@@ -79,70 +78,6 @@ def test_wgmma_kernel_assembles_for_every_head_dim_it_compiles_for():
         log = K.compile_log(K.build_source("varlen_wgmma.cu", specs[:1]), "varlen_wgmma.cu",
                             "sm_90a", ("-Xptxas", "-v") + K.CUPY_IMPLICIT_OPTIONS)
         assert "error" not in log.lower() and "Potential Performance Loss" not in log, log
-
-
-@needs_nvrtc
-@pytest.mark.parametrize("probe", ["wgmma_decode_probe", "wgmma_timeline"])
-def test_probe_copies_of_the_wgmma_kernel_compile(probe, tmp_path, monkeypatch):
-    """The probes in bench/ time patched copies of kernels/varlen_wgmma.cu on a GPU; every
-    copy (each variant's folder) still applies to the sources here and compiles for sm_90a
-    at both head dims, so that a kernel change that breaks a probe fails on the CPU."""
-    import dataclasses
-    import importlib
-    from pathlib import Path
-
-    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "bench"))
-    mod = importlib.import_module(probe)
-    from kernel_patch import write_folder
-
-    assert mod.FOLDERS
-    for name, files in mod.FOLDERS.items():
-        folder = write_folder(tmp_path / name, files)
-        specs = [dataclasses.replace(K.varlen_wgmma_spec("bf16", d), folder=folder)
-                 for d in (64, 128)]
-        ptx = K.compile_all("sm_90", specs)["varlen_wgmma.cu"]
-        for spec in specs:
-            assert f".entry {spec.name}(" in ptx, (name, spec.name)
-
-
-def _few_row_specs(folder):
-    return [dataclasses.replace(K.decode_attention_spec("bf16", d, t), folder=folder)
-            for d in (64, 128) for t in K.ATTN_ROW_TILES]
-
-
-def _mma_route_specs(folder):
-    return [dataclasses.replace(K.varlen_attention_spec(dt, d, 8, win), folder=folder)
-            for dt, d, win in (("bf16", 128, False), ("bf16", 64, False), ("f32", 64, False),
-                               ("bf16", 128, True), ("bf16", 256, False))]
-
-
-@needs_nvrtc
-@pytest.mark.parametrize("probe, specs, arches", [
-    ("few_rows_probe", _few_row_specs, ("sm_90",)),
-    ("mma_route_probe", _mma_route_specs, ("sm_80", "sm_90")),
-])
-def test_probe_copies_of_the_mma_sync_kernels_compile(probe, specs, arches, tmp_path,
-                                                      monkeypatch):
-    """bench/few_rows_probe.py and bench/mma_route_probe.py time patched copies of
-    kernels/decode_attention.cu and kernels/varlen_attention.cu; every copy still applies
-    here and compiles (each n8-tile form; the 128-row kernel at head_dim 64 / 128 / 256,
-    float32 q and the window variant); a probe without copies times its base only."""
-    import importlib
-    from pathlib import Path
-
-    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "bench"))
-    mod = importlib.import_module(probe)
-    from kernel_patch import write_folder
-
-    if not mod.FOLDERS:
-        assert set(mod.PATCHES) == {"base"}
-    for name, files in mod.FOLDERS.items():
-        folder = write_folder(tmp_path / name, files)
-        for arch in arches:
-            built = specs(folder)
-            ptx = K.compile_all(arch, built)[built[0].file]
-            for spec in built:
-                assert f".entry {spec.name}(" in ptx, (name, arch, spec.name)
 
 
 @needs_nvrtc
