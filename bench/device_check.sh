@@ -135,18 +135,21 @@ varlen)
   done
   ;;
 exact-new)
-  compile_every_kernel
-  timeout 260 python3 -m pytest -q -n 16 -p no:cacheprovider -W ignore::FutureWarning \
-      tests/test_exact_new.py tests/test_attention_varlen.py tests/test_attention_decode.py \
-      tests/test_window.py tests/test_plans.py tests/test_interop.py tests/test_hf.py \
-      2>&1 | tee "$OUT/exact-new-tests.log" | tail -25
+  # most telling first: the new tests, memcheck over them, then the neighbours' tests
+  timeout 150 python3 -m pytest -q -n 8 -p no:cacheprovider -W ignore::FutureWarning \
+      tests/test_exact_new.py 2>&1 | tee "$OUT/exact-new-tests.log" | tail -8
   for tool in memcheck racecheck; do
-    timeout 60 compute-sanitizer --tool "$tool" --error-exitcode 9 \
+    timeout 90 compute-sanitizer --tool "$tool" --error-exitcode 9 \
         python3 -m pytest -q -p no:cacheprovider tests/test_exact_new.py -k "gpu and not hf" \
         > "$OUT/exact-new-sanitizer-$tool.log" 2>&1
     echo "compute-sanitizer $tool exit=$? $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY|passed|failed' \
         "$OUT/exact-new-sanitizer-$tool.log" | tr '\n' ' ')"
+    [ "${QUICK:-}" ] && break
   done
+  timeout 240 python3 -m pytest -q -n 16 -p no:cacheprovider -W ignore::FutureWarning \
+      tests/test_attention_varlen.py tests/test_attention_decode.py tests/test_window.py \
+      tests/test_plans.py tests/test_interop.py tests/test_hf.py \
+      2>&1 | tee "$OUT/neighbour-tests.log" | tail -12
   timeout 100 python3 bench/varlen_bench.py --only prefill --window 3 --rotate --reps 5 \
       --out "$OUT/exact-new-bench.json" 2>&1 | tee "$OUT/exact-new-bench.log" | tail -12
   ;;
