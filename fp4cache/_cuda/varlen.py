@@ -18,7 +18,9 @@ kernel for the sequences of at most 16 rows (two launches when ``group <= 8``: i
 one-n8-tile form for those of at most 8 rows, a mixed batch's decodes, and its two-tile form
 for 9 to 16) and the smallest varlen kernel that holds the longest sequence (32 to 128 rows
 per CTA, 16 where shared memory is short; on sm_90 the wgmma kernel in place of the 128-row
-one) for the others.
+one) for the others.  A call with the exact new tokens (``exact_new``: the keys of each
+sequence's query tokens read from the caller's K/V rows) is one launch of the varlen
+kernel's ``_win`` variant for every sequence, neither of the others reading such rows.
 Everything that does not change from call to call (kernel, grid, packed ``VarlenParams`` /
 ``AttnParams``, workspace and merge tickets) is prepared once per signature in the owner's
 plan cache (``scratch.plans``); the split partials and merge tickets are views of the
