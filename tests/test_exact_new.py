@@ -177,23 +177,34 @@ def test_new_kv_needs_the_new_tokens_cached():
         c.attention(q, [0, 5], [[0, 1]], [3], causal=False, new_kv=(k, k))
 
 
-def test_plan_run_exact_new_is_store_then_attention():
-    rng = np.random.default_rng(6)
-    T, H, D = 16, 2, 64
+def planned_step(device: str, rng):
+    """A planned step of three sequences (a decode after 20 tokens, a 3-token prompt, a
+    1-token prompt) and two equal caches (K rotated, one window page) holding the 20
+    earlier tokens: ``(plan, a, b, qsl, tab, lens, slots)``."""
+    from helpers import xp_of
+
+    xp = xp_of(device)
+    H, D = 2, 64
     plan = fp4cache.AttentionPlan(max_batch_size=4, max_num_tokens=64, max_blocks_per_seq=4,
-                                  device="cpu")
+                                  device=device)
     lens = np.array([21, 3, 1])
     qsl = np.array([0, 1, 4, 5])
-    tab = np.array([[0, 1, -1, -1], [2, -1, -1, -1], [3, -1, -1, -1]])
+    tab = np.array([[0, 1, -1, -1], [2, -1, -1, -1], [3, -1, -1, -1]], np.int32)
     slots = np.array([20, 32, 33, 34, 48])
-    a, b = (PagedKVCache(8, T, H, D, device="cpu", rotation="hadamard", window_pages=1,
+    a, b = (PagedKVCache(8, 16, H, D, device=device, rotation="hadamard", window_pages=1,
                          window_slots=3) for _ in range(2))
+    k0, v0 = kv(rng, 20, H, D)
     for cache in (a, b):
         cache.map_window([1, 2, 3], [0, 1, 2])
-    k0, v0 = kv(rng, 20, H, D)
-    a.store(np.arange(20), k0, v0)
-    b.store(np.arange(20), k0, v0)
+        cache.store(xp.arange(20), xp.asarray(k0), xp.asarray(v0))
     plan.plan(query_start_loc=qsl, seq_lens=lens, block_tables=tab, slot_mapping=slots)
+    return plan, a, b, qsl, tab, lens, slots
+
+
+def test_plan_run_exact_new_is_store_then_attention():
+    rng = np.random.default_rng(6)
+    H, D = 2, 64
+    plan, a, b, qsl, tab, lens, slots = planned_step("cpu", rng)
     q = rng.standard_normal((5, 4 * H, D), dtype=np.float32)
     k, v = kv(rng, 5, H, D, BF16)
     got = plan.run(a, q, k, v, exact_new=True)
@@ -457,21 +468,8 @@ def test_gpu_plan_run_exact_new_is_store_then_attention():
     torch = pytest.importorskip("torch")
     import cupy as cp
 
-    rng = np.random.default_rng(6)
-    T, H, D = 16, 2, 64
-    plan = fp4cache.AttentionPlan(max_batch_size=4, max_num_tokens=64, max_blocks_per_seq=4,
-                                  device="cuda")
-    lens = np.array([21, 3, 1])
-    qsl = np.array([0, 1, 4, 5])
-    tab = np.array([[0, 1, -1, -1], [2, -1, -1, -1], [3, -1, -1, -1]], np.int32)
-    slots = np.array([20, 32, 33, 34, 48])
-    a, b = (PagedKVCache(8, T, H, D, device="cuda", rotation="hadamard", window_pages=1,
-                         window_slots=3) for _ in range(2))
-    k0, v0 = kv(rng, 20, H, D)
-    for cache in (a, b):
-        cache.map_window([1, 2, 3], [0, 1, 2])
-        cache.store(cp.arange(20), *on_gpu(k0, v0))
-    plan.plan(query_start_loc=qsl, seq_lens=lens, block_tables=tab, slot_mapping=slots)
+    H, D = 2, 64
+    plan, a, b, qsl, tab, lens, slots = planned_step("cuda", np.random.default_rng(6))
     q = torch.randn(5, 4 * H, D, device="cuda", dtype=torch.bfloat16)
     qkv = torch.randn(5, (4 + 2) * H * D, device="cuda", dtype=torch.bfloat16)
     k = qkv[:, 4 * H * D:5 * H * D].view(5, H, D)  # token stride (4 + 2) * H * D
