@@ -332,7 +332,7 @@ class FP4CacheLayer(CacheLayerMixin):
                                            _array(vt.view(-1, h, d), "values")))
             if rows.window_pages:
                 self._read_window(kt, vt, nb)
-        if self._owner.exact_prompt and q > 1:  # the pass's own positions as computed
+        if self._owner.reads_own_kv(q):  # the pass's own positions as computed
             kt[:, p:n] = key_states.transpose(1, 2)
             vt[:, p:n] = value_states.transpose(1, 2)
         self.positions = n
@@ -384,7 +384,7 @@ class FP4CacheLayer(CacheLayerMixin):
                 with rows.on_stream():
                     self.pages.map_window(*step.moves, validate=False)
             rows.plan.run(self.pages, qf.contiguous(), kf, vf, out=res,
-                          sm_scale=float(scaling), exact_new=self._owner.exact_prompt and q > 1)
+                          sm_scale=float(scaling), exact_new=self._owner.reads_own_kv(q))
             if step.rows is not None:
                 out[step.rows] = res
         self.positions += q
@@ -607,6 +607,11 @@ class FP4Cache(Cache):
                 first = layer.pages
             else:
                 layer.pages.share_workspace(first)
+
+    def reads_own_kv(self, q: int) -> bool:
+        """Whether a pass of ``q`` tokens reads its own K/V exactly (``exact_prompt``: a
+        pass of more than one token)."""
+        return self.exact_prompt and q > 1
 
     @property
     def fused(self) -> bool:

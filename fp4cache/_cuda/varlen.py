@@ -272,7 +272,7 @@ def _few_rows_launch(buffer, q, query_start_loc, block_tables, seq_lens, geom: P
 
 def varlen_plan_key(buffer, q, query_start_loc, block_tables, seq_lens, geom, max_query_len, causal,
               k_s, v_s, sm_scale, stats, window=None, rotate: bool = False,
-              route: str = "auto", exact_new: bool = False) -> tuple:
+              route: str = "auto") -> tuple:
     # id(geom): the plan keeps geom alive, so the id is not reused while the key exists.
     # No stream: the workspace is the owner's, shared by every stream (calls on different
     # streams are ordered by the caller, see Workspace).
@@ -280,7 +280,7 @@ def varlen_plan_key(buffer, q, query_start_loc, block_tables, seq_lens, geom, ma
             id(geom), q.shape, q.dtype, query_start_loc.shape[0], query_start_loc.dtype,
             block_tables.shape[1], block_tables.dtype, seq_lens.dtype, int(max_query_len),
             bool(causal), float(k_s), float(v_s), float(sm_scale), stats.data.ptr,
-            window_key(window, rotate), route, bool(exact_new))
+            window_key(window, rotate), route)
 
 
 def make_varlen_run(buffer, q, query_start_loc, block_tables, seq_lens, *,
